@@ -1,0 +1,51 @@
+# Quickstart: `make demo` and `make test` (each sets everything up first).
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+# A machine without an NVIDIA driver gets the CPU build of torch (pip takes 2.13.0 from a
+# local wheel here); with one, the default (CUDA) build.
+TORCH   ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
+DEPS    := rich numpy triton nvidia-ml-py pytest pytest-benchmark expecttest matplotlib
+NVCC    ?= $(shell command -v nvcc 2>/dev/null)
+STAMP   := $(VENV)/.pyfast-installed
+SRC     := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/cuda/*.cuh)
+
+.PHONY: setup install demo test bench cuda-check clean
+setup: $(STAMP)
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip setuptools wheel ninja
+
+$(VENV)/.deps: | $(BIN)/python
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q $(DEPS)
+	touch $@
+
+# --no-build-isolation: the extension builds against the torch already in the venv
+# (isolation would fetch another, multi-GB CUDA torch).
+$(STAMP): $(VENV)/.deps $(SRC)
+	MAX_JOBS=2 $(BIN)/pip install -q --no-build-isolation -e .
+	touch $@
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/pyfast info
+	$(BIN)/pyfast bench compress
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q bench --benchmark-disable
+
+bench: $(STAMP)
+	$(BIN)/python -m pytest -q bench --benchmark-json=bench/results/compress.json
+
+# Compile every CUDA source to an object file with this machine's nvcc against torch's
+# headers: proves the GPU code builds where no GPU (or CUDA torch) exists to link it.
+cuda-check: $(VENV)/.deps
+	@test -n "$(NVCC)" || { echo "cuda-check: nvcc not found"; exit 1; }
+	$(BIN)/python tools/cuda_check.py --nvcc "$(NVCC)" csrc/cuda/*.cu
+
+clean:
+	rm -rf build *.egg-info pyfast/_C*.so .pytest_cache

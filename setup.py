@@ -1,0 +1,34 @@
+"""Builds pyfast and its extension pyfast._C.
+
+CPU: CppExtension over csrc/*.cpp with -O3 and OpenMP. CUDA: CUDAExtension adding
+csrc/cuda/*.cu, only where torch is a CUDA build and nvcc exists (CUDA_HOME). Install with
+`pip install --no-build-isolation .` after torch: build isolation would fetch another torch.
+"""
+import glob
+import os
+
+import torch
+from setuptools import setup
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+
+# -ffp-contract=off: an FMA in (x * inv + M) - M would change round-to-nearest codes, which
+# must equal the Triton and torch ones bit for bit (docs/FORMATS.md).
+cxx = ["-O3", "-fopenmp", "-ffp-contract=off", "-std=c++17"]
+if os.environ.get("PYFAST_PORTABLE") != "1":
+    cxx.append("-march=native")  # AVX2 on this machine: quantize loops vectorize 8-wide
+use_cuda = torch.version.cuda is not None and CUDA_HOME is not None
+sources = sorted(glob.glob("csrc/*.cpp"))
+if use_cuda:
+    sources += sorted(glob.glob("csrc/cuda/*.cu"))
+    ext = CUDAExtension("pyfast._C", sources, extra_compile_args={
+        "cxx": cxx, "nvcc": ["-O3", "--fmad=false"]}, extra_link_args=["-fopenmp"])
+else:
+    ext = CppExtension("pyfast._C", sources, extra_compile_args={"cxx": cxx},
+                       extra_link_args=["-fopenmp"])
+
+setup(
+    packages=["pyfast", "pyfast.ops", "pyfast.compress", "pyfast.kernels"],
+    package_dir={"pyfast.kernels": "kernels"},
+    ext_modules=[ext],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+)

@@ -1,0 +1,26 @@
+import os
+
+# Triton kernels run on CPU tensors only in Triton's interpreter, which is chosen when a kernel
+# is decorated: set it before anything imports pyfast.kernels (no GPU on the test machines).
+if os.environ.get("PYFAST_TEST_GPU") != "1":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from pyfast.ops import status  # noqa: E402
+
+
+def backend_params():
+    """cpp and triton, each skipped with the reason when it cannot run here."""
+    out = []
+    for name in ("cpp", "triton"):
+        ok, why = status(name, torch.device("cpu"))
+        out.append(pytest.param(name, marks=pytest.mark.skipif(not ok, reason=why)))
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    # fresh random inputs per test, but reproducible from the test's name
+    torch.manual_seed(abs(hash(request.node.nodeid)) % (2 ** 31))

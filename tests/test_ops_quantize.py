@@ -1,0 +1,142 @@
+"""The C++ and Triton quantize kernels against the torch reference (docs/FORMATS.md).
+
+Codes and int8/int4/fp8 scales are compared bitwise (max is order-free and every other step is
+one IEEE fp32 operation). sign's scale is a mean over the block: a 512-term fp32 sum in another
+order may differ by up to (512 - 1) * 2^-24 ~ 3.1e-5 relative, so scales and the values they
+decode to are compared with rtol=3.1e-5.
+"""
+import pytest
+import torch
+
+from conftest import backend_params
+from pyfast.ops import quantize as Q
+
+SIZES = [1, 1023, 1025, 1_000_003]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+KINDS = ["int8", "int4", "fp8", "sign"]
+SIGN_RTOL = 3.1e-5
+
+
+def sample(n, dtype):
+    # Gaussian with a few large outliers: every block gets a different scale
+    x = torch.randn(n) * torch.exp(torch.randn(n).clamp(-3, 3))
+    return x.to(dtype)
+
+
+def too_slow(backend, n, dtype):
+    # the Triton interpreter runs ~1 ms per program: keep the million-element case to fp32
+    return backend == "triton" and n > 100_000 and dtype != torch.float32
+
+
+def assert_scales(kind, got, ref):
+    if kind == "sign":
+        torch.testing.assert_close(got, ref, rtol=SIGN_RTOL, atol=0)
+    else:
+        assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_quantize_matches_reference(backend, kind, n, dtype):
+    if too_slow(backend, n, dtype):
+        pytest.skip("interpreter: million-element case only for float32")
+    x = sample(n, dtype)
+    codes, scales = Q.quantize(x, kind, backend=backend)
+    rc, rs = Q.quantize_ref(x, kind)
+    assert codes.dtype == torch.uint8 and codes.numel() == Q.codes_len(n, kind)
+    assert torch.equal(codes, rc), f"{(codes != rc).sum()} of {rc.numel()} codes differ"
+    assert_scales(kind, scales, rs)
+    for out_dtype in (torch.float32, dtype):
+        y = Q.dequantize(codes, scales, n, kind, dtype=out_dtype, backend=backend)
+        ry = Q.dequantize_ref(codes, scales, n, kind, dtype=out_dtype)
+        assert y.dtype == out_dtype and y.shape == (n,)
+        assert torch.equal(y, ry)
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("n", [1, 1025, 70_001])
+@pytest.mark.parametrize("kind", KINDS)
+def test_dequantize_accumulate(backend, kind, n):
+    x = sample(n, torch.float32)
+    codes, scales = Q.quantize_ref(x, kind)
+    out = torch.randn(n)
+    ref = out + Q.dequantize_ref(codes, scales, n, kind)
+    Q.dequantize_accumulate_(out, codes, scales, kind, backend=backend)
+    assert torch.equal(out, ref)  # one fp32 add of the same two numbers
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", ["int8", "int4", "fp8"])
+def test_stochastic_matches_reference(backend, kind, dtype):
+    # the counter-based hash makes stochastic codes reproducible across backends too
+    x = sample(3001, dtype)
+    codes, scales = Q.quantize(x, kind, stochastic=True, seed=1234, backend=backend)
+    rc, rs = Q.quantize_ref(x, kind, stochastic=True, seed=1234)
+    assert torch.equal(codes, rc) and torch.equal(scales, rs)
+    other, _ = Q.quantize(x, kind, stochastic=True, seed=1235, backend=backend)
+    assert not torch.equal(codes, other), "the seed must change the rounding"
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "fp8"])
+def test_stochastic_rounding_is_unbiased(kind):
+    # mean of 400 seeded decodes -> x; each decode's error is at most one step (scale for
+    # int*, 1/8 relative for fp8), so the mean's error shrinks like 1/sqrt(400) = 0.05 step
+    x = sample(2048, torch.float32)
+    codes, scales = Q.quantize(x, kind)
+    step = scales.repeat_interleave(Q.DEFAULT_BLOCK)[:2048]
+    if kind == "fp8":
+        step = x.abs() / 8 + step * 2 ** -9
+    mean = torch.stack([Q.dequantize(*Q.quantize(x, kind, stochastic=True, seed=s), 2048, kind)
+                        for s in range(400)]).mean(0)
+    rn = Q.dequantize(codes, scales, 2048, kind)
+    assert ((mean - x).abs() / step).mean() < 0.06
+    assert ((rn - x).abs() / step).mean() > 0.1  # while a single rounding is off by more
+
+
+@pytest.mark.parametrize("backend", backend_params() + ["torch"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_edge_inputs(backend, kind):
+    empty = torch.empty(0)
+    codes, scales = Q.quantize(empty, kind, backend=backend)
+    assert codes.numel() == 0 and scales.numel() == 0
+    assert Q.dequantize(codes, scales, 0, kind, backend=backend).numel() == 0
+    zeros = torch.zeros(1500, dtype=torch.bfloat16)
+    codes, scales = Q.quantize(zeros, kind, backend=backend)
+    y = Q.dequantize(codes, scales, 1500, kind, backend=backend)
+    assert torch.equal(scales, torch.zeros(3)) and torch.equal(y, torch.zeros(1500))
+    base = sample(4096, torch.float32).view(64, 64)
+    nc = base.t()[:, ::2]  # not contiguous
+    assert not nc.is_contiguous()
+    c1, s1 = Q.quantize(nc, kind, backend=backend)
+    c2, s2 = Q.quantize_ref(nc.contiguous(), kind)
+    assert torch.equal(c1, c2)
+
+
+@pytest.mark.parametrize("backend", backend_params() + ["torch"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("kind", KINDS)
+def test_nonfinite_input_decodes_to_nan(backend, kind, bad):
+    x = sample(2000, torch.float32)
+    x[700] = bad  # block 1 of [0, 512), [512, 1024), ...
+    codes, scales = Q.quantize(x, kind, backend=backend)
+    y = Q.dequantize(codes, scales, 2000, kind, backend=backend)
+    assert y[512:1024].isnan().all(), "a non-finite block must decode to NaN, not numbers"
+    assert torch.isfinite(y[:512]).all() and torch.isfinite(y[1024:]).all()
+
+
+def test_bad_arguments():
+    x = torch.randn(100)
+    with pytest.raises(ValueError, match="kind"):
+        Q.quantize(x, "int3")
+    with pytest.raises(ValueError, match="power of two"):
+        Q.quantize(x, "int8", block=100)
+    with pytest.raises(TypeError, match="float64"):
+        Q.quantize(x.double(), "int8")
+    codes, scales = Q.quantize_ref(x, "int4")
+    with pytest.raises(ValueError, match="uint8"):
+        Q.dequantize(codes[:-1], scales, 100, "int4")
+    with pytest.raises(ValueError, match="stochastic"):
+        Q.quantize(x, "sign", stochastic=True)
