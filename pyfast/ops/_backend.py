@@ -14,6 +14,7 @@ import warnings
 import torch
 
 BACKENDS = ("torch", "cpp", "triton")
+OPS = ("quantize", "dequantize", "dequantize_accumulate_", "topk_count", "topk_select")
 
 
 class BackendUnavailable(RuntimeError):
@@ -26,6 +27,10 @@ def cpp_status() -> tuple[bool, str]:
         import pyfast._C  # noqa: F401  (registers torch.ops.pyfast.*)
     except ImportError as e:  # not built, or built against another torch
         return False, f"the C++ extension pyfast._C is not importable ({e}); run `make install`"
+    missing = [op for op in OPS if not torch._C._dispatch_has_kernel_for_dispatch_key(
+        f"pyfast::{op}", "CPU")]
+    if missing:
+        return False, f"pyfast._C has no CPU kernel for {', '.join(missing)} (stale build?)"
     return True, ""
 
 
@@ -58,7 +63,8 @@ def status(name: str, device: torch.device | None = None) -> tuple[bool, str]:
         ok, why = cpp_status()
         if ok and device is not None and device.type not in ("cpu", "cuda"):
             return False, f"pyfast._C has kernels for cpu (and cuda where built), not {device.type}"
-        if ok and device is not None and device.type == "cuda" and not torch.ops.pyfast.quantize.has_kernel_for_dispatch_key(torch._C.DispatchKey.CUDA):  # noqa: E501
+        if ok and device is not None and device.type == "cuda" and not \
+                torch._C._dispatch_has_kernel_for_dispatch_key("pyfast::quantize", "CUDA"):
             return False, "pyfast._C was built without CUDA kernels (CPU-only torch or no nvcc)"
         return ok, why
     if name == "triton":

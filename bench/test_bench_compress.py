@@ -1,0 +1,48 @@
+"""pytest-benchmark suite: compress + decompress per compressor and backend, with the memory
+roof (a copy) and torch.topk as the side-by-side baselines. `make bench` records JSON;
+`make test` runs it once with --benchmark-disable so it cannot rot. The README's table comes
+from `pyfast bench compress --out bench/results/compress` (same measurements, one run)."""
+import pytest
+import torch
+
+import pyfast.compress as C
+from conftest import NUMEL
+from pyfast import perf
+from pyfast.benchmarks.compress import KERNEL_SPECS, SPECS, gradient
+from pyfast.ops import status
+from pyfast.ops import topk as T
+
+
+@pytest.fixture(scope="module")
+def x():
+    return gradient(NUMEL)
+
+
+def test_copy_roof(benchmark, x):
+    y = torch.empty_like(x)
+    benchmark.extra_info["bytes"] = 2 * x.numel() * 4
+    benchmark(y.copy_, x)
+    assert torch.equal(y, x)
+
+
+def test_torch_topk(benchmark, x):
+    k = T.target(x.numel(), 0.01)[0]
+    v, _ = benchmark(lambda: torch.topk(x.view(-1).abs(), k))
+    assert v.numel() == k
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
+@pytest.mark.parametrize("spec", SPECS)
+def test_compress_round_trip(benchmark, x, spec, backend):
+    if backend != "torch" and spec not in KERNEL_SPECS:
+        pytest.skip(f"{spec} is torch ops only")
+    ok, why = status(backend, x.device)
+    if not ok:
+        pytest.skip(why)
+    c = C.get(spec)
+    with perf.backend(backend):
+        p = c.compress(x, "g")
+        benchmark.extra_info.update(spec=spec, backend=backend, wire_bytes=p.nbytes,
+                                    moved_bytes=2 * x.numel() * 4 + 2 * p.nbytes)
+        y = benchmark(lambda: c.decompress(c.compress(x, "g")))
+    assert y.shape == x.shape and torch.isfinite(y).all()

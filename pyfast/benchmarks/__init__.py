@@ -1,0 +1,1 @@
+"""Measurements behind `pyfast bench ...`; the pytest-benchmark suites in bench/ reuse them."""

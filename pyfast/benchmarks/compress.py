@@ -1,0 +1,110 @@
+"""Compressor throughput, wire ratio and error per backend (`pyfast bench compress`).
+
+Bytes moved by compress + decompress = read x + write payload + read payload + write y; the
+fraction of the memory roof compares that rate with y.copy_(x) (read + write) in the same run.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+
+import torch
+
+import pyfast
+import pyfast.compress as C
+from pyfast import perf
+from pyfast.ops import status
+from pyfast.ops import topk as T
+
+SPECS = ["none", "fp16", "bf16", "fp8", "int8", "int4", "sign", "topk:0.01", "randomk:0.01",
+         "powersgd:4"]
+KERNEL_SPECS = {"fp8", "int8", "int4", "sign", "topk:0.01"}  # the ones with C++/Triton kernels
+
+
+def gradient(numel: int, seed: int = 0) -> torch.Tensor:
+    """Gradient-like: Gaussian with a log-normal spread of magnitudes, as a (4096, -1) matrix
+    (PowerSGD needs a matrix; the rest flatten it)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(numel, generator=g) * torch.exp(torch.randn(numel, generator=g).clamp(-2, 2))
+    rows = 4096 if numel % 4096 == 0 else 1
+    return x.view(rows, -1)
+
+
+def backends_for(spec: str) -> list[tuple[str, bool, str]]:
+    if spec not in KERNEL_SPECS:
+        return [("torch", True, "")]
+    out = []
+    for b in ("torch", "cpp", "triton"):
+        ok, why = status(b, torch.device("cpu"))
+        if b == "triton" and ok:
+            ok, why = False, "CUDA only; on CPU its interpreter is tested, not timed"
+        out.append((b, ok, why))
+    return out
+
+
+def run(numel: int = 1 << 24, specs=SPECS, repeats: int = 5) -> dict:
+    x = gradient(numel)
+    xb = x.numel() * x.element_size()
+    roof = perf.copy_bandwidth(x, repeats)
+    rows = []
+    for spec in specs:
+        ref_time = None
+        for b, ok, why in backends_for(spec):
+            row = {"spec": spec, "backend": b}
+            if not ok:
+                rows.append({**row, "skipped": why})
+                continue
+            c = C.get(spec)
+            with perf.backend(b):
+                p = c.compress(x, "g")
+                tc, _, _ = perf.median_time(lambda: c.compress(x, "g"), repeats)
+                td, _, _ = perf.median_time(lambda: c.decompress(p), repeats)
+                y = c.decompress(p)
+            t = tc + td
+            moved = 2 * xb + 2 * p.nbytes
+            ref_time = t if b == "torch" else ref_time
+            rows.append({**row, "compress_s": tc, "decompress_s": td, "wire_ratio": xb / p.nbytes,
+                         "rel_error": float((y - x).norm() / x.norm()), "GBps": moved / t / 1e9,
+                         "roof_fraction": moved / t / roof,
+                         "speedup_vs_torch": ref_time / t if ref_time else None})
+    k = T.target(numel, 0.01)[0]
+    t_topk, _, _ = perf.median_time(lambda: torch.topk(x.view(-1).abs(), k), repeats)
+    for r in rows:
+        if r["spec"] == "topk:0.01" and "compress_s" in r:
+            r["speedup_vs_torch_topk"] = t_topk / r["compress_s"]
+    return {"machine": perf.machine(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "pyfast": pyfast.__version__, "numel": numel, "copy_GBps": roof / 1e9,
+            "torch_topk_s": t_topk, "rows": rows}
+
+
+def table(result: dict):
+    from rich.table import Table
+    t = Table(title=f"compress + decompress, {result['numel']:,} fp32 elements\n"
+                    f"{result['machine']}; copy roof {result['copy_GBps']:.1f} GB/s (read+write); "
+                    f"torch.topk(|x|, 1%) {result['torch_topk_s'] * 1e3:.1f} ms")
+    for col in ("spec", "backend", "wire x", "rel err", "compress ms", "decompress ms", "GB/s",
+                "% roof", "vs torch"):
+        t.add_column(col, justify="left" if col in ("spec", "backend") else "right")
+    skipped = {}
+    for r in result["rows"]:
+        if "skipped" in r:
+            skipped.setdefault(f"{r['backend']}: {r['skipped']}", []).append(r["spec"])
+            continue
+        vs = f"{r['speedup_vs_torch']:.1f}x" if r["backend"] != "torch" else ""
+        if "speedup_vs_torch_topk" in r:
+            vs += f" ({r['speedup_vs_torch_topk']:.1f}x torch.topk)"
+        t.add_row(r["spec"], r["backend"], f"{r['wire_ratio']:.1f}", f"{r['rel_error']:.4f}",
+                  f"{r['compress_s'] * 1e3:.1f}", f"{r['decompress_s'] * 1e3:.1f}",
+                  f"{r['GBps']:.1f}", f"{100 * r['roof_fraction']:.0f}%", vs)
+    t.caption = "\n".join(f"not run, {why} ({', '.join(specs)})" for why, specs in skipped.items())
+    return t
+
+
+def save(result: dict, out: str) -> None:
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    from rich.console import Console
+    with open(out + ".txt", "w") as f:
+        Console(file=f, width=160).print(table(result))

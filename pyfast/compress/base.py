@@ -1,0 +1,99 @@
+"""Payload (what crosses the wire) and the Compressor interface every spec implements."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Payload:
+    """A compressed tensor.
+
+    `tensors` is exactly what crosses the wire; `header_bytes` counts the scalars that would
+    travel with it (e.g. a top-k count). `meta` is what every rank already knows without
+    sending it (shape, dtype, a shared seed), so it is not counted.
+    """
+    tensors: dict[str, torch.Tensor]
+    shape: torch.Size
+    dtype: torch.dtype
+    header_bytes: int = 0
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.header_bytes + sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+class Compressor:
+    """compress(x, name) -> Payload; decompress(payload) -> tensor of x's shape and dtype.
+
+    `name` identifies the tensor (a parameter or a bucket) across steps for compressors with
+    per-tensor state (PowerSGD's warm start, the step counter behind a shared random seed).
+    Ranks that call compress with the same names in the same order agree on that state.
+    """
+    spec = "?"
+
+    def compress(self, x: torch.Tensor, name: str = "") -> Payload:
+        raise NotImplementedError
+
+    def decompress(self, p: Payload) -> torch.Tensor:
+        raise NotImplementedError
+
+    def compress_with_feedback(self, x: torch.Tensor, ef: torch.Tensor, name: str = "") -> Payload:
+        """Compress x + ef and leave in ef what was not sent (ef is fp32, x's numel).
+
+        The generic form; compressors with a fused kernel override it. The residual is first
+        rounded to x's dtype (what an uncompressed wire would carry) so that rounding, too,
+        is remembered rather than lost.
+        """
+        r = x.reshape(-1).to(torch.float32) + ef
+        p = self.compress(r.to(x.dtype).view(x.shape), name)
+        ef.copy_(r - self.decompress(p).reshape(-1).to(torch.float32))
+        return p
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state:
+            raise ValueError(f"{self.spec} keeps no state, got keys {sorted(state)}")
+
+    def __repr__(self) -> str:
+        return f"pyfast.compress.get({self.spec!r})"
+
+
+def check_float(x: torch.Tensor, spec: str) -> None:
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"{spec}: gradients must be float32, bfloat16 or float16, got {x.dtype}")
+
+
+class StepCounter:
+    """Per-name call counts: the step part of a seed that every rank derives identically."""
+
+    def __init__(self) -> None:
+        self.steps: dict[str, int] = {}
+
+    def next(self, name: str) -> int:
+        s = self.steps.get(name, 0)
+        self.steps[name] = s + 1
+        return s
+
+    def state_dict(self) -> dict:
+        return {"steps": dict(self.steps)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps = {str(k): int(v) for k, v in state.get("steps", {}).items()}
+
+
+def derive_seed(seed: int, name: str, step: int) -> int:
+    """A 63-bit seed from (seed, name, step), the same on every rank and every run."""
+    h = seed & 0xFFFFFFFF
+    for ch in f"{name}\0{step}".encode():
+        h = (h * 0x100000001B3 ^ ch) & 0x7FFFFFFFFFFFFFFF  # FNV-style: stable, unlike hash()
+    return h

@@ -1,0 +1,47 @@
+"""Error feedback (Seide et al. 2014; Karimireddy et al. 2019): a memory per tensor name.
+
+Composes with any compressor: what a step did not send is added to the next step's input, so
+biased compressors (sign, top-k) still converge. Compressors with a fused kernel (top-k) do the
+update in the same pass as the selection.
+"""
+from __future__ import annotations
+
+import torch
+
+from pyfast.compress.base import Compressor, Payload
+
+
+class ErrorFeedback:
+    def __init__(self, compressor: Compressor):
+        self.compressor = compressor
+        self.memory: dict[str, torch.Tensor] = {}
+
+    def _buffer(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        e = self.memory.get(name)
+        if e is None:
+            e = self.memory[name] = torch.zeros(x.numel(), dtype=torch.float32, device=x.device)
+        elif e.numel() != x.numel():
+            raise ValueError(f"error feedback {name!r} holds {e.numel()} elements but the tensor "
+                             f"has {x.numel()}: the same name was used for another tensor")
+        return e
+
+    def compress(self, x: torch.Tensor, name: str = "") -> Payload:
+        return self.compressor.compress_with_feedback(x, self._buffer(x, name), name)
+
+    def decompress(self, p: Payload) -> torch.Tensor:
+        return self.compressor.decompress(p)
+
+    def reset(self) -> None:
+        self.memory.clear()
+
+    def state_dict(self) -> dict:
+        return {"memory": {k: v.detach().cpu().clone() for k, v in self.memory.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        if set(state) != {"memory"}:
+            raise ValueError(f"not an ErrorFeedback state: keys {sorted(state)}")
+        for k, v in state["memory"].items():
+            if v.dtype != torch.float32 or v.dim() != 1:
+                raise ValueError(f"error feedback {k!r} must be a 1-D float32 tensor, got "
+                                 f"{v.dtype} of shape {tuple(v.shape)}")
+        self.memory = {k: v.clone() for k, v in state["memory"].items()}

@@ -1,0 +1,75 @@
+"""topk:R and randomk:R: send a fraction R of the entries (values + indices, or values only)."""
+from __future__ import annotations
+
+import torch
+
+from pyfast.compress.base import Compressor, Payload, StepCounter, check_float, derive_seed
+from pyfast.ops import topk as T
+
+
+def _scatter(p: Payload, idx: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(p.numel, dtype=p.dtype, device=idx.device)
+    out[idx.long()] = p.tensors["values"].to(p.dtype)
+    return out.view(p.shape)
+
+
+class TopK(Compressor):
+    """The largest-magnitude ~R*n entries (Aji & Heafield 2017; sampled threshold as in Deep
+    Gradient Compression, Lin et al. 2018). Wire: values in x's dtype + int32 indices + a
+    4-byte count, since the count varies from step to step."""
+
+    def __init__(self, ratio: float):
+        self.ratio = ratio
+        self.spec = f"topk:{ratio:g}"
+
+    def compress(self, x, name=""):
+        check_float(x, self.spec)
+        values, idx = T.topk(x, self.ratio)
+        return Payload({"values": values, "indices": idx}, x.shape, x.dtype, header_bytes=4)
+
+    def compress_with_feedback(self, x, ef, name=""):
+        check_float(x, self.spec)
+        values, idx = T.topk(x, self.ratio, ef)  # fused: ef <- (x + ef) - sent, one pass
+        return Payload({"values": values, "indices": idx}, x.shape, x.dtype, header_bytes=4)
+
+    def decompress(self, p):
+        return _scatter(p, p.tensors["indices"])
+
+
+class RandomK(Compressor):
+    """~R*n entries at indices drawn from (seed, name, step), which every rank derives alike:
+    only the values cross the wire. Draws k indices with replacement and keeps the distinct
+    ones (about k(1 - R/2) of them): O(k) work instead of a permutation of all n."""
+
+    def __init__(self, ratio: float, seed: int = 0):
+        self.ratio, self.seed = ratio, seed
+        self.spec = f"randomk:{ratio:g}"
+        self._steps = StepCounter()
+
+    def indices(self, n: int, seed: int, device) -> torch.Tensor:
+        k, _, _ = T.target(n, self.ratio)
+        g = torch.Generator().manual_seed(seed)
+        if k * 4 >= n:  # dense draw: a permutation keeps exactly k
+            idx = torch.randperm(n, generator=g)[:k].sort().values
+        else:
+            idx = torch.randint(n, (k,), generator=g).unique()
+        return idx.to(device=device, dtype=torch.int32)
+
+    def compress(self, x, name=""):
+        check_float(x, self.spec)
+        if x.numel() and not torch.isfinite(x).all():
+            raise ValueError(f"{self.spec}: input has NaN/Inf values (gradient overflow?); "
+                             "a random subset would drop them silently")
+        seed = derive_seed(self.seed, name, self._steps.next(name))
+        idx = self.indices(x.numel(), seed, x.device)
+        values = x.reshape(-1)[idx.long()]
+        return Payload({"values": values}, x.shape, x.dtype, meta={"seed": seed})
+
+    def decompress(self, p):
+        return _scatter(p, self.indices(p.numel, p.meta["seed"], p.tensors["values"].device))
+
+    def state_dict(self):
+        return self._steps.state_dict()
+
+    def load_state_dict(self, state):
+        self._steps.load_state_dict(state)
