@@ -91,9 +91,11 @@ def quantize_ref(x: torch.Tensor, kind: str, block: int = DEFAULT_BLOCK,
     amax = xb.abs().amax(1)  # propagates NaN
     finite = torch.isfinite(amax)
     scales = torch.where(finite, amax / qmax, torch.full_like(amax, float("nan")))
-    inv = torch.where(finite & (amax > 0), qmax / amax, torch.zeros_like(amax))
+    # reciprocal then multiply (what `qmax / amax` does in torch): FORMATS.md, two roundings
+    inv = torch.where(finite & (amax > 0), amax.reciprocal() * qmax, torch.zeros_like(amax))
     y = (xb * inv[:, None]).reshape(-1)[:n]
     y = torch.where(finite.repeat_interleave(block)[:n], y, torch.zeros_like(y))
+    y = torch.where(y.isnan(), torch.zeros_like(y), y)  # 0 * inf when 1/amax overflows
     u = uniform_ref(seed, 0, n, x.device) if stochastic else None
     if kind == "fp8":
         mag = y.abs().clamp(max=448.0)
