@@ -171,3 +171,20 @@ def test_get_rejects_bad_specs():
     assert C.get("int8", block=256, stochastic=True).block == 256
     c = C.get("int8")
     assert C.get(c) is c and C.get(None).spec == "none"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("spec", ["none", "fp16", "bf16", "fp8", "int8", "int4", "sign",
+                                  "topk:0.01", "randomk:0.05"])
+def test_wire_round_trip(spec, dtype):
+    # what a collective sends: one flat byte buffer of exactly p.nbytes, decoded elsewhere
+    c = C.get(spec, seed=3) if spec.startswith("randomk") else C.get(spec)
+    x = grad(3, 1001, dtype=dtype)  # odd sizes: alignment of every view in the buffer
+    p = c.compress(x, "w")
+    buf = c.to_wire(p).clone()
+    assert buf.dtype == torch.uint8 and buf.numel() == p.nbytes
+    q = c.from_wire(buf, x.shape, x.dtype, p.meta)
+    assert torch.equal(c.decompress(q), c.decompress(p))
+    if c.layout(x.numel()) is not None:
+        with pytest.raises(ValueError, match="bytes"):
+            c.from_wire(buf[:-1], x.shape, x.dtype)

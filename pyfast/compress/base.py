@@ -57,6 +57,30 @@ class Compressor:
         ef.copy_(r - self.decompress(p).reshape(-1).to(torch.float32))
         return p
 
+    def layout(self, numel: int) -> list[tuple[str, torch.dtype, int]] | None:
+        """(key, dtype, count) of each wire tensor for `numel` elements, or None when the
+        size depends on the data (then the payload's header carries the counts)."""
+        return None
+
+    def to_wire(self, p: Payload) -> torch.Tensor:
+        """The payload as one flat uint8 buffer of exactly p.nbytes bytes."""
+        parts = [t.reshape(-1).view(torch.uint8) for t in p.tensors.values()]
+        out = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+        assert out.numel() == p.nbytes, "payload header not serialized: override to_wire"
+        return out
+
+    def from_wire(self, buf: torch.Tensor, shape, dtype: torch.dtype, meta=None) -> Payload:
+        lay = self.layout(math.prod(shape))
+        if lay is None:
+            raise NotImplementedError(f"{self.spec}: variable-size payloads override from_wire")
+        sizes = [count * torch.empty(0, dtype=dt).element_size() for _, dt, count in lay]
+        if sum(sizes) != buf.numel():
+            raise ValueError(f"{self.spec}: wire buffer has {buf.numel()} bytes, the layout for "
+                             f"{math.prod(shape)} elements needs {sum(sizes)}")
+        buf = aligned(buf)
+        tensors = {key: part.view(dt) for (key, dt, _), part in zip(lay, buf.split(sizes))}
+        return Payload(tensors, torch.Size(shape), dtype, meta=dict(meta or {}))
+
     def state_dict(self) -> dict:
         return {}
 
@@ -66,6 +90,12 @@ class Compressor:
 
     def __repr__(self) -> str:
         return f"pyfast.compress.get({self.spec!r})"
+
+
+def aligned(buf: torch.Tensor) -> torch.Tensor:
+    """buf itself if its start is 8-byte aligned, else a copy: a slice of a received byte
+    buffer may start anywhere, and typed views need their element alignment."""
+    return buf if buf.storage_offset() % 8 == 0 else buf.clone()
 
 
 def check_float(x: torch.Tensor, spec: str) -> None:

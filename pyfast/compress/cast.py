@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from pyfast.compress.base import Compressor, Payload, check_float
+from pyfast.compress.base import Compressor, aligned, Payload, check_float
 
 
 class NoCompression(Compressor):
@@ -18,6 +18,13 @@ class NoCompression(Compressor):
 
     def compress_with_feedback(self, x, ef, name=""):
         return self.compress(x, name)  # nothing is lost, ef stays as it is
+
+    def layout(self, numel):
+        return None  # the wire dtype is the input's: see from_wire
+
+    def from_wire(self, buf, shape, dtype, meta=None):
+        buf = aligned(buf)
+        return Payload({"data": buf.view(dtype)}, torch.Size(shape), dtype)
 
 
 class Cast(Compressor):
@@ -34,3 +41,6 @@ class Cast(Compressor):
 
     def decompress(self, p):
         return p.tensors["data"].to(p.dtype).view(p.shape)
+
+    def layout(self, numel):
+        return [("data", self.wire, numel)]

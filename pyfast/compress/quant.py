@@ -22,12 +22,17 @@ class Quantizer(Compressor):
         check_float(x, self.spec)
         seed = derive_seed(self.seed, name, self._steps.next(name)) if self.stochastic else 0
         codes, scales = Q.quantize(x, self.kind, self.block, self.stochastic, seed)
-        return Payload({"codes": codes, "scales": scales}, x.shape, x.dtype)
+        # scales first: fp32 views of the wire buffer stay 4-byte aligned
+        return Payload({"scales": scales, "codes": codes}, x.shape, x.dtype)
 
     def decompress(self, p):
         t = p.tensors
         y = Q.dequantize(t["codes"], t["scales"], p.numel, self.kind, self.block, p.dtype)
         return y.view(p.shape)
+
+    def layout(self, numel):
+        return [("scales", torch.float32, -(-numel // self.block)),
+                ("codes", torch.uint8, Q.codes_len(numel, self.kind))]
 
     def decompress_accumulate_(self, p, out: torch.Tensor) -> torch.Tensor:
         """out (contiguous fp32, p's numel) += decompress(p), without a temporary."""

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from pyfast.compress.base import Compressor, Payload, StepCounter, check_float, derive_seed
+from pyfast.compress.base import Compressor, aligned, Payload, StepCounter, check_float, derive_seed
 from pyfast.ops import topk as T
 
 
@@ -25,15 +25,32 @@ class TopK(Compressor):
     def compress(self, x, name=""):
         check_float(x, self.spec)
         values, idx = T.topk(x, self.ratio)
-        return Payload({"values": values, "indices": idx}, x.shape, x.dtype, header_bytes=4)
+        return Payload({"indices": idx, "values": values}, x.shape, x.dtype, header_bytes=4)
 
     def compress_with_feedback(self, x, ef, name=""):
         check_float(x, self.spec)
         values, idx = T.topk(x, self.ratio, ef)  # fused: ef <- (x + ef) - sent, one pass
-        return Payload({"values": values, "indices": idx}, x.shape, x.dtype, header_bytes=4)
+        return Payload({"indices": idx, "values": values}, x.shape, x.dtype, header_bytes=4)
 
     def decompress(self, p):
         return _scatter(p, p.tensors["indices"])
+
+    def to_wire(self, p):
+        count = torch.tensor([p.tensors["indices"].numel()], dtype=torch.int32)
+        # count, then indices, then values: every view stays aligned to its element size
+        return torch.cat([count.view(torch.uint8), p.tensors["indices"].view(torch.uint8),
+                          p.tensors["values"].view(torch.uint8)])
+
+    def from_wire(self, buf, shape, dtype, meta=None):
+        buf = aligned(buf)
+        m = int(buf[:4].view(torch.int32))
+        isz = torch.empty(0, dtype=dtype).element_size()
+        if buf.numel() < 4 + m * (isz + 4):
+            raise ValueError(f"{self.spec}: wire buffer of {buf.numel()} bytes is too short "
+                             f"for its count {m}")
+        idx = buf[4: 4 + 4 * m].view(torch.int32)
+        values = buf[4 + 4 * m: 4 + m * (isz + 4)].view(dtype)
+        return Payload({"indices": idx, "values": values}, torch.Size(shape), dtype, header_bytes=4)
 
 
 class RandomK(Compressor):
@@ -67,6 +84,13 @@ class RandomK(Compressor):
 
     def decompress(self, p):
         return _scatter(p, self.indices(p.numel, p.meta["seed"], p.tensors["values"].device))
+
+    def layout(self, numel):
+        return None  # the count of distinct indices depends on the seed
+
+    def from_wire(self, buf, shape, dtype, meta=None):
+        buf = aligned(buf)
+        return Payload({"values": buf.view(dtype)}, torch.Size(shape), dtype, meta=dict(meta))
 
     def state_dict(self):
         return self._steps.state_dict()

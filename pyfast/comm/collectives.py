@@ -1,0 +1,228 @@
+"""Compressed collectives over torch.distributed (the Python reference path).
+
+Every rank ends with bit-identical results: each output element is produced by decoding the
+same bytes in the same rank order with the same arithmetic on every rank. Algorithms:
+
+- none: the backend's all-reduce.
+- fp16 / bf16 / int8 / int4 / fp8 / sign, "two-phase": all-to-all of compressed chunks, each
+  rank decodes and sums its chunk in fp32, compresses the sum again, all-gather. Per-rank wire
+  about 2(W-1)/W times the compressed size, like a ring all-reduce but compressed.
+  "allgather": every rank gathers every compressed tensor and sums in rank order: one
+  compression instead of two (less error), (W-1) times the compressed size per rank; at W=2
+  the wire is the same as two-phase, so it is chosen there and for small tensors.
+- topk: all-gather of sparse payloads (counts first; a NaN/Inf flag rides with them so every
+  rank raises the same error).
+- randomk: indices come from a shared seed, so the values are all-reduced directly.
+- powersgd: all-reduce P, orthonormalize, all-reduce Q.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+
+import pyfast.compress as C
+from pyfast.compress.cast import Cast, NoCompression
+from pyfast.compress.powersgd import PowerSGD, orthonormalize
+from pyfast.compress.quant import Quantizer
+from pyfast.compress.sparse import RandomK, TopK
+
+# Below 256 KB of compressed payload the second compression and the extra round of two-phase
+# cost more than the (W-2)/W bytes they save (latency-bound regime).
+ALLGATHER_MAX_BYTES = 256 * 1024
+OPS = ("sum", "avg")
+
+
+class NonFiniteGradient(ValueError):
+    """NaN/Inf reached a compressed collective; raised identically on every rank."""
+
+
+def _world(group) -> tuple[int, int]:
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _chunks(n: int, parts: int, align: int) -> list[tuple[int, int]]:
+    """[start, end) of `parts` chunks of n elements, starts aligned to `align`."""
+    per = -(-n // parts)
+    per = -(-per // align) * align
+    return [(min(n, i * per), min(n, (i + 1) * per)) for i in range(parts)]
+
+
+def _bytes(c: C.Compressor, x: torch.Tensor, name: str) -> torch.Tensor:
+    return c.to_wire(c.compress(x, name))
+
+
+def _decode_add(c: C.Compressor, buf: torch.Tensor, out: torch.Tensor, dtype) -> None:
+    p = c.from_wire(buf, out.shape, dtype)
+    if isinstance(c, Quantizer):
+        c.decompress_accumulate_(p, out)  # fused: no dense temporary per received chunk
+    else:
+        out += c.decompress(p).to(torch.float32)
+
+
+def _all_gather_var(buf: torch.Tensor, group, flag: int = 0) -> tuple[list[torch.Tensor], list[int]]:
+    """All-gather byte buffers of different sizes: sizes (and a flag) first, then padded data."""
+    world, _ = _world(group)
+    meta = torch.tensor([buf.numel(), flag], dtype=torch.int64)
+    metas = [torch.empty_like(meta) for _ in range(world)]
+    dist.all_gather(metas, meta, group=group)
+    sizes, flags = [int(m[0]) for m in metas], [int(m[1]) for m in metas]
+    if any(flags):
+        return [], flags
+    pad = max(sizes)
+    padded = torch.zeros(pad, dtype=torch.uint8)
+    padded[: buf.numel()] = buf
+    out = [torch.empty(pad, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(out, padded, group=group)
+    return [o[:s] for o, s in zip(out, sizes)], flags
+
+
+def _two_phase(x: torch.Tensor, c, group, name: str) -> torch.Tensor:
+    world, rank = _world(group)
+    n = x.numel()
+    bounds = _chunks(n, world, getattr(c, "block", 8))
+    send = [_bytes(c, x[a:b], f"{name}.{i}") for i, (a, b) in enumerate(bounds)]
+    sizes = [s.numel() for s in send]  # every rank's chunk i has the same layout and size
+    mine = bounds[rank]
+    recv = torch.empty(sizes[rank] * world, dtype=torch.uint8)
+    dist.all_to_all_single(recv, torch.cat(send), [sizes[rank]] * world, sizes, group=group)
+    acc = torch.zeros(mine[1] - mine[0], dtype=torch.float32)
+    for buf in recv.split(sizes[rank]):
+        _decode_add(c, buf, acc, x.dtype)
+    reduced = _bytes(c, acc.to(x.dtype), f"{name}.sum")
+    gathered, _ = _all_gather_var(reduced, group)
+    out = torch.empty(n, dtype=torch.float32)
+    for (a, b), buf in zip(bounds, gathered):
+        out[a:b] = c.decompress(c.from_wire(buf, (b - a,), x.dtype)).to(torch.float32)
+    return out
+
+
+def _gather_sum(x: torch.Tensor, c, group, name: str) -> torch.Tensor:
+    """All-gather compressed tensors, sum in rank order (same bytes, same order everywhere)."""
+    world, _ = _world(group)
+    flag = 0
+    try:
+        buf = _bytes(c, x, name)
+    except ValueError as e:  # top-k refuses NaN/Inf: tell every rank before anyone raises
+        if "NaN/Inf" not in str(e):
+            raise
+        buf, flag = torch.empty(0, dtype=torch.uint8), 1
+    gathered, flags = _all_gather_var(buf, group, flag)
+    if any(flags):
+        bad = [r for r, f in enumerate(flags) if f]
+        raise NonFiniteGradient(f"{name or 'tensor'}: NaN/Inf gradient on rank(s) {bad}")
+    out = torch.zeros(x.numel(), dtype=torch.float32)
+    for buf in gathered:
+        _decode_add(c, buf, out, x.dtype)
+    return out
+
+
+def _randomk(x: torch.Tensor, c: RandomK, group, name: str) -> torch.Tensor:
+    p = c.compress(x, name)  # same seed on every rank -> same indices
+    values = p.tensors["values"].to(torch.float32)
+    dist.all_reduce(values, group=group)
+    p.tensors["values"] = values
+    p.dtype = torch.float32
+    return c.decompress(p).reshape(-1)
+
+
+def _powersgd(t: torch.Tensor, c: PowerSGD, group, name: str) -> torch.Tensor:
+    if not c.compressible(t):
+        out = t.reshape(-1).to(torch.float32)
+        dist.all_reduce(out, group=group)
+        return out
+    m = t.reshape(t.shape[0], -1).to(torch.float32)
+    p = c.p_step(m, name)
+    dist.all_reduce(p, group=group)
+    q = c.q_step(m, p, name)  # orthonormalizes p in place: same input, same result everywhere
+    dist.all_reduce(q, group=group)
+    if c.warm_start:
+        c.q[name] = q.clone()
+    return (p @ q.t()).reshape(-1)
+
+
+def choose(c: C.Compressor, numel: int, world: int) -> str:
+    if isinstance(c, NoCompression):
+        return "native"
+    if isinstance(c, TopK):
+        return "sparse-allgather"
+    if isinstance(c, RandomK):
+        return "shared-index"
+    if isinstance(c, PowerSGD):
+        return "powersgd"
+    if isinstance(c, (Quantizer, Cast)):
+        wire = sum(cnt * torch.empty(0, dtype=dt).element_size() for _, dt, cnt in c.layout(numel))
+        small = wire <= ALLGATHER_MAX_BYTES
+        return "allgather" if world <= 2 or small else "two-phase"
+    raise TypeError(f"no collective algorithm for compressor {c!r}")
+
+
+ALGORITHMS = ("native", "two-phase", "allgather", "sparse-allgather", "shared-index", "powersgd")
+
+
+def _reduce(t: torch.Tensor, c, group, op: str, name: str, algo: str | None) -> torch.Tensor:
+    world, _ = _world(group)
+    auto = choose(c, t.numel(), world)
+    if algo is None:
+        algo = auto
+    elif algo != auto and not {algo, auto} <= {"two-phase", "allgather"}:
+        raise ValueError(f"{c.spec} cannot use algorithm {algo!r} (it uses {auto!r}; the dense "
+                         "quantizers and casts choose between 'two-phase' and 'allgather')")
+    if algo == "native" and t.dtype == torch.float32 and t.is_contiguous():
+        dist.all_reduce(t, group=group)  # in place, no copies
+        return t.div_(world) if op == "avg" else t
+    if algo == "native":
+        out = t.reshape(-1).to(torch.float32, copy=True)
+        dist.all_reduce(out, group=group)
+    elif algo == "powersgd":
+        out = _powersgd(t, c, group, name)
+    else:
+        x = t.reshape(-1)
+        fn = {"two-phase": _two_phase, "allgather": _gather_sum,
+              "sparse-allgather": _gather_sum, "shared-index": _randomk}[algo]
+        out = fn(x, c, group, name)
+    if op == "avg":
+        out = out / world
+    with torch.no_grad():
+        t.copy_(out.view(t.shape))
+    return t
+
+
+class _Handle:
+    def __init__(self, fut: Future):
+        self._fut = fut
+
+    def wait(self, timeout: float | None = None):
+        return self._fut.result(timeout)
+
+    def is_completed(self) -> bool:
+        return self._fut.done()
+
+
+def all_reduce(t: torch.Tensor, compressor=None, group=None, op: str = "sum",
+               async_op: bool = False, name: str = "", algorithm: str | None = None):
+    """Reduce t across the group in place, through `compressor` (None, a spec or a
+    Compressor). Returns t, or a handle whose wait() returns t when async_op. `name` keys
+    per-tensor compressor state (shared seeds, warm starts); `algorithm` overrides the choice
+    between "two-phase" and "allgather" for the dense compressors."""
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"all_reduce takes float32, bfloat16 or float16 tensors, got {t.dtype}")
+    c = C.get(compressor)
+    if not async_op:
+        return _reduce(t, c, group, op, name, algorithm)
+    return _Handle(_executor().submit(_reduce, t, c, group, op, name, algorithm))
+
+
+_EXEC: ThreadPoolExecutor | None = None
+
+
+def _executor() -> ThreadPoolExecutor:
+    # One worker: collectives must be issued in the same order on every rank, so async calls
+    # run strictly first-in first-out, never concurrently.
+    global _EXEC
+    if _EXEC is None:
+        _EXEC = ThreadPoolExecutor(1, thread_name_prefix="pyfast-comm")
+    return _EXEC

@@ -1,0 +1,67 @@
+"""Run a function on N gloo ranks (spawned processes) and return each rank's result."""
+import os
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+TIMEOUT = 120  # seconds: a hang fails the test instead of blocking CI
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pack(value) -> bytes:
+    # tensors by value: shared-memory handles die with the rank that made them
+    import io
+
+    import torch
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
+
+
+def _entry(rank, world, port, fn, args, queue):
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=TIMEOUT))
+        queue.put((rank, True, _pack(fn(rank, world, *args))))
+    except BaseException:
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn, world: int, *args):
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, queue), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results, errors = {}, []
+    for _ in range(world):
+        rank, ok, value = queue.get()
+        if ok:
+            import io
+
+            import torch
+            results[rank] = torch.load(io.BytesIO(value), weights_only=False)
+        else:
+            errors.append(f"rank {rank}:\n{value}")
+    for p in procs:
+        p.join(TIMEOUT)
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [results[r] for r in range(world)]

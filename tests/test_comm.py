@@ -1,0 +1,92 @@
+"""Compressed all_reduce at 2 and 4 gloo ranks against a single-process reference.
+
+The reference simulates the ranks in one process with the same compressors and the same
+summation order, so the dense and top-k algorithms must match it bitwise; where gloo does the
+summation (none, randomk's values, PowerSGD's P and Q) its order is gloo's, so those compare
+with rtol 1e-5 (a 4-term fp32 sum in another order: a few ulps). Every rank must hold
+bit-identical results.
+"""
+import pytest
+import torch
+
+import pyfast.compress as C
+from spawn import run_ranks
+
+N = 70_007  # 7 x 10001, ragged: not a multiple of the 512-element block or of the world size
+CASES = [("none", None), ("fp16", "allgather"), ("fp16", "two-phase"), ("bf16", "two-phase"),
+         ("int8", "allgather"), ("int8", "two-phase"), ("int4", "two-phase"),
+         ("fp8", "two-phase"), ("sign", "allgather"), ("sign", "two-phase"),
+         ("topk:0.01", None), ("randomk:0.1", None), ("powersgd:2", None)]
+
+
+def inputs(world, spec):
+    shape = (7, N // 7) if spec.startswith("powersgd") else (N,)
+    return [torch.randn(N, generator=torch.Generator().manual_seed(100 + r)) * (r + 1)
+            for r in range(world)], shape
+
+
+def reference(xs, spec, algo):
+    """Single-process simulation of what the ranks compute."""
+    world = len(xs)
+    cs = [C.get(spec) for _ in range(world)]  # one compressor (state) per simulated rank
+    dec = lambda c, x, nm: c.decompress(c.compress(x, nm)).float()  # noqa: E731
+    if algo == "two-phase":
+        out = torch.empty(N)
+        per = -(-N // world)
+        per = -(-per // getattr(cs[0], "block", 8)) * getattr(cs[0], "block", 8)
+        for i in range(world):
+            a, b = min(N, i * per), min(N, (i + 1) * per)
+            acc = torch.zeros(b - a)
+            for r in range(world):
+                acc += dec(cs[r], xs[r][a:b], f"g.{i}")
+            out[a:b] = dec(cs[i], acc, "g.sum")
+        return out
+    if spec in ("none",) or spec.startswith(("randomk", "powersgd")):
+        return None  # gloo sums these; compared by tolerance below
+    out = torch.zeros(N)
+    for r in range(world):
+        out += dec(cs[r], xs[r], "g")
+    return out
+
+
+def _worker(rank, world):
+    import pyfast.comm as comm
+    results = {}
+    for spec, algo in CASES:
+        xs, shape = inputs(world, spec)
+        t = xs[rank].clone().view(shape)
+        comm.all_reduce(t, spec, name="g", algorithm=algo)
+        results[(spec, algo)] = t.reshape(-1)
+    avg = xs[rank].clone()
+    comm.all_reduce(avg, "int8", op="avg", name="g")
+    results["avg"] = avg
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_all_reduce_matches_reference_and_ranks_agree(world):
+    out = run_ranks(_worker, world)
+    for spec, algo in CASES:
+        got = [o[(spec, algo)] for o in out]
+        for r in range(1, world):
+            assert torch.equal(got[r], got[0]), f"{spec}/{algo}: rank {r} differs from rank 0"
+        xs, _ = inputs(world, spec)
+        exact = sum(xs)
+        ref = reference(xs, spec, algo)
+        if ref is not None:
+            assert torch.equal(got[0], ref), f"{spec}/{algo}: differs from the reference"
+        elif spec == "none":
+            torch.testing.assert_close(got[0], exact, rtol=1e-5, atol=1e-5)
+        elif spec.startswith("randomk"):
+            kept = got[0] != 0
+            assert 0.05 * N < kept.sum() < 0.15 * N
+            torch.testing.assert_close(got[0][kept], exact[kept], rtol=1e-5, atol=1e-5)
+        else:  # powersgd: the rank-2 approximation of the summed matrix, one power iteration
+            m = exact.view(7, -1)
+            err = (got[0].view(7, -1) - m).norm() / m.norm()
+            best = torch.linalg.svdvals(m)[2:].norm() / m.norm()  # optimal rank-2 error
+            assert best <= err <= best * 1.5 + 1e-6
+    xs, _ = inputs(world, "int8")
+    assert torch.equal(out[0]["avg"], reference(xs, "int8", "allgather" if world == 2 else
+                                                "two-phase" if N > 256 * 1024 else "allgather")
+                       / world)
