@@ -90,7 +90,8 @@ def quantize_ref(x: torch.Tensor, kind: str, block: int = DEFAULT_BLOCK,
     qmax = KINDS[kind]
     amax = xb.abs().amax(1)  # propagates NaN
     finite = torch.isfinite(amax)
-    scales = torch.where(finite, amax / qmax, torch.full_like(amax, float("nan")))
+    # a tensor divisor: torch on CUDA turns `tensor / python_float` into a reciprocal multiply
+    scales = torch.where(finite, amax / torch.full_like(amax, qmax), torch.full_like(amax, float("nan")))
     # reciprocal then multiply (what `qmax / amax` does in torch): FORMATS.md, two roundings
     inv = torch.where(finite & (amax > 0), amax.reciprocal() * qmax, torch.zeros_like(amax))
     y = (xb * inv[:, None]).reshape(-1)[:n]
