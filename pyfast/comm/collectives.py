@@ -55,8 +55,9 @@ def _bytes(c: C.Compressor, x: torch.Tensor, name: str) -> torch.Tensor:
 
 def _decode_add(c: C.Compressor, buf: torch.Tensor, out: torch.Tensor, dtype) -> None:
     p = c.from_wire(buf, out.shape, dtype)
-    if isinstance(c, Quantizer):
-        c.decompress_accumulate_(p, out)  # fused: no dense temporary per received chunk
+    base = getattr(c, "inner", c)
+    if isinstance(base, Quantizer):
+        base.decompress_accumulate_(p, out)  # fused: no dense temporary per received chunk
     else:
         out += c.decompress(p).to(torch.float32)
 
@@ -124,25 +125,32 @@ def _randomk(x: torch.Tensor, c: RandomK, group, name: str) -> torch.Tensor:
     dist.all_reduce(values, group=group)
     p.tensors["values"] = values
     p.dtype = torch.float32
-    return c.decompress(p).reshape(-1)
+    return getattr(c, "inner", c).decompress(p).reshape(-1)
 
 
-def _powersgd(t: torch.Tensor, c: PowerSGD, group, name: str) -> torch.Tensor:
-    if not c.compressible(t):
+def _powersgd(t: torch.Tensor, c, group, name: str) -> torch.Tensor:
+    base: PowerSGD = getattr(c, "inner", c)
+    if not base.compressible(t):
         out = t.reshape(-1).to(torch.float32)
         dist.all_reduce(out, group=group)
         return out
     m = t.reshape(t.shape[0], -1).to(torch.float32)
-    p = c.p_step(m, name)
+    ef = c.feedback._buffer(t, name) if hasattr(c, "feedback") else None
+    if ef is not None:
+        m = m + ef.view(m.shape)
+    p = base.p_step(m, name)
     dist.all_reduce(p, group=group)
-    q = c.q_step(m, p, name)  # orthonormalizes p in place: same input, same result everywhere
+    q = base.q_step(m, p, name)  # orthonormalizes p in place: same input, same result everywhere
+    if ef is not None:  # what this rank's projection missed: sum over ranks of P q_r^T = P Q^T
+        ef.copy_((m - p @ q.t()).reshape(-1))
     dist.all_reduce(q, group=group)
-    if c.warm_start:
-        c.q[name] = q.clone()
+    if base.warm_start:
+        base.q[name] = q.clone()
     return (p @ q.t()).reshape(-1)
 
 
 def choose(c: C.Compressor, numel: int, world: int) -> str:
+    c = getattr(c, "inner", c)  # error feedback does not change the algorithm
     if isinstance(c, NoCompression):
         return "native"
     if isinstance(c, TopK):

@@ -45,3 +45,41 @@ class ErrorFeedback:
                 raise ValueError(f"error feedback {k!r} must be a 1-D float32 tensor, got "
                                  f"{v.dtype} of shape {tuple(v.shape)}")
         self.memory = {k: v.clone() for k, v in state["memory"].items()}
+
+
+class WithFeedback(Compressor):
+    """A compressor whose compress() goes through an ErrorFeedback memory: hand it to a
+    collective and every compression it does (of a chunk, or of a reduced sum) remembers what
+    it did not send, keyed by the name the collective gives it."""
+
+    def __init__(self, compressor: Compressor, feedback: ErrorFeedback | None = None):
+        if isinstance(compressor, WithFeedback):
+            raise ValueError("compressor already has error feedback")
+        self.inner = compressor
+        self.feedback = feedback or ErrorFeedback(compressor)
+        self.spec = compressor.spec
+
+    def compress(self, x, name=""):
+        return self.feedback.compress(x, name)
+
+    def decompress(self, p):
+        return self.inner.decompress(p)
+
+    def layout(self, numel):
+        return self.inner.layout(numel)
+
+    def to_wire(self, p):
+        return self.inner.to_wire(p)
+
+    def from_wire(self, buf, shape, dtype, meta=None):
+        return self.inner.from_wire(buf, shape, dtype, meta)
+
+    def state_dict(self):
+        return {"compressor": self.inner.state_dict(), "feedback": self.feedback.state_dict()}
+
+    def load_state_dict(self, state):
+        self.inner.load_state_dict(state.get("compressor", {}))
+        self.feedback.load_state_dict(state.get("feedback", {"memory": {}}))
+
+    def __repr__(self):
+        return f"WithFeedback({self.inner!r})"

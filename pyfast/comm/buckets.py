@@ -1,0 +1,138 @@
+"""Gradient buckets: launch each bucket's reduction the moment its last gradient is ready.
+
+Parameters go into buckets of about `bucket_mb` in reverse registration order (backward
+produces gradients roughly in that order, as DDP assumes). Buckets are launched strictly in
+index order, so every rank issues the same collectives in the same order even when backward
+finishes gradients in a slightly different order. The wait is queued as an autograd final
+callback: when loss.backward() returns, every gradient is reduced (as in DDP).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Bucket:
+    index: int
+    params: list
+    names: list
+    offsets: list
+    flat: torch.Tensor
+    pending: int = 0
+    ready: bool = False
+    launched: bool = False
+    handle: object = None
+    compressor: object = None  # per-bucket choice (compressor="auto"), else the default
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return f"bucket{self.index}"
+
+
+class Bucketer:
+    def __init__(self, named_params, bucket_mb: float, launch, enabled: bool = True):
+        self.launch_fn, self.enabled = launch, enabled
+        self.buckets: list[Bucket] = []
+        cap = int(bucket_mb * 2 ** 20)
+        group: list = []
+        size = 0
+        for name, p in reversed(list(named_params)):
+            group.append((name, p))
+            size += p.numel() * 4  # reduced in fp32
+            if size >= cap:
+                self._add(group)
+                group, size = [], 0
+        if group:
+            self._add(group)
+        self.where = {}
+        for b in self.buckets:
+            for i, p in enumerate(b.params):
+                self.where[p] = (b, i)
+                p.register_post_accumulate_grad_hook(self._hook)
+        self.armed = False
+        self.on_finish = None
+        self._next = 0
+        self._queued = False
+
+    def _add(self, group) -> None:
+        offsets, off = [], 0
+        for _, p in group:
+            offsets.append(off)
+            off += p.numel()
+        self.buckets.append(Bucket(len(self.buckets), [p for _, p in group],
+                                   [n for n, _ in group], offsets, torch.zeros(off)))
+
+    def compressor_for(self, bucket: Bucket, default):
+        return bucket.compressor or default
+
+    def arm(self, on_finish) -> None:
+        """Reduce the gradients of the next backward (called by forward)."""
+        self.armed, self.on_finish, self._next, self._queued = True, on_finish, 0, False
+        for b in self.buckets:
+            b.pending, b.ready, b.launched, b.handle = len(b.params), False, False, None
+
+    def disarm(self) -> None:
+        self.armed = False
+
+    def _hook(self, p: torch.Tensor) -> None:
+        if not self.armed:
+            return
+        if not self._queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._final)
+            self._queued = True
+        b, _ = self.where[p]
+        b.pending -= 1
+        if b.pending == 0:
+            b.ready = True
+            if self.enabled:
+                self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets) and self.buckets[self._next].ready:
+            self._launch(self.buckets[self._next])
+            self._next += 1
+
+    def _launch(self, b: Bucket) -> None:
+        with torch.no_grad():
+            for p, off in zip(b.params, b.offsets):
+                dst = b.flat[off: off + p.numel()]
+                if p.grad is None:  # unused this step: contributes zeros, as in DDP
+                    dst.zero_()
+                else:
+                    dst.copy_(p.grad.reshape(-1))
+        b.launched = True
+        self.launch_fn(b)
+
+    def _final(self) -> None:
+        """Autograd final callback: launch what is left (unused parameters), then wait."""
+        self.armed = False
+        for b in self.buckets:
+            b.ready = True
+        self._launch_ready()
+        self.finish_and_callback()
+
+    def finish(self) -> list[Bucket]:
+        done = []
+        for b in self.buckets:
+            if b.handle is None:
+                continue
+            b.handle.wait()
+            b.handle = None
+            with torch.no_grad():
+                for p, off in zip(b.params, b.offsets):
+                    src = b.flat[off: off + p.numel()].view(p.shape)
+                    if p.grad is None:
+                        p.grad = src.to(p.dtype).clone()
+                    else:
+                        p.grad.copy_(src)
+            done.append(b)
+        return done
+
+    def finish_and_callback(self) -> None:
+        if self.on_finish is not None:
+            self.on_finish()
+        else:
+            self.finish()
