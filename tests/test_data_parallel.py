@@ -38,7 +38,7 @@ def reference(world, steps=STEPS):
         opt.zero_grad()
         loss.backward()
         opt.step()
-    return m, float(loss)
+    return m, loss.item()
 
 
 def flat(m):
@@ -70,25 +70,24 @@ def _train(rank, world, kind, spec, opts):
         loss.backward()
         opt.step()
         losses.append(float(loss))
-    full = []  # the loss on every rank's batch, as the reference measures it
-    with torch.no_grad():
-        xs, ys = zip(*[batch(r, STEPS - 1) for r in range(world)])
     out = {"params": flat(m), "loss": losses[-1]}
     if kind == "pyfast":
         out["buckets"] = len(net.bucketer.buckets)
         out["keys"] = list(net.state_dict())
-    del full
+        if net.selector is not None:
+            out["auto"] = (net.selector.fixed, list(net.selector.choice))
     return out
 
 
 CASES = [("pyfast", "none", {}), ("pyfast", "none", {"overlap": False}),
          ("pyfast", "fp16", {}), ("pyfast", "int8", {}), ("pyfast", "int4", {}),
-         ("pyfast", "topk:0.1", {}), ("pyfast", "powersgd:2", {}), ("ddp", None, {}),
+         ("pyfast", "topk:0.1", {}), ("pyfast", "powersgd:2", {}), ("pyfast", "auto", {}),
+         ("ddp", None, {}),
          ("ddp", "int8", {}), ("ddp", "sign", {})]
 # Loss margins over the reference's final loss, from the compressors' per-step error:
 # lossless or nearly (fp16, int8) 5%, coarser ones (int4, top-10% + EF, rank-2, sign) 50%.
 MARGIN = {None: 0.05, "none": 0.05, "fp16": 0.05, "int8": 0.05, "int4": 0.5, "topk:0.1": 0.5,
-          "powersgd:2": 0.5, "sign": 0.5}
+          "powersgd:2": 0.5, "sign": 0.5, "auto": 0.5}
 
 
 def _all_cases(rank, world):
@@ -116,6 +115,10 @@ def test_training_matches_reference(world):
         if kind == "pyfast":
             assert ranks[0]["buckets"] > 2, "the test must cross bucket boundaries"
             assert ranks[0]["keys"][0].startswith("module."), "state_dict keys as DDP's"
+        if spec == "auto":
+            fixed, choice = ranks[0]["auto"]
+            assert fixed and all(o[key]["auto"] == ranks[0]["auto"] for o in out)
+            assert set(choice) <= {"fp16", "none", "bf16", "int8", "fp8", "int4"}
 
 
 def _no_sync(rank, world):

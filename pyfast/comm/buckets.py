@@ -120,6 +120,7 @@ class Bucketer:
             if b.handle is None:
                 continue
             b.handle.wait()
+            b.extra["seconds"] = getattr(b.handle, "seconds", float("nan"))
             b.handle = None
             with torch.no_grad():
                 for p, off in zip(b.params, b.offsets):

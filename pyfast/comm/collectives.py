@@ -17,6 +17,7 @@ same bytes in the same rank order with the same arithmetic on every rank. Algori
 """
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -198,8 +199,21 @@ def _reduce(t: torch.Tensor, c, group, op: str, name: str, algo: str | None) -> 
 
 
 class _Handle:
-    def __init__(self, fut: Future):
-        self._fut = fut
+    """Async result: wait() returns the tensor; `seconds` is how long the reduction itself took
+    on the communication thread (what compressor="auto" measures)."""
+
+    def __init__(self):
+        self._fut: Future = Future()
+        self.seconds = float("nan")
+
+    def _run(self, *args):
+        t0 = time.perf_counter()
+        try:
+            out = _reduce(*args)
+            self.seconds = time.perf_counter() - t0
+            self._fut.set_result(out)
+        except BaseException as e:  # surfaced by wait(), on the caller's thread
+            self._fut.set_exception(e)
 
     def wait(self, timeout: float | None = None):
         return self._fut.result(timeout)
@@ -221,7 +235,9 @@ def all_reduce(t: torch.Tensor, compressor=None, group=None, op: str = "sum",
     c = C.get(compressor)
     if not async_op:
         return _reduce(t, c, group, op, name, algorithm)
-    return _Handle(_executor().submit(_reduce, t, c, group, op, name, algorithm))
+    h = _Handle()
+    _executor().submit(h._run, t, c, group, op, name, algorithm)
+    return h
 
 
 _EXEC: ThreadPoolExecutor | None = None

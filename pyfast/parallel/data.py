@@ -15,6 +15,7 @@ from torch import nn
 
 import pyfast.compress as C
 from pyfast.comm import NonFiniteGradient, all_reduce
+from pyfast.comm.auto import AutoSelector
 from pyfast.comm.buckets import Bucketer
 
 
@@ -71,17 +72,18 @@ class DataParallel(nn.Module):
         check_same_layout(named, group)
         broadcast_state(module, group)
         self.auto = compressor == "auto"
-        spec = "fp16" if self.auto else compressor
-        base = C.get(spec)
+        base = C.get("fp16" if self.auto else compressor)
         lossy = base.spec not in ("none", "fp16", "bf16")
         self.compressor = C.WithFeedback(base) if error_feedback and lossy else base
         self.bucketer = Bucketer(named, bucket_mb, self._launch, enabled=overlap)
+        self.selector = (AutoSelector(self.bucketer.buckets, group, error_feedback)
+                         if self.auto else None)
         self._sync = True
 
     # ------------------------------------------------------------------ reduction
     def _launch(self, bucket) -> None:
         """Called by the bucketer when a bucket's gradients are all ready (in bucket order)."""
-        c = self.bucketer.compressor_for(bucket, self.compressor)
+        c = self.selector.compressor(bucket) if self.selector else self.compressor
         if isinstance(getattr(c, "inner", c), C.PowerSGD):
             # low rank needs the matrices: reduce each parameter's view of the bucket
             handles = [all_reduce(bucket.flat[o: o + p.numel()].view(p.shape), c, self.group,
@@ -93,7 +95,10 @@ class DataParallel(nn.Module):
                                    name=bucket.name)
 
     def _finish(self) -> None:
-        for b in self.bucketer.finish():
+        done = self.bucketer.finish()
+        if self.selector is not None and len(done) == len(self.bucketer.buckets):
+            self.selector.after_step([b.extra["seconds"] for b in done])
+        for b in done:
             if self.check_finite and not torch.isfinite(b.flat).all():
                 # the reduced bucket is bit-identical on every rank: so is this decision
                 raise NonFiniteGradient(f"NaN/Inf in the reduced gradient of {b.name} "
@@ -117,13 +122,29 @@ class DataParallel(nn.Module):
 
     # ------------------------------------------------------------------ state
     def compression_state_dict(self) -> dict:
+        if self.selector is not None:
+            sel = self.selector
+            return {"spec": "auto", "choice": list(sel.choice), "fixed": sel.fixed,
+                    "step": sel.step, "t16": list(sel.t16),
+                    "state": {s: c.state_dict() for s, c in sel.made.items()}}
         return {"spec": self.compressor.spec, "state": self.compressor.state_dict()}
 
     def load_compression_state_dict(self, state: dict) -> None:
-        if state.get("spec") != self.compressor.spec:
+        mine = "auto" if self.selector is not None else self.compressor.spec
+        if state.get("spec") != mine:
             raise ValueError(f"compression state is for {state.get('spec')!r}, this DataParallel "
-                             f"uses {self.compressor.spec!r}")
-        self.compressor.load_state_dict(state["state"])
+                             f"uses {mine!r}")
+        if self.selector is None:
+            self.compressor.load_state_dict(state["state"])
+            return
+        sel = self.selector
+        if len(state["choice"]) != len(sel.choice):
+            raise ValueError(f"compression state has {len(state['choice'])} buckets, this "
+                             f"DataParallel has {len(sel.choice)} (another bucket_mb or model?)")
+        sel.choice, sel.fixed, sel.step, sel.t16 = (list(state["choice"]), state["fixed"],
+                                                   state["step"], list(state["t16"]))
+        for s, st in state["state"].items():
+            sel.made[s].load_state_dict(st)
 
 
 class _All:

@@ -1,0 +1,103 @@
+"""compressor="auto": per bucket, the cheapest of none / 16-bit / the quantizers, by measurement.
+
+Agarwal et al. (MLSys'22) found gradient compression beat optimized synchronous SGD in only 6
+of 200+ setups, mostly because compression compute ate the bandwidth it saved; so the choice
+is measured, not assumed, and the 16-bit reduction is the bar:
+
+1. steps [0, WARMUP): every bucket reduces in fp16 (the baseline); step WARMUP-1 is timed on
+   the communication thread, giving each bucket's fp16 time t16.
+2. end of that step: for each candidate, time its encode + decode on the bucket's own
+   gradient; the wire-bound part of t16 scales with wire bytes:
+       cost(c) = (t16 - codec16) * wire(c) / wire(fp16) + codec(c) * passes
+   Costs are all-reduced (max over ranks) so every rank picks the same; a candidate must beat
+   fp16 by MARGIN to be picked.
+3. the next step runs the picks and is timed; any bucket whose pick was slower than its fp16
+   time (max over ranks) goes back to fp16 for good. So auto is never slower than 16-bit by
+   more than the noise of one measurement, and it decides once, then stays out of the way.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+import pyfast.compress as C
+
+CANDIDATES = ["fp16", "none", "bf16", "int8", "fp8", "int4"]
+WARMUP = 2
+MARGIN = 0.9  # a pick must be predicted at least 10% faster than fp16: noise is ~5% here
+
+
+def _codec_seconds(c: C.Compressor, x: torch.Tensor, repeats: int = 3) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        c.decompress(c.compress(x, "auto-probe"))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _wire(c: C.Compressor, n: int) -> int:
+    lay = c.layout(n)
+    return n * 4 if lay is None else sum(k * torch.empty(0, dtype=d).element_size() for _, d, k in lay)
+
+
+class AutoSelector:
+    def __init__(self, buckets, group, error_feedback: bool):
+        self.buckets, self.group, self.step = buckets, group, 0
+        self.world = dist.get_world_size(group)
+        self.fixed = False
+        self.made = {}
+        for spec in CANDIDATES:
+            base = C.get(spec)
+            lossy = spec not in ("none", "fp16", "bf16")
+            self.made[spec] = C.WithFeedback(base) if error_feedback and lossy else base
+        self.choice = ["fp16"] * len(buckets)
+        self.t16 = [0.0] * len(buckets)
+        self.report: list[dict] = []
+
+    def compressor(self, b):
+        return self.made[self.choice[b.index]]
+
+    def _agree(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return t.tolist()
+
+    def after_step(self, seconds: list[float]) -> None:
+        """Called at the end of every synced step with each bucket's reduction time."""
+        if self.fixed:
+            return
+        if self.step == WARMUP - 1:
+            self.t16 = self._agree(seconds)
+            self._decide()
+        elif self.step == WARMUP:
+            took = self._agree(seconds)
+            for i, b in enumerate(self.buckets):
+                slower = took[i] > self.t16[i]
+                self.report[i].update(measured=took[i], reverted=slower and self.choice[i] != "fp16")
+                if slower:
+                    self.choice[i] = "fp16"
+            self.fixed = True
+        self.step += 1
+
+    def _decide(self) -> None:
+        passes = 2.0 if self.world > 2 else 1.0 + (self.world - 1) / 2  # two-phase vs allgather
+        costs = []
+        for b in self.buckets:
+            n = b.flat.numel()
+            codec = {s: _codec_seconds(C.get(s), b.flat) for s in CANDIDATES}
+            wire16 = _wire(C.get("fp16"), n)
+            link = max(self.t16[b.index] - codec["fp16"] * passes, 1e-9)
+            costs += [link * _wire(C.get(s), n) / wire16 + codec[s] * passes
+                      if s != "none" else link * 2 for s in CANDIDATES]
+        costs = self._agree(costs)  # identical decisions on every rank
+        k = len(CANDIDATES)
+        self.report = []
+        for i, b in enumerate(self.buckets):
+            row = dict(zip(CANDIDATES, costs[i * k:(i + 1) * k]))
+            best = min(row, key=row.get)
+            self.choice[i] = best if row[best] < MARGIN * row["fp16"] else "fp16"
+            self.report.append({"bucket": b.name, "fp16_s": self.t16[i], "predicted": row,
+                                "choice": self.choice[i]})
