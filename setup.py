@@ -27,7 +27,8 @@ else:
                        extra_link_args=["-fopenmp"])
 
 setup(
-    packages=["pyfast", "pyfast.ops", "pyfast.compress", "pyfast.benchmarks", "pyfast.kernels"],
+    packages=["pyfast", "pyfast.ops", "pyfast.compress", "pyfast.comm", "pyfast.parallel",
+              "pyfast.benchmarks", "pyfast.kernels"],
     package_dir={"pyfast.kernels": "kernels"},
     ext_modules=[ext],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},

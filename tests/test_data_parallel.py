@@ -201,3 +201,30 @@ def test_compression_state_round_trip():
     out = run_ranks(_state, 2)
     assert out[0]["n"] > 0 and out[0]["same"]
     assert "topk:0.1" in out[0]["wrong"] and "int8" in out[0]["wrong"]
+
+
+def _silent_peer(rank, world):
+    import datetime
+    import time
+
+    from pyfast.parallel.data import DataParallel
+    group = dist.new_group(timeout=datetime.timedelta(seconds=3))
+    net = DataParallel(model(), "int8", bucket_mb=0.001, group=group)
+    if rank == 1:
+        time.sleep(6)  # never joins the reduction: rank 0 must get an error, not hang
+        return "silent"
+    t0 = time.perf_counter()
+    x, y = batch(rank, 0)
+    try:
+        nn.functional.mse_loss(net(x), y).backward()
+        return "no error"
+    except RuntimeError as e:
+        return f"{time.perf_counter() - t0:.1f}s {e}"
+
+
+def test_silent_peer_is_a_timeout_not_a_hang():
+    out = run_ranks(_silent_peer, 2)
+    assert out[1] == "silent"
+    took, msg = out[0].split("s ", 1)
+    assert float(took) < 30, out[0]
+    assert "timed out" in msg.lower() or "timeout" in msg.lower(), out[0]
