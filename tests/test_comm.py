@@ -49,8 +49,14 @@ def reference(xs, spec, algo):
     return out
 
 
-def _worker(rank, world):
+def _worker(rank, world, mode):
+    import os
+
     import pyfast.comm as comm
+    if mode == "reference":
+        os.environ["PYFAST_COMM_REFERENCE"] = "1"
+    else:  # the in-place pipelined path, with chunks small enough to pipeline 70K elements
+        os.environ["PYFAST_COMM_CHUNK"] = "4096"
     results = {}
     for spec, algo in CASES:
         xs, shape = inputs(world, spec)
@@ -63,9 +69,10 @@ def _worker(rank, world):
     return results
 
 
+@pytest.mark.parametrize("mode", ["reference", "pipelined"])
 @pytest.mark.parametrize("world", [2, 4])
-def test_all_reduce_matches_reference_and_ranks_agree(world):
-    out = run_ranks(_worker, world)
+def test_all_reduce_matches_reference_and_ranks_agree(world, mode):
+    out = run_ranks(_worker, world, mode)
     for spec, algo in CASES:
         got = [o[(spec, algo)] for o in out]
         for r in range(1, world):

@@ -17,13 +17,16 @@ same bytes in the same rank order with the same arithmetic on every rank. Algori
 """
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
 import pyfast.compress as C
+from pyfast.comm import pipelined as P
 from pyfast.compress.cast import Cast, NoCompression
 from pyfast.compress.powersgd import PowerSGD, orthonormalize
 from pyfast.compress.quant import Quantizer
@@ -100,9 +103,8 @@ def _two_phase(x: torch.Tensor, c, group, name: str) -> torch.Tensor:
     return out
 
 
-def _gather_sum(x: torch.Tensor, c, group, name: str) -> torch.Tensor:
-    """All-gather compressed tensors, sum in rank order (same bytes, same order everywhere)."""
-    world, _ = _world(group)
+def _gather_checked(x: torch.Tensor, c, group, name: str) -> list[torch.Tensor]:
+    """Every rank's compressed x; a NaN/Inf refusal on any rank is raised on every rank."""
     flag = 0
     try:
         buf = _bytes(c, x, name)
@@ -114,8 +116,13 @@ def _gather_sum(x: torch.Tensor, c, group, name: str) -> torch.Tensor:
     if any(flags):
         bad = [r for r, f in enumerate(flags) if f]
         raise NonFiniteGradient(f"{name or 'tensor'}: NaN/Inf gradient on rank(s) {bad}")
+    return gathered
+
+
+def _gather_sum(x: torch.Tensor, c, group, name: str) -> torch.Tensor:
+    """All-gather compressed tensors, sum in rank order (same bytes, same order everywhere)."""
     out = torch.zeros(x.numel(), dtype=torch.float32)
-    for buf in gathered:
+    for buf in _gather_checked(x, c, group, name):
         _decode_add(c, buf, out, x.dtype)
     return out
 
@@ -186,6 +193,19 @@ def _reduce(t: torch.Tensor, c, group, op: str, name: str, algo: str | None) -> 
         dist.all_reduce(out, group=group)
     elif algo == "powersgd":
         out = _powersgd(t, c, group, name)
+    elif algo == "shared-index" and t.dtype == torch.float32 and t.is_contiguous():
+        p = c.compress(t.view(-1), name)  # same seed on every rank -> same indices
+        values = p.tensors["values"].to(torch.float32)
+        dist.all_reduce(values, group=group)
+        idx = getattr(c, "inner", c).indices(t.numel(), p.meta["seed"], t.device).long()
+        flat = t.view(-1).zero_()  # existing memory: 1.9 ms; fresh 64 MB zeros: 29 ms
+        flat.index_put_((idx,), values)
+        return t.div_(world) if op == "avg" else t
+    elif algo in ("allgather", "sparse-allgather", "two-phase") and fast_path(t):
+        flat = t.view(-1)
+        fn = P.two_phase_into if algo == "two-phase" else P.gather_sum_into
+        fn(flat, c, group, name, flat, _HELPERS)
+        return t.div_(world) if op == "avg" else t
     else:
         x = t.reshape(-1)
         fn = {"two-phase": _two_phase, "allgather": _gather_sum,
@@ -196,6 +216,17 @@ def _reduce(t: torch.Tensor, c, group, op: str, name: str, algo: str | None) -> 
     with torch.no_grad():
         t.copy_(out.view(t.shape))
     return t
+
+
+def fast_path(t: torch.Tensor) -> bool:
+    """In-place pipelined path (pipelined.py) unless PYFAST_COMM_REFERENCE=1 asks for the
+    reference functions above (tests compare the two)."""
+    return (t.dtype == torch.float32 and t.is_contiguous()
+            and os.environ.get("PYFAST_COMM_REFERENCE") != "1")
+
+
+_HELPERS = SimpleNamespace(decode_add=lambda *a: _decode_add(*a), to_bytes=lambda *a: _bytes(*a),
+                           chunks=lambda *a: _chunks(*a), gather_checked=lambda *a: _gather_checked(*a))
 
 
 class _Handle:

@@ -1,6 +1,8 @@
 """topk:R and randomk:R: send a fraction R of the entries (values + indices, or values only)."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from pyfast.compress.base import Compressor, aligned, Payload, StepCounter, check_float, derive_seed
@@ -74,7 +76,8 @@ class RandomK(Compressor):
 
     def compress(self, x, name=""):
         check_float(x, self.spec)
-        if x.numel() and not torch.isfinite(x).all():
+        # a sum (2.2 ms on 16M) is finite iff... almost: only when it is not, look closer (59 ms)
+        if x.numel() and not math.isfinite(float(x.sum())) and not torch.isfinite(x).all():
             raise ValueError(f"{self.spec}: input has NaN/Inf values (gradient overflow?); "
                              "a random subset would drop them silently")
         seed = derive_seed(self.seed, name, self._steps.next(name))

@@ -1,0 +1,116 @@
+"""pytest-benchmark suite: compressed all-reduce on 2 gloo ranks over plain loopback, with the
+plain gloo all-reduce ("none") as the side-by-side baseline. This process is rank 0 (what
+pytest-benchmark times is its call); rank 1 is a subprocess that mirrors every call. Emulated
+slow links need root: they run through `pyfast bench allreduce --link 1gbit` (same code), and
+test_emulated_link checks that it works here or skips saying why.
+"""
+import datetime
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import pyfast.comm
+from conftest import NUMEL
+from pyfast.benchmarks import allreduce, netns
+from pyfast.benchmarks.compress import gradient
+
+SPECS = ["none", "fp16", "int8", "topk:0.01", "powersgd:4"]
+TIMEOUT = 120  # seconds: a lost peer fails the suite instead of hanging it
+
+# Rank 1: takes each spec rank 0 broadcasts, does what rank 0 does; None ends it.
+PEER = """
+import datetime, torch, torch.distributed as dist
+import pyfast.comm
+from pyfast.benchmarks.compress import gradient
+torch.set_num_threads(1)
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=%d))
+x = gradient(%d, seed=1)
+t = torch.empty_like(x)
+while True:
+    box = [None]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is None:
+        break
+    t.copy_(x)
+    dist.barrier()
+    pyfast.comm.all_reduce(t, box[0], name="g")
+dist.destroy_process_group()
+""" % (TIMEOUT, NUMEL)
+
+
+@pytest.fixture(scope="module")
+def rank0():
+    port = netns._free_port()
+    env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    peer = subprocess.Popen([sys.executable, "-c", PEER], env=env, start_new_session=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one core per rank, like the peer
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                                world_size=2, timeout=datetime.timedelta(seconds=TIMEOUT))
+        yield gradient(NUMEL, seed=0), gradient(NUMEL, seed=1)
+        dist.broadcast_object_list([None], src=0)
+        peer.wait(TIMEOUT)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if peer.poll() is None:
+            os.killpg(peer.pid, 9)
+            peer.wait(10)
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_allreduce_loopback_2_ranks(benchmark, rank0, spec):
+    x, x1 = rank0
+    t = torch.empty_like(x)
+
+    def setup():  # not timed: tell the peer, fresh input, both ranks leave a barrier together
+        dist.broadcast_object_list([spec], src=0)
+        t.copy_(x)
+        dist.barrier()
+
+    payload = pyfast.compress.get(spec).compress(x, "probe").nbytes
+    algo = pyfast.comm.choose(pyfast.compress.get(spec), x.numel(), 2)
+    benchmark.extra_info.update(spec=spec, algorithm=algo, payload_bytes=payload,
+                                wire_bytes=allreduce.wire_bytes(algo, 2, [payload]))
+    benchmark.pedantic(lambda: pyfast.comm.all_reduce(t, spec, name="g"), setup=setup,
+                       rounds=5, warmup_rounds=1)
+    assert torch.isfinite(t).all()
+    if spec == "none":  # two fp32 addends in a fixed order: exact
+        assert torch.equal(t, x + x1)
+    elif spec in ("fp16", "int8"):
+        assert (t - (x + x1)).norm() < 0.05 * (x + x1).norm()
+
+
+def test_emulated_link(tmp_path):
+    """`pyfast bench allreduce` on a 1gbit link: runs here, or skips with the reason."""
+    why = netns.unavailable()
+    if why:
+        pytest.skip(why)
+    numel = min(NUMEL, 1 << 20)  # 4 MB: 8 MB on the wire, 67 ms of link time at W=2
+    out = tmp_path / "ar"
+    rc = allreduce.main(["--world", "2", "--link", "1gbit", "--numel", str(numel),
+                         "--specs", "none,int8", "--repeats", "2", "--out", str(out)])
+    assert rc == 0
+    rows = json.loads((tmp_path / "ar.json").read_text())["rows"]
+    if "skipped" in rows[0]:
+        pytest.skip(rows[0]["skipped"])
+    for r in rows:
+        # the namespace's lo saw what the model says gloo sends (headers, barriers: < 2%)
+        assert r["wire_bytes"] <= r["link_bytes"] < 1.02 * r["wire_bytes"] + 4096, r
+        assert r["time_s"] >= (r["wire_bytes"] - 512 * 1024) * 8 / 1e9, r  # tbf is real
+    assert "int8" in (tmp_path / "ar.txt").read_text()
+
+
+def test_unavailable_link_is_a_skip_row(monkeypatch):
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    res = allreduce.run(worlds=(2,), links=("1gbit",), numel=1024, specs=["none"], repeats=1)
+    assert res["rows"] == [{"world": 2, "link": "1gbit", "skipped": netns.unavailable()}]
+    assert res["rows"][0]["skipped"].startswith("emulated links need root and iproute2")

@@ -1,0 +1,215 @@
+"""Emulated slow links: run a command, or N ranks of a Python entry point, inside a network
+namespace whose loopback is rate-limited by `tc ... tbf`.
+
+    with namespace("1gbit") as name: ...          # ip netns add; lo up; tbf; always deleted
+    run(["python", "x.py"], link="1gbit")         # one command inside a fresh namespace
+    run_ranks(["-m", "mod"], world=2, link="1gbit")  # torchrun-style env, 127.0.0.1
+
+Both directions of every connection cross the one qdisc on lo, so a link moves at most `rate`
+bits/s in total: the floor of a collective is (bytes sent by all ranks) / rate. Only loopback
+traffic and only namespaces made here are touched; a namespace is deleted on every exit path
+(error, timeout, Ctrl-C). Where emulation cannot run (not root, no iproute2), LinkUnavailable
+says why: callers skip, never silently fall back to plain loopback.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+LINKS = ("loopback", "10gbit", "1gbit")  # "loopback": no namespace; else any tc rate string
+IP, TC = "ip", "tc"
+# 512 KB of burst: enough for the 64 KB segments of lo's 65536 MTU; 100 ms of queue before
+# tbf drops (drops would turn a bandwidth test into a TCP-retransmit test).
+BURST, LATENCY = "512kb", "100ms"
+PREFIX = "pyfast-"
+_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
+          "ki": 1024, "mi": 1024 ** 2, "gi": 1024 ** 3, "ti": 1024 ** 4}
+
+
+class LinkUnavailable(RuntimeError):
+    """Emulated links cannot run here; the message says why (callers turn it into a skip)."""
+
+
+def rate_bps(link: str) -> float | None:
+    """Bits per second of a tc rate string ("1gbit", "500mbit", "100mbps" = bytes/s),
+    None for "loopback" (unlimited)."""
+    if link == "loopback":
+        return None
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgt]i?)?(bit|bps)", link.strip().lower())
+    if m is None:
+        raise ValueError(f"link {link!r} is not 'loopback' or a tc rate like 1gbit, 500mbit")
+    bps = float(m[1]) * _UNITS[m[2] or ""] * (8 if m[3] == "bps" else 1)
+    if bps <= 0:
+        raise ValueError(f"link {link!r}: rate must be > 0")
+    return bps
+
+
+def unavailable() -> str | None:
+    """Why emulated links cannot run here, or None when they can."""
+    if os.geteuid() != 0:
+        return _msg(f"running as uid {os.geteuid()}, not root")
+    missing = [t for t in (IP, TC) if shutil.which(t) is None]
+    return _msg(f"{' and '.join(missing)} not found on PATH") if missing else None
+
+
+def _msg(reason: str) -> str:
+    return f"emulated links need root and iproute2 (ip netns, tc tbf): {reason}"
+
+
+def _ip(*args: str, timeout: float = 20) -> subprocess.CompletedProcess:
+    return subprocess.run(list(args), capture_output=True, text=True, timeout=timeout)
+
+
+def _namespaces() -> list[str]:
+    out = _ip(IP, "netns", "list").stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def ours() -> list[str]:
+    """Namespaces this process created and has not deleted yet (empty after every exit)."""
+    return [n for n in _namespaces() if n.startswith(f"{PREFIX}{os.getpid()}-")]
+
+
+@contextlib.contextmanager
+def namespace(rate: str):
+    """A fresh namespace (its name is yielded) whose lo is up and shaped to `rate`."""
+    rate_bps(rate)  # a bad rate is the caller's mistake: ValueError, not a skip
+    why = unavailable()
+    if why:
+        raise LinkUnavailable(why)
+    # pid + random suffix: parallel runs (and parallel tests) never collide
+    name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+    made = False
+    try:
+        steps = [(IP, "netns", "add", name),
+                 (IP, "netns", "exec", name, IP, "link", "set", "lo", "up"),
+                 (IP, "netns", "exec", name, TC, "qdisc", "add", "dev", "lo", "root", "tbf",
+                  "rate", rate, "burst", BURST, "latency", LATENCY)]
+        for step in steps:
+            r = _ip(*step)
+            if r.returncode != 0:
+                raise LinkUnavailable(_msg(f"`{' '.join(step)}` failed: {r.stderr.strip()}"))
+            made = True
+        yield name
+    finally:
+        if made:
+            _ip(IP, "netns", "del", name)
+
+
+@contextlib.contextmanager
+def link_prefix(link: str):
+    """The argv prefix that puts a command on `link` ([] for plain loopback)."""
+    if rate_bps(link) is None:
+        yield []
+    else:
+        with namespace(link) as name:
+            yield [IP, "netns", "exec", name]
+
+
+def lo_tx_bytes(name: str | None = None) -> int:
+    """Bytes sent on lo of namespace `name`, or of this process's own namespace (/proc/net/dev
+    is per namespace). On lo every byte sent is also received: count tx only."""
+    if name is None:
+        with open("/proc/net/dev") as f:
+            text = f.read()
+    else:
+        text = _ip(IP, "netns", "exec", name, "cat", "/proc/net/dev").stdout
+    for line in text.splitlines():
+        iface, _, data = line.partition(":")
+        if iface.strip() == "lo":
+            return int(data.split()[8])
+    raise RuntimeError("no lo in /proc/net/dev")
+
+
+def _start(cmd, env=None, **kw) -> subprocess.Popen:
+    # own session: a timeout or Ctrl-C kills the whole group, and the terminal's SIGINT does not
+    # reach the ranks half-way through a collective
+    return subprocess.Popen(cmd, env=env, start_new_session=True, **kw)
+
+
+def _kill(procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=10)
+
+
+def _wait(procs, timeout: float, what: str) -> None:
+    """Wait for all; if one fails, the others cannot finish a collective: kill them."""
+    deadline = time.monotonic() + timeout
+    try:
+        while any(p.poll() is None for p in procs):
+            if any(p.poll() not in (None, 0) for p in procs):
+                time.sleep(2)  # let the rest print their own error first
+                break
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(what, timeout)
+            time.sleep(0.05)
+    finally:
+        _kill(procs)
+
+
+def run(cmd: list[str], link: str = "loopback", timeout: float = 600, env=None,
+        capture: bool = True) -> subprocess.CompletedProcess:
+    """cmd on `link`; its return code is the caller's to check. Raises TimeoutExpired (the
+    process group is killed) or LinkUnavailable."""
+    with link_prefix(link) as pre:
+        pipe = subprocess.PIPE if capture else None
+        p = _start(pre + list(cmd), env, stdout=pipe, stderr=pipe, text=True)
+        try:
+            out, err = p.communicate(timeout=timeout)
+        finally:
+            _kill([p])
+        return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def _free_port() -> int:
+    # only on plain loopback (a fresh namespace has every port free); the window between close
+    # and rank 0 binding is the only race, and a lost race fails loudly in init_process_group
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(py_argv: list[str], world: int, link: str = "loopback", timeout: float = 600,
+              env: dict | None = None) -> None:
+    """`python *py_argv` as `world` ranks on `link`, with torchrun's env (RANK, WORLD_SIZE,
+    MASTER_ADDR=127.0.0.1, MASTER_PORT) plus PYFAST_NETNS=<name> inside a namespace. Raises
+    RuntimeError with each rank's stderr tail if any rank fails, TimeoutExpired on timeout."""
+    with link_prefix(link) as pre:
+        port = 29500 if pre else _free_port()
+        base = {**os.environ, **(env or {}), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE":
+                str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
+                "PYFAST_NETNS": pre[-1] if pre else ""}
+        logs = [tempfile.TemporaryFile("w+") for _ in range(world)]
+        procs = []
+        try:
+            for r in range(world):
+                procs.append(_start(pre + [sys.executable, *py_argv],
+                                    {**base, "RANK": str(r), "LOCAL_RANK": str(r)}, stderr=logs[r]))
+            _wait(procs, timeout, f"{world} ranks of {' '.join(py_argv)} on {link}")
+            codes = [p.returncode for p in procs]
+            if any(codes):
+                tails = []
+                for r, log in enumerate(logs):
+                    if codes[r]:  # ranks killed after another failed show up too (-9)
+                        log.seek(0)
+                        tails.append(f"rank {r} (exit {codes[r]}):\n{log.read()[-3000:]}")
+                raise RuntimeError(f"ranks failed, exit codes {codes}\n" + "\n".join(tails))
+        finally:
+            _kill(procs)
+            for log in logs:
+                log.close()

@@ -1,0 +1,172 @@
+"""The emulated-link harness (pyfast.benchmarks.netns): every namespace it makes is removed on
+every exit path, the tbf rate limit is real, and a machine that cannot emulate links says why
+instead of quietly measuring plain loopback."""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from pyfast.benchmarks import netns
+
+WHY = netns.unavailable()
+needs_netns = pytest.mark.skipif(WHY is not None, reason=WHY or "")
+PREFIX = "emulated links need root and iproute2 (ip netns, tc tbf): "
+
+# Sends N bytes over TCP on 127.0.0.1; prints the seconds and the growth of this namespace's
+# lo tx counter (read the way a rank reads it: /proc/net/dev of its own namespace).
+SEND = r"""
+import socket, sys, threading, time
+from pyfast.benchmarks.netns import lo_tx_bytes
+n, got = int(sys.argv[1]), []
+srv = socket.create_server(("127.0.0.1", 0))
+def rx():
+    c, _ = srv.accept()
+    total = 0
+    while (b := c.recv(1 << 20)):
+        total += len(b)
+    got.append(total)
+th = threading.Thread(target=rx)
+th.start()
+lo0, t0 = lo_tx_bytes(), time.perf_counter()
+with socket.create_connection(srv.getsockname()) as s:
+    s.sendall(b"x" * n)
+th.join(30)
+print(time.perf_counter() - t0, lo_tx_bytes() - lo0, got[0])
+"""
+
+
+def test_rate_strings():
+    assert netns.rate_bps("loopback") is None
+    assert netns.rate_bps("1gbit") == 1e9 and netns.rate_bps("10gbit") == 1e10
+    assert netns.rate_bps("500mbit") == 5e8 and netns.rate_bps("100mbps") == 8e8
+    assert netns.rate_bps("1gibit") == 2 ** 30
+    for bad in ("1 gig", "fast", "gbit", "-1gbit", "0gbit"):
+        with pytest.raises(ValueError, match="link"):
+            netns.rate_bps(bad)
+
+
+@needs_netns
+def test_namespace_is_shaped_then_removed_even_on_error():
+    with pytest.raises(RuntimeError, match="boom"):
+        with netns.namespace("1gbit") as name:
+            assert name in netns.ours()
+            q = subprocess.run(["ip", "netns", "exec", name, "tc", "qdisc", "show", "dev", "lo"],
+                               capture_output=True, text=True, timeout=20).stdout
+            assert "tbf" in q and "rate 1Gbit" in q, q
+            raise RuntimeError("boom")
+    assert name not in netns._namespaces()
+
+
+@needs_netns
+def test_parallel_namespaces_get_distinct_names():
+    with netns.namespace("1gbit") as a, netns.namespace("10gbit") as b:
+        assert a != b and {a, b} <= set(netns.ours())
+    assert netns.ours() == []
+
+
+@needs_netns
+def test_failing_command_timeout_and_failing_ranks_leave_no_namespace():
+    r = netns.run([sys.executable, "-c", "import sys; sys.exit(3)"], link="1gbit", timeout=60)
+    assert r.returncode == 3
+    with pytest.raises(subprocess.TimeoutExpired):
+        netns.run(["sleep", "30"], link="1gbit", timeout=1)  # the group is killed at 1 s
+    with pytest.raises(RuntimeError, match=r"(?s)exit codes \[0, 1\]\nrank 1 \(exit 1\):\nrank 1 failed"):
+        netns.run_ranks(["-c", "import os, sys; r = os.environ['RANK']; "
+                         "sys.exit(r == '1' and 'rank 1 failed')"], 2, link="1gbit", timeout=60)
+    assert netns.ours() == []
+
+
+@needs_netns
+def test_ranks_see_torchrun_env_and_their_namespace():
+    out = netns.run([sys.executable, "-c", "import os; print(os.environ.get('PYFAST_NETNS', ''))"],
+                    link="1gbit", timeout=60)
+    assert out.stdout.strip() == ""  # run() is a plain command: no rank env
+    netns.run_ranks(["-c", "import os, sys; e = os.environ; "
+                     "sys.exit(not (e['PYFAST_NETNS'].startswith('pyfast-') and "
+                     "e['MASTER_ADDR'] == '127.0.0.1' and e['WORLD_SIZE'] == '3'))"],
+                    3, link="10gbit", timeout=60)
+
+
+@needs_netns
+def test_setup_failure_is_clear_and_cleaned_up(monkeypatch):
+    monkeypatch.setattr(netns, "BURST", "not-a-size")  # tc refuses after the namespace exists
+    with pytest.raises(netns.LinkUnavailable, match=r"^emulated links need root.*tc qdisc add"):
+        with netns.namespace("1gbit"):
+            pass
+    assert netns.ours() == []
+
+
+@needs_netns
+def test_rate_limit_is_real():
+    n = 32 << 20
+    with netns.namespace("1gbit") as name:
+        lo0 = netns.lo_tx_bytes(name)
+        r = subprocess.run(["ip", "netns", "exec", name, sys.executable, "-c", SEND, str(n)],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        outside = netns.lo_tx_bytes(name) - lo0
+    secs, inside, got = (float(v) for v in r.stdout.split())
+    # tbf starts with a full 512 KB bucket; everything after it waits for tokens
+    assert secs >= (n - 512 * 1024) * 8 / 1e9, secs  # 0.537 s measured for 64 MB
+    assert secs < 5 * n * 8 / 1e9, f"{secs:.2f} s: 1gbit should not be this slow"
+    assert got == n and n <= inside <= outside < 1.01 * n  # TCP/IP headers: ~0.1% at 64 KB MTU
+
+
+def test_not_root_is_a_clear_skip(monkeypatch):
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    assert netns.unavailable() == PREFIX + "running as uid 1000, not root"
+    with pytest.raises(netns.LinkUnavailable, match="^" + PREFIX.replace("(", r"\(")
+                       .replace(")", r"\)")):
+        netns.run(["true"], link="1gbit")
+    assert netns.run(["true"], link="loopback").returncode == 0  # plain loopback needs nothing
+
+
+def test_missing_tc_is_a_clear_skip(monkeypatch):
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(netns, "TC", "no-such-tc")
+    assert netns.unavailable() == PREFIX + "no-such-tc not found on PATH"
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="needs root to drop to uid 65534 with setpriv")
+def test_really_unprivileged_process_gets_the_message():
+    r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                        sys.executable, "-c", "from pyfast.benchmarks import netns; "
+                        "print(netns.unavailable())"], capture_output=True, text=True, timeout=60,
+                       cwd="/")
+    if r.returncode != 0:
+        pytest.skip(f"uid 65534 cannot import pyfast here: {r.stderr.strip()[-200:]}")
+    assert r.stdout.strip() == PREFIX + "running as uid 65534, not root"
+
+
+@needs_netns
+def test_ctrl_c_kills_the_ranks_and_removes_the_namespace():
+    token = f"pyfastctrlc{os.getpid()}x{time.monotonic_ns()}"  # finds only this test's ranks
+    code = ("import os; from pyfast.benchmarks import netns; print('go', flush=True); "
+            "netns.run_ranks(['-c', 'import time; time.sleep(60)  # ' + os.environ['TOKEN']], "
+            "2, link='1gbit', timeout=120)")  # the token is in the ranks' argv, not this one's
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                         env={**os.environ, "TOKEN": token})
+    try:
+        assert p.stdout.readline().strip() == "go"
+        deadline = time.monotonic() + 30
+        while not [n for n in netns._namespaces() if n.startswith(f"pyfast-{p.pid}-")]:
+            assert time.monotonic() < deadline, "the namespace never appeared"
+            time.sleep(0.05)
+        while len(_pids(token)) < 2:  # both ranks are sleeping inside it
+            assert time.monotonic() < deadline, "the ranks never started"
+            time.sleep(0.05)
+        p.send_signal(signal.SIGINT)
+        p.wait(30)
+    finally:
+        p.kill()
+    assert not [n for n in netns._namespaces() if n.startswith(f"pyfast-{p.pid}-")]
+    assert not _pids(token), f"ranks outlived Ctrl-C: {_pids(token)}"
+
+
+def _pids(token: str) -> list[str]:
+    return subprocess.run(["pgrep", "-f", token], capture_output=True, text=True).stdout.split()
