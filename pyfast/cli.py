@@ -24,7 +24,16 @@ def _bench_compress(args) -> int:
     return 0
 
 
+DELEGATED = {"allreduce": "compressed all-reduce vs plain gloo, on emulated links",
+             "dp": "DataParallel training step vs torch DDP and its hooks",
+             "pipeline": "pipeline schedules vs torch.distributed.pipelining"}
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if len(argv) >= 2 and argv[0] == "bench" and argv[1] in DELEGATED:
+        import importlib
+        return importlib.import_module(f"pyfast.benchmarks.{argv[1]}").main(argv[2:])
     p = argparse.ArgumentParser(prog="pyfast", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("info", help="versions, backends available here (and why not), GPUs"
@@ -36,6 +45,8 @@ def main(argv=None) -> int:
     bc.add_argument("--repeats", type=int, default=5)
     bc.add_argument("--out", default="", help="write OUT.json and OUT.txt")
     bc.set_defaults(fn=_bench_compress)
+    for what, helptext in DELEGATED.items():  # parsed by the benchmark module's own main()
+        bench.add_parser(what, help=helptext)
     args = p.parse_args(argv)
     if getattr(args, "numel", 1) < 1:
         p.error("--numel must be >= 1")
