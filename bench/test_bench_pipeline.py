@@ -1,0 +1,53 @@
+"""pytest-benchmark suite: one pipeline training step per provider on 2 gloo ranks (pyfast's
+schedules, torch.distributed.pipelining's), and one process with 1 and 2 threads doing the same
+step whole or in the same 8 micro-batches. The timed call includes handing the step to the rank
+processes (~0.2 ms of queues); extra_info has the slowest rank's own step time.
+
+PYFAST_BENCH_PIPELINE=large|tiny|small picks the model (8 x Linear(w)+ReLU; large: w=1024,
+batch 256; tiny: 256, 32; small: 64, 16). The default is large, or small under
+--benchmark-disable (`make test` runs the suite once so it cannot rot). The README's numbers
+come from `pyfast bench pipeline` (pyfast.benchmarks.pipeline.run: every provider interleaved
+in one run, with the bubble, overhead per action and activation memory).
+"""
+import os
+
+import pytest
+
+from pyfast.benchmarks import pipeline as P
+
+SIZES = {**P.MODELS, "small": (64, 16)}
+PROVIDERS = [f"pyfast {s}" for s in P.SCHEDULES] + [f"torch {c}" for c, _ in P.TORCH.values()]
+
+
+@pytest.fixture(scope="module")
+def size(request):
+    default = "small" if request.config.getoption("benchmark_disable") else "large"
+    return SIZES[os.environ.get("PYFAST_BENCH_PIPELINE", default)]
+
+
+@pytest.fixture(scope="module")
+def ranks(size):
+    r = P.Ranks(2)
+    try:
+        assert sorted(r.call("_setup", *size)[0]) == sorted(PROVIDERS)
+        yield r
+    finally:
+        r.close()
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_pipeline_step(benchmark, ranks, size, provider):
+    r = ranks
+    r.call("_round", [provider])  # first step: shapes are exchanged
+    out = benchmark.pedantic(lambda: r.call("_round", [provider]), rounds=5, warmup_rounds=1)
+    slowest = max(rank[provider][0] for rank in out)
+    benchmark.extra_info.update(ranks=2, width=size[0], batch=size[1], microbatches=P.M,
+                                step_s_slowest_rank=slowest)
+    assert slowest > 0
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("micro", [False, True], ids=["whole-batch", "8-micro-batches"])
+def test_one_process(benchmark, size, threads, micro):
+    benchmark.extra_info.update(threads=threads, width=size[0], batch=size[1])
+    benchmark(P.single_process(*size, threads, micro))

@@ -1,0 +1,120 @@
+"""Run a function on N gloo ranks (processes on this machine) with a timeout, and collect what
+each rank returned or raised.
+
+    results = run_ranks(fn, 2, arg1, arg2)        # fn(rank, world_size, arg1, arg2) on each rank
+    errors = run_ranks(fn, 2, expect_errors=True) # each entry: the value, or a RankError
+
+`fn` must be importable by name (a module-level function of a test module): ranks are spawned,
+not forked, so no torch thread pool or gloo state leaks from the parent. The parent hosts the
+TCPStore on a port the OS picks, so parallel test runs never race for a "free" port. Every rank
+runs with one torch thread and a process group timeout, so a bug fails instead of hanging.
+
+Spawning costs about 2 s per rank on a 2-core machine (importing torch); RankPool keeps the
+ranks alive across calls for suites that run many small cases.
+"""
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import traceback
+
+import torch.distributed as dist
+
+
+class RankError(Exception):
+    """What a rank raised: its exception type name, message and traceback text."""
+
+    def __init__(self, rank: int, kind: str, message: str, tb: str):
+        super().__init__(f"rank {rank}: {kind}: {message}")
+        self.rank, self.kind, self.message, self.tb = rank, kind, message, tb
+
+
+def _worker(rank, world, port, pg_timeout, inbox, outbox):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False,
+                          timeout=datetime.timedelta(seconds=pg_timeout))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=pg_timeout))
+    try:
+        while True:
+            job = inbox.get()
+            if job is None:
+                break
+            fn, args, kwargs = job
+            try:
+                outbox.put((rank, True, fn(rank, world, *args, **kwargs)))
+            except BaseException as e:  # noqa: BLE001  (report everything to the parent)
+                outbox.put((rank, False, (type(e).__name__, str(e), traceback.format_exc())))
+    finally:
+        dist.destroy_process_group()
+
+
+class RankPool:
+    """N live ranks in one gloo group; run() sends them a job. A rank that times out or dies
+    takes the pool down (close() kills the processes this pool started, by pid)."""
+
+    def __init__(self, world_size: int, pg_timeout: float = 30.0):
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self._store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
+                                    wait_for_workers=False)
+        self._out = ctx.Queue()
+        self._ins = [ctx.Queue() for _ in range(world_size)]
+        port = self._store.port
+        self._procs = [ctx.Process(target=_worker, daemon=True,
+                                   args=(r, world_size, port, pg_timeout, self._ins[r], self._out))
+                       for r in range(world_size)]
+        for p in self._procs:
+            p.start()
+        self.alive = True
+
+    def run(self, fn, *args, timeout: float = 120.0, expect_errors: bool = False, **kwargs) -> list:
+        if not self.alive:
+            raise RuntimeError("RankPool is closed (a rank timed out or died earlier)")
+        for q in self._ins:
+            q.put((fn, args, kwargs))
+        results: dict[int, object] = {}
+        deadline = timeout
+        while len(results) < self.world_size:
+            try:
+                rank, ok, value = self._out.get(timeout=deadline)
+            except queue.Empty:
+                missing = sorted(set(range(self.world_size)) - set(results))
+                self.close()
+                raise TimeoutError(f"{fn.__name__}: ranks {missing} did not finish within "
+                                   f"{timeout:.0f} s; finished: {results}") from None
+            results[rank] = value if ok else RankError(rank, *value)
+        out = [results[r] for r in range(self.world_size)]
+        errors = [r for r in out if isinstance(r, RankError)]
+        if errors and not expect_errors:
+            raise RuntimeError("\n".join(f"{e}\n{e.tb}" for e in errors))
+        return out
+
+    def close(self):
+        if not self.alive:
+            return
+        self.alive = False
+        for q in self._ins:
+            q.put(None)
+        for p in self._procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: float = 30.0,
+              expect_errors: bool = False, **kwargs) -> list:
+    """fn(rank, world_size, *args, **kwargs) on `world_size` fresh ranks; a list per rank."""
+    with RankPool(world_size, pg_timeout) as pool:
+        return pool.run(fn, *args, timeout=timeout, expect_errors=expect_errors, **kwargs)

@@ -1,0 +1,178 @@
+"""Pipeline on 2 and 4 gloo ranks against a single-process run of the same nn.Sequential: loss
+and every parameter gradient within 1e-6 relative (fp32), uneven partitions, batch shapes that
+change between steps, inference, traces, and bad input that must fail on every rank with a
+message naming the problem (never a hang: the process group times out after 30 s)."""
+import json
+import os
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dist_utils import RankPool
+
+pytestmark = pytest.mark.dist
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)]
+
+
+def model(seed=0):
+    torch.manual_seed(seed)  # 9 layers, so 4 ranks x 2 virtual stages still get one each
+    return nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 32), nn.Tanh(), nn.LayerNorm(32),
+                         nn.Linear(32, 24), nn.GELU(), nn.Linear(24, 24), nn.Linear(24, 5))
+
+
+def batch(rows, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, 12, generator=g), torch.randn(rows, 5, generator=g)
+
+
+def _close(got, want, what):
+    scale = want.abs().max().item()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * scale, msg=lambda m: f"{what}: {m}")
+
+
+def check_against_dense(rank, world, schedule, v, balance, batches, m=4):
+    """Rank job: steps with the given batch sizes; compare with the dense model each time."""
+    from pyfast.parallel import Pipeline
+    pipe = Pipeline.from_sequential(model(), m, schedule, F.mse_loss, balance=balance, virtual_stages=v)
+    first, last = 0 in pipe.stages, pipe.n_stages - 1 in pipe.stages
+    ref = model()
+    for i, rows in enumerate(batches):
+        x, t = batch(rows, seed=i)
+        pipe.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        loss = pipe.step(x if first else None, t if last else None)
+        ref_loss = F.mse_loss(ref(x), t)
+        ref_loss.backward()
+        if last:
+            _close(loss, ref_loss.detach(), f"loss at step {i}")
+        else:
+            assert loss is None
+        want = dict(ref.named_parameters())
+        for stage in pipe.stages.values():
+            for name, p in stage.named_parameters():
+                _close(p.grad, want[name].grad, f"grad of {name} at step {i} ({rows} rows)")
+        y = pipe(x if first else None)
+        if last:
+            with torch.no_grad():
+                _close(y, ref(x), f"inference output at step {i}")
+    return sorted(i for s in pipe.stages for i in range(pipe.bounds[s], pipe.bounds[s + 1]))
+
+
+@pytest.fixture(scope="module")
+def pool2():
+    with RankPool(2) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="module")
+def pool4():
+    with RankPool(4) as pool:
+        yield pool
+
+
+# Batch sizes change between steps (16, 8, 24 rows): shapes are re-announced each step.
+@pytest.mark.parametrize("schedule,v", SCHEDULES)
+def test_two_ranks_equal_single_process(pool2, schedule, v):
+    layers = pool2.run(check_against_dense, schedule, v, "params", [16, 8, 24])
+    assert sorted(sum(layers, [])) == list(range(9))
+
+
+@pytest.mark.parametrize("schedule,v", SCHEDULES)
+def test_four_ranks_equal_single_process(pool4, schedule, v):
+    layers = pool4.run(check_against_dense, schedule, v, "params", [8, 16])
+    assert sorted(sum(layers, [])) == list(range(9))
+
+
+@pytest.mark.parametrize("schedule,v,balance", [("1f1b", 1, [7, 2]), ("zb-h1", 1, [1, 8]),
+                                                ("interleaved-1f1b", 2, [1, 5, 2, 1])])
+def test_uneven_partitions(pool2, schedule, v, balance):
+    layers = pool2.run(check_against_dense, schedule, v, balance, [12], m=6)
+    assert len(layers[0]) == sum(balance[0::2]) and len(layers[1]) == sum(balance[1::2])
+
+
+def test_more_microbatches_than_ranks_and_fewer(pool4):
+    pool4.run(check_against_dense, "1f1b", 1, "params", [4], m=2)    # m < p: no steady state
+    pool4.run(check_against_dense, "zb-h1", 1, "params", [36], m=12)
+
+
+def balanced_by_time(rank, world):
+    from pyfast.parallel import Pipeline
+    x, _ = batch(16, 0)
+    pipe = Pipeline.from_sequential(model(), 4, "1f1b", F.mse_loss, balance="time", example=x)
+    counts = [b - a for a, b in zip(pipe.bounds, pipe.bounds[1:])]
+    return [pipe.bounds, check_against_dense(rank, world, "1f1b", 1, counts, [16])]
+
+
+def test_balance_by_time(pool2):
+    (b0, _), (b1, _) = pool2.run(balanced_by_time)
+    assert b0 == b1, "every rank must compute the same partition"
+
+
+def traced(rank, world, path):
+    from pyfast.parallel import Pipeline, save_trace
+    pipe = Pipeline.from_sequential(model(), 4, "zb-h1", F.mse_loss)
+    x, t = batch(8, 0)
+    pipe.step(x if rank == 0 else None, t if rank == world - 1 else None, trace=True)
+    return save_trace(path), pipe.last_stats
+
+
+def test_trace(pool2, tmp_path):
+    path = str(tmp_path / "pp.json")
+    (written, stats), (other, _) = pool2.run(traced, path)
+    assert written == path and other is None
+    events = json.load(open(path))["traceEvents"]
+    kinds = {(e["pid"], e["cat"]) for e in events if e["ph"] == "X"}
+    assert {(0, "forward"), (0, "weight-grad"), (1, "backward"), (1, "send"), (0, "recv")} <= kinds
+    assert os.path.getsize(str(tmp_path / "pp.png")) > 1000
+    assert stats["peak_activation_bytes"] > 0 and stats["wall"] >= stats["compute"]
+
+
+# -- bad input: every rank raises, naming the problem --------------------------------------------
+def bad(rank, world, case):
+    from pyfast.parallel import Pipeline
+    x, t = batch(10, 0)
+    if case == "indivisible":
+        pipe = Pipeline.from_sequential(model(), 4, "1f1b", F.mse_loss)
+        pipe.step(x if rank == 0 else None, t if rank == world - 1 else None)
+    elif case == "target-rows":
+        pipe = Pipeline.from_sequential(model(), 2, "gpipe", F.mse_loss)
+        pipe.step(x if rank == 0 else None, t[:8] if rank == world - 1 else None)
+    elif case == "shape":  # stage 1 starts with Linear(24, 5) but stage 0 ends with 32 features
+        seq = nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(24, 5))
+        pipe = Pipeline.from_sequential(seq, 2, "1f1b", F.mse_loss, balance=[2, 1])
+        pipe.step(x if rank == 0 else None, t if rank == world - 1 else None)
+    elif case == "no-loss":  # only the last rank forgets it
+        Pipeline.from_sequential(model(), 2, loss_fn=F.mse_loss if rank == 0 else None)
+    elif case == "world":
+        Pipeline.from_sequential(model(), 2, loss_fn=F.mse_loss, balance=[3, 3, 3])
+    elif case == "layers":
+        Pipeline.from_sequential(nn.Sequential(nn.Linear(12, 5)), 2, loss_fn=F.mse_loss)
+    return "no error"
+
+
+@pytest.mark.parametrize("case,message", [
+    ("indivisible", "batch size 10 is not divisible by n_microbatches=4"),  # x and target alike
+    ("target-rows", "x and target batch sizes differ"),
+    ("shape", r"stage 1 \(layers 2..2\) cannot take stage 0's output"),
+])
+def test_bad_step_fails_on_every_rank(case, message):
+    with RankPool(2) as pool:  # its own ranks: a failed step may leave messages in flight
+        _expect_everywhere(pool.run(bad, case, expect_errors=True, timeout=60), message)
+
+
+@pytest.mark.parametrize("case,message", [
+    ("no-loss", "loss_fn is missing on the last stage"),
+    ("world", "balance lists 3 stages but the group has 2 ranks"),
+    ("layers", "more stages than layers"),
+])
+def test_bad_construction_fails_on_every_rank(pool2, case, message):
+    _expect_everywhere(pool2.run(bad, case, expect_errors=True, timeout=60), message)
+
+
+def _expect_everywhere(results, message):
+    for rank, r in enumerate(results):
+        assert r != "no error", f"rank {rank} did not fail"
+        assert re.search(message, r.message), f"rank {rank}: {r.message}"

@@ -1,0 +1,190 @@
+"""Pipeline pieces that need no processes: schedule orders, their lowering to transfers, the
+partitioner, the zero-bubble backward split, headers, and a one-rank Pipeline against the
+dense model."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pyfast.parallel import Pipeline
+from pyfast.parallel import schedules as S
+from pyfast.parallel.p2p import pack_header, unpack_header
+from pyfast.parallel.pipeline import _linear_weight_grad, input_grad, weight_grad
+from pyfast.parallel.schedules import partition
+
+CASES = [(name, p, m, v) for name in S.SCHEDULES for p in (1, 2, 3, 4) for m in (1, 2, 3, 4, 8, 12)
+         for v in ((2, 3) if name == "interleaved-1f1b" else (1,))
+         if not (name == "interleaved-1f1b" and m % max(1, m // p))]
+
+
+def orders(name, p, m, v):
+    return [S.compute_actions(name, r, p, m, v) for r in range(p)]
+
+
+@pytest.mark.parametrize("name,p,m,v", CASES)
+def test_every_microbatch_once_in_dependency_order(name, p, m, v):
+    for rank, acts in enumerate(orders(name, p, m, v)):
+        assert all(a.stage % p == rank for a in acts)
+        pos = {(a.kind, a.mb, a.stage): i for i, a in enumerate(acts)}
+        assert len(pos) == len(acts), "an action repeats"
+        for s in range(rank, p * v, p):
+            for k in range(m):
+                f = pos.pop((S.F, k, s))
+                if (S.B, k, s) in pos:
+                    assert f < pos.pop((S.B, k, s))
+                else:
+                    i, w = pos.pop((S.I, k, s)), pos.pop((S.W, k, s))
+                    assert f < i < w
+        assert not pos, f"unexpected actions {pos}"
+
+
+@pytest.mark.parametrize("name,p,m,v", CASES)
+def test_no_deadlock_and_bubble(name, p, m, v):
+    res = S.simulate(orders(name, p, m, v), p * v,
+                     cost={S.F: 1 / v, S.B: 2 / v, S.I: 1 / v, S.W: 1 / v})
+    formula = (p - 1) / (m + p - 1)
+    if name in ("gpipe", "1f1b"):
+        assert res["bubble"] == pytest.approx(formula)
+    elif p > 1 and m >= p:  # zero bubble and interleaving only shrink it
+        assert res["bubble"] < formula
+
+
+@pytest.mark.parametrize("p,m", [(2, 8), (4, 8), (4, 16), (3, 5)])
+def test_memory_bounds(p, m):
+    for r in range(p):
+        assert S.held(S.one_f_one_b(r, p, m)) == min(p - r, m)  # at most p in flight
+        assert S.held(S.zb_h1(r, p, m)) <= p                    # 1F1B's peak, as the paper says
+        assert S.held(S.gpipe(r, p, m)) == m
+
+
+def test_zero_bubble_cuts_the_bubble_to_a_third():
+    # Qi et al. 2023: 1F1B idles (p-1)(F+B+W); ZB-H1 (p-1)(F+B-W), with F = B = W
+    for p, m in [(2, 8), (4, 8), (4, 24)]:
+        one = S.simulate(orders("1f1b", p, m, 1), p)
+        zb = S.simulate(orders("zb-h1", p, m, 1), p)
+        assert one["end"] - 3 * m == 3 * (p - 1)
+        assert zb["end"] - 3 * m == pytest.approx(p - 1)
+
+
+@pytest.mark.parametrize("name,p,m,v", CASES)
+def test_lowered_transfers_pair_up(name, p, m, v):
+    n = p * v
+    lowered = [S.lower(acts, n) for acts in orders(name, p, m, v)]
+    sends, recvs = set(), set()
+    for acts in lowered:
+        seen = set()
+        for a in acts:
+            if a.kind in (S.SEND_F, S.SEND_B):
+                producer = S.F if a.kind == S.SEND_F else None
+                assert (producer, a.mb, a.stage) in seen or any(
+                    (k, a.mb, a.stage) in seen for k in (S.B, S.I)), f"{a} before its producer"
+                sends.add((a.kind[-1], a.mb, a.stage + (1 if a.kind == S.SEND_F else -1)))
+            elif a.kind in (S.RECV_F, S.RECV_B):
+                recvs.add((a.kind[-1], a.mb, a.stage))
+            seen.add((a.kind, a.mb, a.stage))
+        for i, a in enumerate(acts):  # each receive is posted before the action that consumes it
+            if a.kind == S.F and a.stage > 0:
+                assert S.Action(S.RECV_F, a.mb, a.stage) in acts[:i]
+            if a.kind in (S.B, S.I) and a.stage < n - 1:
+                assert S.Action(S.RECV_B, a.mb, a.stage) in acts[:i]
+    assert sends == recvs
+
+
+def test_bad_schedule_arguments():
+    with pytest.raises(ValueError, match="unknown schedule"):
+        S.compute_actions("pipedream", 0, 2, 4)
+    with pytest.raises(ValueError, match="virtual_stages=2 needs"):
+        S.compute_actions("1f1b", 0, 2, 4, 2)
+    with pytest.raises(ValueError, match="divisible"):
+        S.compute_actions("interleaved-1f1b", 0, 4, 9, 2)
+
+
+def test_partition():
+    pairs = [1000, 0] * 8  # 8 x (Linear + ReLU): split between pairs, never inside one
+    assert partition(pairs, 2) == [8, 8]
+    assert partition(pairs, 4) == [4, 4, 4, 4]
+    assert partition([5, 1, 1, 1, 1, 1], 2) == [1, 5]
+    assert partition([1, 1, 1], 3) == [1, 1, 1]
+    assert partition([0.2, 0.1, 0.1, 0.3, 0.3], 2) == [3, 2]
+
+
+def _stage_models():
+    lin = nn.Linear(6, 6)
+    return {
+        "linear-relu": nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 6)),
+        "inplace": nn.Sequential(nn.Linear(6, 6), nn.ReLU(inplace=True), nn.Linear(6, 6, bias=False)),
+        "norm-gelu": nn.Sequential(nn.LayerNorm(6), nn.Linear(6, 6), nn.GELU(), nn.LayerNorm(6)),
+        "conv": nn.Sequential(nn.Unflatten(1, (1, 6)), nn.Conv1d(1, 2, 3), nn.Tanh(), nn.Flatten()),
+        "tied": nn.Sequential(lin, nn.Tanh(), lin),
+    }
+
+
+@pytest.mark.parametrize("kind", list(_stage_models()))
+def test_split_backward_equals_full_backward(kind):
+    seq = _stage_models()[kind]
+    x = torch.randn(5, 6).requires_grad_()
+    y = seq(x)
+    dy = torch.randn_like(y)
+    want = torch.autograd.grad(y, [x, *seq.parameters()], dy, retain_graph=True)
+    params = list(seq.parameters())
+    split = input_grad(y, dy, x, params)
+    if kind == "tied":
+        assert split is None  # W from each use would count the other's share: full backward
+        return
+    plan, gx = split
+    torch.testing.assert_close(gx, want[0], rtol=1e-6, atol=1e-7)
+    assert all(p.grad is None for p in params), "I must not touch weight gradients"
+    if kind == "linear-relu":  # the in-place GEMM path, not autograd, takes F.linear's pattern
+        assert [_linear_weight_grad(n, g, ps) for n, g, ps in plan] == [True, True]
+        for p in params:
+            p.grad = None
+    weight_grad(plan)
+    for p, g in zip(params, want[1:]):
+        torch.testing.assert_close(p.grad, g, rtol=1e-6, atol=1e-7)
+
+
+def test_header_round_trip():
+    t = torch.empty(3, 5, 7, dtype=torch.bfloat16)
+    h = unpack_header(pack_header(12, True, t, requires_grad=True))
+    assert (h["shape"], h["dtype"], h["requires_grad"], h["step"], h["error"]) == \
+        ((3, 5, 7), torch.bfloat16, True, 12, None)
+    err = unpack_header(pack_header(3, False, error="batch size 30 is bad"))
+    assert err["error"] == "batch size 30 is bad"
+
+
+def _model():
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(),
+                         nn.LayerNorm(16), nn.Linear(16, 4))
+
+
+@pytest.mark.parametrize("schedule", list(S.SCHEDULES))
+def test_one_rank_equals_dense(schedule):
+    x, t = torch.randn(12, 10), torch.randn(12, 4)
+    ref = _model()
+    ref_loss = F.mse_loss(ref(x), t)
+    ref_loss.backward()
+    v = 3 if schedule == "interleaved-1f1b" else 1
+    pipe = Pipeline.from_sequential(_model(), 4, schedule, F.mse_loss, virtual_stages=v)
+    loss = pipe.step(x, t)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+    want = dict(ref.named_parameters())
+    for stage in pipe.stages.values():
+        for name, p in stage.named_parameters():
+            g = want[name].grad
+            torch.testing.assert_close(p.grad, g, rtol=1e-6, atol=1e-6 * g.abs().max().item())
+    want_y = ref(x)  # 3-row and 12-row GEMMs round differently: compare at 1e-6 of the scale
+    torch.testing.assert_close(pipe(x), want_y, rtol=1e-6, atol=1e-6 * want_y.abs().max().item())
+
+
+def test_one_rank_bad_input():
+    with pytest.raises(ValueError, match="more stages than layers"):
+        Pipeline.from_sequential(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), 2, "interleaved-1f1b",
+                                 F.mse_loss, virtual_stages=3)
+    with pytest.raises(ValueError, match="loss_fn is missing on the last stage"):
+        Pipeline.from_sequential(_model(), 2)
+    with pytest.raises(ValueError, match="balance lists 2 stages but the group has 1 ranks"):
+        Pipeline.from_sequential(_model(), 2, loss_fn=F.mse_loss, balance=[3, 3])
+    pipe = Pipeline.from_sequential(_model(), 4, loss_fn=F.mse_loss)
+    with pytest.raises(Exception, match="batch size 10 is not divisible by n_microbatches=4"):
+        pipe.step(torch.randn(10, 10), torch.randn(10, 4))
