@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 import pyfast.compress as C
 from pyfast.comm import all_reduce
+from pyfast.comm.collectives import wait_all
 
 
 class CompressionState:
@@ -68,8 +69,7 @@ def compression_hook(state: CompressionState,
 
     def done(_):
         try:
-            for h in handles:
-                h.wait()
+            wait_all(handles)
             fut.set_result(buf)
         except BaseException as e:
             fut.set_exception(e)

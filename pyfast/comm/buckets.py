@@ -115,11 +115,25 @@ class Bucketer:
         self.finish_and_callback()
 
     def finish(self) -> list[Bucket]:
+        # Wait for every launched bucket even after one failed: a reduction still running on
+        # the communication thread would otherwise interleave with the caller's next
+        # collective, in a different order on each rank (seen as a 120 s gloo hang in tests).
+        errors = []
+        for b in self.buckets:
+            if b.handle is not None:
+                try:
+                    b.handle.wait()
+                except BaseException as e:
+                    errors.append(e)
+                    b.extra["failed"] = True
+        if errors:
+            for b in self.buckets:
+                b.handle = None
+            raise errors[0]
         done = []
         for b in self.buckets:
             if b.handle is None:
                 continue
-            b.handle.wait()
             b.extra["seconds"] = getattr(b.handle, "seconds", float("nan"))
             b.handle = None
             with torch.no_grad():

@@ -218,6 +218,19 @@ def _reduce(t: torch.Tensor, c, group, op: str, name: str, algo: str | None) -> 
     return t
 
 
+def wait_all(handles) -> None:
+    """Wait for every handle, then raise the first error: never leave a reduction running
+    behind the caller's back (its next collective would interleave with it)."""
+    errors = []
+    for h in handles:
+        try:
+            h.wait()
+        except BaseException as e:
+            errors.append(e)
+    if errors:
+        raise errors[0]
+
+
 def fast_path(t: torch.Tensor) -> bool:
     """In-place pipelined path (pipelined.py) unless PYFAST_COMM_REFERENCE=1 asks for the
     reference functions above (tests compare the two)."""

@@ -15,6 +15,7 @@ from torch import nn
 
 import pyfast.compress as C
 from pyfast.comm import NonFiniteGradient, all_reduce
+from pyfast.comm.collectives import wait_all
 from pyfast.comm.auto import AutoSelector
 from pyfast.comm.buckets import Bucketer
 
@@ -152,8 +153,7 @@ class _All:
         self.handles = handles
 
     def wait(self):
-        for h in self.handles:
-            h.wait()
+        wait_all(self.handles)
 
 
 class DataParallelNaive(nn.Module):
