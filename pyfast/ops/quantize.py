@@ -10,9 +10,11 @@ import torch
 from pyfast.ops._backend import resolve
 
 KINDS = {"int8": 127.0, "int4": 7.0, "fp8": 448.0, "sign": None}  # kind -> qmax
-# Default block: 512 elements. Measured on this 2-core machine (bench/results/block_size.md):
-# 128 costs int8 3.1% wire for scales and int4 6.3%, 512 costs 0.8% / 1.6% and its error is
-# within a few percent of 128's on Gaussian gradients; the C++ throughput is flat from 256 up.
+# Default block: 512 elements. Measured on this 2-core machine, 16M-element heavy-tailed
+# gradient (bench/results/block_size.txt): scales cost 0.8% of int8's wire and 1.6% of int4's
+# at 512 against 3.1% / 6.3% at 128, for a relative error 30% higher (int8 0.0163 vs 0.0125;
+# int4 0.256 vs 0.203); C++ quantize + dequantize time is flat from 128 up (24.6 vs 26.1 ms).
+# On bandwidth-bound links the wire wins; error feedback absorbs the rest.
 DEFAULT_BLOCK = 512
 _MAGIC = 12582912.0  # 1.5 * 2**23: (y + M) - M rounds fp32 y to nearest-even for |y| < 2**22
 
