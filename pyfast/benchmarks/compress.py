@@ -104,6 +104,8 @@ def table(result: dict):
         if "skipped" in r:
             skipped.setdefault(f"{r['backend']}: {r['skipped']}", []).append(r["spec"])
             continue
+        if r["spec"] == "none":  # a view: nothing is moved, so no rate to show
+            r = {**r, "GBps": float("nan"), "roof_fraction": float("nan")}
         vs = f"{r['speedup_vs_torch']:.1f}x" if r["backend"] != "torch" else ""
         if "speedup_vs_torch_topk" in r:
             vs += f" ({r['speedup_vs_torch_topk']:.1f}x torch.topk)"
