@@ -1,10 +1,8 @@
 // pyfast._C: the op schemas (one TORCH_LIBRARY block) and the Python module entry point.
 // Kernels register per device with TORCH_LIBRARY_IMPL: csrc/*.cpp (CPU), csrc/cuda/*.cu (CUDA).
 // Formats: docs/FORMATS.md.
-#include <pybind11/pybind11.h>
+#include <Python.h>
 #include <torch/library.h>
-
-#include "engine.h"
 
 TORCH_LIBRARY(pyfast, m) {
   m.def("quantize(Tensor x, str kind, int block, bool stochastic, int seed) -> (Tensor, Tensor)");
@@ -14,8 +12,11 @@ TORCH_LIBRARY(pyfast, m) {
   m.def("topk_select(Tensor x, Tensor(a!)? ef, float threshold, int limit) -> (Tensor, Tensor)");
 }
 
-// Importing pyfast._C runs the static registrations above and binds the overlap engine, the one
-// thing here that is an object rather than a tensor op (DESIGN.md, STYLE.md 3).
-PYBIND11_MODULE(_C, m) {
-  pyfast::bind_engine(m);
+extern "C" {
+// Importing pyfast._C runs the static registrations above; the module itself is empty
+// (the overlap engine's pybind11 classes will live here).
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&def);
+}
 }
