@@ -1,8 +1,10 @@
 // pyfast._C: the op schemas (one TORCH_LIBRARY block) and the Python module entry point.
 // Kernels register per device with TORCH_LIBRARY_IMPL: csrc/*.cpp (CPU), csrc/cuda/*.cu (CUDA).
 // Formats: docs/FORMATS.md.
-#include <Python.h>
+#include <torch/csrc/utils/pybind.h>  // intrusive_ptr holders: ProcessGroup from Python
 #include <torch/library.h>
+
+#include "engine.h"
 
 TORCH_LIBRARY(pyfast, m) {
   m.def("quantize(Tensor x, str kind, int block, bool stochastic, int seed) -> (Tensor, Tensor)");
@@ -12,11 +14,35 @@ TORCH_LIBRARY(pyfast, m) {
   m.def("topk_select(Tensor x, Tensor(a!)? ef, float threshold, int limit) -> (Tensor, Tensor)");
 }
 
-extern "C" {
-// Importing pyfast._C runs the static registrations above; the module itself is empty
-// (the overlap engine's pybind11 classes will live here).
-PyObject* PyInit__C(void) {
-  static struct PyModuleDef def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
-  return PyModule_Create(&def);
-}
+namespace py = pybind11;
+
+namespace {
+// The Python object may be the last owner: join the worker without the GIL, which the worker
+// may need to free a tensor whose Python object it kept alive.
+struct ReleaseGilDelete {
+  void operator()(pyfast::Engine* e) const {
+    if (!PyGILState_Check()) return delete e;
+    py::gil_scoped_release nogil;
+    delete e;
+  }
+};
+}  // namespace
+
+// Importing pyfast._C runs the static registrations above and binds the overlap engine, the one
+// thing here that is an object rather than a tensor op (DESIGN.md; STYLE.md 3). Every call that
+// may block releases the GIL; the worker never takes it.
+PYBIND11_MODULE(_C, m) {
+  using pyfast::Engine;
+  using nogil = py::call_guard<py::gil_scoped_release>;
+  py::class_<Engine, std::unique_ptr<Engine, ReleaseGilDelete>>(m, "Engine",
+      "Compressed all-reduce jobs, first-in first-out on one worker thread over a "
+      "ProcessGroup (pyfast/comm/engine.py is the Python face).")
+      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>>(), py::arg("group"))
+      .def("submit", &Engine::submit, nogil(), py::arg("tensor"), py::arg("kind"),
+           py::arg("block"), py::arg("algorithm"), py::arg("avg"), py::arg("ef"),
+           py::arg("align"), py::arg("chunk"))
+      .def("wait", &Engine::wait, nogil(), py::arg("id"))
+      .def("seconds", &Engine::seconds, nogil(), py::arg("id"))
+      .def_property_readonly("rank", &Engine::rank)
+      .def_property_readonly("world", &Engine::world);
 }

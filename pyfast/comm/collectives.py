@@ -86,7 +86,7 @@ def _all_gather_var(buf: torch.Tensor, group, flag: int = 0) -> tuple[list[torch
 def _two_phase(x: torch.Tensor, c, group, name: str) -> torch.Tensor:
     world, rank = _world(group)
     n = x.numel()
-    bounds = _chunks(n, world, getattr(c, "block", 8))
+    bounds = _chunks(n, world, getattr(getattr(c, "inner", c), "block", 8))
     send = [_bytes(c, x[a:b], f"{name}.{i}") for i, (a, b) in enumerate(bounds)]
     sizes = [s.numel() for s in send]  # every rank's chunk i has the same layout and size
     mine = bounds[rank]

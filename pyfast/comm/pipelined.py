@@ -51,7 +51,7 @@ def gather_sum_into(x, c, group, name, out, helpers):
             else:
                 helpers.decode_add(c, b, out, x.dtype)
         return out
-    align = getattr(c, "block", 8)
+    align = getattr(getattr(c, "inner", c), "block", 8)
     step = -(-chunk_elems() // align) * align
     bounds = [(a, min(n, a + step)) for a in range(0, n, step)]
     pending = []
@@ -80,7 +80,7 @@ def two_phase_into(x, c, group, name, out, helpers):
     all-gather and chunk j-2's decode overlap. out may be x itself."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     n = x.numel()
-    align = getattr(c, "block", 8)
+    align = getattr(getattr(c, "inner", c), "block", 8)
     step = -(-chunk_elems() // (align * world)) * align * world
     bounds = [(a, min(n, a + step)) for a in range(0, n, step)]
     single = len(bounds) == 1  # then names match the reference's, for error feedback

@@ -1,0 +1,297 @@
+// pyfast::Engine (engine.h). The worker runs pyfast.comm.all_reduce's algorithms for the dense
+// compressors with c10d calls and the pyfast:: kernels (wire.h): pipelined.py's pieces (the
+// reference functions of collectives.py when chunk = 0), the same wire bytes, decode order (rank
+// order into zeroed fp32) and error-feedback arithmetic, so results are bitwise equal to it.
+// Like pipelined.py it keeps two all-gathers, or three two-phase stages, in flight: compressing
+// piece i+1 and decoding piece i-1 overlap the transfer of piece i.
+//
+// One deliberate difference on the wire: every rank's slot in a gather / all-to-all buffer is
+// padded to 8 bytes, so the fp32 scales of every slot are aligned views; the reference copies
+// misaligned slices instead (compress/base.py aligned()). At most 7 bytes per message.
+#include "engine.h"
+
+#include <c10/core/GradMode.h>
+#include <pthread.h>
+
+#include <chrono>
+#include <limits>
+#include <string_view>
+
+#include "wire.h"
+
+namespace pyfast {
+namespace {
+
+const std::pair<std::string_view, Kind> kKinds[] = {
+    {"none", Kind::None}, {"fp16", Kind::Fp16}, {"bf16", Kind::Bf16}, {"int8", Kind::Int8},
+    {"int4", Kind::Int4}, {"fp8", Kind::Fp8},   {"sign", Kind::Sign}};
+enum class Algo { Native, TwoPhase, AllGather };
+const std::pair<std::string_view, Algo> kAlgos[] = {
+    {"native", Algo::Native}, {"two-phase", Algo::TwoPhase}, {"allgather", Algo::AllGather}};
+
+template <class T, size_t N>
+T lookup(const std::pair<std::string_view, T> (&table)[N], const std::string& key,
+         const char* what) {
+  std::string valid;
+  for (const auto& [name, v] : table) {
+    if (name == key) return v;
+    valid += (valid.empty() ? "" : ", ") + std::string(name);
+  }
+  TORCH_CHECK(false, "pyfast engine: unknown ", what, " '", key, "'; valid: ", valid);
+  return table[0].second;  // not reached
+}
+
+void check_float(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() &&
+                  t.dim() == 1,
+              "pyfast engine: ", what, " must be a flat contiguous float32 CPU tensor, got ",
+              t.scalar_type(), " of shape ", t.sizes(), " on ", t.device());
+}
+
+// pipelined.py's pieces [a, b): steps of `chunk` rounded up to align (align * W for two-phase);
+// chunk <= 0 is one piece, collectives.py's reference functions.
+std::vector<std::pair<int64_t, int64_t>> pieces(Algo algo, int64_t n, int64_t align,
+                                                int64_t chunk, int64_t W) {
+  const int64_t step = chunk <= 0 ? n : round_up(chunk, algo == Algo::TwoPhase ? align * W : align);
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (int64_t a = 0; a < n; a += step) out.emplace_back(a, std::min(n, a + step));
+  return out;
+}
+
+using WorkPtr = c10::intrusive_ptr<c10d::Work>;
+at::Tensor bytes(int64_t len) { return at::empty({len}, at::TensorOptions().dtype(at::kByte)); }
+
+}  // namespace
+
+struct Engine::Job {
+  int64_t id;
+  at::Tensor t;
+  Codec codec;
+  Algo algo;
+  bool avg;
+  int64_t align, chunk;
+  std::vector<at::Tensor> ef;
+  std::string what;  // names the job in errors
+  bool done = false;
+  double seconds = std::numeric_limits<double>::quiet_NaN();
+  std::exception_ptr error;
+};
+
+Engine::Engine(c10::intrusive_ptr<c10d::ProcessGroup> pg)
+    : pg_(std::move(pg)), rank_(pg_->getRank()), world_(pg_->getSize()) {
+  quantize_op(), dequantize_op(), accumulate_op();  // fail here if pyfast._C's ops are missing
+  worker_ = std::thread([this] { loop(); });
+}
+
+Engine::~Engine() {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    stop_ = true;
+  }
+  work_cv_.notify_all();
+  if (worker_.joinable()) worker_.join();
+}
+
+int64_t Engine::submit(const at::Tensor& t, const std::string& kind, int64_t block,
+                       const std::string& algorithm, bool avg, std::vector<at::Tensor> ef,
+                       int64_t align, int64_t chunk) {
+  auto j = std::make_shared<Job>();
+  j->codec = Codec{lookup(kKinds, kind, "compression kind"), kind, block};
+  j->algo = lookup(kAlgos, algorithm, "algorithm");
+  check_float(t, "the reduced tensor");
+  TORCH_CHECK((j->codec.kind == Kind::None) == (j->algo == Algo::Native),
+              "pyfast engine: kind '", kind, "' cannot use algorithm '", algorithm,
+              "' (none is reduced natively; the other kinds use two-phase or allgather)");
+  TORCH_CHECK(align >= 1 && block >= 1, "pyfast engine: align and block must be >= 1, got ",
+              align, " and ", block);
+  const int64_t n = t.numel();
+  std::vector<int64_t> want;  // element count of each error-feedback memory, in order
+  for (auto [a, b] : pieces(j->algo, n, align, chunk, world_)) {
+    if (j->algo == Algo::AllGather) want.push_back(b - a);
+    if (j->algo != Algo::TwoPhase) continue;
+    const auto parts = chunks(b - a, world_, align);
+    for (auto [p, q] : parts) want.push_back(q - p);
+    want.push_back(parts[rank_].second - parts[rank_].first);
+  }
+  TORCH_CHECK(ef.empty() || ef.size() == want.size(), "pyfast engine: ", algorithm, " of ", n,
+              " elements on ", world_, " ranks needs ", want.size(),
+              " error-feedback buffers, got ", ef.size());
+  for (size_t i = 0; i < ef.size(); ++i) {
+    check_float(ef[i], "an error-feedback buffer");
+    TORCH_CHECK(ef[i].numel() == want[i], "pyfast engine: error-feedback buffer ", i, " holds ",
+                ef[i].numel(), " elements, its part of the tensor has ", want[i]);
+  }
+  j->t = t, j->avg = avg, j->ef = std::move(ef), j->align = align, j->chunk = chunk;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    TORCH_CHECK(!stop_, "pyfast engine: submit after shutdown");
+    j->id = next_id_++;
+    j->what = c10::str("pyfast engine job ", j->id, " (", kind, ", ", algorithm, ", ", n,
+                       " elements, rank ", rank_, " of ", world_, ")");
+    jobs_[j->id] = j;
+    queue_.push_back(j);
+  }
+  work_cv_.notify_one();
+  return j->id;
+}
+
+double Engine::wait(int64_t id) {
+  std::shared_ptr<Job> j;
+  {
+    std::unique_lock<std::mutex> g(mu_);
+    auto it = jobs_.find(id);
+    TORCH_CHECK(it != jobs_.end(), "pyfast engine: no job ", id, " (already waited for?)");
+    j = it->second;
+    done_cv_.wait(g, [&] { return j->done; });
+    jobs_.erase(id);
+  }
+  if (j->error) std::rethrow_exception(j->error);
+  return j->seconds;
+}
+
+double Engine::seconds(int64_t id) {
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = jobs_.find(id);
+  TORCH_CHECK(it != jobs_.end(), "pyfast engine: no job ", id, " (already waited for?)");
+  return it->second->seconds;
+}
+
+void Engine::loop() {
+  pthread_setname_np(pthread_self(), "pyfast-engine");
+  c10::AutoGradMode no_grad(false);
+  for (;;) {
+    std::shared_ptr<Job> j;
+    {
+      std::unique_lock<std::mutex> g(mu_);
+      work_cv_.wait(g, [&] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stop_ and drained
+      j = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    std::exception_ptr error;
+    try {
+      // A failed collective may leave ranks at different points of the sequence: running
+      // later jobs could pair one rank's bucket 3 with another's bucket 4. Fail them instead.
+      TORCH_CHECK(broken_.empty(), "not run: ", broken_);
+      run(*j);
+    } catch (c10::Error& e) {  // keeps its type (DistBackendError -> torch's Python class)
+      e.add_context(j->what);
+      error = std::current_exception();
+      if (broken_.empty()) broken_ = c10::str(j->what, " failed: ", e.msg());
+    } catch (std::exception& e) {
+      error = std::make_exception_ptr(std::runtime_error(j->what + ": " + e.what()));
+      if (broken_.empty()) broken_ = j->what + " failed: " + e.what();
+    }
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    j->t.reset();  // release the buffers now, outside the lock
+    j->ef.clear();
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      j->done = true, j->seconds = s, j->error = error;
+    }
+    done_cv_.notify_all();
+  }
+}
+
+void Engine::run(Job& j) {
+  if (j.algo == Algo::Native) {
+    std::vector<at::Tensor> ts{j.t};
+    pg_->allreduce(ts)->wait();
+  } else if (j.algo == Algo::AllGather) {
+    gather_sum(j);
+  } else {
+    two_phase(j);
+  }
+  if (j.avg) j.t.div_(world_);  // the reference's fp32 `t.div_(world)`
+}
+
+// pipelined.gather_sum_into (collectives._gather_sum when one piece): every rank's compressed
+// piece, summed in rank order into the zeroed piece of t (0 + -0 is +0: no copy of rank 0's).
+void Engine::gather_sum(Job& j) {
+  const Codec& c = j.codec;
+  struct Flight { int64_t a, len, slot; at::Tensor send, recv; WorkPtr work; };
+  std::deque<Flight> flying;
+  auto finish = [&](Flight& f) {
+    f.work->wait();
+    at::Tensor out = j.t.narrow(0, f.a, f.len);
+    out.zero_();
+    for (int64_t r = 0; r < world_; ++r) c.decode_add(f.recv.narrow(0, r * f.slot, c.bytes(f.len)), out);
+  };
+  size_t e = 0;
+  for (auto [a, b] : pieces(j.algo, j.t.numel(), j.align, j.chunk, world_)) {
+    Flight f{a, b - a, round8(c.bytes(b - a))};
+    f.send = bytes(f.slot), f.recv = bytes(f.slot * world_);
+    c.compress(j.t.narrow(0, a, f.len), j.ef.empty() ? at::Tensor() : j.ef[e++],
+               f.send.narrow(0, 0, c.bytes(f.len)));
+    f.send.narrow(0, c.bytes(f.len), f.slot - c.bytes(f.len)).zero_();
+    f.work = pg_->all_gather_single(f.recv, f.send);
+    flying.push_back(std::move(f));
+    if (flying.size() > 2) {  // two in flight: the link never idles (pipelined.py)
+      finish(flying.front());
+      flying.pop_front();
+    }
+  }
+  for (auto& f : flying) finish(f);
+}
+
+// pipelined.two_phase_into (collectives._two_phase when one piece): per piece, all-to-all of
+// the W compressed parts; each rank sums its part in rank order, compresses the sum (".sum"
+// memory) and all-gathers it; every rank decodes every part. Three stages in flight.
+void Engine::two_phase(Job& j) {
+  const Codec& c = j.codec;
+  const int64_t W = world_;
+  struct Stage {
+    int64_t a;
+    std::vector<std::pair<int64_t, int64_t>> parts;
+    std::vector<int64_t> slots;
+    size_t ef;  // index of part 0's memory
+    at::Tensor send, recv;
+    WorkPtr work;
+  };
+  std::deque<Stage> stage_a, stage_b;
+  auto ef = [&](size_t i) { return j.ef.empty() ? at::Tensor() : j.ef[i]; };
+  auto reduce_gather = [&](Stage s) {
+    s.work->wait();
+    const auto [p, q] = s.parts[rank_];
+    at::Tensor acc = at::zeros({q - p}, at::kFloat);
+    for (int64_t r = 0; r < W; ++r)
+      c.decode_add(s.recv.narrow(0, r * s.slots[rank_], c.bytes(q - p)), acc);
+    const int64_t big = s.slots[0];  // part 0 is the longest: every part's sum fits
+    s.send = bytes(big), s.recv = bytes(big * W);
+    c.compress(acc, ef(s.ef + W), s.send.narrow(0, 0, c.bytes(q - p)));
+    s.send.narrow(0, c.bytes(q - p), big - c.bytes(q - p)).zero_();
+    s.work = pg_->all_gather_single(s.recv, s.send);
+    stage_b.push_back(std::move(s));
+  };
+  auto decode = [&](Stage& s) {
+    s.work->wait();
+    for (int64_t i = 0; i < W; ++i) {
+      const auto [p, q] = s.parts[i];
+      if (q > p) c.decode(s.recv.narrow(0, i * s.slots[0], c.bytes(q - p)), j.t.narrow(0, s.a + p, q - p));
+    }
+  };
+  size_t e = 0;
+  for (auto [a, b] : pieces(j.algo, j.t.numel(), j.align, j.chunk, W)) {
+    Stage s{a, chunks(b - a, W, j.align)};
+    s.ef = e, e += W + 1;
+    int64_t total = 0;
+    for (auto [p, q] : s.parts) s.slots.push_back(round8(c.bytes(q - p))), total += s.slots.back();
+    s.send = bytes(total);
+    for (int64_t i = 0, off = 0; i < W; off += s.slots[i], ++i) {
+      const auto [p, q] = s.parts[i];
+      c.compress(j.t.narrow(0, a + p, q - p), ef(s.ef + i), s.send.narrow(0, off, c.bytes(q - p)));
+      s.send.narrow(0, off + c.bytes(q - p), s.slots[i] - c.bytes(q - p)).zero_();
+    }
+    std::vector<int64_t> recv_splits(W, s.slots[rank_]);
+    s.recv = bytes(s.slots[rank_] * W);
+    s.work = pg_->all_to_all_single(s.recv, s.send, recv_splits, s.slots);
+    stage_a.push_back(std::move(s));
+    if (stage_a.size() > 1) reduce_gather(std::move(stage_a.front())), stage_a.pop_front();
+    if (stage_b.size() > 1) decode(stage_b.front()), stage_b.pop_front();
+  }
+  for (; !stage_a.empty(); stage_a.pop_front()) reduce_gather(std::move(stage_a.front()));
+  for (; !stage_b.empty(); stage_b.pop_front()) decode(stage_b.front());
+}
+
+}  // namespace pyfast

@@ -1,0 +1,129 @@
+"""NativeEngine: the Python face of the overlap engine in pyfast._C (csrc/engine.cpp).
+
+The engine runs compressed all-reduces first-in first-out on its own C++ thread over a c10d
+process group, with the GIL released: the caller (backward) keeps computing while a bucket is
+compressed, sent and decoded, and no Python runs on the communication path. It does what
+pyfast.comm.all_reduce does for the dense compressors (none, fp16, bf16, int8, int4, fp8, sign,
+deterministic rounding, with or without error feedback), bit for bit: the same pieces as
+pipelined.py (PYFAST_COMM_CHUNK; PYFAST_COMM_REFERENCE=1 gives the unchunked reference
+functions), and the error-feedback memory in the compressor's ErrorFeedback under the names that
+path uses, so checkpoints (state_dict) are the same whichever path ran.
+
+Collectives must be issued in the same order on every rank: do not run the engine and the
+Python path (or any other collective) on the same group while engine jobs are in flight.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import pyfast.compress as C
+from pyfast.comm import pipelined as P
+from pyfast.comm.collectives import OPS, _chunks, choose, fast_path
+from pyfast.compress.cast import Cast, NoCompression
+from pyfast.compress.feedback import WithFeedback
+from pyfast.compress.quant import Quantizer
+
+
+def _kind(c: C.Compressor) -> str | None:
+    """The engine's name for c, or None if only the Python path can run it. Exact types: a
+    subclass may compress differently."""
+    base = c.inner if type(c) is WithFeedback else c
+    if type(base) is NoCompression:
+        return "none"
+    if type(base) is Cast:
+        return base.spec
+    if type(base) is Quantizer and not base.stochastic:  # stochastic seeds live in Python
+        return base.kind
+    return None
+
+
+class Handle:
+    """wait() returns the reduced tensor (raises what the worker raised); `seconds` is the time
+    the job took on the engine's thread (NaN until it is done)."""
+
+    def __init__(self, engine, job: int, t: torch.Tensor):
+        self._engine, self._job, self._t = engine, job, t
+        self._seconds: float | None = None
+        self._error: BaseException | None = None
+
+    def wait(self) -> torch.Tensor:
+        if self._error is not None:
+            raise self._error
+        if self._seconds is None:
+            try:
+                self._seconds = self._engine.wait(self._job)  # releases the GIL
+            except BaseException as e:
+                self._error = e
+                raise
+        return self._t
+
+    @property
+    def seconds(self) -> float:
+        if self._seconds is not None:
+            return self._seconds
+        return float("nan") if self._error is not None else self._engine.seconds(self._job)
+
+
+class NativeEngine:
+    def __init__(self, group=None):
+        from pyfast import _C  # ImportError here says the extension is not built
+        self.group = group if group is not None else dist.distributed_c10d._get_default_group()
+        self.world = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        self._engine = _C.Engine(self.group)
+
+    @staticmethod
+    def supports(compressor) -> bool:
+        return _kind(C.get(compressor)) is not None
+
+    def all_reduce(self, t: torch.Tensor, compressor=None, op: str = "sum", name: str = "",
+                   algorithm: str | None = None) -> Handle:
+        """Queue the reduction of t (contiguous float32, CPU) in place; same meaning of the
+        arguments as pyfast.comm.all_reduce. t and the compressor's error-feedback memory
+        belong to the engine until the handle's wait() returns."""
+        if op not in OPS:
+            raise ValueError(f"op must be one of {OPS}, got {op!r}")
+        c = C.get(compressor)
+        kind = _kind(c)
+        if kind is None:
+            raise ValueError(f"the native engine does not run {c!r} (dense, deterministic "
+                             "compressors only); use pyfast.comm.all_reduce")
+        if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+            raise TypeError(f"the native engine reduces contiguous float32 CPU tensors, got "
+                            f"{t.dtype} on {t.device} (contiguous: {t.is_contiguous()})")
+        x = t.view(-1)
+        auto = choose(c, x.numel(), self.world)
+        if algorithm is None:
+            algorithm = auto
+        elif algorithm != auto and not {algorithm, auto} <= {"two-phase", "allgather"}:
+            raise ValueError(f"{c.spec} cannot use algorithm {algorithm!r} (it uses {auto!r}; the "
+                             "dense quantizers and casts choose between 'two-phase' and 'allgather')")
+        # As collectives.py / pipelined.py: pieces aligned to the (inner) quantizer's block, so
+        # every quantization block is the unchunked one; the pieces must be the same.
+        align = getattr(getattr(c, "inner", c), "block", 8)
+        chunk = P.chunk_elems() if fast_path(t) else 0
+        ef = self._feedback(c, x, name, algorithm, align, chunk)
+        job = self._engine.submit(x, kind, getattr(getattr(c, "inner", c), "block", 8),
+                                  algorithm, op == "avg", ef, align, chunk)
+        return Handle(self._engine, job, t)
+
+    def _feedback(self, c, x, name, algorithm, align, chunk) -> list[torch.Tensor]:
+        """The memories pyfast.comm.all_reduce would use, created under its names if missing."""
+        if type(c) is not WithFeedback or algorithm == "native":
+            return []
+        fb, n, w = c.feedback, x.numel(), self.world
+        unit = align * w if algorithm == "two-phase" else align  # pipelined.py's step rounding
+        step = max(n, 1) if chunk <= 0 else -(-chunk // unit) * unit
+        bounds = [(a, min(n, a + step)) for a in range(0, n, step)]
+        if algorithm == "allgather":
+            return [fb._buffer(x[a:b], f"{name}.{i}" if len(bounds) > 1 else name)
+                    for i, (a, b) in enumerate(bounds)]
+        out = []
+        for j, (a, b) in enumerate(bounds):
+            pre = name if len(bounds) == 1 else f"{name}.{j}"
+            parts = _chunks(b - a, w, align)
+            out += [fb._buffer(x[a + p:a + q], f"{pre}.{i}") for i, (p, q) in enumerate(parts)]
+            p, q = parts[self.rank]
+            out.append(fb._buffer(x[a + p:a + q], f"{pre}.sum"))
+        return out
