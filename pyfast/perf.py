@@ -55,3 +55,15 @@ def backend(name: str | None):
             os.environ.pop("PYFAST_BACKEND", None)
         else:
             os.environ["PYFAST_BACKEND"] = old
+
+
+def save_result(result: dict, out: str, table, width: int = 160) -> None:
+    """Write OUT.json (the data) and OUT.txt (the rich table) for a benchmark result."""
+    import json
+
+    from rich.console import Console
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    with open(out + ".txt", "w") as f:
+        Console(file=f, width=width).print(table(result))

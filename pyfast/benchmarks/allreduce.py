@@ -177,12 +177,7 @@ def table(result: dict):
 
 
 def save(result: dict, out: str) -> None:
-    from rich.console import Console
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out + ".json", "w") as f:
-        json.dump(result, f, indent=1)
-    with open(out + ".txt", "w") as f:
-        Console(file=f, width=200).print(table(result))
+    perf.save_result(result, out, table, width=200)
 
 
 def main(argv=None) -> int:

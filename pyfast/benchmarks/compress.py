@@ -11,8 +11,6 @@ fraction of the memory roof compares that rate with y.copy_(x) (read + write) in
 from __future__ import annotations
 
 import datetime
-import json
-import os
 
 import torch
 
@@ -119,9 +117,4 @@ def table(result: dict):
 
 
 def save(result: dict, out: str) -> None:
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out + ".json", "w") as f:
-        json.dump(result, f, indent=1)
-    from rich.console import Console
-    with open(out + ".txt", "w") as f:
-        Console(file=f, width=160).print(table(result))
+    perf.save_result(result, out, table, width=160)

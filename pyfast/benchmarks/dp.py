@@ -174,11 +174,7 @@ def main(argv=None) -> int:
     res = run(a.link.split(","), a.configs.split(","), a.batch, a.steps)
     Console(width=170).print(table(res))
     if a.out:
-        with open(a.out + ".json", "w") as f:
-            json.dump(res, f, indent=1)
-        from rich.console import Console as Con
-        with open(a.out + ".txt", "w") as f:
-            Con(file=f, width=170).print(table(res))
+        perf.save_result(res, a.out, table, width=170)
     return 0
 
 
