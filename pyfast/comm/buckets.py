@@ -24,7 +24,6 @@ class Bucket:
     ready: bool = False
     launched: bool = False
     handle: object = None
-    compressor: object = None  # per-bucket choice (compressor="auto"), else the default
     extra: dict = field(default_factory=dict)
 
     @property
@@ -64,9 +63,6 @@ class Bucketer:
             off += p.numel()
         self.buckets.append(Bucket(len(self.buckets), [p for _, p in group],
                                    [n for n, _ in group], offsets, torch.zeros(off)))
-
-    def compressor_for(self, bucket: Bucket, default):
-        return bucket.compressor or default
 
     def arm(self, on_finish) -> None:
         """Reduce the gradients of the next backward (called by forward)."""

@@ -238,8 +238,8 @@ def fast_path(t: torch.Tensor) -> bool:
             and os.environ.get("PYFAST_COMM_REFERENCE") != "1")
 
 
-_HELPERS = SimpleNamespace(decode_add=lambda *a: _decode_add(*a), to_bytes=lambda *a: _bytes(*a),
-                           chunks=lambda *a: _chunks(*a), gather_checked=lambda *a: _gather_checked(*a))
+_HELPERS = SimpleNamespace(decode_add=_decode_add, to_bytes=_bytes, chunks=_chunks,
+                           gather_checked=_gather_checked)
 
 
 class _Handle:
