@@ -9,7 +9,7 @@ from torch import nn
 from pyfast.parallel import Pipeline
 from pyfast.parallel import schedules as S
 from pyfast.parallel.p2p import pack_header, unpack_header
-from pyfast.parallel.pipeline import _linear_weight_grad, input_grad, weight_grad
+from pyfast.parallel.zero_bubble import _linear_weight_grad, input_grad, weight_grad
 from pyfast.parallel.schedules import partition
 
 CASES = [(name, p, m, v) for name in S.SCHEDULES for p in (1, 2, 3, 4) for m in (1, 2, 3, 4, 8, 12)
