@@ -66,7 +66,7 @@ def gather_sum_into(x, c, group, name, out, helpers):
     for i, (a, b) in enumerate(bounds):
         buf = helpers.to_bytes(c, x[a:b], f"{name}.{i}" if len(bounds) > 1 else name)
         recv = torch.empty(world * buf.numel(), dtype=torch.uint8)
-        h = dist.all_gather_into_tensor(recv, buf, group=group, async_op=True)
+        h = dist.all_gather_single(recv, buf, group=group, async_op=True)
         pending.append((a, b, recv, h))
         if len(pending) > 2:  # two chunks in flight: the link never idles
             finish(*pending.pop(0))
@@ -107,7 +107,7 @@ def two_phase_into(x, c, group, name, out, helpers):
         padded = torch.zeros(full, dtype=torch.uint8)
         padded[:mine.numel()] = mine
         got = torch.empty(full * world, dtype=torch.uint8)
-        h2 = dist.all_gather_into_tensor(got, padded, group=group, async_op=True)
+        h2 = dist.all_gather_single(got, padded, group=group, async_op=True)
         stage_b.append((a, pieces, got, full, h2))
 
     def decode(a, pieces, got, full, h2):
