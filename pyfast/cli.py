@@ -26,7 +26,8 @@ def _bench_compress(args) -> int:
 
 DELEGATED = {"allreduce": "compressed all-reduce vs plain gloo, on emulated links",
              "dp": "DataParallel training step vs torch DDP and its hooks",
-             "pipeline": "pipeline schedules vs torch.distributed.pipelining"}
+             "pipeline": "pipeline schedules vs torch.distributed.pipelining",
+             "tp": "tensor-parallel MLP block vs DTensor TP and one process"}
 
 
 def main(argv=None) -> int:
