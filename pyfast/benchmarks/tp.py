@@ -100,7 +100,7 @@ def _check(case: Case, ref: dict, rank: int, world: int) -> str | None:
         try:
             torch.testing.assert_close(got[name], w, rtol=RTOL, atol=ATOL)
         except (AssertionError, TypeError) as e:
-            return f"rank {rank} {name}: {str(e).strip().splitlines()[0]}"
+            return f"rank {rank} {name}: " + " ".join(str(e).split())[:300]
     return None
 
 
@@ -148,15 +148,24 @@ BUILD = {
 }
 
 
-def _timed_step(case: Case, rank: int) -> float:
+def _pin(cores: set[int]) -> None:
+    for tid in os.listdir("/proc/self/task"):  # every thread: torch's, OpenMP's, gloo's I/O
+        os.sched_setaffinity(int(tid), cores)
+
+
+def _timed_step(case: Case, rank: int, pinned: bool = False) -> float:
     import torch
     if rank not in case.ranks:
         return 0.0  # waits at the next barrier while the dense block runs on rank 0
+    if pinned and case.threads > 1:
+        _pin(set(range(os.cpu_count())))
     torch.set_num_threads(case.threads)
     t0 = time.perf_counter()
     case.step()
     dt = time.perf_counter() - t0
     torch.set_num_threads(1)
+    if pinned and case.threads > 1:
+        _pin({rank % os.cpu_count()})
     return dt
 
 
@@ -175,7 +184,7 @@ def _measure(shape: str, job: dict, rank: int, world: int) -> dict | None:
             c = BUILD[name](hidden, mlp, x, gy, rank, world)
             c.zero_grad()
             dist.barrier()
-            _timed_step(c, rank)
+            _timed_step(c, rank, job["pin"])
             problem = None if rank not in c.ranks else _check(c, ref, rank, world)
         except Exception as e:  # noqa: BLE001  (a variant that cannot run is reported, not fatal)
             c, problem = None, f"rank {rank}: {type(e).__name__}: {e}"
@@ -194,7 +203,7 @@ def _measure(shape: str, job: dict, rank: int, world: int) -> dict | None:
             c.zero_grad()
             dist.barrier()
             b0 = netns.lo_tx_bytes() if count else 0
-            dt = _timed_step(c, rank)
+            dt = _timed_step(c, rank, job["pin"])
             if i >= job["warmup"]:
                 times[name].append(dt)
                 if count:
@@ -225,6 +234,8 @@ def _worker() -> None:
     torch.set_num_threads(1)  # one core per rank; the machine has 2
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=job["timeout"]))
     rank, world = dist.get_rank(), dist.get_world_size()
+    if job["pin"]:
+        _pin({rank % os.cpu_count()})
     blocks = [_measure(s, job, rank, world) for s in job["shapes"]]
     if rank == 0:
         with open(job["out"], "w") as f:
@@ -241,13 +252,14 @@ def wire_bytes(hidden: int, tokens: int, world: int = 2) -> int:
 
 
 def run(links=("loopback",), shapes=("big", "small"), variants=VARIANTS, repeats: int = 7,
-        warmup: int = 2, timeout: float = 1800, log=print) -> dict:
+        warmup: int = 2, pin: bool = False, timeout: float = 1800, log=print) -> dict:
     blocks = []
     for link in links:
         bps = netns.rate_bps(link)  # a bad link string fails before anything runs
         with tempfile.TemporaryDirectory() as d:
             job = {"shapes": list(shapes), "variants": list(variants), "repeats": repeats,
-                   "warmup": warmup, "timeout": timeout, "out": os.path.join(d, "r.json")}
+                   "warmup": warmup, "pin": pin, "timeout": timeout,
+                   "out": os.path.join(d, "r.json")}
             try:
                 netns.run_ranks(["-c", "from pyfast.benchmarks.tp import _worker; _worker()"],
                                 2, link, timeout, env={"PYFAST_TP": json.dumps(job)})
@@ -271,7 +283,7 @@ def run(links=("loopback",), shapes=("big", "small"), variants=VARIANTS, repeats
     torch.set_num_threads(threads)
     result = {"machine": machine, "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "pyfast": pyfast.__version__, "torch": torch.__version__, "world": 2,
-              "repeats": repeats, "warmup": warmup, "cores": os.cpu_count(),
+              "repeats": repeats, "warmup": warmup, "pinned": pin, "cores": os.cpu_count(),
               "links": {k: netns.rate_bps(k) for k in links}, "blocks": blocks}
     result["targets"] = targets(result)
     return result
@@ -388,6 +400,8 @@ def main(argv=None) -> int:
     p.add_argument("--variants", default="", help="comma-separated (default: all)")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--pin", action="store_true",
+                   help="pin rank r's threads to core r (the 2-thread block gets both cores)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per link")
     p.add_argument("--note", default="", help="recorded with the results (e.g. 'under load')")
     p.add_argument("--out", default="", help="write OUT.json and OUT.txt")
@@ -403,7 +417,7 @@ def main(argv=None) -> int:
         p.error(f"unknown shape or variant: {', '.join(bad)}")
     if a.repeats < 1 or a.warmup < 0:
         p.error("--repeats must be >= 1 and --warmup >= 0")
-    res = run(links, shapes, variants, a.repeats, a.warmup, a.timeout)
+    res = run(links, shapes, variants, a.repeats, a.warmup, a.pin, a.timeout)
     res["note"] = a.note
     Console(width=170).print(table(res))
     if a.out:
