@@ -1,0 +1,218 @@
+"""Tensor-parallel linear layers: Megatron-LM's ColumnParallelLinear and RowParallelLinear
+(Shoeybi et al. 2019, arXiv:1909.08053, section 3), with optional sequence parallelism
+(Korthikanti et al. 2022, arXiv:2205.05198, section 4.2.2).
+
+Both return a plain tensor (Megatron returns (output, bias)), so they drop in for nn.Linear:
+`ColumnParallelLinear.from_linear(model.fc1)` shards an existing layer and computes what it did.
+
+    column: weight [out/tp, in]   x -> copy_to_tp_region -> F.linear -> (gather last dim)
+    row:    weight [out, in/tp]   (scatter last dim) -> F.linear -> reduce_from_tp_region + bias
+
+With sequence_parallel=True the input of a column layer and the output of a row layer are
+sharded along `sequence_dim`: the copy becomes an all-gather and the all-reduce a
+reduce-scatter (`_sp_gather_linear` / `_sp_linear_reduce_scatter`, the two functions that
+pyfast.parallel.async_tp overlaps chunk by chunk).
+
+Parameters say how they are split, so optimizers and checkpointing can tell: every weight and
+bias has `tensor_parallel` (True: this rank holds a shard) and `partition_dim` (the dimension
+of the full tensor it is a slice of; None when whole).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .tp_comm import (copy_to_tp_region, gather_from_sequence_parallel_region,
+                      gather_from_tp_region, reduce_from_tp_region,
+                      reduce_scatter_to_sequence_parallel_region, scatter_to_tp_region, tp_world)
+
+
+def _sp_gather_linear(x, weight, bias, group, dim: int):
+    """All-gather x along the sequence dimension `dim`, then x @ weight.T + bias (column
+    layer, sequence parallel). Backward: the input gradient is reduce-scattered along `dim`."""
+    return F.linear(gather_from_sequence_parallel_region(x, group, dim), weight, bias)
+
+
+def _sp_linear_reduce_scatter(x, weight, bias, group, dim: int):
+    """x @ weight.T (a partial sum over this rank's input features), reduce-scattered along
+    the sequence dimension `dim`, plus bias (row layer, sequence parallel).
+
+    The bias is added once, after the sum, to this rank's slice of the sequence, so its
+    gradient here covers that slice only: copy_to_tp_region all-reduces it in backward, and
+    every rank ends with the whole bias gradient, as without sequence parallelism."""
+    y = reduce_scatter_to_sequence_parallel_region(F.linear(x, weight), group, dim)
+    return y if bias is None else y + copy_to_tp_region(bias, group)
+
+
+class _ParallelLinear(nn.Module):
+    """What both layers share: the shard, its init, from_linear, checks and repr."""
+
+    partition_dim: int  # of the full [out, in] weight: 0 column, 1 row
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, group,
+                 sequence_parallel: bool, sequence_dim: int, device=None, dtype=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.group = group
+        self.tp_size, self.tp_rank = tp_world(group)
+        self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
+        split = (out_features, in_features)[self.partition_dim]
+        if split % self.tp_size:
+            which = ("out_features", "in_features")[self.partition_dim]
+            raise ValueError(f"{self._name()}: {which} {split} (weight shape "
+                             f"{(out_features, in_features)}) is not divisible by the "
+                             f"tensor-parallel size {self.tp_size}")
+        shape = [out_features, in_features]
+        shape[self.partition_dim] //= self.tp_size
+        kw = dict(device=device, dtype=dtype)
+        self.weight = nn.Parameter(torch.empty(shape, **kw))
+        bias_len = shape[0] if self.partition_dim == 0 else out_features
+        self.bias = nn.Parameter(torch.empty(bias_len, **kw)) if bias else None
+        self._mark()
+        self.reset_parameters()
+
+    def _name(self) -> str:
+        return (f"{type(self).__name__}(in_features={self.in_features}, "
+                f"out_features={self.out_features})")
+
+    def _mark(self):
+        self.weight.tensor_parallel, self.weight.partition_dim = True, self.partition_dim
+        if self.bias is not None:
+            sharded = self.partition_dim == 0
+            self.bias.tensor_parallel, self.bias.partition_dim = sharded, 0 if sharded else None
+
+    def reset_parameters(self):
+        # Every rank draws the FULL layer exactly as nn.Linear does (kaiming_uniform(a=sqrt(5))
+        # weight and uniform(+-1/sqrt(in_features)) bias, from torch's default generator) and
+        # keeps its slice. So the sharded layer is the nn.Linear that seed gives, whatever the
+        # TP size (a tp=2 and a tp=4 run start from the same model); fan_in is the full
+        # layer's (a row shard's own fan_in, in/tp, would give a bound sqrt(tp) too wide); and
+        # no communication is needed, only the same seed on every rank, as data-parallel
+        # replicas already need. The cost is one transient full matrix per rank.
+        if self.weight.is_meta:
+            return
+        full = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                         device=self.weight.device, dtype=self.weight.dtype)
+        self._copy_shards(full)
+
+    @torch.no_grad()
+    def _copy_shards(self, linear: nn.Linear):
+        self.weight.copy_(linear.weight.chunk(self.tp_size, self.partition_dim)[self.tp_rank])
+        if self.bias is not None:
+            b = linear.bias
+            self.bias.copy_(b.chunk(self.tp_size)[self.tp_rank] if self.partition_dim == 0 else b)
+
+    @classmethod
+    def _from_linear(cls, linear: nn.Linear, **kwargs):
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"{cls.__name__}.from_linear needs an nn.Linear, got "
+                            f"{type(linear).__name__}")
+        w = linear.weight
+        m = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                device="meta", dtype=w.dtype, **kwargs)  # meta: no init drawn, then thrown away
+        m.weight = nn.Parameter(torch.empty(m.weight.shape, dtype=w.dtype, device=w.device),
+                                requires_grad=w.requires_grad)
+        if m.bias is not None:
+            m.bias = nn.Parameter(torch.empty(m.bias.shape, dtype=w.dtype, device=w.device),
+                                  requires_grad=linear.bias.requires_grad)
+        m._mark()
+        m._copy_shards(linear)
+        return m
+
+    def _check_input(self, x: torch.Tensor, features: int, what: str):
+        if x.dim() == 0 or x.shape[-1] != features:
+            raise ValueError(f"{self._name()}: input of shape {tuple(x.shape)} has last "
+                             f"dimension {x.shape[-1] if x.dim() else None}, expected "
+                             f"{features} ({what}; tensor-parallel size {self.tp_size})")
+
+    def extra_repr(self) -> str:
+        s = (f"in_features={self.in_features}, out_features={self.out_features}, "
+             f"tp={self.tp_size}, bias={self.bias is not None}")
+        if self.sequence_parallel:
+            s += f", sequence_parallel=True, sequence_dim={self.sequence_dim}"
+        return s
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """Y = X A^T + b with A split by rows (output features) across the TP group: this rank
+    holds weight [out/tp, in] and bias [out/tp] and returns its slice of the output features,
+    or the whole output if gather_output. Megatron's `f` (copy forward, all-reduce backward) is
+    applied to the input, or with sequence_parallel an all-gather along `sequence_dim` (the
+    input is then this rank's slice of the sequence)."""
+
+    partition_dim = 0
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 gather_output: bool = False, group=None, sequence_parallel: bool = False,
+                 sequence_dim: int = 0, device=None, dtype=None):
+        super().__init__(in_features, out_features, bias, group, sequence_parallel,
+                         sequence_dim, device, dtype)
+        self.gather_output = gather_output
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, gather_output: bool = False, group=None,
+                    sequence_parallel: bool = False, sequence_dim: int = 0):
+        """This rank's shard of `linear` (its rows), same dtype and device."""
+        return cls._from_linear(linear, gather_output=gather_output, group=group,
+                                sequence_parallel=sequence_parallel, sequence_dim=sequence_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x, self.in_features, "in_features")
+        if self.sequence_parallel:
+            y = _sp_gather_linear(x, self.weight, self.bias, self.group, self.sequence_dim)
+        else:
+            y = F.linear(copy_to_tp_region(x, self.group), self.weight, self.bias)
+        return gather_from_tp_region(y, self.group, -1) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (", gather_output=True" if self.gather_output else "")
+
+
+class RowParallelLinear(_ParallelLinear):
+    """Y = X A^T + b with A split by columns (input features) across the TP group: this rank
+    holds weight [out, in/tp] and the whole bias [out]. Its input is this rank's slice of the
+    input features (input_is_parallel, what a ColumnParallelLinear without gather_output
+    returns), or the whole input, which is then scattered. The partial products are summed by
+    Megatron's `g` (all-reduce forward, identity backward), or with sequence_parallel
+    reduce-scattered along `sequence_dim`; the bias is added once, after the sum."""
+
+    partition_dim = 1
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 input_is_parallel: bool = True, group=None, sequence_parallel: bool = False,
+                 sequence_dim: int = 0, device=None, dtype=None):
+        super().__init__(in_features, out_features, bias, group, sequence_parallel,
+                         sequence_dim, device, dtype)
+        self.input_is_parallel = input_is_parallel
+        if sequence_parallel and not input_is_parallel:  # as Megatron: SP follows a column layer
+            raise ValueError(f"{self._name()}: sequence_parallel needs input_is_parallel=True "
+                             f"(tensor-parallel size {self.tp_size})")
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, input_is_parallel: bool = True, group=None,
+                    sequence_parallel: bool = False, sequence_dim: int = 0):
+        """This rank's shard of `linear` (its columns; the whole bias), same dtype and device."""
+        return cls._from_linear(linear, input_is_parallel=input_is_parallel, group=group,
+                                sequence_parallel=sequence_parallel, sequence_dim=sequence_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_is_parallel:
+            self._check_input(x, self.in_features // self.tp_size, "in_features / tp, "
+                              "input_is_parallel")
+        else:
+            self._check_input(x, self.in_features, "in_features")
+            x = scatter_to_tp_region(x, self.group, -1)
+        if self.sequence_parallel:
+            if x.shape[self.sequence_dim] % self.tp_size:
+                raise ValueError(f"{self._name()}: input of shape {tuple(x.shape)}: sequence "
+                                 f"dimension {self.sequence_dim} is not divisible by the "
+                                 f"tensor-parallel size {self.tp_size}")
+            return _sp_linear_reduce_scatter(x, self.weight, self.bias, self.group,
+                                             self.sequence_dim)
+        y = reduce_from_tp_region(F.linear(x, self.weight), self.group)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ("" if self.input_is_parallel else
+                                       ", input_is_parallel=False")

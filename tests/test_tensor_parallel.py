@@ -1,0 +1,197 @@
+"""ColumnParallelLinear / RowParallelLinear at 2 and 4 gloo ranks against a dense nn.Linear.
+
+Every rank builds the same dense layer and data from fixed seeds, shards the layer with
+from_linear and runs one case after another in a single spawn per world size; the parent
+runs the dense layer and compares each rank's output and every gradient (input, weight shard,
+bias) with the matching slice of the dense one.
+
+Tolerances. fp32: rtol 1e-5, atol 1e-6. A row layer's output is tp partial dot products (in/tp
+terms each) summed by the all-reduce, in another order than the dense GEMM's one accumulation,
+so it differs by a few ulps of the partials (atol covers outputs near zero by cancellation).
+bf16: rtol 1.6e-2 (torch's bf16 default, 2^-6) and atol 2e-2: each rank's partial is rounded
+to bf16 (8 significant bits) before the sum, and so is the sum.
+"""
+import pytest
+import torch
+from torch import nn
+
+from spawn import run_ranks
+
+COL = (37, 24)  # dense (in, out) of the column cases: out split; in odd
+ROW = (24, 37)  # of the row cases: in split; out odd
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=1.6e-2, atol=2e-2)}
+
+# name: (layer, kwargs, leading dims of x, dtype, bias)
+CASES = {
+    "col": ("col", {}, (8, 3), torch.float32, True),
+    "col_nobias": ("col", {}, (8, 3), torch.float32, False),
+    "col_gather": ("col", {"gather_output": True}, (5, 3), torch.float32, True),
+    "row": ("row", {}, (8, 3), torch.float32, True),
+    "row_nobias": ("row", {}, (8, 3), torch.float32, False),
+    "row_scatter": ("row", {"input_is_parallel": False}, (5, 3), torch.float32, True),
+    "col_sp0": ("col", {"sequence_parallel": True}, (8, 3), torch.float32, True),
+    "col_sp1": ("col", {"sequence_parallel": True, "sequence_dim": 1}, (3, 8), torch.float32,
+                True),
+    "row_sp0": ("row", {"sequence_parallel": True}, (8, 3), torch.float32, True),
+    "row_sp1": ("row", {"sequence_parallel": True, "sequence_dim": 1}, (3, 8), torch.float32,
+                True),
+    "col_bf16": ("col", {}, (8, 3), torch.bfloat16, True),
+    "row_bf16": ("row", {}, (8, 3), torch.bfloat16, True),
+    "row_sp0_bf16": ("row", {"sequence_parallel": True}, (8, 3), torch.bfloat16, True),
+}
+
+
+def _layout(layer, kw):
+    """How this rank's tensors slice the dense ones: dims of x, y, weight, bias (None: whole)."""
+    sp = kw.get("sequence_dim", 0) if kw.get("sequence_parallel") else None
+    if layer == "col":
+        return dict(x=sp, y=None if kw.get("gather_output") else -1, w=0, b=0)
+    return dict(x=-1 if kw.get("input_is_parallel", True) else None, y=sp, w=1, b=None)
+
+
+def _dense(name):
+    layer, kw, lead, dtype, bias = CASES[name]
+    fin, fout = COL if layer == "col" else ROW
+    torch.manual_seed(len(name))
+    dense = nn.Linear(fin, fout, bias=bias).to(dtype)
+    g = torch.Generator().manual_seed(100 + len(name))
+    x = torch.randn(*lead, fin, generator=g).to(dtype)
+    gy = torch.randn(*lead, fout, generator=g).to(dtype)
+    return dense, x, gy
+
+
+def _local(t, dim, rank, world):
+    return t if dim is None else t.chunk(world, dim)[rank]
+
+
+def _catch(fn):
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def _worker(rank, world):
+    from pyfast.parallel import ColumnParallelLinear, RowParallelLinear
+    out = {}
+    for name, (layer, kw, _, _, _) in CASES.items():
+        dense, x, gy = _dense(name)
+        cls = ColumnParallelLinear if layer == "col" else RowParallelLinear
+        m = cls.from_linear(dense, **kw)
+        lay = _layout(layer, kw)
+        x = _local(x, lay["x"], rank, world).clone().requires_grad_(True)
+        y = m(x)
+        y.backward(_local(gy, lay["y"], rank, world))
+        out[name] = dict(y=y.detach(), x=x.grad, w=m.weight.grad,
+                         b=None if m.bias is None else m.bias.grad,
+                         dtype=m.weight.dtype, attrs=(m.weight.tensor_parallel,
+                                                      m.weight.partition_dim))
+
+    torch.manual_seed(11)
+    c = ColumnParallelLinear(*COL)
+    torch.manual_seed(11)
+    r = RowParallelLinear(256, 5)
+    out["init"] = dict(c=(c.weight.detach(), c.bias.detach()), r=(r.weight.detach(), r.bias.detach()))
+    out["attrs"] = dict(c=[(p.tensor_parallel, p.partition_dim) for p in (c.weight, c.bias)],
+                        r=[(p.tensor_parallel, p.partition_dim) for p in (r.weight, r.bias)],
+                        repr=(repr(c), repr(r)))
+
+    odd = 2 * world + 1
+    row = RowParallelLinear(*ROW)
+    out["errors"] = {
+        "col_features": (_catch(lambda: ColumnParallelLinear(8, odd)),
+                         ["ColumnParallelLinear(in_features=8, out_features=%d)" % odd,
+                          f"({odd}, 8)"]),
+        "row_features": (_catch(lambda: RowParallelLinear(odd, 8)),
+                         ["RowParallelLinear(in_features=%d, out_features=8)" % odd,
+                          f"(8, {odd})"]),
+        "col_input": (_catch(lambda: c(torch.randn(2, 3, COL[0] + 1))),
+                      ["ColumnParallelLinear(in_features=37, out_features=24)",
+                       f"(2, 3, {COL[0] + 1})"]),
+        "row_input_parallel": (_catch(lambda: row(torch.randn(2, 3, ROW[0]))),
+                               ["RowParallelLinear(in_features=24, out_features=37)",
+                                f"(2, 3, {ROW[0]})", f"expected {ROW[0] // world}"]),
+        "row_input_whole": (
+            _catch(lambda: RowParallelLinear(*ROW, input_is_parallel=False)(
+                torch.randn(2, 3, ROW[0] // world))),
+            ["RowParallelLinear(in_features=24, out_features=37)", f"(2, 3, {ROW[0] // world})"]),
+        "row_sp_sequence": (
+            _catch(lambda: RowParallelLinear(*ROW, sequence_parallel=True)(
+                torch.randn(odd, 3, ROW[0] // world))),
+            ["RowParallelLinear(in_features=24, out_features=37)",
+             f"({odd}, 3, {ROW[0] // world})"]),
+        "row_sp_not_parallel": (
+            _catch(lambda: RowParallelLinear(*ROW, sequence_parallel=True,
+                                             input_is_parallel=False)),
+            ["RowParallelLinear(in_features=24, out_features=37)", "input_is_parallel"]),
+    }
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def ranks(request):
+    return request.param, run_ranks(_worker, request.param)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_layer_matches_dense(ranks, name):
+    world, res = ranks
+    layer, kw, _, dtype, bias = CASES[name]
+    dense, x, gy = _dense(name)
+    x.requires_grad_(True)
+    y = dense(x)
+    y.backward(gy)
+    lay, tol = _layout(layer, kw), TOL[dtype]
+    for r, o in enumerate(res):
+        got = o[name]
+        assert got["dtype"] == dtype and got["attrs"] == (True, lay["w"])
+        torch.testing.assert_close(got["y"], _local(y.detach(), lay["y"], r, world), **tol)
+        torch.testing.assert_close(got["x"], _local(x.grad, lay["x"], r, world), **tol)
+        torch.testing.assert_close(got["w"], _local(dense.weight.grad, lay["w"], r, world), **tol)
+        if bias:
+            torch.testing.assert_close(got["b"], _local(dense.bias.grad, lay["b"], r, world),
+                                       **tol)
+        else:
+            assert got["b"] is None
+        if lay["y"] is None:  # replicated outputs: every rank holds the same bits
+            assert torch.equal(got["y"], res[0][name]["y"])
+
+
+def test_default_init_is_nn_linear_sliced(ranks):
+    world, res = ranks
+    torch.manual_seed(11)
+    c = nn.Linear(*COL)
+    torch.manual_seed(11)
+    r = nn.Linear(256, 5)
+    for rank, o in enumerate(res):
+        (cw, cb), (rw, rb) = o["init"]["c"], o["init"]["r"]
+        # the same seed gives the dense layer's slice exactly, whatever the TP size
+        assert torch.equal(cw, c.weight.detach().chunk(world, 0)[rank])
+        assert torch.equal(cb, c.bias.detach().chunk(world, 0)[rank])
+        assert torch.equal(rw, r.weight.detach().chunk(world, 1)[rank])
+        assert torch.equal(rb, r.bias.detach())
+        # kaiming_uniform(a=sqrt(5)) of the FULL fan_in: bound 1/sqrt(256) = 1/16, not the
+        # shard's 1/sqrt(256/tp); 5 x 256/tp uniform draws come within 10% of it
+        assert rw.shape == (5, 256 // world)
+        bound = 1 / 16
+        assert rw.abs().max() <= bound and rw.abs().max() > 0.9 * bound
+        assert rb.abs().max() <= bound
+
+
+def test_attributes_and_repr(ranks):
+    world, res = ranks
+    for o in res:
+        a = o["attrs"]
+        assert a["c"] == [(True, 0), (True, 0)]
+        assert a["r"] == [(True, 1), (False, None)]
+        assert f"in_features=37, out_features=24, tp={world}" in a["repr"][0]
+        assert f"in_features=256, out_features=5, tp={world}" in a["repr"][1]
+
+
+def test_bad_input_messages(ranks):
+    world, res = ranks
+    for o in res:
+        for what, (msg, parts) in o["errors"].items():
+            for part in parts + [f"tensor-parallel size {world}"]:
+                assert part in msg, f"{what}: {part!r} not in {msg!r}"
