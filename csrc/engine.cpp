@@ -83,12 +83,15 @@ Engine::Engine(c10::intrusive_ptr<c10d::ProcessGroup> pg)
   worker_ = std::thread([this] { loop(); });
 }
 
-Engine::~Engine() {
+Engine::~Engine() { shutdown(); }
+
+void Engine::shutdown() {
   {
     std::lock_guard<std::mutex> g(mu_);
     stop_ = true;
   }
   work_cv_.notify_all();
+  std::lock_guard<std::mutex> g(join_mu_);
   if (worker_.joinable()) worker_.join();
 }
 

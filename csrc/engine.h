@@ -22,7 +22,7 @@ namespace pyfast {
 class Engine {
  public:
   explicit Engine(c10::intrusive_ptr<c10d::ProcessGroup> pg);
-  ~Engine();  // runs every queued job, then joins the worker
+  ~Engine();  // shutdown()
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
@@ -40,6 +40,10 @@ class Engine {
   double wait(int64_t id);
   // Worker time of a job not yet waited for; NaN while it is queued or running.
   double seconds(int64_t id);
+  // Refuse new jobs, run every queued one (every rank issued them: skipping one would leave
+  // the peers waiting), then join the worker. Idempotent; wait() and seconds() still answer for
+  // jobs submitted before. After it returns the engine no longer touches its ProcessGroup.
+  void shutdown();
   int rank() const { return rank_; }
   int world() const { return world_; }
 
@@ -59,6 +63,7 @@ class Engine {
   std::unordered_map<int64_t, std::shared_ptr<Job>> jobs_;  // submitted, not yet waited for
   int64_t next_id_ = 0;
   bool stop_ = false;
+  std::mutex join_mu_;  // shutdown() from two threads: one joins
   std::string broken_;  // worker only: why the group can no longer be trusted
   std::thread worker_;
 };

@@ -43,6 +43,8 @@ PYBIND11_MODULE(_C, m) {
            py::arg("align"), py::arg("chunk"))
       .def("wait", &Engine::wait, nogil(), py::arg("id"))
       .def("seconds", &Engine::seconds, nogil(), py::arg("id"))
+      .def("shutdown", &Engine::shutdown, nogil(),
+           "Run the queued jobs, join the worker, refuse new jobs (idempotent).")
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("world", &Engine::world);
 }

@@ -74,8 +74,10 @@ def _train(rank, world, kind, spec, opts):
     if kind == "pyfast":
         out["buckets"] = len(net.bucketer.buckets)
         out["keys"] = list(net.state_dict())
+        out["engine"] = net.engine_kind
         if net.selector is not None:
             out["auto"] = (net.selector.fixed, list(net.selector.choice))
+        net.close()
     return out
 
 
@@ -115,6 +117,9 @@ def test_training_matches_reference(world):
         if kind == "pyfast":
             assert ranks[0]["buckets"] > 2, "the test must cross bucket boundaries"
             assert ranks[0]["keys"][0].startswith("module."), "state_dict keys as DDP's"
+        if kind == "pyfast":  # engine="auto": the native engine wherever it can run
+            native = spec not in ("topk:0.1", "powersgd:2")
+            assert set(ranks[0]["engine"]) == {"native" if native else "python"}, (key, ranks[0])
         if spec == "auto":
             fixed, choice = ranks[0]["auto"]
             assert fixed and all(o[key]["auto"] == ranks[0]["auto"] for o in out)
@@ -123,13 +128,17 @@ def test_training_matches_reference(world):
 
 def _no_sync(rank, world):
     from pyfast.parallel.data import DataParallel
-    net = DataParallel(model(), None, bucket_mb=0.001)
-    for s in range(3):  # two accumulated micro-batches, the third one syncs
-        x, y = batch(rank, s)
-        ctx = net.no_sync() if s < 2 else torch.enable_grad()
-        with ctx:
-            nn.functional.mse_loss(net(x), y).backward()
-    return torch.cat([p.grad.reshape(-1) for p in net.parameters()])
+    out = {}
+    for engine in ("native", "python"):
+        net = DataParallel(model(), None, bucket_mb=0.001, engine=engine)
+        for s in range(3):  # two accumulated micro-batches, the third one syncs
+            x, y = batch(rank, s)
+            ctx = net.no_sync() if s < 2 else torch.enable_grad()
+            with ctx:
+                nn.functional.mse_loss(net(x), y).backward()
+        out[engine] = torch.cat([p.grad.reshape(-1) for p in net.parameters()])
+        net.close()
+    return out
 
 
 def test_no_sync_equals_larger_batch():
@@ -141,8 +150,10 @@ def test_no_sync_equals_larger_batch():
             x, y = batch(r, s)
             (nn.functional.mse_loss(m(x), y) / world).backward()
     ref = torch.cat([p.grad.reshape(-1) for p in m.parameters()])
-    assert torch.equal(out[0], out[1])
-    torch.testing.assert_close(out[0], ref, rtol=1e-5, atol=1e-7)
+    for engine in ("native", "python"):
+        assert torch.equal(out[0][engine], out[1][engine]), engine
+        torch.testing.assert_close(out[0][engine], ref, rtol=1e-5, atol=1e-7)
+    assert torch.equal(out[0]["native"], out[0]["python"])
 
 
 def _bad_inputs(rank, world):
@@ -154,28 +165,32 @@ def _bad_inputs(rank, world):
         DataParallel(m, "int8")
     except ValueError as e:
         res["layout"] = str(e)
-    for spec in ("int8", "topk:0.1"):
-        net = DataParallel(model(), spec, bucket_mb=0.001)
+    for spec, engine in BAD_CASES:
+        net = DataParallel(model(), spec, bucket_mb=0.001, engine=engine)
         x, y = batch(rank, 0)
         if rank == 1:
             x[3, 5] = float("nan")
         try:
             nn.functional.mse_loss(net(x), y).backward()
-            res[spec] = "no error"
+            res[spec, engine] = "no error"
         except NonFiniteGradient as e:
-            res[spec] = str(e)
+            res[spec, engine] = str(e)
         except RuntimeError as e:  # raised inside autograd's final callback: wrapped
-            res[spec] = str(e)
+            res[spec, engine] = str(e)
+        net.close()
         dist.barrier()
     return res
+
+
+BAD_CASES = [("int8", "native"), ("int8", "python"), ("topk:0.1", "auto")]
 
 
 def test_bad_inputs_fail_the_same_way_everywhere():
     out = run_ranks(_bad_inputs, 2)
     for r in range(2):
         assert "differ across ranks" in out[r]["layout"] and "rank 1" in out[r]["layout"]
-        for spec in ("int8", "topk:0.1"):
-            assert "NaN/Inf" in out[r][spec], (r, spec, out[r][spec])
+        for case in BAD_CASES:
+            assert "NaN/Inf" in out[r][case], (r, case, out[r][case])
     assert out[0]["layout"] == out[1]["layout"]
 
 
@@ -189,11 +204,14 @@ def _state(rank, world):
     other.load_compression_state_dict(state)
     mem = state["state"]["feedback"]["memory"]
     same = all(torch.equal(v, other.compressor.feedback.memory[k]) for k, v in mem.items())
+    wrong_net = DataParallel(model(), "int8")
     try:
-        DataParallel(model(), "int8").load_compression_state_dict(state)
+        wrong_net.load_compression_state_dict(state)
         wrong = "no error"
     except ValueError as e:
         wrong = str(e)
+    for n in (net, other, wrong_net):
+        n.close()
     return {"n": len(mem), "same": same, "wrong": wrong}
 
 
@@ -208,23 +226,147 @@ def _silent_peer(rank, world):
     import time
 
     from pyfast.parallel.data import DataParallel
-    group = dist.new_group(timeout=datetime.timedelta(seconds=3))
-    net = DataParallel(model(), "int8", bucket_mb=0.001, group=group)
-    if rank == 1:
-        time.sleep(6)  # never joins the reduction: rank 0 must get an error, not hang
-        return "silent"
-    t0 = time.perf_counter()
-    x, y = batch(rank, 0)
-    try:
-        nn.functional.mse_loss(net(x), y).backward()
-        return "no error"
-    except RuntimeError as e:
-        return f"{time.perf_counter() - t0:.1f}s {e}"
+    out = {}
+    for engine in ("native", "python"):  # the engine's own group keeps the group's timeout
+        group = dist.new_group(timeout=datetime.timedelta(seconds=3))
+        net = DataParallel(model(), "int8", bucket_mb=0.001, group=group, engine=engine)
+        if rank == 1:
+            time.sleep(6)  # never joins the reduction: rank 0 must get an error, not hang
+            out[engine] = "silent"
+        else:
+            t0 = time.perf_counter()
+            x, y = batch(rank, 0)
+            try:
+                nn.functional.mse_loss(net(x), y).backward()
+                out[engine] = "no error"
+            except RuntimeError as e:
+                out[engine] = f"{time.perf_counter() - t0:.1f}s {e}"
+        net.close()
+        dist.barrier()
+    return out
 
 
 def test_silent_peer_is_a_timeout_not_a_hang():
     out = run_ranks(_silent_peer, 2)
-    assert out[1] == "silent"
-    took, msg = out[0].split("s ", 1)
-    assert float(took) < 30, out[0]
-    assert "timed out" in msg.lower() or "timeout" in msg.lower(), out[0]
+    for engine in ("native", "python"):
+        assert out[1][engine] == "silent"
+        took, msg = out[0][engine].split("s ", 1)
+        assert float(took) < 30, out[0][engine]
+        assert "timed out" in msg.lower() or "timeout" in msg.lower(), out[0][engine]
+
+
+# ---------------------------------------------------------------- native engine vs Python path
+ENGINE_SPECS = {2: ["int8", "fp16", "none", "sign"], 4: ["int8"]}
+ENGINE_STEPS = 4
+
+
+def wide_model():
+    torch.manual_seed(0)  # 300K parameters: at 4 ranks the big bucket's int8 goes two-phase
+    return nn.Sequential(nn.Linear(DIN, 12000), nn.Tanh(), nn.Linear(12000, 1))
+
+
+def _steps(net, rank, first, steps):
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for s in range(first, first + steps):
+        x, y = batch(rank, s)
+        loss = nn.functional.mse_loss(net(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def _same(a, b) -> bool:
+    """Nested compression state dicts equal, tensors bitwise."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return a == b
+
+
+def _engine_threads() -> int:
+    import glob
+    return sum(open(f).read().strip() == "pyfast-engine" for f in glob.glob("/proc/self/task/*/comm"))
+
+
+def _engines(rank, world):
+    import pyfast.compress as C
+    from pyfast.comm import choose
+    from pyfast.parallel.data import DataParallel
+    make, mb = (model, 0.0002) if world == 2 else (wide_model, 0.06)
+    out = {"params": {}, "bad": [], "kinds": {}}
+    for spec in ENGINE_SPECS[world]:
+        nets = {}
+        for engine in ("native", "python"):
+            m = make()
+            nets[engine] = net = DataParallel(m, spec, bucket_mb=mb, engine=engine)
+            _steps(net, rank, 0, ENGINE_STEPS)
+            out["params"][spec, engine] = flat(m)
+            out["kinds"][spec, engine] = net.engine_kind
+        if not _same(*(n.compression_state_dict() for n in nets.values())):
+            out["bad"].append(f"{spec}: compression state differs between the engines")
+        out["algorithms"] = [choose(nets["native"].compressor, b.flat.numel(), world)
+                             for b in nets["native"].bucketer.buckets]
+        for n in nets.values():
+            n.close()
+    if world > 2:
+        return out
+    # A checkpoint moves between the engines: 2 steps on one, 2 more on both.
+    for first, second in (("native", "python"), ("python", "native")):
+        a = DataParallel(model(), "int8", bucket_mb=mb, engine=first)
+        _steps(a, rank, 0, 2)
+        b = DataParallel(model(), "int8", bucket_mb=mb, engine=second)
+        b.load_state_dict(a.state_dict())
+        b.load_compression_state_dict(a.compression_state_dict())
+        _steps(a, rank, 2, 2)
+        _steps(b, rank, 2, 2)
+        if not torch.equal(flat(a.module), flat(b.module)) or not _same(
+                a.compression_state_dict(), b.compression_state_dict()):
+            out["bad"].append(f"checkpoint {first} -> {second}: runs differ after resuming")
+        out["threads open"] = _engine_threads()
+        for n in (a, b):
+            n.close()
+    # What only the Python path runs: "native" refuses it, "auto" takes the Python path.
+    out["refused"] = {}
+    for spec in ("topk:0.1", "powersgd:2", C.get("int8", stochastic=True)):
+        try:
+            DataParallel(model(), spec, engine="native")
+            out["refused"][str(spec)] = "no error"
+        except ValueError as e:
+            out["refused"][str(spec)] = str(e)
+    auto = DataParallel(model(), "topk:0.1", bucket_mb=mb)
+    out["auto topk"] = auto.engine_kind
+    auto.close()
+    auto.close()  # idempotent
+    try:
+        auto(batch(rank, 0)[0])
+        out["after close"] = "no error"
+    except RuntimeError as e:
+        out["after close"] = str(e)
+    out["threads closed"] = _engine_threads()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_native_engine_matches_python_path_bitwise(world):
+    out = run_ranks(_engines, world)
+    for rank, o in enumerate(out):
+        assert not o["bad"], f"rank {rank}: {o['bad']}"
+    for spec in ENGINE_SPECS[world]:
+        for engine in ("native", "python"):
+            assert set(out[0]["kinds"][spec, engine]) == {engine}
+            for r in range(1, world):
+                assert torch.equal(out[r]["params"][spec, engine], out[0]["params"][spec, engine]), \
+                    f"{spec}, {engine}: rank {r} drifted from rank 0"
+        assert torch.equal(out[0]["params"][spec, "native"], out[0]["params"][spec, "python"]), \
+            f"{spec}: the native engine and the Python path trained different parameters"
+    if world == 4:  # both dense algorithms ran
+        assert out[0]["algorithms"] == ["allgather", "two-phase"], out[0]["algorithms"]
+        return
+    o = out[0]
+    assert len(o["kinds"]["int8", "native"]) > 2, "the test must cross bucket boundaries"
+    assert o["threads open"] == 1 and o["threads closed"] == 0, o
+    for spec, msg in o["refused"].items():
+        assert "engine='native' does not run" in msg and "engine='python'" in msg, (spec, msg)
+    assert set(o["auto topk"]) == {"python"}
+    assert "closed" in o["after close"], o["after close"]

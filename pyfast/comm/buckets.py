@@ -47,10 +47,11 @@ class Bucketer:
         if group:
             self._add(group)
         self.where = {}
+        self._hooks = []
         for b in self.buckets:
             for i, p in enumerate(b.params):
                 self.where[p] = (b, i)
-                p.register_post_accumulate_grad_hook(self._hook)
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._hook))
         self.armed = False
         self.on_finish = None
         self._next = 0
@@ -72,6 +73,13 @@ class Bucketer:
 
     def disarm(self) -> None:
         self.armed = False
+
+    def close(self) -> None:
+        """Remove the gradient hooks: the parameters no longer reference this bucketer."""
+        self.armed = False
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
 
     def _hook(self, p: torch.Tensor) -> None:
         if not self.armed:

@@ -11,8 +11,13 @@ path uses, so checkpoints (state_dict) are the same whichever path ran.
 
 Collectives must be issued in the same order on every rank: do not run the engine and the
 Python path (or any other collective) on the same group while engine jobs are in flight.
+NativeEngine.private(group) gives the engine a process group of its own with the same ranks
+(what DataParallel does). close() runs the queued jobs and joins the thread; call it before
+dist.destroy_process_group.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.distributed as dist
@@ -65,6 +70,46 @@ class Handle:
         return float("nan") if self._error is not None else self._engine.seconds(self._job)
 
 
+def private_group(group=None):
+    """A new process group with the ranks, backend and timeout of `group` (default: the default
+    group), for the engine alone: the engine's thread and the caller's issue collectives in an
+    order that differs per rank, which on one shared group would pair different collectives.
+
+    Collective over the default group, like dist.new_group: every rank of the job calls it at
+    the same point. Ranks may pass different groups (a data-parallel group per tensor-parallel
+    rank of a mesh): the groups are exchanged and created in one order everywhere.
+    """
+    world = dist.get_world_size()
+    mine = tuple(dist.get_process_group_ranks(group) if group is not None else range(world))
+    try:  # the caller's timeout: a silent peer must time out as it would on `group`
+        timeout = (group or dist.group.WORLD)._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        timeout = None
+    backend = dist.get_backend(group)
+    if len(mine) == world:
+        return dist.new_group(timeout=timeout, backend=backend)
+    every: list = [None] * world
+    dist.all_gather_object(every, mine)
+    made = None
+    for ranks in sorted(set(every)):
+        g = dist.new_group(list(ranks), timeout=timeout if ranks == mine else None,
+                           backend=backend if ranks == mine else None)
+        made = g if ranks == mine else made
+    return made
+
+
+def status() -> tuple[bool, str]:
+    """(True, "") if the engine can run here, else (False, why)."""
+    from pyfast.ops._backend import cpp_status
+    ok, why = cpp_status()
+    if not ok:
+        return False, why
+    forced = os.environ.get("PYFAST_BACKEND", "auto")
+    if forced not in ("auto", "cpp"):  # the engine always runs pyfast._C's kernels
+        return False, f"PYFAST_BACKEND={forced} forces other kernels than pyfast._C's"
+    return True, ""
+
+
 class NativeEngine:
     def __init__(self, group=None):
         from pyfast import _C  # ImportError here says the extension is not built
@@ -72,6 +117,22 @@ class NativeEngine:
         self.world = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         self._engine = _C.Engine(self.group)
+        self._owns_group = False
+
+    @classmethod
+    def private(cls, group=None) -> "NativeEngine":
+        """An engine on private_group(group), destroyed by close()."""
+        e = cls(private_group(group))
+        e._owns_group = True
+        return e
+
+    def close(self) -> None:
+        """Run every queued job, join the worker, refuse new jobs; destroy the group if it was
+        made by private(). Idempotent. Handles of jobs submitted before still answer."""
+        self._engine.shutdown()  # releases the GIL
+        if self._owns_group:
+            self._owns_group = False
+            dist.destroy_process_group(self.group)
 
     @staticmethod
     def supports(compressor) -> bool:

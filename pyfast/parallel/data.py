@@ -15,9 +15,12 @@ from torch import nn
 
 import pyfast.compress as C
 from pyfast.comm import NonFiniteGradient, all_reduce
+from pyfast.comm import engine as E
 from pyfast.comm.collectives import wait_all
-from pyfast.comm.auto import AutoSelector
+from pyfast.comm.auto import CANDIDATES as AUTO_CANDIDATES, AutoSelector
 from pyfast.comm.buckets import Bucketer
+
+ENGINES = ("auto", "native", "python")
 
 
 def check_same_layout(params: list[tuple[str, torch.Tensor]], group) -> None:
@@ -56,44 +59,100 @@ class DataParallel(nn.Module):
     bucket, compressor state such as PowerSGD's Q or shared-seed step counters) is not a
     module state: save it with compression_state_dict() and restore it with
     load_compression_state_dict() (DDP's comm hooks have no equivalent).
+
+    engine: who reduces the buckets while backward runs. "native": the C++ overlap engine
+    (pyfast.comm.engine), no Python and no GIL on the communication path; dense deterministic
+    compressors only (none, fp16, bf16, int8, int4, fp8, sign, and compressor="auto", whose
+    candidates are those), else ValueError. "python": pyfast.comm.all_reduce on its Python
+    thread (every compressor). "auto": native where it can run, python otherwise;
+    `engine_kind[i]` says which one reduces bucket i. Both give bitwise-identical results and
+    keep the error-feedback memory under the same names (checkpoints move between them).
+
+    The native engine runs on a process group of its own (pyfast.comm.engine.private_group):
+    construction is then collective over the default group, like dist.new_group. Call close()
+    before dist.destroy_process_group(): it joins the engine's thread and destroys its group
+    (`del` is not enough: the gradient hooks on the wrapped module's parameters keep this object
+    alive as long as the module lives).
     """
 
     def __init__(self, module: nn.Module, compressor=None, bucket_mb: float = 25, group=None,
-                 error_feedback: bool = True, overlap: bool = True, check_finite: bool = True):
+                 error_feedback: bool = True, overlap: bool = True, check_finite: bool = True,
+                 engine: str = "auto"):
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("DataParallel needs torch.distributed initialized "
                                "(torchrun + dist.init_process_group)")
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
+        if engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
         self.module, self.group, self.overlap = module, group, overlap
         self.check_finite = check_finite
         self.world = dist.get_world_size(group)
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        check_same_layout(named, group)
-        broadcast_state(module, group)
         self.auto = compressor == "auto"
         base = C.get("fp16" if self.auto else compressor)
         lossy = base.spec not in ("none", "fp16", "bf16")
         self.compressor = C.WithFeedback(base) if error_feedback and lossy else base
+        native = self._native(engine)  # before any collective or hook: a refusal leaves no trace
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        check_same_layout(named, group)
+        broadcast_state(module, group)
         self.bucketer = Bucketer(named, bucket_mb, self._launch, enabled=overlap)
         self.selector = (AutoSelector(self.bucketer.buckets, group, error_feedback)
                          if self.auto else None)
-        self._sync = True
+        # Per bucket, so that a per-bucket compressor could mix the two; uniform today (auto's
+        # candidates are all dense).
+        self.engine_kind = ["native" if native else "python"] * len(self.bucketer.buckets)
+        self._engine = E.NativeEngine.private(group) if native else None
+        self._sync, self._closed = True, False
+
+    def _native(self, engine: str) -> bool:
+        """Whether the native engine reduces the buckets; ValueError if it was asked for and
+        cannot (no silent fallback)."""
+        usable = [C.get(s) for s in AUTO_CANDIDATES] if self.auto else [self.compressor]
+        ok, why = E.status()
+        unsupported = [c.spec for c in usable if not E.NativeEngine.supports(c)]
+        if engine == "native" and not ok:
+            raise ValueError(f"engine='native' cannot run: {why}; use engine='python' or 'auto'")
+        if engine == "native" and unsupported:
+            raise ValueError(f"engine='native' does not run {', '.join(unsupported)} (dense "
+                             "deterministic compressors only: none, fp16, bf16, int8, int4, fp8, "
+                             "sign); use engine='python' or 'auto'")
+        return engine != "python" and ok and not unsupported
 
     # ------------------------------------------------------------------ reduction
     def _launch(self, bucket) -> None:
         """Called by the bucketer when a bucket's gradients are all ready (in bucket order)."""
+        bucket.handle = self.reduce_async(bucket)
+
+    def reduce_async(self, bucket):
+        """Start averaging bucket.flat over the group; returns a handle with wait() and
+        `seconds` (what compressor="auto" measures)."""
         c = self.selector.compressor(bucket) if self.selector else self.compressor
+        if self.engine_kind[bucket.index] == "native":
+            return self._engine.all_reduce(bucket.flat, c, op="avg", name=bucket.name)
         if isinstance(getattr(c, "inner", c), C.PowerSGD):
             # low rank needs the matrices: reduce each parameter's view of the bucket
             handles = [all_reduce(bucket.flat[o: o + p.numel()].view(p.shape), c, self.group,
                                   op="avg", async_op=True, name=f"{bucket.name}.{n}")
                        for p, n, o in zip(bucket.params, bucket.names, bucket.offsets)]
-            bucket.handle = _All(handles)
-            return
-        bucket.handle = all_reduce(bucket.flat, c, self.group, op="avg", async_op=True,
-                                   name=bucket.name)
+            return _All(handles)
+        return all_reduce(bucket.flat, c, self.group, op="avg", async_op=True, name=bucket.name)
+
+    def close(self) -> None:
+        """Wait for reductions in flight, remove the gradient hooks, join the native engine's
+        thread and destroy its process group. Call it before dist.destroy_process_group.
+        Idempotent; the wrapped module is left as it is (usable without DataParallel)."""
+        self._closed = True
+        for b in self.bucketer.buckets:
+            if b.handle is not None:
+                with contextlib.suppress(BaseException):  # already raised, or will not matter
+                    b.handle.wait()
+                b.handle = None
+        self.bucketer.close()
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
 
     def _finish(self) -> None:
         done = self.bucketer.finish()
@@ -106,6 +165,8 @@ class DataParallel(nn.Module):
                                         f"({', '.join(b.names[:3])}{'...' if len(b.names) > 3 else ''})")
 
     def forward(self, *args, **kwargs):
+        if self._closed:
+            raise RuntimeError("this DataParallel was closed; call the wrapped .module directly")
         if torch.is_grad_enabled() and self._sync:
             self.bucketer.arm(self._finish)
         else:
