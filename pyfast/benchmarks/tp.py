@@ -74,8 +74,19 @@ class Case:
         self.x.grad = None
 
     def step(self):
+        # a step ends when the next layer could use its output and the previous one its input
+        # gradient: DTensor returns both as AsyncCollectiveTensors whose collectives may still
+        # be in flight (TP+SP's last reduce-scatter is, on gloo), so wait for them here
         self.out = self.module(self.x)
+        _wait(self.out)  # keep the wrapper: it carries the autograd graph
         self.out.backward(self.gy)
+        self.x.grad = _wait(self.x.grad)
+
+
+def _wait(t):
+    """t's data once its pending collective (if any) has completed."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    return t.trigger_wait() if isinstance(t, AsyncCollectiveTensor) else t
 
 
 def _local(t, dim, rank, world):
@@ -245,9 +256,11 @@ def _worker() -> None:
 
 # -- the driver (parent process) ---------------------------------------------------------------
 def wire_bytes(hidden: int, tokens: int, world: int = 2) -> int:
-    """Bytes all ranks send per step, plain or sequence parallel alike: forward and backward
-    each move one [tokens, hidden] fp32 activation through an all-reduce (a ring: 2(W-1)/W of it
-    per rank) or through an all-gather plus a reduce-scatter ((W-1)/W each)."""
+    """The fewest bytes all ranks can send per step, plain or sequence parallel alike: forward
+    and backward each move one [tokens, hidden] fp32 activation through an all-reduce (a ring:
+    2(W-1)/W of it per rank) or an all-gather plus a reduce-scatter ((W-1)/W each). gloo's
+    reduce_scatter_single sends an all-reduce's worth (measured on the namespace's lo: 0.50 MB
+    for a 256 KB input at W=2, a ring needs 0.25 MB), so its TP+SP steps send 1.5x this."""
     return 2 * 2 * (world - 1) * tokens * hidden * 4
 
 
@@ -384,8 +397,9 @@ def table(result: dict):
         skipped + [f"{'met   ' if x['met'] else 'MISSED'} {x['target']}: {x['measured']} "
                    f"(target {x['goal']})" for x in result["targets"]]
         + ["vs DTensor: the DTensor row with the same layout (TP or TP+SP) / this row. "
-           "lo MB/step: bytes that crossed the namespace's lo (emulated links only). floor: "
-           "wire bytes / link rate (4 (W-1) tokens h fp32 per step); load: 1-minute load "
+           "lo MB/step: bytes that crossed the namespace's lo by the end of the step (emulated "
+           "links only). floor: the fewest bytes / link rate (4 (W-1) tokens h fp32 per step; "
+           "gloo's reduce-scatter sends 2x a ring's, so TP+SP sends 1.5x); load: 1-minute load "
            "average at the start and end of the block (2.0 = both cores busy)"]
         + ([f"note: {result['note']}"] if result.get("note") else []))
     return t
