@@ -133,18 +133,53 @@ def _dtensor(hidden, mlp, x, gy, rank, world, seq: bool) -> Case:
 
 
 def _pyfast(hidden, mlp, x, gy, rank, world, seq: bool, overlap: bool = False) -> Case:
+    import inspect
+
     import torch.distributed as dist
 
     from pyfast.parallel.tensor import ColumnParallelLinear, RowParallelLinear
     m = block(hidden, mlp)
     group = dist.group.WORLD
-    kw = {"sequence_parallel": True, "overlap": True} if overlap else \
-        {"sequence_parallel": True} if seq else {}
+    native = "overlap" in inspect.signature(ColumnParallelLinear.from_linear).parameters
+    kw = {"sequence_parallel": True} if seq else {}
+    if overlap and native:
+        kw["overlap"] = True
     m[0] = ColumnParallelLinear.from_linear(m[0], group=group, **kw)
     m[2] = RowParallelLinear.from_linear(m[2], group=group, **kw)
+    if overlap and not native:
+        m[0], m[2] = _Overlapped(m[0]), _Overlapped(m[2])
     if seq:
         x, gy = x.chunk(world, 0)[rank], gy.chunk(world, 0)[rank]
     return Case(m, x, gy, seq=seq, shards={"0.weight": 0, "0.bias": 0, "2.weight": 1})
+
+
+def _overlapped_layer():
+    import torch.nn as nn
+
+    class Overlapped(nn.Module):
+        """A sequence-parallel Column/RowParallelLinear's shard, run by async_tp's overlapped
+        all_gather_linear / linear_reduce_scatter (for modules without an overlap flag)."""
+
+        def __init__(self, layer):
+            super().__init__()
+            self.weight, self.bias = layer.weight, layer.bias
+            self.column = layer.partition_dim == 0
+            self.group, self.dim = layer.group, layer.sequence_dim
+
+        def forward(self, x):
+            from pyfast.parallel.async_tp import all_gather_linear, linear_reduce_scatter
+            from pyfast.parallel.tp_comm import copy_to_tp_region
+            if self.column:
+                return all_gather_linear(x, self.weight, self.bias, self.group, self.dim)
+            # the bias is added after the sum, to this rank's rows: as RowParallelLinear does,
+            # all-reduce its gradient so every rank holds the whole one
+            y = linear_reduce_scatter(x, self.weight, None, self.group, self.dim)
+            return y + copy_to_tp_region(self.bias, self.group)
+    return Overlapped
+
+
+def _Overlapped(layer):
+    return _overlapped_layer()(layer)
 
 
 BUILD = {
