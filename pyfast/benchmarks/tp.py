@@ -24,11 +24,16 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import inspect
 import json
 import os
 import statistics
 import tempfile
 import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
 
 import pyfast
 from pyfast import perf
@@ -45,15 +50,12 @@ RTOL = ATOL = 1e-4
 
 
 def block(hidden: int, mlp: int, seed: int = 0):
-    import torch
-    from torch import nn
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(hidden, mlp), nn.GELU(), nn.Linear(mlp, hidden))
 
 
 def inputs(hidden: int, tokens: int, seed: int = 1):
     """(x, upstream gradient), the same on every rank."""
-    import torch
     g = torch.Generator().manual_seed(seed)
     return torch.randn(tokens, hidden, generator=g), torch.randn(tokens, hidden, generator=g)
 
@@ -95,7 +97,6 @@ def _local(t, dim, rank, world):
 
 def _check(case: Case, ref: dict, rank: int, world: int) -> str | None:
     """None if this rank's output and gradients match the dense block's, else what differs."""
-    import torch
     from torch.distributed.tensor import DTensor
     seq = 0 if case.seq else None
     got = {"output": case.out.detach(), "x.grad": case.x.grad}
@@ -133,10 +134,6 @@ def _dtensor(hidden, mlp, x, gy, rank, world, seq: bool) -> Case:
 
 
 def _pyfast(hidden, mlp, x, gy, rank, world, seq: bool, overlap: bool = False) -> Case:
-    import inspect
-
-    import torch.distributed as dist
-
     from pyfast.parallel.tensor import ColumnParallelLinear, RowParallelLinear
     m = block(hidden, mlp)
     group = dist.group.WORLD
@@ -153,33 +150,25 @@ def _pyfast(hidden, mlp, x, gy, rank, world, seq: bool, overlap: bool = False) -
     return Case(m, x, gy, seq=seq, shards={"0.weight": 0, "0.bias": 0, "2.weight": 1})
 
 
-def _overlapped_layer():
-    import torch.nn as nn
+class _Overlapped(nn.Module):
+    """A sequence-parallel Column/RowParallelLinear's shard run by async_tp's overlapped
+    all_gather_linear / linear_reduce_scatter (for modules without an overlap flag)."""
 
-    class Overlapped(nn.Module):
-        """A sequence-parallel Column/RowParallelLinear's shard, run by async_tp's overlapped
-        all_gather_linear / linear_reduce_scatter (for modules without an overlap flag)."""
+    def __init__(self, layer):
+        super().__init__()
+        self.weight, self.bias = layer.weight, layer.bias
+        self.column = layer.partition_dim == 0
+        self.group, self.dim = layer.group, layer.sequence_dim
 
-        def __init__(self, layer):
-            super().__init__()
-            self.weight, self.bias = layer.weight, layer.bias
-            self.column = layer.partition_dim == 0
-            self.group, self.dim = layer.group, layer.sequence_dim
-
-        def forward(self, x):
-            from pyfast.parallel.async_tp import all_gather_linear, linear_reduce_scatter
-            from pyfast.parallel.tp_comm import copy_to_tp_region
-            if self.column:
-                return all_gather_linear(x, self.weight, self.bias, self.group, self.dim)
-            # the bias is added after the sum, to this rank's rows: as RowParallelLinear does,
-            # all-reduce its gradient so every rank holds the whole one
-            y = linear_reduce_scatter(x, self.weight, None, self.group, self.dim)
-            return y + copy_to_tp_region(self.bias, self.group)
-    return Overlapped
-
-
-def _Overlapped(layer):
-    return _overlapped_layer()(layer)
+    def forward(self, x):
+        from pyfast.parallel.async_tp import all_gather_linear, linear_reduce_scatter
+        from pyfast.parallel.tp_comm import copy_to_tp_region
+        if self.column:
+            return all_gather_linear(x, self.weight, self.bias, self.group, self.dim)
+        # the bias is added after the sum, to this rank's rows: as RowParallelLinear does,
+        # all-reduce its gradient so that every rank holds the whole one
+        y = linear_reduce_scatter(x, self.weight, None, self.group, self.dim)
+        return y + copy_to_tp_region(self.bias, self.group)
 
 
 BUILD = {
@@ -200,7 +189,6 @@ def _pin(cores: set[int]) -> None:
 
 
 def _timed_step(case: Case, rank: int, pinned: bool = False) -> float:
-    import torch
     if rank not in case.ranks:
         return 0.0  # waits at the next barrier while the dense block runs on rank 0
     if pinned and case.threads > 1:
@@ -217,7 +205,6 @@ def _timed_step(case: Case, rank: int, pinned: bool = False) -> float:
 
 def _measure(shape: str, job: dict, rank: int, world: int) -> dict | None:
     """Verify then time every variant of one shape; the slowest rank's step, on rank 0."""
-    import torch.distributed as dist
     hidden, mlp, tokens = SHAPES[shape]
     x, gy = inputs(hidden, tokens)
     dense = Case(block(hidden, mlp), x, gy)
@@ -274,8 +261,6 @@ def _measure(shape: str, job: dict, rank: int, world: int) -> dict | None:
 
 def _worker() -> None:
     """One rank: env as torchrun sets it, the job in PYFAST_TP (json)."""
-    import torch
-    import torch.distributed as dist
     job = json.loads(os.environ["PYFAST_TP"])
     torch.set_num_threads(1)  # one core per rank; the machine has 2
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=job["timeout"]))
@@ -324,7 +309,6 @@ def run(links=("loopback",), shapes=("big", "small"), variants=VARIANTS, repeats
             _ratios(b["rows"])
         blocks += got
         log(f"done: {link}")
-    import torch
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the ranks' setting, for the machine line
     machine = perf.machine()
