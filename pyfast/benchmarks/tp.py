@@ -408,8 +408,8 @@ def table(result: dict):
             t.add_row(link, label, r["variant"], f"{r['median_s'] * 1e3:.1f}",
                       f"{r['q10_s'] * 1e3:.1f}-{r['q90_s'] * 1e3:.1f}", x(r["vs_1_thread"]),
                       x(r["vs_dtensor"]),
-                      "" if r["lo_bytes"] is None or not dist_row else f"{r['lo_bytes'] / 2**20:.1f}",
-                      "" if b["floor_s"] is None or not dist_row else f"{b['floor_s'] * 1e3:.0f}",
+                      "" if r["lo_bytes"] is None or not dist_row else f"{r['lo_bytes'] / 2**20:.2f}",
+                      "" if b["floor_s"] is None or not dist_row else f"{b['floor_s'] * 1e3:.1f}",
                       end_section=last)
     t.caption_justify = "left"
     t.caption = "\n".join(
