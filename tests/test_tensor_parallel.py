@@ -92,7 +92,8 @@ def _worker(rank, world):
     c = ColumnParallelLinear(*COL)
     torch.manual_seed(11)
     r = RowParallelLinear(256, 5)
-    out["init"] = dict(c=(c.weight.detach(), c.bias.detach()), r=(r.weight.detach(), r.bias.detach()))
+    out["init"] = dict(c=(c.weight.detach(), c.bias.detach()),
+                       r=(r.weight.detach(), r.bias.detach()))
     out["attrs"] = dict(c=[(p.tensor_parallel, p.partition_dim) for p in (c.weight, c.bias)],
                         r=[(p.tensor_parallel, p.partition_dim) for p in (r.weight, r.bias)],
                         repr=(repr(c), repr(r)))

@@ -1,9 +1,11 @@
-"""Drop-in parallel training modules: data (DataParallel, DataParallelNaive) and pipeline
-(Pipeline, schedules, traces) and tensor (ColumnParallelLinear, RowParallelLinear)."""
+"""Drop-in parallel training modules: data (DataParallel, DataParallelNaive), pipeline
+(Pipeline, schedules, traces) and tensor (ColumnParallelLinear, RowParallelLinear,
+parallelize)."""
 from .data import DataParallel, DataParallelNaive
+from .parallelize import parallelize
 from .pipeline import Pipeline
 from .tensor import ColumnParallelLinear, RowParallelLinear
 from .trace import save_trace
 
 __all__ = ["ColumnParallelLinear", "DataParallel", "DataParallelNaive", "Pipeline",
-           "RowParallelLinear", "save_trace"]
+           "RowParallelLinear", "parallelize", "save_trace"]
