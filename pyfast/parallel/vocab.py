@@ -5,8 +5,9 @@ vocabulary, the largest dimension of a language model).
     embedding: weight [V/tp, D]   ids -> mask ids this rank does not own -> local lookup (zeros
                                   where masked) -> reduce_from_tp_region (all-reduce)
     loss:      logits [..., V/tp] (a ColumnParallelLinear lm head, gather_output=False) ->
-                                  cross-entropy with three all-reduces of [...]-sized
-                                  statistics, never of the [..., V] logits
+                                  cross-entropy with two all-reduces of [...]-sized
+                                  statistics (the row max; then the exp-sums and target
+                                  logits together), never of the [..., V] logits
 
 Rank r owns vocabulary rows [r*V/tp, (r+1)*V/tp), the same rows a ColumnParallelLinear over
 the vocabulary holds, so a tied lm head can use `embedding.weight` as its shard.
@@ -178,12 +179,10 @@ class _VocabParallelCrossEntropy(Function):
         ignored = target == ignore_index
         mine = (target >= start) & (target < start + shard) & ~ignored
         local = (target - start).masked_fill(~mine, 0)
-        stats = [None, x.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)]
-        if label_smoothing:
-            stats.append(x.sum(-1))
+        target_logit = x.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
+        logit_sum = [x.sum(-1)] if label_smoothing else []
         e = x.exp_()
-        stats[0] = e.sum(-1)
-        stats = torch.stack(stats)
+        stats = torch.stack([e.sum(-1), target_logit] + logit_sum)
         if world > 1:
             dist.all_reduce(stats, group=group)
         log_z = stats[0].log()
