@@ -25,7 +25,7 @@ namespace {
 const std::pair<std::string_view, Kind> kKinds[] = {
     {"none", Kind::None}, {"fp16", Kind::Fp16}, {"bf16", Kind::Bf16}, {"int8", Kind::Int8},
     {"int4", Kind::Int4}, {"fp8", Kind::Fp8},   {"sign", Kind::Sign}};
-enum class Algo { Native, TwoPhase, AllGather };
+enum class Algo { Native, TwoPhase, AllGather, Gather, ReduceScatter };  // last two: fp32 only
 const std::pair<std::string_view, Algo> kAlgos[] = {
     {"native", Algo::Native}, {"two-phase", Algo::TwoPhase}, {"allgather", Algo::AllGather}};
 
@@ -65,7 +65,8 @@ at::Tensor bytes(int64_t len) { return at::empty({len}, at::TensorOptions().dtyp
 
 struct Engine::Job {
   int64_t id;
-  at::Tensor t;
+  at::Tensor t;   // reduced in place; the output of Gather / ReduceScatter
+  at::Tensor in;  // the input of Gather / ReduceScatter
   Codec codec;
   Algo algo;
   bool avg;
@@ -125,12 +126,46 @@ int64_t Engine::submit(const at::Tensor& t, const std::string& kind, int64_t blo
                 ef[i].numel(), " elements, its part of the tensor has ", want[i]);
   }
   j->t = t, j->avg = avg, j->ef = std::move(ef), j->align = align, j->chunk = chunk;
+  return enqueue(std::move(j), c10::str(kind, ", ", algorithm, ", ", n, " elements"));
+}
+
+namespace {
+at::Tensor flat_float(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(),
+              "pyfast engine: ", what, " must be a contiguous float32 CPU tensor, got ",
+              t.scalar_type(), " of shape ", t.sizes(), " on ", t.device());
+  return t.view(-1);
+}
+}  // namespace
+
+int64_t Engine::submit_all_gather(const at::Tensor& out, const at::Tensor& in) {
+  auto j = std::make_shared<Job>();
+  j->t = flat_float(out, "all_gather's output"), j->in = flat_float(in, "all_gather's input");
+  TORCH_CHECK(j->t.numel() == world_ * j->in.numel(), "pyfast engine: all_gather of ",
+              j->in.numel(), " elements on ", world_, " ranks needs an output of ",
+              world_ * j->in.numel(), " elements, got ", j->t.numel());
+  j->algo = Algo::Gather, j->avg = false;
+  return enqueue(std::move(j), c10::str("all_gather, ", in.numel(), " elements"));
+}
+
+int64_t Engine::submit_reduce_scatter(const at::Tensor& out, const at::Tensor& in, bool avg) {
+  auto j = std::make_shared<Job>();
+  j->t = flat_float(out, "reduce_scatter's output");
+  j->in = flat_float(in, "reduce_scatter's input");
+  TORCH_CHECK(j->in.numel() == world_ * j->t.numel(), "pyfast engine: reduce_scatter into ",
+              j->t.numel(), " elements on ", world_, " ranks needs an input of ",
+              world_ * j->t.numel(), " elements, got ", j->in.numel());
+  j->algo = Algo::ReduceScatter, j->avg = avg;
+  return enqueue(std::move(j), c10::str("reduce_scatter, ", in.numel(), " elements"));
+}
+
+int64_t Engine::enqueue(std::shared_ptr<Job> j, const std::string& what) {
   {
     std::lock_guard<std::mutex> g(mu_);
     TORCH_CHECK(!stop_, "pyfast engine: submit after shutdown");
     j->id = next_id_++;
-    j->what = c10::str("pyfast engine job ", j->id, " (", kind, ", ", algorithm, ", ", n,
-                       " elements, rank ", rank_, " of ", world_, ")");
+    j->what = c10::str("pyfast engine job ", j->id, " (", what, ", rank ", rank_, " of ",
+                       world_, ")");
     jobs_[j->id] = j;
     queue_.push_back(j);
   }
@@ -188,6 +223,7 @@ void Engine::loop() {
     }
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     j->t.reset();  // release the buffers now, outside the lock
+    j->in.reset();
     j->ef.clear();
     {
       std::lock_guard<std::mutex> g(mu_);
@@ -203,6 +239,15 @@ void Engine::run(Job& j) {
     pg_->allreduce(ts)->wait();
   } else if (j.algo == Algo::AllGather) {
     gather_sum(j);
+  } else if (j.algo == Algo::Gather) {
+    pg_->all_gather_single(j.t, j.in)->wait();
+  } else if (j.algo == Algo::ReduceScatter) {
+    at::Tensor recv = at::empty_like(j.in);  // part `rank` of every rank's input, rank order
+    std::vector<int64_t> equal;              // empty splits: W equal parts
+    pg_->all_to_all_single(recv, j.in, equal, equal)->wait();
+    const int64_t n = j.t.numel();
+    j.t.copy_(recv.narrow(0, 0, n));
+    for (int64_t r = 1; r < world_; ++r) j.t.add_(recv.narrow(0, r * n, n));
   } else {
     two_phase(j);
   }

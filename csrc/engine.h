@@ -1,5 +1,6 @@
-// The overlap engine: compressed all-reduce jobs run first-in first-out on one worker thread
-// over a c10d ProcessGroup (gloo on CPU), so the caller keeps computing (backward) meanwhile.
+// The overlap engine: compressed all-reduce jobs (and uncompressed fp32 all-gather /
+// reduce-scatter jobs) run first-in first-out on one worker thread over a c10d ProcessGroup
+// (gloo on CPU), so the caller keeps computing (backward, the next matmul) meanwhile.
 // It is an object, not a tensor op, so Python sees it through pybind11 (module.cpp), not the
 // dispatcher. Algorithms and bytes: pyfast/comm/collectives.py; Python face: pyfast/comm/engine.py.
 #pragma once
@@ -35,6 +36,14 @@ class Engine {
   int64_t submit(const at::Tensor& t, const std::string& kind, int64_t block,
                  const std::string& algorithm, bool avg, std::vector<at::Tensor> ef,
                  int64_t align, int64_t chunk);
+  // Uncompressed fp32 jobs on the same FIFO (tensor-parallel overlap: the next chunk's
+  // collective runs here while the caller multiplies). Contiguous float32 CPU tensors, any shape.
+  // out (W * in.numel() elements) = every rank's `in`, in rank order (all_gather_into_tensor).
+  int64_t submit_all_gather(const at::Tensor& out, const at::Tensor& in);
+  // out (in.numel() / W elements) = part `rank` of the sum over ranks of `in`, added in rank
+  // order (in_0 + in_1 + ...), divided by W if avg: an all-to-all of the parts, then the sum here,
+  // so the bits do not depend on the backend's reduction order.
+  int64_t submit_reduce_scatter(const at::Tensor& out, const at::Tensor& in, bool avg);
   // Block until job `id` is done; rethrows what the worker raised. Returns seconds() and
   // forgets the job (a second wait(id) is an error).
   double wait(int64_t id);
@@ -50,6 +59,7 @@ class Engine {
   struct Job;
 
  private:
+  int64_t enqueue(std::shared_ptr<Job> j, const std::string& what);
   void loop();
   void run(Job& j);
   void gather_sum(Job& j);

@@ -35,12 +35,17 @@ PYBIND11_MODULE(_C, m) {
   using pyfast::Engine;
   using nogil = py::call_guard<py::gil_scoped_release>;
   py::class_<Engine, std::unique_ptr<Engine, ReleaseGilDelete>>(m, "Engine",
-      "Compressed all-reduce jobs, first-in first-out on one worker thread over a "
+      "Compressed all-reduce and fp32 all-gather / reduce-scatter jobs, first-in first-out "
+      "on one worker thread over a "
       "ProcessGroup (pyfast/comm/engine.py is the Python face).")
       .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>>(), py::arg("group"))
       .def("submit", &Engine::submit, nogil(), py::arg("tensor"), py::arg("kind"),
            py::arg("block"), py::arg("algorithm"), py::arg("avg"), py::arg("ef"),
            py::arg("align"), py::arg("chunk"))
+      .def("submit_all_gather", &Engine::submit_all_gather, nogil(), py::arg("out"),
+           py::arg("input"))
+      .def("submit_reduce_scatter", &Engine::submit_reduce_scatter, nogil(), py::arg("out"),
+           py::arg("input"), py::arg("avg"))
       .def("wait", &Engine::wait, nogil(), py::arg("id"))
       .def("seconds", &Engine::seconds, nogil(), py::arg("id"))
       .def("shutdown", &Engine::shutdown, nogil(),

@@ -1,5 +1,8 @@
 """The native overlap engine (pyfast._C.Engine through pyfast.comm.engine) at 2 and 4 gloo ranks.
 
+Its uncompressed all_gather_into / reduce_scatter_into jobs are checked against
+dist.all_gather_into_tensor and an fp32 sum in rank order, queued between compressed jobs.
+
 Oracle: pyfast.comm.all_reduce on the same inputs, both its pipelined path (chunks of 4096
 elements, so a 70K tensor is many pieces in flight) and its reference functions
 (PYFAST_COMM_REFERENCE=1). The engine must match it bitwise (the output and every
@@ -56,7 +59,56 @@ def _worker(rank, world, mode):
                 a, b = mine[c][1].feedback.memory, ref[c][1].feedback.memory
                 if a.keys() != b.keys() or any(not torch.equal(bits(a[k]), bits(b[k])) for k in a):
                     bad.append(f"step {step} {c}: error feedback {sorted(a)} vs {sorted(b)}")
+    if mode == "pipelined":  # once per world size
+        bad += _uncompressed_jobs(engine, rank, world)
     return bad, {c: mine[c][0] for c in cases}
+
+
+def _uncompressed_jobs(engine, rank, world):
+    """all_gather_into / reduce_scatter_into against dist.all_gather_into_tensor and an fp32 sum
+    in rank order, queued together with compressed jobs (FIFO keeps them in step)."""
+    import torch.distributed as dist
+    bad = []
+    shapes = [(7,), (3, 50), (1000,)]  # per-rank part; out / in may be 2-D
+    xs = [inputs(rank, world * n).view(world * s[0], *s[1:]) for s in shapes
+          for n in [torch.Size(s).numel()]]
+    gathered = [torch.empty(world * x.numel()) for x in xs]
+    parts = [torch.empty(x.shape[0] // world, *x.shape[1:]) for x in xs]
+    extra = inputs(rank, 5000)
+    hs = []
+    for i, (x, g, p) in enumerate(zip(xs, gathered, parts)):
+        hs.append(engine.all_gather_into(g, x))
+        hs.append(engine.reduce_scatter_into(p, x, "avg" if i % 2 else "sum"))
+        hs.append(engine.all_reduce(extra, "int8", name="between"))
+    for h in reversed(hs):
+        h.wait()
+    for i, (x, g, p) in enumerate(zip(xs, gathered, parts)):
+        ref = torch.empty(world * x.numel())
+        dist.all_gather_into_tensor(ref, x.reshape(-1))
+        if not torch.equal(bits(g), bits(ref)):
+            bad.append(f"all_gather_into {tuple(x.shape)}: differs from all_gather_into_tensor")
+        every = ref.view(world, world, -1)[:, rank]  # every rank's part `rank`, in rank order
+        acc = every[0].clone()
+        for r in range(1, world):
+            acc += every[r]
+        if i % 2:
+            acc /= world
+        if not torch.equal(bits(p.reshape(-1)), bits(acc)):
+            bad.append(f"reduce_scatter_into {tuple(x.shape)}: differs from the rank-order sum")
+    for call, words in [(lambda: engine.all_gather_into(torch.empty(world * 7 + 1), xs[0]),
+                         "needs an output of"),
+                        (lambda: engine.reduce_scatter_into(torch.empty(2), torch.ones(2 * world + 1)),
+                         "needs an input of"),
+                        (lambda: engine.all_gather_into(torch.empty(world, dtype=torch.float64),
+                                                        torch.ones(1, dtype=torch.float64)), "float32"),
+                        (lambda: engine.reduce_scatter_into(parts[0], xs[0], "max"), "op must be")]:
+        try:
+            call()
+            bad.append(f"no error, expected {words!r}")
+        except (ValueError, RuntimeError) as e:
+            if words not in str(e):
+                bad.append(f"expected {words!r}, got {e}")
+    return bad
 
 
 @pytest.mark.parametrize("mode", ["pipelined", "reference"])

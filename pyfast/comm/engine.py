@@ -14,6 +14,10 @@ Python path (or any other collective) on the same group while engine jobs are in
 NativeEngine.private(group) gives the engine a process group of its own with the same ranks
 (what DataParallel does). close() runs the queued jobs and joins the thread; call it before
 dist.destroy_process_group.
+
+It also runs uncompressed fp32 all_gather / reduce_scatter on the same thread
+(all_gather_into, reduce_scatter_into): tensor-parallel overlap runs the next chunk's
+collective here while the caller multiplies.
 """
 from __future__ import annotations
 
@@ -137,6 +141,19 @@ class NativeEngine:
     @staticmethod
     def supports(compressor) -> bool:
         return _kind(C.get(compressor)) is not None
+
+    def all_gather_into(self, out: torch.Tensor, x: torch.Tensor) -> Handle:
+        """Queue out <- every rank's x in rank order (dist.all_gather_into_tensor): contiguous
+        float32 CPU, out.numel() == world * x.numel(). wait() returns out."""
+        return Handle(self._engine, self._engine.submit_all_gather(out, x), out)
+
+    def reduce_scatter_into(self, out: torch.Tensor, x: torch.Tensor, op: str = "sum") -> Handle:
+        """Queue out <- part `rank` (of world equal parts) of x_0 + x_1 + ... added in rank order
+        in fp32, divided by world for op="avg": contiguous float32 CPU, x.numel() == world *
+        out.numel(). Bitwise independent of the backend's reduction order. wait() returns out."""
+        if op not in OPS:
+            raise ValueError(f"op must be one of {OPS}, got {op!r}")
+        return Handle(self._engine, self._engine.submit_reduce_scatter(out, x, op == "avg"), out)
 
     def all_reduce(self, t: torch.Tensor, compressor=None, op: str = "sum", name: str = "",
                    algorithm: str | None = None) -> Handle:
