@@ -42,9 +42,29 @@ def _entry(rank, world, port, fn, args, queue):
             dist.destroy_process_group()
 
 
+def _next(queue, procs, results, errors):
+    """The next rank's report; a rank that died without one (killed, segfault) fails the test
+    after a 5 s grace for its queue to flush, instead of hanging the parent."""
+    import queue as q
+    import time
+    deadline, dead_since = time.monotonic() + TIMEOUT + 30, None
+    while True:
+        try:
+            return queue.get(timeout=1)
+        except q.Empty:
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            dead_since = dead_since or (time.monotonic() if dead else None)
+            if dead and time.monotonic() - dead_since > 5:
+                raise AssertionError(f"rank(s) {dead} died without a report (exit codes "
+                                     f"{[procs[r].exitcode for r in dead]}); errors so far: {errors}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no report from a rank within {TIMEOUT + 30} s "
+                                     f"(got ranks {sorted(results)})")
+
+
 def run_ranks(fn, world: int, *args):
     ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
+    queue = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, queue), daemon=True)
              for r in range(world)]
@@ -52,7 +72,7 @@ def run_ranks(fn, world: int, *args):
         p.start()
     results, errors = {}, []
     for _ in range(world):
-        rank, ok, value = queue.get()
+        rank, ok, value = _next(queue, procs, results, errors)
         if ok:
             import io
 
