@@ -1,11 +1,13 @@
 """Drop-in parallel training modules: data (DataParallel, DataParallelNaive), pipeline
 (Pipeline, schedules, traces) and tensor (ColumnParallelLinear, RowParallelLinear,
-parallelize)."""
+VocabParallelEmbedding, vocab_parallel_cross_entropy, parallelize)."""
 from .data import DataParallel, DataParallelNaive
 from .parallelize import parallelize
 from .pipeline import Pipeline
 from .tensor import ColumnParallelLinear, RowParallelLinear
 from .trace import save_trace
+from .vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 __all__ = ["ColumnParallelLinear", "DataParallel", "DataParallelNaive", "Pipeline",
-           "RowParallelLinear", "parallelize", "save_trace"]
+           "RowParallelLinear", "VocabParallelEmbedding", "parallelize", "save_trace",
+           "vocab_parallel_cross_entropy"]
