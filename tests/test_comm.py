@@ -97,3 +97,41 @@ def test_all_reduce_matches_reference_and_ranks_agree(world, mode):
     assert torch.equal(out[0]["avg"], reference(xs, "int8", "allgather" if world == 2 else
                                                 "two-phase" if N > 256 * 1024 else "allgather")
                        / world)
+
+
+def _nan_worker(rank, world):
+    import torch.distributed as dist
+
+    import pyfast.comm as comm
+    out = {}
+    for spec, algo in CASES:
+        xs, shape = inputs(world, spec)
+        t = xs[rank].clone()
+        if rank == world - 1:
+            t[123] = float("nan")
+        try:
+            comm.all_reduce(t.view(shape), spec, name="g", algorithm=algo)
+            out[spec, algo] = ("ok", bool(torch.isfinite(t).all()))
+        except comm.NonFiniteGradient as e:
+            out[spec, algo] = ("raised", str(e))
+    ok = torch.ones(8)  # the group is still in step after every case
+    dist.all_reduce(ok)
+    out["after"] = ok
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_nan_on_one_rank_same_outcome_everywhere(world):
+    """A NaN on the last rank only: every rank raises the same NonFiniteGradient naming it
+    (top-k, random-k refuse NaN), or every rank holds a non-finite result (the others carry it
+    through). Never one rank raising while the others wait in a collective."""
+    out = run_ranks(_nan_worker, world)
+    for spec, algo in CASES:
+        seen = [o[spec, algo] for o in out]
+        assert all(s == seen[0] for s in seen), f"{spec}/{algo}: ranks disagree: {seen}"
+        kind, detail = seen[0]
+        if kind == "raised":
+            assert f"rank(s) [{world - 1}]" in detail, detail
+        else:
+            assert detail is False, f"{spec}/{algo}: the NaN vanished"
+    assert all(torch.equal(o["after"], torch.full((8,), float(world))) for o in out)

@@ -17,6 +17,8 @@ same bytes in the same rank order with the same arithmetic on every rank. Algori
 """
 from __future__ import annotations
 
+import math
+
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -127,7 +129,22 @@ def _gather_sum(x: torch.Tensor, c, group, name: str) -> torch.Tensor:
     return out
 
 
+def _agree_finite(x: torch.Tensor, group, name: str) -> None:
+    """RandomK refuses NaN/Inf; refusing on one rank only would leave the others waiting in the
+    all-reduce (and their seed counters a step ahead). Agree first, with one tiny all-reduce,
+    before any compressor state moves: the same cheap sum test RandomK uses."""
+    world, rank = _world(group)
+    flags = torch.zeros(world)
+    flags[rank] = float(x.numel() > 0 and not math.isfinite(float(x.sum()))
+                        and not bool(torch.isfinite(x).all()))
+    dist.all_reduce(flags, group=group)
+    if flags.any():
+        bad = flags.nonzero().flatten().tolist()
+        raise NonFiniteGradient(f"{name or 'tensor'}: NaN/Inf gradient on rank(s) {bad}")
+
+
 def _randomk(x: torch.Tensor, c: RandomK, group, name: str) -> torch.Tensor:
+    _agree_finite(x, group, name)
     p = c.compress(x, name)  # same seed on every rank -> same indices
     values = p.tensors["values"].to(torch.float32)
     dist.all_reduce(values, group=group)
@@ -194,6 +211,7 @@ def _reduce(t: torch.Tensor, c, group, op: str, name: str, algo: str | None) -> 
     elif algo == "powersgd":
         out = _powersgd(t, c, group, name)
     elif algo == "shared-index" and t.dtype == torch.float32 and t.is_contiguous():
+        _agree_finite(t, group, name)
         p = c.compress(t.view(-1), name)  # same seed on every rank -> same indices
         values = p.tensors["values"].to(torch.float32)
         dist.all_reduce(values, group=group)
