@@ -1,0 +1,249 @@
+"""Asynchronous tensor parallelism: sequence-parallel matmuls with their communication overlapped.
+
+    all_gather_linear(x, w, b)     = F.linear(all_gather(x along dim), w, b)   column-parallel in
+    linear_reduce_scatter(x, w, b) = reduce_scatter(F.linear(x, w) along dim) + b  row-parallel out
+
+The first sends pieces of its rows to the other ranks, multiplies its own, then each piece as it
+lands; the second multiplies a piece of every rank's rows, sends it and multiplies the next; each
+is the other's backward. torch's fused_all_gather_matmul does it on NVLink GPUs, not on gloo.
+
+Results equal the non-overlapped tp_comm path bit for bit (MIN_ROWS; weight and bias gradients
+on F.linear's own layout; a sum of 2 ranks is a + b either way); beyond 2 ranks partial sums are
+added in rank order, gloo's in its ring's order: a few ulps apart.
+
+comm moves the bytes: "c10d" (isend/irecv, the default), a NativeEngine (pyfast.comm.engine, its
+own thread, fp32) or an object with C10dComm's interface. Not async c10d collectives: gloo's
+reduce_scatter is an all-reduce (65 ms vs 31 for the all-gather of the same rows, 2 ranks at
+1 Gbit/s), and gloo runs two at once, so pieces share the link instead of landing in order.
+"""
+import zlib
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.autograd import Function
+
+from pyfast.parallel.tp_comm import tp_world
+
+# MKL sgemm (2024.2, AVX-512, 1 thread) gives a row the same bits in any GEMM of M >= 4 rows;
+# M = 1..3 take another kernel (up to 8e-5 apart at K = 1024). Pieces keep >= MIN_ROWS rows, so
+# `chunks` is an upper bound; a shard of fewer rows is multiplied in one GEMM after the gather.
+MIN_ROWS = 4
+TAG = 0x7470  # p2p tag ("tp"): never matched with pipeline-parallel transfers
+
+
+def _pieces(rows, chunks):  # [a, e) row ranges
+    n = max(1, min(chunks, rows // MIN_ROWS))  # sizes differ by at most one row
+    return [(i * rows // n, (i + 1) * rows // n) for i in range(n)]
+
+
+class C10dComm:
+    """A launcher: world, rank, peers (the others); all_gather(outs, x): outs[q] <- rank q's x;
+    reduce_scatter(out, parts [world, rows, cols]): out <- sum of every rank's parts[rank]; both
+    return a function that waits. isend/irecv: pieces land in order, in the caller's buffers."""
+
+    def __init__(self, group):
+        self.group, (self.world, self.rank) = group, tp_world(group)
+        self.peers = [(self.rank + s) % self.world for s in range(1, self.world)]
+
+    def _swap(self, send, recv):  # lists of (tensor, peer); sends stay alive until waited on
+        works = [dist.isend(t, group=self.group, group_dst=q, tag=TAG) for t, q in send]
+        works += [dist.irecv(t, group=self.group, group_src=q, tag=TAG) for t, q in recv]
+        return lambda: [w.wait() for w in works]
+
+    def all_gather(self, outs, x):
+        return self._swap([(x, q) for q in self.peers], [(outs[q], q) for q in self.peers])
+
+    def reduce_scatter(self, out, parts):
+        got = torch.empty_like(parts)
+        wait = self._swap([(parts[q], q) for q in self.peers], [(got[q], q) for q in self.peers])
+
+        def add():
+            wait()
+            for q in range(self.world):  # in rank order, as the engine adds
+                p = parts[q] if q == self.rank else got[q]
+                out.copy_(p) if q == 0 else out.add_(p)
+        return add
+
+
+class EngineComm:
+    """The launcher on a NativeEngine's thread (made with NativeEngine.private(group))."""
+
+    def __init__(self, engine):
+        self.engine, self.world, self.rank = engine, engine.world, engine.rank
+        self.peers = [(self.rank + s) % self.world for s in range(1, self.world)]
+
+    def all_gather(self, outs, x):
+        tmp = x.new_empty((self.world,) + tuple(x.shape))
+        done = self.engine.all_gather_into(tmp, x).wait
+        return lambda: [done()] + [outs[q].copy_(tmp[q]) for q in self.peers]
+
+    def reduce_scatter(self, out, parts):
+        return self.engine.reduce_scatter_into(out, parts).wait
+
+
+def launcher(comm, group):
+    """The launcher for `comm` on `group`: "c10d", a NativeEngine, or a launcher object."""
+    from pyfast.comm.engine import NativeEngine
+    if comm == "c10d":
+        return C10dComm(group)
+    if (comm == "engine" or isinstance(comm, NativeEngine)) and \
+            not hasattr(NativeEngine, "all_gather_into"):
+        raise NotImplementedError("the native engine has no all_gather jobs yet: use 'c10d'")
+    comm = EngineComm(comm) if isinstance(comm, NativeEngine) else comm
+    if isinstance(comm, str) or comm.world != tp_world(group)[0]:
+        raise ValueError(f"comm must be 'c10d', a NativeEngine (NativeEngine.private(group)) or "
+                         f"a launcher, on the group's {tp_world(group)[0]} ranks; got {comm!r}")
+    return comm
+
+
+def _mm(a, b, bias, out):  # addmm(bias, x, w.t()) is F.linear's own call: same kernel
+    return torch.mm(a, b, out=out) if bias is None else torch.addmm(bias, a, b, out=out)
+
+
+def all_gather_mm(x, b, bias, comm, chunks):
+    """(all_gather(x) @ b + bias, all_gather(x)) for x [R, K] this rank's rows, b [K, N]."""
+    W, R = comm.world, x.shape[0]
+    full, y = x.new_empty(W * R, x.shape[1]), x.new_empty(W * R, b.shape[1])
+    at = lambda q, a, e: slice(q * R + a, q * R + e)  # noqa: E731  rows a:e of rank q's block
+    full[at(comm.rank, 0, R)] = x
+    if R < MIN_ROWS:  # one GEMM over all rows: the reference's kernel
+        comm.all_gather([full[at(q, 0, R)] for q in range(W)], x)()
+        return _mm(full, b, bias, y), full
+    pieces = _pieces(R, chunks)
+    works = [comm.all_gather([full[at(q, a, e)] for q in range(W)], x[a:e]) for a, e in pieces]
+    _mm(x, b, bias, y[at(comm.rank, 0, R)])  # own rows while the others travel
+    for (a, e), wait in zip(pieces, works):
+        wait()
+        for q in comm.peers:
+            _mm(full[at(q, a, e)], b, bias, y[at(q, a, e)])
+    return y, full
+
+
+def mm_reduce_scatter(x, b, comm, chunks):
+    """reduce_scatter(x @ b), x [W * R, K], b [K, N], as finish() -> [R, N]: the last pieces
+    travel until it is called, behind whatever the caller computes first."""
+    W, R, N = comm.world, x.shape[0] // comm.world, b.shape[1]
+    out, blocks = x.new_empty(R, N), x.view(W, R, -1)
+    if R < MIN_ROWS:  # one GEMM over all rows: the reference's kernel
+        works = [comm.reduce_scatter(out, torch.mm(x, b).view(W, R, N))]
+    else:
+        works = []
+        for a, e in _pieces(R, chunks):
+            part = x.new_empty(W, e - a, N)
+            for q in comm.peers + [comm.rank]:  # own rows last: they need not travel
+                torch.mm(blocks[q, a:e], b, out=part[q])
+            works.append(comm.reduce_scatter(out[a:e], part))
+
+    def finish():
+        for wait in works:
+            wait()
+        return out
+    return finish
+
+
+def _rows(t, dim):  # `dim` moved to the front, as a contiguous [rows, features] matrix
+    return t.movedim(dim, 0).reshape(-1, t.shape[-1]).contiguous()
+
+
+def _unrows(m, like, dim, seq):  # _rows undone: m in like's layout, seq long along dim
+    front = m.view([seq] + [s for i, s in enumerate(like[:-1]) if i != dim] + [m.shape[-1]])
+    return front.movedim(0, dim).contiguous() if dim else front
+
+
+def _linear_grads(gy, x, want_w, want_b):  # F.linear's, on its layout: rows summed in its order
+    g2 = gy.reshape(-1, gy.shape[-1])
+    return (g2.t().mm(x.reshape(-1, x.shape[-1])) if want_w else None,
+            g2.sum(0) if want_b else None)
+
+
+class _AllGatherLinear(Function):
+    """Backward: grad x = the overlapped reduce-scatter of grad_y @ w, grad w and b computed
+    while its last pieces travel. Keeps the gathered x (world x the shard) for grad w, as gather
+    + F.linear does: gathering it again would trade that memory for one more all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, comm, dim, chunks):
+        y, full = all_gather_mm(_rows(x, dim), weight.t(), bias, comm, chunks)
+        seq = comm.world * x.shape[dim]
+        ctx.save_for_backward(_unrows(full, x.shape, dim, seq), weight)
+        ctx.comm, ctx.dim, ctx.chunks, ctx.shape = comm, dim, chunks, x.shape
+        return _unrows(y, x.shape, dim, seq)
+
+    @staticmethod
+    def backward(ctx, gy):
+        (full, weight), need = ctx.saved_tensors, ctx.needs_input_grad
+        if need[0]:
+            finish = mm_reduce_scatter(_rows(gy, ctx.dim), weight, ctx.comm, ctx.chunks)
+        gw, gb = _linear_grads(gy, full, need[1], need[2])
+        gx = _unrows(finish(), ctx.shape, ctx.dim, ctx.shape[ctx.dim]) if need[0] else None
+        return gx, gw, gb, None, None, None
+
+
+class _LinearReduceScatter(Function):
+    """Backward: grad x = all_gather(grad_y) @ w, overlapped; grad w = all_gather(grad_y)^T @ x."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, comm, dim, chunks):
+        out = mm_reduce_scatter(_rows(x, dim), weight.t(), comm, chunks)()
+        if bias is not None:
+            out.add_(bias)
+        ctx.save_for_backward(x, weight)
+        ctx.comm, ctx.dim, ctx.chunks = comm, dim, chunks
+        return _unrows(out, x.shape, dim, x.shape[dim] // comm.world)
+
+    @staticmethod
+    def backward(ctx, gy):
+        (x, weight), need, dim = ctx.saved_tensors, ctx.needs_input_grad, ctx.dim
+        gx = gw = None
+        if need[0] or need[1]:
+            gx, gfull = all_gather_mm(_rows(gy, dim), weight, None, ctx.comm, ctx.chunks)
+            gx = _unrows(gx, x.shape, dim, x.shape[dim])
+            gw, _ = _linear_grads(_unrows(gfull, gy.shape, dim, x.shape[dim]), x, need[1], False)
+        gb = gy.reshape(-1, gy.shape[-1]).sum(0) if need[2] else None
+        return gx, gw, gb, None, None, None
+
+
+def _prepare(what, x, weight, bias, group, dim, chunks, comm):
+    """Checks, the last one collective: every rank must send the same shape and dtype (gloo
+    aborts on a longer message than expected and silently takes a shorter one)."""
+    world, dim, shapes = tp_world(group)[0], dim % max(x.dim(), 1), (tuple(x.shape), dim)
+    if x.dim() < 2 or dim == x.dim() - 1:
+        raise ValueError(f"{what}: x, dim {shapes} needs a sequence dim apart from the features")
+    if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"{what}: weight {tuple(weight.shape)} is not [out, {x.shape[-1]}]")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"{what}: bias {tuple(bias.shape)} is not [{weight.shape[0]}]")
+    if type(chunks) is not int or chunks < 1:
+        raise ValueError(f"{what}: chunks must be an int >= 1, got {chunks!r}")
+    if what == "linear_reduce_scatter" and x.shape[dim] % world:
+        raise ValueError(f"{what}: x, dim {shapes} not divisible by the tensor-parallel size")
+    if world == 1:
+        return dim, None
+    comm = launcher(comm, group)
+    sent = weight.shape[1 if what == "all_gather_linear" else 0]  # features on the wire
+    mine = torch.tensor([x.numel() // x.shape[-1], sent, zlib.crc32(f"{what}{x.dtype}".encode())])
+    every = torch.empty(world * 3, dtype=mine.dtype)
+    dist.all_gather_single(every, mine, group=group)
+    if not bool((every.view(world, 3) == mine).all()):
+        raise ValueError(f"{what}: ranks disagree on (rows, features sent, crc of op and dtype):"
+                         f" {every.view(world, 3).tolist()} in rank order")
+    return dim, comm
+
+
+def all_gather_linear(x, weight, bias=None, group=None, dim: int = 0, chunks: int = 2,
+                      comm="c10d"):
+    """F.linear(all_gather(x along dim), weight, bias), the all-gather overlapped: the input
+    of a sequence-parallel ColumnParallelLinear (x: this rank's sequence shard)."""
+    dim, c = _prepare("all_gather_linear", x, weight, bias, group, dim, chunks, comm)
+    return F.linear(x, weight, bias) if c is None else \
+        _AllGatherLinear.apply(x, weight, bias, c, dim, chunks)
+
+
+def linear_reduce_scatter(x, weight, bias=None, group=None, dim: int = 0, chunks: int = 2,
+                          comm="c10d"):
+    """reduce_scatter(F.linear(x, weight) along dim) + bias, the reduce-scatter overlapped: the
+    output of a sequence-parallel RowParallelLinear (bias added once, after the sum)."""
+    dim, c = _prepare("linear_reduce_scatter", x, weight, bias, group, dim, chunks, comm)
+    return F.linear(x, weight, bias) if c is None else \
+        _LinearReduceScatter.apply(x, weight, bias, c, dim, chunks)
