@@ -1,9 +1,9 @@
 """Gradient buckets: launch each bucket's reduction the moment its last gradient is ready.
 
-Parameters go into buckets of about `bucket_mb` in reverse registration order (backward
-produces gradients roughly in that order, as DDP assumes). Buckets are launched strictly in
-index order, so every rank issues the same collectives in the same order even when backward
-finishes gradients in a slightly different order. The wait is queued as an autograd final
+Parameters go into buckets of about `bucket_mb` (the first one FIRST_BUCKET_MB) in reverse
+registration order (backward produces gradients roughly in that order, as DDP assumes).
+Buckets are launched strictly in index order, so every rank issues the same collectives in
+the same order even when backward finishes gradients in a slightly different order. The wait is queued as an autograd final
 callback: when loss.backward() returns, every gradient is reduced (as in DDP).
 """
 from __future__ import annotations
@@ -31,17 +31,23 @@ class Bucket:
         return f"bucket{self.index}"
 
 
+# The first bucket is capped at 1 MB (as DDP's _DEFAULT_FIRST_BUCKET_BYTES) so the link starts
+# working right after the last layer's backward; see DataParallel's bucket_mb for the rest.
+FIRST_BUCKET_MB = 1.0
+
+
 class Bucketer:
-    def __init__(self, named_params, bucket_mb: float, launch, enabled: bool = True):
+    def __init__(self, named_params, bucket_mb: float, launch, enabled: bool = True,
+                 first_mb: float | None = None):
         self.launch_fn, self.enabled = launch, enabled
         self.buckets: list[Bucket] = []
-        cap = int(bucket_mb * 2 ** 20)
+        first = min(FIRST_BUCKET_MB if first_mb is None else first_mb, bucket_mb)
         group: list = []
         size = 0
         for name, p in reversed(list(named_params)):
             group.append((name, p))
             size += p.numel() * 4  # reduced in fp32
-            if size >= cap:
+            if size >= (first if not self.buckets else bucket_mb) * 2 ** 20:
                 self._add(group)
                 group, size = [], 0
         if group:
