@@ -2,9 +2,16 @@
 topk + error feedback, auto) against torch DDP (plain, fp16_compress_hook, powerSGD_hook rank
 4), same model, same data, same run, 2 ranks with one thread each, on a link.
 
+A pyfast config is `pyfast:SPEC[@ENGINE]`: DataParallel's default engine ("auto": the native
+C++ engine where it runs, e.g. int8; the Python thread for topk) unless @native / @python asks;
+the @python int8 row shows what the native engine changes.
+
 Also per pyfast config: compute-only step (forward + backward, no reduction) and
 communication-only time (every bucket's reduction, back to back, no compute), so the overlap
-target (step <= 1.15 x max(compute, comm)) can be checked.
+target (step <= 1.15 x max(compute, comm)) can be checked; and `bound`, the step perfect
+overlap would give at this bucketing (_bound): forward cannot overlap this step's reduction and
+a layer's gradient cannot be sent before backward made it, so when communication dominates,
+step / max(compute, comm) cannot reach 1 (step / bound says how far the engine is from it).
 """
 from __future__ import annotations
 
@@ -21,7 +28,7 @@ from pyfast import perf
 from pyfast.benchmarks import netns
 
 CONFIGS = ["ddp", "ddp+fp16", "ddp+powersgd:4", "pyfast:none", "pyfast:int8",
-           "pyfast:topk:0.01", "pyfast:auto"]
+           "pyfast:int8@python", "pyfast:topk:0.01", "pyfast:auto"]
 
 
 def build(seed: int = 0):
@@ -32,14 +39,16 @@ def build(seed: int = 0):
                          nn.Linear(2048, 1024), nn.GELU(), nn.Linear(1024, 1024))
 
 
-def _wrap(cfg: str, m):
+def _wrap(cfg: str, m, bucket_mb=None):
     import torch.distributed.algorithms.ddp_comm_hooks.default_hooks as dh
     import torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook as ph
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from pyfast.parallel.data import DataParallel
     if cfg.startswith("pyfast:"):
-        return DataParallel(m, cfg.split(":", 1)[1])
+        spec, _, engine = cfg.split(":", 1)[1].partition("@")
+        return DataParallel(m, spec, engine=engine or "auto",
+                            **({"bucket_mb": bucket_mb} if bucket_mb else {}))
     net = DDP(m)
     if cfg == "ddp+fp16":
         net.register_comm_hook(None, dh.fp16_compress_hook)
@@ -49,12 +58,18 @@ def _wrap(cfg: str, m):
     return net
 
 
+def _bound(compute: float, ready: list[float], alone: list[float]) -> float:
+    """The step with perfect overlap at this bucketing: bucket i cannot start before its
+    gradients are ready (compute-only run) and the link takes the buckets one at a time, each
+    as long as by itself, so the step is at least ready[i] + alone[i] + ... + alone[-1]."""
+    return max([compute] + [r + sum(alone[i:]) for i, r in enumerate(ready)])
+
+
 def _worker() -> None:
     import torch
     import torch.distributed as dist
     from torch import nn
 
-    from pyfast.comm import all_reduce
     job = json.loads(os.environ["PYFAST_DP"])
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=job["timeout"]))
@@ -67,7 +82,7 @@ def _worker() -> None:
     rows = []
     for cfg in job["configs"]:
         m = build()
-        net = _wrap(cfg, m)
+        net = _wrap(cfg, m, job.get("bucket_mb"))
         opt = torch.optim.SGD(net.parameters(), lr=0.01)
         times = []
         for step in range(job["warmup"] + job["steps"]):
@@ -81,30 +96,50 @@ def _worker() -> None:
             times.append(time.perf_counter() - t0)
         row = {"config": cfg, "times": times[job["warmup"]:], "loss": float(loss)}
         if cfg.startswith("pyfast:"):
-            comp = []  # compute only: the same step with no reduction
+            buckets = net.bucketer.buckets
+            comp, ready = [], []  # compute only: the same step with no reduction
+            seen: dict = {}
+            hooks = [p.register_post_accumulate_grad_hook(
+                lambda p: seen.__setitem__(p, time.perf_counter())) for p in net.parameters()]
             for step in range(3):
+                seen.clear()
                 t0 = time.perf_counter()
                 with net.no_sync():
                     nn.functional.mse_loss(net(data[0]), targets[0]).backward()
                 comp.append(time.perf_counter() - t0)
-            comm = []  # communication only: every bucket, back to back, as configured
+                ready.append([max(seen[p] for p in b.params) - t0 for b in buckets])
+            for h in hooks:
+                h.remove()
+            comm = []  # communication only: every bucket queued at once on its engine
             for _ in range(3):
                 dist.barrier()
                 t0 = time.perf_counter()
-                for b in net.bucketer.buckets:
-                    c = net.selector.compressor(b) if net.selector else net.compressor
-                    all_reduce(b.flat, c, op="avg", name=b.name)
+                for h in [net.reduce_async(b) for b in buckets]:
+                    h.wait()
                 comm.append(time.perf_counter() - t0)
-            row.update(compute=statistics.median(comp), comm=statistics.median(comm))
+            alone = []  # each bucket's reduction by itself
+            for b in buckets:
+                ts = []
+                for _ in range(3):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    net.reduce_async(b).wait()
+                    ts.append(time.perf_counter() - t0)
+                alone.append(statistics.median(ts))
+            ready = [statistics.median(r) for r in zip(*ready)]
+            row.update(compute=statistics.median(comp), comm=statistics.median(comm),
+                       engine=net.engine_kind[0], buckets=[b.flat.numel() for b in buckets],
+                       bound=_bound(statistics.median(comp), ready, alone))
             if net.selector is not None:
                 row["auto_choice"] = list(net.selector.choice)
+            net.close()  # joins the engine and destroys its group before the next config
         each = [None] * dist.get_world_size()
         dist.all_gather_object(each, row)
         if rank == 0:
             per_step = [max(ts) for ts in zip(*(e["times"] for e in each))]
             row["step_s"] = statistics.median(per_step)
             row["loss"] = statistics.mean(e["loss"] for e in each)
-            for k in ("compute", "comm"):
+            for k in ("compute", "comm", "bound"):
                 if k in row:
                     row[k] = max(e[k] for e in each)
             rows.append(row)
@@ -116,12 +151,12 @@ def _worker() -> None:
 
 
 def run(links=("1gbit", "loopback"), configs=CONFIGS, batch: int = 128, steps: int = 8,
-        warmup: int = 4, timeout: float = 1800) -> dict:
+        warmup: int = 4, timeout: float = 1800, bucket_mb: float | None = None) -> dict:
     out = []
     for link in links:
         with tempfile.TemporaryDirectory() as d:
             job = {"configs": list(configs), "batch": batch, "steps": steps, "warmup": warmup,
-                   "timeout": timeout, "out": os.path.join(d, "r.json")}
+                   "timeout": timeout, "out": os.path.join(d, "r.json"), "bucket_mb": bucket_mb}
             try:
                 netns.run_ranks(["-c", "from pyfast.benchmarks.dp import _worker; _worker()"],
                                 2, link, timeout, env={"PYFAST_DP": json.dumps(job)})
@@ -136,29 +171,34 @@ def run(links=("1gbit", "loopback"), configs=CONFIGS, batch: int = 128, steps: i
             r["vs_ddp_fp16"] = base["ddp+fp16"] / r["step_s"] if "ddp+fp16" in base else None
             if "compute" in r:
                 r["overlap_ratio"] = r["step_s"] / max(r["compute"], r["comm"])
+                r["bound_ratio"] = r["step_s"] / r["bound"]
         out += rows
     return {"machine": perf.machine(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "pyfast": pyfast.__version__, "world": 2, "batch": batch, "steps": steps,
-            "warmup": warmup, "model": "MLP 1024-2048-2048-1024-1024, 9.4M params", "rows": out}
+            "warmup": warmup, "model": "MLP 1024-2048-2048-1024-1024, 9.4M params",
+            "bucket_mb": bucket_mb or "DataParallel's default", "rows": out}
 
 
 def table(result: dict):
+    from rich.markup import escape
     from rich.table import Table
     t = Table(title=f"data-parallel training step, 2 ranks x 1 thread, {result['model']}, batch "
                     f"{result['batch']}/rank, median of {result['steps']} steps after "
                     f"{result['warmup']}\n{result['machine']}")
     for col in ("link", "config", "step ms", "vs DDP+fp16", "loss", "compute ms", "comm ms",
-                "step/max(comp,comm)"):
+                "step/max(comp,comm)", "bound ms", "step/bound"):
         t.add_column(col, justify="left" if col in ("link", "config") else "right")
     for r in result["rows"]:
         if "skipped" in r:
             t.add_row(r["link"], "-", f"skipped: {r['skipped']}")
             continue
         f = lambda k: f"{r[k] * 1e3:.0f}" if k in r else ""  # noqa: E731
-        cfg = r["config"] + (f" {r['auto_choice']}" if "auto_choice" in r else "")
-        t.add_row(r["link"], cfg, f("step_s"), f"{r['vs_ddp_fp16']:.2f}x", f"{r['loss']:.4f}",
-                  f("compute"), f("comm"),
-                  f"{r['overlap_ratio']:.2f}" if "overlap_ratio" in r else "")
+        cfg = r["config"] + (f" ({r['engine']})" if "engine" in r else "") + \
+            (f" {r['auto_choice']}" if "auto_choice" in r else "")
+        g = lambda k: f"{r[k]:.2f}" if k in r else ""  # noqa: E731
+        t.add_row(r["link"], escape(cfg), f("step_s"), f"{r['vs_ddp_fp16']:.2f}x",
+                  f"{r['loss']:.4f}", f("compute"), f("comm"), g("overlap_ratio"), f("bound"),
+                  g("bound_ratio"))
     return t
 
 
@@ -169,9 +209,13 @@ def main(argv=None) -> int:
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--bucket-mb", type=float, default=None,
+                   help="DataParallel bucket_mb (default: DataParallel's own)")
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
-    res = run(a.link.split(","), a.configs.split(","), a.batch, a.steps)
+    res = run(a.link.split(","), a.configs.split(","), a.batch, a.steps, a.warmup,
+              bucket_mb=a.bucket_mb)
     Console(width=170).print(table(res))
     if a.out:
         perf.save_result(res, a.out, table, width=170)
