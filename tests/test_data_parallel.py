@@ -286,7 +286,8 @@ def _same(a, b) -> bool:
 
 def _engine_threads() -> int:
     import glob
-    return sum(open(f).read().strip() == "pyfast-engine" for f in glob.glob("/proc/self/task/*/comm"))
+    return sum(open(f).read().strip() == "pyfast-engine"
+               for f in glob.glob("/proc/self/task/*/comm"))
 
 
 def _engines(rank, world):
@@ -303,13 +304,25 @@ def _engines(rank, world):
             _steps(net, rank, 0, ENGINE_STEPS)
             out["params"][spec, engine] = flat(m)
             out["kinds"][spec, engine] = net.engine_kind
+            if not all(b.extra["seconds"] > 0 for b in net.bucketer.buckets):  # auto's input
+                out["bad"].append(f"{spec}, {engine}: bucket seconds "
+                                  f"{[b.extra['seconds'] for b in net.bucketer.buckets]}")
         if not _same(*(n.compression_state_dict() for n in nets.values())):
             out["bad"].append(f"{spec}: compression state differs between the engines")
         out["algorithms"] = [choose(nets["native"].compressor, b.flat.numel(), world)
                              for b in nets["native"].bucketer.buckets]
         for n in nets.values():
             n.close()
-    if world > 2:
+    if world > 2:  # two data-parallel groups (as in a 2 x 2 mesh): each gets its own engine group
+        groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        for engine in ("native", "python"):
+            m = model()
+            net = DataParallel(m, "int8", bucket_mb=0.0002, group=groups[rank // 2],
+                               engine=engine)
+            _steps(net, rank, 0, 2)
+            out["params"]["int8 in groups of 2", engine] = flat(m)
+            out["kinds"]["int8 in groups of 2", engine] = net.engine_kind
+            net.close()
         return out
     # A checkpoint moves between the engines: 2 steps on one, 2 more on both.
     for first, second in (("native", "python"), ("python", "native")):
@@ -355,13 +368,22 @@ def test_native_engine_matches_python_path_bitwise(world):
     for spec in ENGINE_SPECS[world]:
         for engine in ("native", "python"):
             assert set(out[0]["kinds"][spec, engine]) == {engine}
+            mine = out[0]["params"][spec, engine]
             for r in range(1, world):
-                assert torch.equal(out[r]["params"][spec, engine], out[0]["params"][spec, engine]), \
+                assert torch.equal(out[r]["params"][spec, engine], mine), \
                     f"{spec}, {engine}: rank {r} drifted from rank 0"
         assert torch.equal(out[0]["params"][spec, "native"], out[0]["params"][spec, "python"]), \
             f"{spec}: the native engine and the Python path trained different parameters"
     if world == 4:  # both dense algorithms ran
         assert out[0]["algorithms"] == ["allgather", "two-phase"], out[0]["algorithms"]
+        key = "int8 in groups of 2"
+        for engine in ("native", "python"):
+            assert set(out[0]["kinds"][key, engine]) == {engine}
+            for r in range(world):
+                assert torch.equal(out[r]["params"][key, engine], out[r]["params"][key, "native"])
+                assert torch.equal(out[r]["params"][key, engine],
+                                   out[r - r % 2]["params"][key, engine]), f"{key}: rank {r}"
+        assert not torch.equal(out[0]["params"][key, "native"], out[2]["params"][key, "native"])
         return
     o = out[0]
     assert len(o["kinds"]["int8", "native"]) > 2, "the test must cross bucket boundaries"

@@ -97,10 +97,12 @@ def _uncompressed_jobs(engine, rank, world):
             bad.append(f"reduce_scatter_into {tuple(x.shape)}: differs from the rank-order sum")
     for call, words in [(lambda: engine.all_gather_into(torch.empty(world * 7 + 1), xs[0]),
                          "needs an output of"),
-                        (lambda: engine.reduce_scatter_into(torch.empty(2), torch.ones(2 * world + 1)),
+                        (lambda: engine.reduce_scatter_into(torch.empty(2),
+                                                            torch.ones(2 * world + 1)),
                          "needs an input of"),
                         (lambda: engine.all_gather_into(torch.empty(world, dtype=torch.float64),
-                                                        torch.ones(1, dtype=torch.float64)), "float32"),
+                                                        torch.ones(1, dtype=torch.float64)),
+                         "float32"),
                         (lambda: engine.reduce_scatter_into(parts[0], xs[0], "max"), "op must be")]:
         try:
             call()
