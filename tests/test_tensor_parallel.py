@@ -38,7 +38,16 @@ CASES = {
     "col_bf16": ("col", {}, (8, 3), torch.bfloat16, True),
     "row_bf16": ("row", {}, (8, 3), torch.bfloat16, True),
     "row_sp0_bf16": ("row", {"sequence_parallel": True}, (8, 3), torch.bfloat16, True),
+    # overlap: async_tp's pieces need >= 4 rows each, so longer sequences
+    "col_sp0_overlap": ("col", {"sequence_parallel": True, "overlap": True}, (16, 3),
+                        torch.float32, True),
+    "row_sp1_overlap3": ("row", {"sequence_parallel": True, "sequence_dim": 1, "overlap": 3},
+                         (3, 24), torch.float32, True),
+    "row_sp0_overlap_bf16": ("row", {"sequence_parallel": True, "overlap": 2}, (16, 3),
+                             torch.bfloat16, True),
 }
+OVERLAP_PAIRS = [("col", 0, torch.float32), ("row", 0, torch.float32), ("col", 1, torch.bfloat16),
+                 ("row", 1, torch.bfloat16)]
 
 
 def _layout(layer, kw):
@@ -88,6 +97,23 @@ def _worker(rank, world):
                          dtype=m.weight.dtype, attrs=(m.weight.tensor_parallel,
                                                       m.weight.partition_dim))
 
+    for layer, dim, dtype in OVERLAP_PAIRS:  # the same inputs with and without overlap
+        cls = ColumnParallelLinear if layer == "col" else RowParallelLinear
+        torch.manual_seed(5)
+        dense = nn.Linear(*(COL if layer == "col" else ROW)).to(dtype)
+        shape = [3, 3]
+        shape[dim] = 8 * world
+        x = torch.randn(*shape, dense.in_features).to(dtype)
+        x = _local(x, dim if layer == "col" else -1, rank, world)
+        gy = torch.randn(*shape, dense.out_features).to(dtype)
+        gy = _local(gy, -1 if layer == "col" else dim, rank, world)
+        for ov in (0, 2):
+            m = cls.from_linear(dense, sequence_parallel=True, sequence_dim=dim, overlap=ov)
+            xi = x.clone().requires_grad_(True)
+            y = m(xi)
+            y.backward(gy)
+            out["pair", layer, dim, ov] = (y.detach(), xi.grad, m.weight.grad, m.bias.grad)
+
     torch.manual_seed(11)
     c = ColumnParallelLinear(*COL)
     torch.manual_seed(11)
@@ -122,6 +148,8 @@ def _worker(rank, world):
                 torch.randn(odd, 3, ROW[0] // world))),
             ["RowParallelLinear(in_features=24, out_features=37)",
              f"({odd}, 3, {ROW[0] // world})"]),
+        "overlap_without_sp": (_catch(lambda: ColumnParallelLinear(*COL, overlap=True)),
+                               ["ColumnParallelLinear", "sequence_parallel=True"]),
         "row_sp_not_parallel": (
             _catch(lambda: RowParallelLinear(*ROW, sequence_parallel=True,
                                              input_is_parallel=False)),
@@ -133,6 +161,24 @@ def _worker(rank, world):
 @pytest.fixture(scope="module", params=[2, 4])
 def ranks(request):
     return request.param, run_ranks(_worker, request.param)
+
+
+@pytest.mark.parametrize("layer,dim,dtype", OVERLAP_PAIRS)
+def test_overlap_equals_plain_sequence_parallel(ranks, layer, dim, dtype):
+    """async_tp's pieces run the same GEMM on the same rows: at 2 ranks every sum is a + b
+    either way, so bitwise; at 4 ranks its partial sums go in rank order and gloo's
+    reduce-scatter in ring order, each of the 3 additions rounded: fp32 within rtol 1e-6; bf16
+    (sums rounded to 8 bits each time) within 3 ulps of the largest value, 3 * 2^-8 * max|a|."""
+    world, res = ranks
+    for o in res:
+        for a, b in zip(o["pair", layer, dim, 0], o["pair", layer, dim, 2]):
+            if world == 2:
+                assert torch.equal(a, b)
+            elif dtype == torch.float32:
+                torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
+            else:
+                torch.testing.assert_close(b, a, rtol=2 ** -7,
+                                           atol=3 * 2 ** -8 * a.abs().max().item())
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -10,8 +10,9 @@ Both return a plain tensor (Megatron returns (output, bias)), so they drop in fo
 
 With sequence_parallel=True the input of a column layer and the output of a row layer are
 sharded along `sequence_dim`: the copy becomes an all-gather and the all-reduce a
-reduce-scatter (`_sp_gather_linear` / `_sp_linear_reduce_scatter`, the two functions that
-pyfast.parallel.async_tp overlaps chunk by chunk).
+reduce-scatter (`_sp_gather_linear` / `_sp_linear_reduce_scatter`); `overlap=True` (or a
+number of pieces) runs them through pyfast.parallel.async_tp, which overlaps that collective
+with the GEMM piece by piece, with the same bits.
 
 Parameters say how they are split, so optimizers and checkpointing can tell: every weight and
 bias has `tensor_parallel` (True: this rank holds a shard) and `partition_dim` (the dimension
@@ -23,25 +24,44 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pyfast.ops import linear_act
+
+from .async_tp import all_gather_linear, linear_reduce_scatter
 from .tp_comm import (copy_to_tp_region, gather_from_sequence_parallel_region,
                       gather_from_tp_region, reduce_from_tp_region,
                       reduce_scatter_to_sequence_parallel_region, scatter_to_tp_region, tp_world)
 
 
-def _sp_gather_linear(x, weight, bias, group, dim: int):
+# overlap=True: pieces per shard for async_tp. Set from bench/results/overlap_tp.txt.
+OVERLAP_CHUNKS = 2
+
+
+def _linear(x, weight, bias=None):
+    """The local GEMM: pyfast's Triton matmul with the fused bias epilogue on CUDA; on CPU
+    torch's F.linear (MKL), which a fused C++ epilogue did not beat (pyfast/ops/matmul.py)."""
+    return linear_act(x, weight, bias) if x.is_cuda else F.linear(x, weight, bias)
+
+
+def _sp_gather_linear(x, weight, bias, group, dim: int, chunks: int = 0):
     """All-gather x along the sequence dimension `dim`, then x @ weight.T + bias (column
-    layer, sequence parallel). Backward: the input gradient is reduce-scattered along `dim`."""
-    return F.linear(gather_from_sequence_parallel_region(x, group, dim), weight, bias)
+    layer, sequence parallel). Backward: the input gradient is reduce-scattered along `dim`.
+    chunks > 0: the gather overlapped with the GEMM (async_tp), bitwise the same result."""
+    if chunks:
+        return all_gather_linear(x, weight, bias, group, dim, chunks)
+    return _linear(gather_from_sequence_parallel_region(x, group, dim), weight, bias)
 
 
-def _sp_linear_reduce_scatter(x, weight, bias, group, dim: int):
+def _sp_linear_reduce_scatter(x, weight, bias, group, dim: int, chunks: int = 0):
     """x @ weight.T (a partial sum over this rank's input features), reduce-scattered along
     the sequence dimension `dim`, plus bias (row layer, sequence parallel).
 
     The bias is added once, after the sum, to this rank's slice of the sequence, so its
     gradient here covers that slice only: copy_to_tp_region all-reduces it in backward, and
     every rank ends with the whole bias gradient, as without sequence parallelism."""
-    y = reduce_scatter_to_sequence_parallel_region(F.linear(x, weight), group, dim)
+    if chunks:
+        y = linear_reduce_scatter(x, weight, None, group, dim, chunks)
+    else:
+        y = reduce_scatter_to_sequence_parallel_region(_linear(x, weight), group, dim)
     return y if bias is None else y + copy_to_tp_region(bias, group)
 
 
@@ -51,12 +71,21 @@ class _ParallelLinear(nn.Module):
     partition_dim: int  # of the full [out, in] weight: 0 column, 1 row
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group,
-                 sequence_parallel: bool, sequence_dim: int, device=None, dtype=None):
+                 sequence_parallel: bool, sequence_dim: int, device=None, dtype=None,
+                 overlap: int = 0):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.group = group
         self.tp_size, self.tp_rank = tp_world(group)
         self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
+        if overlap and not sequence_parallel:
+            raise ValueError(f"{self._name()}: overlap={overlap} needs sequence_parallel=True "
+                             "(it overlaps the sequence all-gather / reduce-scatter with the "
+                             f"GEMM; tensor-parallel size {self.tp_size})")
+        if type(overlap) not in (bool, int) or overlap < 0:
+            raise ValueError(f"{self._name()}: overlap must be a bool or a number of pieces "
+                             f">= 0, got {overlap!r} (tensor-parallel size {self.tp_size})")
+        self.chunks = OVERLAP_CHUNKS if overlap is True else int(overlap)
         split = (out_features, in_features)[self.partition_dim]
         if split % self.tp_size:
             which = ("out_features", "in_features")[self.partition_dim]
@@ -131,6 +160,8 @@ class _ParallelLinear(nn.Module):
              f"tp={self.tp_size}, bias={self.bias is not None}")
         if self.sequence_parallel:
             s += f", sequence_parallel=True, sequence_dim={self.sequence_dim}"
+        if self.chunks:
+            s += f", overlap={self.chunks}"
         return s
 
 
@@ -145,24 +176,26 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  gather_output: bool = False, group=None, sequence_parallel: bool = False,
-                 sequence_dim: int = 0, device=None, dtype=None):
+                 sequence_dim: int = 0, device=None, dtype=None, overlap: int = 0):
         super().__init__(in_features, out_features, bias, group, sequence_parallel,
-                         sequence_dim, device, dtype)
+                         sequence_dim, device, dtype, overlap)
         self.gather_output = gather_output
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, gather_output: bool = False, group=None,
-                    sequence_parallel: bool = False, sequence_dim: int = 0):
+                    sequence_parallel: bool = False, sequence_dim: int = 0, overlap: int = 0):
         """This rank's shard of `linear` (its rows), same dtype and device."""
         return cls._from_linear(linear, gather_output=gather_output, group=group,
-                                sequence_parallel=sequence_parallel, sequence_dim=sequence_dim)
+                                sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
+                                overlap=overlap)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x, self.in_features, "in_features")
         if self.sequence_parallel:
-            y = _sp_gather_linear(x, self.weight, self.bias, self.group, self.sequence_dim)
+            y = _sp_gather_linear(x, self.weight, self.bias, self.group, self.sequence_dim,
+                                  self.chunks)
         else:
-            y = F.linear(copy_to_tp_region(x, self.group), self.weight, self.bias)
+            y = _linear(copy_to_tp_region(x, self.group), self.weight, self.bias)
         return gather_from_tp_region(y, self.group, -1) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -181,9 +214,9 @@ class RowParallelLinear(_ParallelLinear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  input_is_parallel: bool = True, group=None, sequence_parallel: bool = False,
-                 sequence_dim: int = 0, device=None, dtype=None):
+                 sequence_dim: int = 0, device=None, dtype=None, overlap: int = 0):
         super().__init__(in_features, out_features, bias, group, sequence_parallel,
-                         sequence_dim, device, dtype)
+                         sequence_dim, device, dtype, overlap)
         self.input_is_parallel = input_is_parallel
         if sequence_parallel and not input_is_parallel:  # as Megatron: SP follows a column layer
             raise ValueError(f"{self._name()}: sequence_parallel needs input_is_parallel=True "
@@ -191,10 +224,11 @@ class RowParallelLinear(_ParallelLinear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, input_is_parallel: bool = True, group=None,
-                    sequence_parallel: bool = False, sequence_dim: int = 0):
+                    sequence_parallel: bool = False, sequence_dim: int = 0, overlap: int = 0):
         """This rank's shard of `linear` (its columns; the whole bias), same dtype and device."""
         return cls._from_linear(linear, input_is_parallel=input_is_parallel, group=group,
-                                sequence_parallel=sequence_parallel, sequence_dim=sequence_dim)
+                                sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
+                                overlap=overlap)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_is_parallel:
@@ -209,8 +243,8 @@ class RowParallelLinear(_ParallelLinear):
                                  f"dimension {self.sequence_dim} is not divisible by the "
                                  f"tensor-parallel size {self.tp_size}")
             return _sp_linear_reduce_scatter(x, self.weight, self.bias, self.group,
-                                             self.sequence_dim)
-        y = reduce_from_tp_region(F.linear(x, self.weight), self.group)
+                                             self.sequence_dim, self.chunks)
+        y = reduce_from_tp_region(_linear(x, self.weight), self.group)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
