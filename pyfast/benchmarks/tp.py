@@ -47,6 +47,7 @@ VARIANTS = DENSE + ["DTensor TP", "DTensor TP+SP", "pyfast TP", "pyfast TP+SP",
 LINKS = ("loopback", "10gbit", "1gbit")
 # fp32 sums split across ranks (and chunks) differ from the dense block's in rounding only
 RTOL = ATOL = 1e-4
+SAMPLE_S = 0.1  # a timed sample runs back-to-back steps for about this long (--steps 0)
 
 
 def block(hidden: int, mlp: int, seed: int = 0):
@@ -188,19 +189,31 @@ def _pin(cores: set[int]) -> None:
         os.sched_setaffinity(int(tid), cores)
 
 
-def _timed_step(case: Case, rank: int, pinned: bool = False) -> float:
+def _timed_steps(case: Case, rank: int, steps: int = 1, pinned: bool = False) -> float:
+    """Seconds per step of `steps` back-to-back steps (each from zeroed gradients)."""
     if rank not in case.ranks:
         return 0.0  # waits at the next barrier while the dense block runs on rank 0
     if pinned and case.threads > 1:
         _pin(set(range(os.cpu_count())))
     torch.set_num_threads(case.threads)
     t0 = time.perf_counter()
-    case.step()
-    dt = time.perf_counter() - t0
+    for _ in range(steps):
+        case.zero_grad()
+        case.step()
+    dt = (time.perf_counter() - t0) / steps
     torch.set_num_threads(1)
     if pinned and case.threads > 1:
         _pin({rank % os.cpu_count()})
     return dt
+
+
+def _steps_per_sample(warm: list[float], job: dict) -> int:
+    """Steps per timed sample: job["steps"], or (0 = auto) enough for SAMPLE_S by the warm-up's
+    median step, so that a ~10 ms step's scheduling jitter (a wake-up, a descheduled gloo
+    thread) is averaged inside each sample rather than deciding the median."""
+    if job["steps"]:
+        return job["steps"]
+    return max(1, round(SAMPLE_S / statistics.median(warm))) if warm else 1
 
 
 def _measure(shape: str, job: dict, rank: int, world: int) -> dict | None:
@@ -217,7 +230,7 @@ def _measure(shape: str, job: dict, rank: int, world: int) -> dict | None:
             c = BUILD[name](hidden, mlp, x, gy, rank, world)
             c.zero_grad()
             dist.barrier()
-            _timed_step(c, rank, job["pin"])
+            _timed_steps(c, rank, 1, job["pin"])
             problem = None if rank not in c.ranks else _check(c, ref, rank, world)
         except Exception as e:  # noqa: BLE001  (a variant that cannot run is reported, not fatal)
             c, problem = None, f"rank {rank}: {type(e).__name__}: {e}"
@@ -227,20 +240,26 @@ def _measure(shape: str, job: dict, rank: int, world: int) -> dict | None:
             problems[name] = "; ".join(p for p in each if p)
         else:
             cases[name] = c
+    load0 = os.getloadavg()[0]
+    warm = []
+    for _ in range(job["warmup"]):
+        for c in cases.values():
+            dist.barrier()
+            dt = _timed_steps(c, rank, 1, job["pin"])
+            warm += [dt] if rank in c.ranks else []
+    steps = [_steps_per_sample(warm, job)]
+    dist.broadcast_object_list(steps, src=0)  # rank 0 decides, every rank runs as many
+    steps = steps[0]
     times = {n: [] for n in cases}
     sent = {n: [] for n in cases}
     count = bool(os.environ.get("PYFAST_NETNS")) and rank == 0
-    load0 = os.getloadavg()[0]
-    for i in range(job["warmup"] + job["repeats"]):
+    for _ in range(job["repeats"]):
         for name, c in cases.items():
-            c.zero_grad()
             dist.barrier()
             b0 = netns.lo_tx_bytes() if count else 0
-            dt = _timed_step(c, rank, job["pin"])
-            if i >= job["warmup"]:
-                times[name].append(dt)
-                if count:
-                    sent[name].append(netns.lo_tx_bytes() - b0)
+            times[name].append(_timed_steps(c, rank, steps, job["pin"]))
+            if count:
+                sent[name].append((netns.lo_tx_bytes() - b0) / steps)
     each = [None] * world
     dist.all_gather_object(each, times)
     if rank != 0:
@@ -256,7 +275,7 @@ def _measure(shape: str, job: dict, rank: int, world: int) -> dict | None:
                      "q10_s": per_step[int(0.1 * n)], "q90_s": per_step[min(n - 1, int(0.9 * n))],
                      "lo_bytes": statistics.median(sent[name]) if count else None})
     return {"shape": shape, "hidden": hidden, "mlp": mlp, "tokens": tokens,
-            "load_average": [load0, os.getloadavg()[0]], "rows": rows}
+            "steps_per_sample": steps, "load_average": [load0, os.getloadavg()[0]], "rows": rows}
 
 
 def _worker() -> None:
@@ -285,13 +304,14 @@ def wire_bytes(hidden: int, tokens: int, world: int = 2) -> int:
 
 
 def run(links=("loopback",), shapes=("big", "small"), variants=VARIANTS, repeats: int = 7,
-        warmup: int = 2, pin: bool = False, timeout: float = 1800, log=print) -> dict:
+        warmup: int = 2, steps: int = 0, pin: bool = False, timeout: float = 1800,
+        log=print) -> dict:
     blocks = []
     for link in links:
         bps = netns.rate_bps(link)  # a bad link string fails before anything runs
         with tempfile.TemporaryDirectory() as d:
             job = {"shapes": list(shapes), "variants": list(variants), "repeats": repeats,
-                   "warmup": warmup, "pin": pin, "timeout": timeout,
+                   "warmup": warmup, "steps": steps, "pin": pin, "timeout": timeout,
                    "out": os.path.join(d, "r.json")}
             try:
                 netns.run_ranks(["-c", "from pyfast.benchmarks.tp import _worker; _worker()"],
@@ -381,7 +401,8 @@ def table(result: dict):
     from rich.table import Table
     t = Table(title=f"tensor-parallel MLP block x -> Linear(h, m) -> GELU -> Linear(m, h), "
                     f"forward + backward, {result['world']} ranks x 1 thread; median of "
-                    f"{result['repeats']} after {result['warmup']}, slowest rank\n"
+                    f"{result['repeats']} samples after {result['warmup']} warm-up steps, "
+                    f"slowest rank\n"
                     f"{result['machine']}; {result['date']}")
     for col in ("link", "block", "variant", "step ms", "q10-q90", "vs 1 thread", "vs DTensor",
                 "lo MB/step", "floor ms"):
@@ -395,7 +416,8 @@ def table(result: dict):
         for i, r in enumerate(b["rows"]):
             first = {0: (b["link"], f"{b['shape']}: h={b['hidden']} m={b['mlp']} "
                                     f"tokens={b['tokens']}"),
-                     1: ("", f"load {b['load_average'][0]:.1f}-{b['load_average'][1]:.1f}")}
+                     1: ("", f"load {b['load_average'][0]:.1f}-{b['load_average'][1]:.1f}"),
+                     2: ("", f"{b['steps_per_sample']} step(s) per sample")}
             link, label = first.get(i, ("", ""))
             last = i == len(b["rows"]) - 1
             if "problem" in r:
@@ -433,6 +455,8 @@ def main(argv=None) -> int:
     p.add_argument("--variants", default="", help="comma-separated (default: all)")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=0,
+                   help="steps per timed sample (default 0: enough for ~0.1 s, by the warm-up)")
     p.add_argument("--pin", action="store_true",
                    help="pin rank r's threads to core r (the 2-thread block gets both cores)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per link")
@@ -448,9 +472,9 @@ def main(argv=None) -> int:
         p.error(str(e))
     if bad := [s for s in shapes if s not in SHAPES] + [v for v in variants if v not in BUILD]:
         p.error(f"unknown shape or variant: {', '.join(bad)}")
-    if a.repeats < 1 or a.warmup < 0:
-        p.error("--repeats must be >= 1 and --warmup >= 0")
-    res = run(links, shapes, variants, a.repeats, a.warmup, a.pin, a.timeout)
+    if a.repeats < 1 or a.warmup < 0 or a.steps < 0:
+        p.error("--repeats must be >= 1, --warmup and --steps >= 0")
+    res = run(links, shapes, variants, a.repeats, a.warmup, a.steps, a.pin, a.timeout)
     res["note"] = a.note
     Console(width=170).print(table(res))
     if a.out:
