@@ -10,7 +10,6 @@ PYFAST_BENCH_TP=big|small|tiny picks the block (hidden, mlp, tokens: tp.SHAPES).
 small, or tiny and a single step under --benchmark-disable (`make test` runs the suite once so
 it cannot rot). The README's numbers come from `pyfast bench tp`.
 """
-import importlib.util
 import os
 
 import pytest
@@ -35,8 +34,6 @@ def launch(request, shape):
 
 @pytest.mark.parametrize("variant", tp.VARIANTS)
 def test_variant(launch, variant, record_property):
-    if "overlap" in variant and importlib.util.find_spec("pyfast.parallel.async_tp") is None:
-        pytest.skip("pyfast.parallel.async_tp has not landed yet")
     r = launch[variant]
     assert "problem" not in r, r.get("problem")
     assert r["median_s"] > 0

@@ -13,18 +13,19 @@ round-robin in every repeat so that the drifting load of a shared machine falls 
                              RowwiseParallel(output_layouts=Shard(0)))
   pyfast TP                  ColumnParallelLinear / RowParallelLinear .from_linear
   pyfast TP+SP               the same, sequence_parallel=True
-  pyfast TP+SP+overlap       sequence parallel with the chunked all-gather / reduce-scatter
-                             overlapped with the GEMMs (pyfast.parallel.async_tp)
+  pyfast TP+SP+overlap       the same, overlap=True: the sequence all-gather / reduce-scatter
+                             in pieces overlapped with the GEMMs (pyfast.parallel.async_tp)
+Each sample runs back-to-back steps for ~0.1 s (one step of the big block, ~7 of the small).
 Each variant's output, input gradient and weight gradients are checked against the dense
 block once before timing; a variant that disagrees is reported and not timed. Step time is the
-slowest rank's (ranks leave a barrier together). On an emulated link (netns + tbf, see netns.py)
+slowest rank's (ranks leave a barrier together); a step ends when its output and its input
+gradient are ready. On an emulated link (netns + tbf, see netns.py)
 rank 0 also counts the bytes that crossed the namespace's lo per step.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
-import inspect
 import json
 import os
 import statistics
@@ -71,6 +72,7 @@ class Case:
         self.module, self.gy, self.seq, self.shards = module, gy, seq, shards or {}
         self.x = x.detach().clone().requires_grad_(True)
         self.ranks, self.threads, self.out = ranks, threads, None
+        self.info = ""  # how the variant was configured, for the table
 
     def zero_grad(self):
         self.module.zero_grad(set_to_none=True)
@@ -137,39 +139,14 @@ def _dtensor(hidden, mlp, x, gy, rank, world, seq: bool) -> Case:
 def _pyfast(hidden, mlp, x, gy, rank, world, seq: bool, overlap: bool = False) -> Case:
     from pyfast.parallel.tensor import ColumnParallelLinear, RowParallelLinear
     m = block(hidden, mlp)
-    group = dist.group.WORLD
-    native = "overlap" in inspect.signature(ColumnParallelLinear.from_linear).parameters
-    kw = {"sequence_parallel": True} if seq else {}
-    if overlap and native:
-        kw["overlap"] = True
-    m[0] = ColumnParallelLinear.from_linear(m[0], group=group, **kw)
-    m[2] = RowParallelLinear.from_linear(m[2], group=group, **kw)
-    if overlap and not native:
-        m[0], m[2] = _Overlapped(m[0]), _Overlapped(m[2])
+    kw = {"group": dist.group.WORLD, "sequence_parallel": seq, "overlap": overlap}
+    m[0] = ColumnParallelLinear.from_linear(m[0], **kw)
+    m[2] = RowParallelLinear.from_linear(m[2], **kw)
     if seq:
         x, gy = x.chunk(world, 0)[rank], gy.chunk(world, 0)[rank]
-    return Case(m, x, gy, seq=seq, shards={"0.weight": 0, "0.bias": 0, "2.weight": 1})
-
-
-class _Overlapped(nn.Module):
-    """A sequence-parallel Column/RowParallelLinear's shard run by async_tp's overlapped
-    all_gather_linear / linear_reduce_scatter (for modules without an overlap flag)."""
-
-    def __init__(self, layer):
-        super().__init__()
-        self.weight, self.bias = layer.weight, layer.bias
-        self.column = layer.partition_dim == 0
-        self.group, self.dim = layer.group, layer.sequence_dim
-
-    def forward(self, x):
-        from pyfast.parallel.async_tp import all_gather_linear, linear_reduce_scatter
-        from pyfast.parallel.tp_comm import copy_to_tp_region
-        if self.column:
-            return all_gather_linear(x, self.weight, self.bias, self.group, self.dim)
-        # the bias is added after the sum, to this rank's rows: as RowParallelLinear does,
-        # all-reduce its gradient so that every rank holds the whole one
-        y = linear_reduce_scatter(x, self.weight, None, self.group, self.dim)
-        return y + copy_to_tp_region(self.bias, self.group)
+    case = Case(m, x, gy, seq=seq, shards={"0.weight": 0, "0.bias": 0, "2.weight": 1})
+    case.info = f"{m[0].chunks} pieces" if overlap else ""
+    return case
 
 
 BUILD = {
@@ -271,7 +248,8 @@ def _measure(shape: str, job: dict, rank: int, world: int) -> dict | None:
             continue
         per_step = sorted(max(ts) for ts in zip(*(e[name] for e in each)))
         n = len(per_step)
-        rows.append({"variant": name, "median_s": statistics.median(per_step),
+        rows.append({"variant": name, "info": cases[name].info,
+                     "median_s": statistics.median(per_step),
                      "q10_s": per_step[int(0.1 * n)], "q90_s": per_step[min(n - 1, int(0.9 * n))],
                      "lo_bytes": statistics.median(sent[name]) if count else None})
     return {"shape": shape, "hidden": hidden, "mlp": mlp, "tokens": tokens,
@@ -427,7 +405,8 @@ def table(result: dict):
                 continue
             x = lambda v: "" if v is None else f"{v:.2f}x"  # noqa: E731
             dist_row = r["variant"] not in DENSE
-            t.add_row(link, label, r["variant"], f"{r['median_s'] * 1e3:.1f}",
+            name = r["variant"] + (f" ({r['info']})" if r.get("info") else "")
+            t.add_row(link, label, name, f"{r['median_s'] * 1e3:.1f}",
                       f"{r['q10_s'] * 1e3:.1f}-{r['q90_s'] * 1e3:.1f}", x(r["vs_1_thread"]),
                       x(r["vs_dtensor"]),
                       "" if r["lo_bytes"] is None or not dist_row else f"{r['lo_bytes'] / 2**20:.2f}",
