@@ -17,7 +17,8 @@ def machine() -> str:
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
                 break
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
+    n = torch.get_num_threads()
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {n} thread{'s' * (n != 1)}"
 
 
 def median_time(fn, repeats: int = 7, warmup: int = 1, min_time: float = 0.0) -> tuple[float, float, float]:
