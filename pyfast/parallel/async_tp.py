@@ -11,10 +11,9 @@ Results equal the non-overlapped tp_comm path bit for bit (MIN_ROWS; weight and 
 on F.linear's own layout; a sum of 2 ranks is a + b either way); beyond 2 ranks partial sums are
 added in rank order, gloo's in its ring's order: a few ulps apart.
 
-comm moves the bytes: "c10d" (isend/irecv, the default), a NativeEngine (pyfast.comm.engine, its
-own thread, fp32) or an object with C10dComm's interface. Not async c10d collectives: gloo's
-reduce_scatter is an all-reduce (65 ms vs 31 for the all-gather of the same rows, 2 ranks at
-1 Gbit/s), and gloo runs two at once, so pieces share the link instead of landing in order.
+comm moves the bytes: "c10d" (isend/irecv, default), a NativeEngine (pyfast.comm.engine; fp32) or
+an object with C10dComm's interface. Not async collectives: at 1 Gbit/s (bench/results/overlap_tp)
+the all-gather is as fast (36.8 vs 37.9 ms), gloo's reduce_scatter is an all-reduce (43.8 vs 77.1).
 """
 import zlib
 
@@ -29,6 +28,7 @@ from pyfast.parallel.tp_comm import tp_world
 # apart at K = 1024): pieces keep MIN_ROWS rows (chunks is a maximum), smaller shards one GEMM.
 MIN_ROWS = 4
 TAG = 0x7470  # p2p tag ("tp"): never matched with pipeline-parallel transfers
+# chunks=4 (the default) had the best medians of 1, 2, 4, 8, 16 for both patterns at 1 Gbit/s
 
 
 def _pieces(rows, chunks):  # [a, e) row ranges
@@ -231,7 +231,7 @@ def _prepare(what, x, weight, bias, group, dim, chunks, comm):
     return dim, comm
 
 
-def all_gather_linear(x, weight, bias=None, group=None, dim: int = 0, chunks: int = 2,
+def all_gather_linear(x, weight, bias=None, group=None, dim: int = 0, chunks: int = 4,
                       comm="c10d"):
     """F.linear(all_gather(x along dim), weight, bias), the all-gather overlapped: the input
     of a sequence-parallel ColumnParallelLinear (x: this rank's sequence shard)."""
@@ -240,7 +240,7 @@ def all_gather_linear(x, weight, bias=None, group=None, dim: int = 0, chunks: in
         _AllGatherLinear.apply(x, weight, bias, c, dim, chunks)
 
 
-def linear_reduce_scatter(x, weight, bias=None, group=None, dim: int = 0, chunks: int = 2,
+def linear_reduce_scatter(x, weight, bias=None, group=None, dim: int = 0, chunks: int = 4,
                           comm="c10d"):
     """reduce_scatter(F.linear(x, weight) along dim) + bias, the reduce-scatter overlapped: the
     output of a sequence-parallel RowParallelLinear (bias added once, after the sum)."""
