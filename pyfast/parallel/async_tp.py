@@ -105,12 +105,12 @@ def all_gather_mm(x, b, bias, comm, chunks):
     W, R = comm.world, x.shape[0]
     full, y = x.new_empty(W * R, x.shape[1]), x.new_empty(W * R, b.shape[1])
     at = lambda q, a, e: slice(q * R + a, q * R + e)  # noqa: E731  rows a:e of rank q's block
-    full[at(comm.rank, 0, R)] = x
-    if R < MIN_ROWS:  # one GEMM over all rows: the reference's kernel
-        comm.all_gather([full[at(q, 0, R)] for q in range(W)], x)()
-        return _mm(full, b, bias, y), full
-    pieces = _pieces(R, chunks)
+    pieces = _pieces(R, chunks) if R >= MIN_ROWS else [(0, R)]
     works = [comm.all_gather([full[at(q, a, e)] for q in range(W)], x[a:e]) for a, e in pieces]
+    full[at(comm.rank, 0, R)] = x  # once the sends are posted: the link starts first
+    if R < MIN_ROWS:  # one GEMM over all rows: the reference's kernel
+        works[0]()
+        return _mm(full, b, bias, y), full
     _mm(x, b, bias, y[at(comm.rank, 0, R)])  # own rows while the others travel
     for (a, e), wait in zip(pieces, works):
         wait()
