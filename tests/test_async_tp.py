@@ -101,6 +101,28 @@ def _worker(rank, world, with_engine):
             engine.close()
 
 
+def _subgroups(rank, world):
+    """Two tensor-parallel groups of 2 ([0, 1], [2, 3]): group ranks, not global ones."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from pyfast.parallel import async_tp as A
+    from pyfast.parallel import tp_comm as T
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    tp = groups[rank // 2]
+    g = torch.Generator().manual_seed(rank)
+    x, xf, w, b = (torch.randn(9, 33, generator=g), torch.randn(18, 33, generator=g),
+                   torch.randn(65, 33, generator=g), torch.randn(65, generator=g))
+    gy, gz = torch.randn(18, 65, generator=g), torch.randn(9, 65, generator=g)
+    agl = _run(lambda x, w, b: A.all_gather_linear(x, w, b, tp, chunks=2), x, w, b, gy)
+    ref = _run(lambda x, w, b: F.linear(T.gather_from_sequence_parallel_region(x, tp), w, b),
+               x, w, b, gy)
+    lrs = _run(lambda x, w, b: A.linear_reduce_scatter(x, w, b, tp, chunks=2), xf, w, b, gz)
+    lref = _run(lambda x, w, b: T.reduce_scatter_to_sequence_parallel_region(
+        F.linear(x, w), tp) + b, xf, w, b, gz)
+    return [torch.equal(a, r) for a, r in zip(agl + lrs, ref + lref)]
+
+
 def _errors(rank, world):
     from pyfast.parallel import async_tp as A
     w = torch.randn(8, 6)
@@ -155,6 +177,13 @@ def test_matches_non_overlapped_path(pool):
                     assert diff == 0, f"{where}: differs by {diff:.3g}, expected bit for bit"
                 checked += 1
     assert checked > 1000
+
+
+def test_tensor_parallel_subgroups(pool):
+    if pool.world_size != 4:
+        pytest.skip("two groups of 2 need 4 ranks")
+    for rank, same in enumerate(pool.run(_subgroups)):
+        assert all(same), f"rank {rank}: bit for bit per tensor {same}"
 
 
 def test_bad_inputs_fail_fast(pool):
