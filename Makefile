@@ -46,6 +46,8 @@ bench: $(STAMP)
 	$(BIN)/pyfast bench allreduce --out bench/results/allreduce
 	$(BIN)/pyfast bench dp --out bench/results/dp
 	$(BIN)/pyfast bench pipeline --trace bench/results/pipeline_trace --out bench/results/pipeline
+	$(BIN)/pyfast bench tp --out bench/results/tp
+	$(BIN)/python -m pyfast.benchmarks.overlap_tp --out bench/results/overlap_tp
 
 # Compile every CUDA source to an object file with this machine's nvcc against torch's
 # headers: proves the GPU code builds where no GPU (or CUDA torch) exists to link it.
