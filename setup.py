@@ -1,7 +1,8 @@
 """Builds pyfast and its extension pyfast._C.
 
 CPU: CppExtension over csrc/*.cpp with -O3 and OpenMP. CUDA: CUDAExtension adding
-csrc/cuda/*.cu, only where torch is a CUDA build and nvcc exists (CUDA_HOME). Install with
+csrc/cuda/*.cu (the kernels and the overlap engine's CUDA half) and defining PYFAST_WITH_CUDA,
+only where torch is a CUDA build and nvcc exists (CUDA_HOME). Install with
 `pip install --no-build-isolation .` after torch: build isolation would fetch another torch.
 """
 import glob
@@ -19,9 +20,12 @@ if os.environ.get("PYFAST_PORTABLE") != "1":
 use_cuda = torch.version.cuda is not None and CUDA_HOME is not None
 sources = sorted(glob.glob("csrc/*.cpp"))
 if use_cuda:
-    sources += sorted(glob.glob("csrc/cuda/*.cu"))
+    sources += sorted(glob.glob("csrc/cuda/*.cu"))  # tools/cuda_check.py's SOURCES
+    # The engine's shared sources (csrc/engine.cpp, module.cpp) see it too: kWithCuda.
+    with_cuda = ["-DPYFAST_WITH_CUDA"]
     ext = CUDAExtension("pyfast._C", sources, extra_compile_args={
-        "cxx": cxx, "nvcc": ["-O3", "--fmad=false"]}, extra_link_args=["-fopenmp"])
+        "cxx": cxx + with_cuda, "nvcc": ["-O3", "--fmad=false"] + with_cuda},
+        extra_link_args=["-fopenmp"])
 else:
     ext = CppExtension("pyfast._C", sources, extra_compile_args={"cxx": cxx},
                        extra_link_args=["-fopenmp"])

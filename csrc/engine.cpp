@@ -5,6 +5,10 @@
 // Like pipelined.py it keeps two all-gathers, or three two-phase stages, in flight: compressing
 // piece i+1 and decoding piece i-1 overlap the transfer of piece i.
 //
+// The algorithm is device-agnostic: buffers are allocated on the job's device and every op is
+// ATen's or the dispatcher's. On CUDA (CUDA build only) a DeviceJob puts what the worker
+// issues on a side stream ordered by events (csrc/cuda/engine_cuda.cu); on CPU it runs as is.
+//
 // One deliberate difference on the wire: every rank's slot in a gather / all-to-all buffer is
 // padded to 8 bytes, so the fp32 scales of every slot are aligned views; the reference copies
 // misaligned slices instead (compress/base.py aligned()). At most 7 bytes per message.
@@ -41,10 +45,21 @@ T lookup(const std::pair<std::string_view, T> (&table)[N], const std::string& ke
   return table[0].second;  // not reached
 }
 
-void check_float(const at::Tensor& t, const char* what) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() &&
-                  t.dim() == 1,
-              "pyfast engine: ", what, " must be a flat contiguous float32 CPU tensor, got ",
+// CPU, or CUDA in the CUDA build; `like` (defined): the device every tensor of the job is on.
+void check_device(const at::Tensor& t, const char* what, const at::Tensor& like = {}) {
+  TORCH_CHECK(kWithCuda || !t.is_cuda(), "pyfast._C was built without CUDA: the engine cannot ",
+              "take ", what, " on ", t.device(), "; rebuild pyfast where torch is a CUDA build ",
+              "and nvcc exists (setup.py), or use pyfast.comm.all_reduce");
+  TORCH_CHECK(t.is_cpu() || t.is_cuda(), "pyfast engine: ", what, " is on ", t.device(),
+              "; the engine takes CPU", kWithCuda ? " and CUDA" : "", " tensors");
+  TORCH_CHECK(!like.defined() || t.device() == like.device(), "pyfast engine: ", what,
+              " is on ", t.device(), ", the job's other tensors on ", like.device());
+}
+
+void check_float(const at::Tensor& t, const char* what, const at::Tensor& like = {}) {
+  check_device(t, what, like);
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 1,
+              "pyfast engine: ", what, " must be a flat contiguous float32 tensor, got ",
               t.scalar_type(), " of shape ", t.sizes(), " on ", t.device());
 }
 
@@ -59,7 +74,9 @@ std::vector<std::pair<int64_t, int64_t>> pieces(Algo algo, int64_t n, int64_t al
 }
 
 using WorkPtr = c10::intrusive_ptr<c10d::Work>;
-at::Tensor bytes(int64_t len) { return at::empty({len}, at::TensorOptions().dtype(at::kByte)); }
+at::Tensor bytes(int64_t len, const at::Tensor& like) {  // on like's device
+  return at::empty({len}, like.options().dtype(at::kByte));
+}
 
 }  // namespace
 
@@ -73,6 +90,7 @@ struct Engine::Job {
   int64_t align, chunk;
   std::vector<at::Tensor> ef;
   std::string what;  // names the job in errors
+  std::unique_ptr<DeviceJob> device;  // null on CPU
   bool done = false;
   double seconds = std::numeric_limits<double>::quiet_NaN();
   std::exception_ptr error;
@@ -121,7 +139,7 @@ int64_t Engine::submit(const at::Tensor& t, const std::string& kind, int64_t blo
               " elements on ", world_, " ranks needs ", want.size(),
               " error-feedback buffers, got ", ef.size());
   for (size_t i = 0; i < ef.size(); ++i) {
-    check_float(ef[i], "an error-feedback buffer");
+    check_float(ef[i], "an error-feedback buffer", t);
     TORCH_CHECK(ef[i].numel() == want[i], "pyfast engine: error-feedback buffer ", i, " holds ",
                 ef[i].numel(), " elements, its part of the tensor has ", want[i]);
   }
@@ -130,9 +148,10 @@ int64_t Engine::submit(const at::Tensor& t, const std::string& kind, int64_t blo
 }
 
 namespace {
-at::Tensor flat_float(const at::Tensor& t, const char* what) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(),
-              "pyfast engine: ", what, " must be a contiguous float32 CPU tensor, got ",
+at::Tensor flat_float(const at::Tensor& t, const char* what, const at::Tensor& like = {}) {
+  check_device(t, what, like);
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(),
+              "pyfast engine: ", what, " must be a contiguous float32 tensor, got ",
               t.scalar_type(), " of shape ", t.sizes(), " on ", t.device());
   return t.view(-1);
 }
@@ -140,7 +159,8 @@ at::Tensor flat_float(const at::Tensor& t, const char* what) {
 
 int64_t Engine::submit_all_gather(const at::Tensor& out, const at::Tensor& in) {
   auto j = std::make_shared<Job>();
-  j->t = flat_float(out, "all_gather's output"), j->in = flat_float(in, "all_gather's input");
+  j->t = flat_float(out, "all_gather's output");
+  j->in = flat_float(in, "all_gather's input", out);
   TORCH_CHECK(j->t.numel() == world_ * j->in.numel(), "pyfast engine: all_gather of ",
               j->in.numel(), " elements on ", world_, " ranks needs an output of ",
               world_ * j->in.numel(), " elements, got ", j->t.numel());
@@ -151,7 +171,7 @@ int64_t Engine::submit_all_gather(const at::Tensor& out, const at::Tensor& in) {
 int64_t Engine::submit_reduce_scatter(const at::Tensor& out, const at::Tensor& in, bool avg) {
   auto j = std::make_shared<Job>();
   j->t = flat_float(out, "reduce_scatter's output");
-  j->in = flat_float(in, "reduce_scatter's input");
+  j->in = flat_float(in, "reduce_scatter's input", out);
   TORCH_CHECK(j->in.numel() == world_ * j->t.numel(), "pyfast engine: reduce_scatter into ",
               j->t.numel(), " elements on ", world_, " ranks needs an input of ",
               world_ * j->t.numel(), " elements, got ", j->in.numel());
@@ -163,6 +183,7 @@ int64_t Engine::enqueue(std::shared_ptr<Job> j, const std::string& what) {
   {
     std::lock_guard<std::mutex> g(mu_);
     TORCH_CHECK(!stop_, "pyfast engine: submit after shutdown");
+    if (!j->t.is_cpu()) j->device = device_job(*j);  // CUDA: records the caller's stream now
     j->id = next_id_++;
     j->what = c10::str("pyfast engine job ", j->id, " (", what, ", rank ", rank_, " of ",
                        world_, ")");
@@ -171,6 +192,17 @@ int64_t Engine::enqueue(std::shared_ptr<Job> j, const std::string& what) {
   }
   work_cv_.notify_one();
   return j->id;
+}
+
+std::unique_ptr<DeviceJob> Engine::device_job(const Job& j) {
+  std::vector<at::Tensor> tensors{j.t, j.in};
+  tensors.insert(tensors.end(), j.ef.begin(), j.ef.end());
+  if constexpr (kWithCuda) {  // submit's checks let only CPU and CUDA tensors through
+    if (!cuda_) cuda_ = cuda_queue(j.t.device().index());
+    return cuda_->job(tensors);
+  }
+  TORCH_CHECK(false, "pyfast engine: no device queue for ", j.t.device());  // not reached
+  return nullptr;
 }
 
 double Engine::wait(int64_t id) {
@@ -184,6 +216,7 @@ double Engine::wait(int64_t id) {
     jobs_.erase(id);
   }
   if (j->error) std::rethrow_exception(j->error);
+  if (j->device) j->device->wait();
   return j->seconds;
 }
 
@@ -212,7 +245,10 @@ void Engine::loop() {
       // A failed collective may leave ranks at different points of the sequence: running
       // later jobs could pair one rank's bucket 3 with another's bucket 4. Fail them instead.
       TORCH_CHECK(broken_.empty(), "not run: ", broken_);
-      run(*j);
+      if (j->device)
+        j->device->issue([&] { run(*j); });
+      else
+        run(*j);
     } catch (c10::Error& e) {  // keeps its type (DistBackendError -> torch's Python class)
       e.add_context(j->what);
       error = std::current_exception();
@@ -269,7 +305,7 @@ void Engine::gather_sum(Job& j) {
   size_t e = 0;
   for (auto [a, b] : pieces(j.algo, j.t.numel(), j.align, j.chunk, world_)) {
     Flight f{a, b - a, round8(c.bytes(b - a))};
-    f.send = bytes(f.slot), f.recv = bytes(f.slot * world_);
+    f.send = bytes(f.slot, j.t), f.recv = bytes(f.slot * world_, j.t);
     c.compress(j.t.narrow(0, a, f.len), j.ef.empty() ? at::Tensor() : j.ef[e++],
                f.send.narrow(0, 0, c.bytes(f.len)));
     f.send.narrow(0, c.bytes(f.len), f.slot - c.bytes(f.len)).zero_();
@@ -302,11 +338,11 @@ void Engine::two_phase(Job& j) {
   auto reduce_gather = [&](Stage s) {
     s.work->wait();
     const auto [p, q] = s.parts[rank_];
-    at::Tensor acc = at::zeros({q - p}, at::kFloat);
+    at::Tensor acc = at::zeros({q - p}, j.t.options());
     for (int64_t r = 0; r < W; ++r)
       c.decode_add(s.recv.narrow(0, r * s.slots[rank_], c.bytes(q - p)), acc);
     const int64_t big = s.slots[0];  // part 0 is the longest: every part's sum fits
-    s.send = bytes(big), s.recv = bytes(big * W);
+    s.send = bytes(big, j.t), s.recv = bytes(big * W, j.t);
     c.compress(acc, ef(s.ef + W), s.send.narrow(0, 0, c.bytes(q - p)));
     s.send.narrow(0, c.bytes(q - p), big - c.bytes(q - p)).zero_();
     s.work = pg_->all_gather_single(s.recv, s.send);
@@ -325,14 +361,14 @@ void Engine::two_phase(Job& j) {
     s.ef = e, e += W + 1;
     int64_t total = 0;
     for (auto [p, q] : s.parts) s.slots.push_back(round8(c.bytes(q - p))), total += s.slots.back();
-    s.send = bytes(total);
+    s.send = bytes(total, j.t);
     for (int64_t i = 0, off = 0; i < W; off += s.slots[i], ++i) {
       const auto [p, q] = s.parts[i];
       c.compress(j.t.narrow(0, a + p, q - p), ef(s.ef + i), s.send.narrow(0, off, c.bytes(q - p)));
       s.send.narrow(0, off + c.bytes(q - p), s.slots[i] - c.bytes(q - p)).zero_();
     }
     std::vector<int64_t> recv_splits(W, s.slots[rank_]);
-    s.recv = bytes(s.slots[rank_] * W);
+    s.recv = bytes(s.slots[rank_] * W, j.t);
     s.work = pg_->all_to_all_single(s.recv, s.send, recv_splits, s.slots);
     stage_a.push_back(std::move(s));
     if (stage_a.size() > 1) reduce_gather(std::move(stage_a.front())), stage_a.pop_front();

@@ -1,6 +1,9 @@
 // The overlap engine: compressed all-reduce jobs (and uncompressed fp32 all-gather /
 // reduce-scatter jobs) run first-in first-out on one worker thread over a c10d ProcessGroup
 // (gloo on CPU), so the caller keeps computing (backward, the next matmul) meanwhile.
+// On CUDA tensors (only in the CUDA build, PYFAST_WITH_CUDA) the same thread issues the same
+// algorithm onto a side stream, ordered after the caller's stream by events (NCCL):
+// csrc/cuda/engine_cuda.cu.
 // It is an object, not a tensor op, so Python sees it through pybind11 (module.cpp), not the
 // dispatcher. Algorithms and bytes: pyfast/comm/collectives.py; Python face: pyfast/comm/engine.py.
 #pragma once
@@ -11,6 +14,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -20,6 +24,32 @@
 
 namespace pyfast {
 
+#ifdef PYFAST_WITH_CUDA
+inline constexpr bool kWithCuda = true;  // setup.py's CUDAExtension build
+#else
+inline constexpr bool kWithCuda = false;
+#endif
+
+// The device-specific half of a job on tensors off the CPU; the algorithm (Engine::run) is the
+// CPU one. CUDA: events and a side stream (csrc/cuda/engine_cuda.cu).
+struct DeviceJob {
+  virtual ~DeviceJob() = default;
+  // Worker thread: call `ops` (the job's algorithm) so that the work it issues lands where it
+  // belongs (CUDA: on the side stream, after the caller's stream reached submit()).
+  virtual void issue(const std::function<void()>& ops) = 0;
+  // Caller's thread, in Engine::wait once the worker issued the job without error (CUDA: the
+  // caller's current stream waits for the job; the host does not).
+  virtual void wait() = 0;
+};
+struct DeviceQueue {  // one per engine: where its jobs run, in order (CUDA: the side stream)
+  virtual ~DeviceQueue() = default;
+  // Caller's thread, at submit: `tensors` are every tensor the job reads or writes.
+  virtual std::unique_ptr<DeviceJob> job(const std::vector<at::Tensor>& tensors) = 0;
+};
+// Defined in csrc/cuda/engine_cuda.cu, linked only into the CUDA build; engine.cpp calls it
+// under `if constexpr (kWithCuda)`, so the CPU build compiles the call but never links it.
+std::unique_ptr<DeviceQueue> cuda_queue(c10::DeviceIndex device);
+
 class Engine {
  public:
   explicit Engine(c10::intrusive_ptr<c10d::ProcessGroup> pg);
@@ -27,7 +57,9 @@ class Engine {
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
-  // Reduce `t` (flat, contiguous fp32, CPU) in place, as pyfast.comm.all_reduce does.
+  // Tensors are CPU, or CUDA in the CUDA build (kWithCuda), all of a job's on one device, and
+  // all of an engine's CUDA jobs on one GPU.
+  // Reduce `t` (flat, contiguous fp32) in place, as pyfast.comm.all_reduce does.
   // kind: none|fp16|bf16|int8|int4|fp8|sign; block: the quantization block; algorithm:
   // native|two-phase|allgather; align: chunk alignment (collectives.py's getattr(c, "block", 8));
   // chunk: elements per pipelined piece (pipelined.py's chunk_elems(); 0 = one piece, the
@@ -37,7 +69,7 @@ class Engine {
                  const std::string& algorithm, bool avg, std::vector<at::Tensor> ef,
                  int64_t align, int64_t chunk);
   // Uncompressed fp32 jobs on the same FIFO (tensor-parallel overlap: the next chunk's
-  // collective runs here while the caller multiplies). Contiguous float32 CPU tensors, any shape.
+  // collective runs here while the caller multiplies). Contiguous float32 tensors, any shape.
   // out (W * in.numel() elements) = every rank's `in`, in rank order (all_gather_into_tensor).
   int64_t submit_all_gather(const at::Tensor& out, const at::Tensor& in);
   // out (in.numel() / W elements) = part `rank` of the sum over ranks of `in`, added in rank
@@ -45,9 +77,11 @@ class Engine {
   // so the bits do not depend on the backend's reduction order.
   int64_t submit_reduce_scatter(const at::Tensor& out, const at::Tensor& in, bool avg);
   // Block until job `id` is done; rethrows what the worker raised. Returns seconds() and
-  // forgets the job (a second wait(id) is an error).
+  // forgets the job (a second wait(id) is an error). CUDA: "done" means issued; the caller's
+  // current stream then waits on the job's side-stream event, the host does not.
   double wait(int64_t id);
-  // Worker time of a job not yet waited for; NaN while it is queued or running.
+  // Worker time of a job not yet waited for; NaN while it is queued or running. CUDA: the
+  // time to issue the job, not the GPU's time to run it.
   double seconds(int64_t id);
   // Refuse new jobs, run every queued one (every rank issued them: skipping one would leave
   // the peers waiting), then join the worker. Idempotent; wait() and seconds() still answer for
@@ -64,6 +98,7 @@ class Engine {
   void run(Job& j);
   void gather_sum(Job& j);
   void two_phase(Job& j);
+  std::unique_ptr<DeviceJob> device_job(const Job& j);  // mu_ held
 
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
   int rank_, world_;
@@ -71,6 +106,7 @@ class Engine {
   std::condition_variable work_cv_, done_cv_;
   std::deque<std::shared_ptr<Job>> queue_;
   std::unordered_map<int64_t, std::shared_ptr<Job>> jobs_;  // submitted, not yet waited for
+  std::unique_ptr<DeviceQueue> cuda_;  // made by the first CUDA job; null in the CPU build
   int64_t next_id_ = 0;
   bool stop_ = false;
   std::mutex join_mu_;  // shutdown() from two threads: one joins

@@ -34,11 +34,12 @@ struct ReleaseGilDelete {
 PYBIND11_MODULE(_C, m) {
   using pyfast::Engine;
   using nogil = py::call_guard<py::gil_scoped_release>;
-  py::class_<Engine, std::unique_ptr<Engine, ReleaseGilDelete>>(m, "Engine",
+  py::class_<Engine, std::unique_ptr<Engine, ReleaseGilDelete>> engine(m, "Engine",
       "Compressed all-reduce and fp32 all-gather / reduce-scatter jobs, first-in first-out "
       "on one worker thread over a "
-      "ProcessGroup (pyfast/comm/engine.py is the Python face).")
-      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>>(), py::arg("group"))
+      "ProcessGroup (pyfast/comm/engine.py is the Python face). CUDA tensors (cuda_enabled "
+      "builds only) run on a side stream ordered by events.");
+  engine.def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>>(), py::arg("group"))
       .def("submit", &Engine::submit, nogil(), py::arg("tensor"), py::arg("kind"),
            py::arg("block"), py::arg("algorithm"), py::arg("avg"), py::arg("ef"),
            py::arg("align"), py::arg("chunk"))
@@ -52,4 +53,6 @@ PYBIND11_MODULE(_C, m) {
            "Run the queued jobs, join the worker, refuse new jobs (idempotent).")
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("world", &Engine::world);
+  // True only in the CUDA build (setup.py's CUDAExtension, PYFAST_WITH_CUDA).
+  engine.attr("cuda_enabled") = pyfast::kWithCuda;
 }
