@@ -39,7 +39,7 @@ CASES = {
     "row_bf16": ("row", {}, (8, 3), torch.bfloat16, True),
     "row_sp0_bf16": ("row", {"sequence_parallel": True}, (8, 3), torch.bfloat16, True),
     # overlap: async_tp's pieces need >= 4 rows each, so longer sequences
-    "col_sp0_overlap": ("col", {"sequence_parallel": True, "overlap": True}, (16, 3),
+    "col_sp0_overlap": ("col", {"sequence_parallel": True, "overlap": 4}, (16, 3),
                         torch.float32, True),
     "row_sp1_overlap3": ("row", {"sequence_parallel": True, "sequence_dim": 1, "overlap": 3},
                          (3, 24), torch.float32, True),
@@ -114,6 +114,9 @@ def _worker(rank, world):
             y.backward(gy)
             out["pair", layer, dim, ov] = (y.detach(), xi.grad, m.weight.grad, m.bias.grad)
 
+    auto = ColumnParallelLinear(*COL, sequence_parallel=True, overlap=True)
+    out["pieces"] = (auto._pieces(1000), auto._pieces(1 << 20), auto.chunks)
+
     torch.manual_seed(11)
     c = ColumnParallelLinear(*COL)
     torch.manual_seed(11)
@@ -161,6 +164,13 @@ def _worker(rank, world):
 @pytest.fixture(scope="module", params=[2, 4])
 def ranks(request):
     return request.param, run_ranks(_worker, request.param)
+
+
+def test_overlap_true_skips_small_calls(ranks):
+    """overlap=True: calls moving under OVERLAP_MIN_BYTES take the plain path (0 pieces)."""
+    from pyfast.parallel.tensor import OVERLAP_CHUNKS
+    for o in ranks[1]:
+        assert o["pieces"] == (0, OVERLAP_CHUNKS, OVERLAP_CHUNKS)
 
 
 @pytest.mark.parametrize("layer,dim,dtype", OVERLAP_PAIRS)

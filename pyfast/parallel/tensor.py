@@ -32,8 +32,14 @@ from .tp_comm import (copy_to_tp_region, gather_from_sequence_parallel_region,
                       reduce_scatter_to_sequence_parallel_region, scatter_to_tp_region, tp_world)
 
 
-# overlap=True: pieces per shard for async_tp. Set from bench/results/overlap_tp.txt.
-OVERLAP_CHUNKS = 2
+# overlap=True: 4 pieces per shard, the most hidden at 1 Gbit/s in bench/results/overlap_tp.txt
+# (1024^3 fp32, 2 ranks: c=1 33%, c=2 50%, c=4 62%, c=8 60%). Below OVERLAP_MIN_BYTES on the
+# wire per call the plain path runs instead: the small block of bench/results/tp.txt (256 tokens,
+# h 256: 128-512 KB a call) took 18.8 ms a step overlapped vs 12.1 plain on loopback, the fixed
+# cost of the pieces (p2p posts, shape headers) exceeding their whole transfer; the big block
+# (4-16 MB a call) gained 1.5x on 1 Gbit/s. Ranks see the same shapes, so they decide alike.
+OVERLAP_CHUNKS = 4
+OVERLAP_MIN_BYTES = 1 << 20
 
 
 def _linear(x, weight, bias=None):
@@ -86,6 +92,7 @@ class _ParallelLinear(nn.Module):
             raise ValueError(f"{self._name()}: overlap must be a bool or a number of pieces "
                              f">= 0, got {overlap!r} (tensor-parallel size {self.tp_size})")
         self.chunks = OVERLAP_CHUNKS if overlap is True else int(overlap)
+        self.overlap_auto = overlap is True  # False: an explicit count always runs overlapped
         split = (out_features, in_features)[self.partition_dim]
         if split % self.tp_size:
             which = ("out_features", "in_features")[self.partition_dim]
@@ -155,6 +162,12 @@ class _ParallelLinear(nn.Module):
                              f"dimension {x.shape[-1] if x.dim() else None}, expected "
                              f"{features} ({what}; tensor-parallel size {self.tp_size})")
 
+    def _pieces(self, wire_bytes: int) -> int:
+        """async_tp pieces for a call moving about wire_bytes per rank (0: the plain path)."""
+        if self.overlap_auto and wire_bytes < OVERLAP_MIN_BYTES:
+            return 0
+        return self.chunks
+
     def extra_repr(self) -> str:
         s = (f"in_features={self.in_features}, out_features={self.out_features}, "
              f"tp={self.tp_size}, bias={self.bias is not None}")
@@ -193,7 +206,7 @@ class ColumnParallelLinear(_ParallelLinear):
         self._check_input(x, self.in_features, "in_features")
         if self.sequence_parallel:
             y = _sp_gather_linear(x, self.weight, self.bias, self.group, self.sequence_dim,
-                                  self.chunks)
+                                  self._pieces(x.numel() * x.element_size()))
         else:
             y = _linear(copy_to_tp_region(x, self.group), self.weight, self.bias)
         return gather_from_tp_region(y, self.group, -1) if self.gather_output else y
@@ -242,8 +255,9 @@ class RowParallelLinear(_ParallelLinear):
                 raise ValueError(f"{self._name()}: input of shape {tuple(x.shape)}: sequence "
                                  f"dimension {self.sequence_dim} is not divisible by the "
                                  f"tensor-parallel size {self.tp_size}")
+            wire = x.numel() // x.shape[-1] * self.out_features * x.element_size()
             return _sp_linear_reduce_scatter(x, self.weight, self.bias, self.group,
-                                             self.sequence_dim, self.chunks)
+                                             self.sequence_dim, self._pieces(wire))
         y = reduce_from_tp_region(_linear(x, self.weight), self.group)
         return y if self.bias is None else y + self.bias
 
