@@ -178,3 +178,84 @@ def test_engine_errors_surface_and_never_hang():
     assert "job 0" in found[0]["first"] and "Timed out" in found[0]["first"], found[0]["first"]
     assert "not run" in found[0]["second"] and "job 0" in found[0]["second"], found[0]["second"]
     assert found[0]["seconds"] < 20, f"timeout took {found[0]['seconds']:.1f} s"
+
+
+def _refuses_cuda(rank, world):
+    """A FakeTensor claims cuda:0 without memory or a GPU: enough to reach the device checks of
+    NativeEngine and of the C++ engine, and nothing more (no CUDA code runs here)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from pyfast.comm.engine import NativeEngine
+    engine = NativeEngine()
+    with FakeTensorMode():
+        fake = torch.empty(8, device="cuda")
+    assert fake.device.type == "cuda"
+    found = {}
+    for key, call in [
+            ("all_reduce", lambda: engine.all_reduce(fake, "int8")),
+            ("reduce_scatter_into", lambda: engine.reduce_scatter_into(torch.empty(8), fake)),
+            ("C++ submit", lambda: engine._engine.submit(fake, "int8", 512, "allgather", False,
+                                                         [], 512, 0)),
+            ("C++ submit_all_gather", lambda: engine._engine.submit_all_gather(torch.empty(8),
+                                                                               fake))]:
+        try:
+            call()
+            found[key] = "no error"
+        except RuntimeError as e:
+            found[key] = str(e)
+    engine.close()
+    return found
+
+
+def test_engine_refuses_cuda_tensors_without_a_cuda_build():
+    """This machine's pyfast._C is the CPU build: CUDA tensors are refused by name, in Python
+    and in C++. The CUDA path itself is only compiled here (make cuda-check), never run."""
+    from pyfast import _C
+    from pyfast.comm.engine import check_device
+    if _C.Engine.cuda_enabled:
+        pytest.skip("pyfast._C is a CUDA build: the refusal does not apply")
+    with pytest.raises(RuntimeError, match="pyfast._C was built without CUDA"):
+        check_device(torch.device("cuda", 0))  # a device object needs no GPU
+    check_device(torch.device("cpu"))
+    with pytest.raises(TypeError, match="CPU and CUDA"):
+        check_device(torch.device("meta"))
+    for key, msg in run_ranks(_refuses_cuda, 1)[0].items():
+        assert msg.startswith("pyfast._C was built without CUDA") and "cuda:0" in msg, \
+            f"{key}: {msg}"
+
+
+def _cuda_check():
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).parents[1] / "tools" / "cuda_check.py"
+    spec = importlib.util.spec_from_file_location("cuda_check", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_cuda_check_compiles_the_engines_cuda_half():
+    """make cuda-check (tools/cuda_check.py) compiles the engine's CUDA file with the CUDA
+    build's macro, from the same glob setup.py adds to the CUDAExtension."""
+    import pathlib
+    cc = _cuda_check()
+    assert "csrc/cuda/engine_cuda.cu" in cc.sources(), cc.sources()
+    assert {"csrc/cuda/quantize.cu", "csrc/cuda/topk.cu"} <= set(cc.sources())
+    assert "-DPYFAST_WITH_CUDA" in cc.nvcc_flags()
+    setup = (pathlib.Path(cc.ROOT) / "setup.py").read_text()
+    assert f'glob.glob("{cc.SOURCES}")' in setup and "-DPYFAST_WITH_CUDA" in setup
+
+
+def test_cuda_check_fails_loudly(tmp_path):
+    import shutil
+    import subprocess
+    import sys
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc on this machine")
+    bad = tmp_path / "bad.cu"
+    bad.write_text("int f() { return undeclared_name; }\n")
+    p = subprocess.run([sys.executable, _cuda_check().__file__, "--nvcc", nvcc, str(bad)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "FAILED" in p.stdout and "undeclared_name" in p.stderr, p.stdout + p.stderr

@@ -18,6 +18,13 @@ dist.destroy_process_group.
 It also runs uncompressed fp32 all_gather / reduce_scatter on the same thread
 (all_gather_into, reduce_scatter_into): tensor-parallel overlap runs the next chunk's
 collective here while the caller multiplies.
+
+CUDA tensors need a CUDA build of pyfast._C (setup.py with a CUDA torch and nvcc;
+_C.Engine.cuda_enabled). Then the thread issues each job onto a side stream that waits for the
+caller's current stream at submit, with NCCL underneath (csrc/cuda/engine_cuda.cu); wait()
+makes the caller's current stream wait for the job, without a host sync, and `seconds` is the
+time to issue the job. That path is compiled on a machine without a GPU (make cuda-check) but
+has not run there.
 """
 from __future__ import annotations
 
@@ -102,6 +109,19 @@ def private_group(group=None):
     return made
 
 
+def check_device(device: torch.device) -> None:
+    """Raise unless the engine takes tensors on `device`: CPU always, CUDA only when pyfast._C
+    was built with CUDA."""
+    from pyfast import _C
+    if device.type == "cuda" and not _C.Engine.cuda_enabled:
+        raise RuntimeError(f"pyfast._C was built without CUDA: the native engine cannot take "
+                           f"tensors on {device}; rebuild pyfast (pip install "
+                           "--no-build-isolation -e .) where torch is a CUDA build and nvcc "
+                           "exists, or use pyfast.comm.all_reduce")
+    if device.type not in ("cpu", "cuda"):
+        raise TypeError(f"the native engine takes CPU and CUDA tensors, got one on {device}")
+
+
 def status() -> tuple[bool, str]:
     """(True, "") if the engine can run here, else (False, why)."""
     from pyfast.ops._backend import cpp_status
@@ -144,20 +164,23 @@ class NativeEngine:
 
     def all_gather_into(self, out: torch.Tensor, x: torch.Tensor) -> Handle:
         """Queue out <- every rank's x in rank order (dist.all_gather_into_tensor): contiguous
-        float32 CPU, out.numel() == world * x.numel(). wait() returns out."""
+        float32 on one device, out.numel() == world * x.numel(). wait() returns out."""
+        check_device(x.device)
         return Handle(self._engine, self._engine.submit_all_gather(out, x), out)
 
     def reduce_scatter_into(self, out: torch.Tensor, x: torch.Tensor, op: str = "sum") -> Handle:
         """Queue out <- part `rank` (of world equal parts) of x_0 + x_1 + ... added in rank order
-        in fp32, divided by world for op="avg": contiguous float32 CPU, x.numel() == world *
-        out.numel(). Bitwise independent of the backend's reduction order. wait() returns out."""
+        in fp32, divided by world for op="avg": contiguous float32 on one device, x.numel() ==
+        world * out.numel(). Bitwise independent of the backend's reduction order. wait()
+        returns out."""
         if op not in OPS:
             raise ValueError(f"op must be one of {OPS}, got {op!r}")
+        check_device(x.device)
         return Handle(self._engine, self._engine.submit_reduce_scatter(out, x, op == "avg"), out)
 
     def all_reduce(self, t: torch.Tensor, compressor=None, op: str = "sum", name: str = "",
                    algorithm: str | None = None) -> Handle:
-        """Queue the reduction of t (contiguous float32, CPU) in place; same meaning of the
+        """Queue the reduction of t (contiguous float32, CPU or CUDA) in place; same meaning of the
         arguments as pyfast.comm.all_reduce. t and the compressor's error-feedback memory
         belong to the engine until the handle's wait() returns."""
         if op not in OPS:
@@ -167,8 +190,9 @@ class NativeEngine:
         if kind is None:
             raise ValueError(f"the native engine does not run {c!r} (dense, deterministic "
                              "compressors only); use pyfast.comm.all_reduce")
-        if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
-            raise TypeError(f"the native engine reduces contiguous float32 CPU tensors, got "
+        check_device(t.device)
+        if t.dtype != torch.float32 or not t.is_contiguous():
+            raise TypeError(f"the native engine reduces contiguous float32 tensors, got "
                             f"{t.dtype} on {t.device} (contiguous: {t.is_contiguous()})")
         x = t.view(-1)
         auto = choose(c, x.numel(), self.world)
