@@ -28,7 +28,6 @@ from pyfast.parallel.tp_comm import tp_world
 # apart at K = 1024): pieces keep MIN_ROWS rows (chunks is a maximum), smaller shards one GEMM.
 MIN_ROWS = 4
 TAG = 0x7470  # p2p tag ("tp"): never matched with pipeline-parallel transfers
-# chunks=4 (the default) had the best medians of 1, 2, 4, 8, 16 for both patterns at 1 Gbit/s
 
 
 def _pieces(rows, chunks):  # [a, e) row ranges
@@ -68,7 +67,9 @@ class C10dComm:
 class EngineComm:
     """The launcher on a NativeEngine's thread (made with NativeEngine.private(group))."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, group):
+        if dist.get_process_group_ranks(engine.group) != dist.get_process_group_ranks(group):
+            raise ValueError("the engine's ranks are not the group's: NativeEngine.private(group)")
         self.engine, self.world, self.rank = engine, engine.world, engine.rank
         self.peers = [(self.rank + s) % self.world for s in range(1, self.world)]
 
@@ -89,7 +90,7 @@ def launcher(comm, group):
     if (comm == "engine" or isinstance(comm, NativeEngine)) and \
             not hasattr(NativeEngine, "all_gather_into"):
         raise NotImplementedError("the native engine has no all_gather jobs yet: use 'c10d'")
-    comm = EngineComm(comm) if isinstance(comm, NativeEngine) else comm
+    comm = EngineComm(comm, group) if isinstance(comm, NativeEngine) else comm
     if isinstance(comm, str) or comm.world != tp_world(group)[0]:
         raise ValueError(f"comm must be 'c10d', a NativeEngine (NativeEngine.private(group)) or "
                          f"a launcher, on the group's {tp_world(group)[0]} ranks; got {comm!r}")
@@ -124,15 +125,13 @@ def mm_reduce_scatter(x, b, comm, chunks):
     travel until it is called, behind whatever the caller computes first."""
     W, R, N = comm.world, x.shape[0] // comm.world, b.shape[1]
     out, blocks = x.new_empty(R, N), x.view(W, R, -1)
-    if R < MIN_ROWS:  # one GEMM over all rows: the reference's kernel
-        works = [comm.reduce_scatter(out, torch.mm(x, b).view(W, R, N))]
-    else:
-        works = []
-        for a, e in _pieces(R, chunks):
-            part = x.new_empty(W, e - a, N)
-            for q in comm.peers + [comm.rank]:  # own rows last: they need not travel
-                torch.mm(blocks[q, a:e], b, out=part[q])
-            works.append(comm.reduce_scatter(out[a:e], part))
+    # fewer than MIN_ROWS rows: one GEMM over all rows, the reference's kernel
+    works = [comm.reduce_scatter(out, torch.mm(x, b).view(W, R, N))] if R < MIN_ROWS else []
+    for a, e in _pieces(R, chunks) if R >= MIN_ROWS else []:
+        part = x.new_empty(W, e - a, N)
+        for q in comm.peers + [comm.rank]:  # own rows last: they need not travel
+            torch.mm(blocks[q, a:e], b, out=part[q])
+        works.append(comm.reduce_scatter(out[a:e], part))
 
     def finish():
         for wait in works:
@@ -233,8 +232,9 @@ def _prepare(what, x, weight, bias, group, dim, chunks, comm):
 
 def all_gather_linear(x, weight, bias=None, group=None, dim: int = 0, chunks: int = 4,
                       comm="c10d"):
-    """F.linear(all_gather(x along dim), weight, bias), the all-gather overlapped: the input
-    of a sequence-parallel ColumnParallelLinear (x: this rank's sequence shard)."""
+    """F.linear(all_gather(x along dim), weight, bias), the all-gather overlapped: the input of a
+    sequence-parallel ColumnParallelLinear (x: this rank's sequence shard). chunks=4: the best
+    median of 1-16 for both functions at 1 Gbit/s in bench/results/overlap_tp.txt."""
     dim, c = _prepare("all_gather_linear", x, weight, bias, group, dim, chunks, comm)
     return F.linear(x, weight, bias) if c is None else \
         _AllGatherLinear.apply(x, weight, bias, c, dim, chunks)
