@@ -140,6 +140,8 @@ def _errors(rank, world):
         "chunks0": lambda: A.all_gather_linear(torch.randn(5, 6), w, chunks=0),
         "features": lambda: A.all_gather_linear(torch.randn(5, 7), w),
         "bias": lambda: A.all_gather_linear(torch.randn(5, 6), w, torch.randn(7)),
+        "wdtype": lambda: A.all_gather_linear(torch.randn(5, 6), w.bfloat16()),
+        "bdtype": lambda: A.linear_reduce_scatter(torch.randn(4, 6), w, torch.randn(8).double()),
         "dim": lambda: A.all_gather_linear(torch.randn(5, 6), w, dim=-1),
         "vector": lambda: A.all_gather_linear(torch.randn(6), w),
         "comm": lambda: A.all_gather_linear(torch.randn(5, 6), w, comm="nccl"),
@@ -202,8 +204,10 @@ def test_bad_inputs_fail_fast(pool):
         assert f"x, dim (({3 * world + 1}, 6), 0) not divisible by the tensor-parallel size" \
             in msg["rows"]
         assert "chunks must be an int >= 1" in msg["chunks0"]
-        assert "weight (8, 6) is not [out, 7]" in msg["features"]
-        assert "bias (7,) is not [8]" in msg["bias"]
+        assert "weight (8, 6) torch.float32 is not [out, 7] torch.float32" in msg["features"]
+        assert "weight (8, 6) torch.bfloat16 is not [out, 6] torch.float32" in msg["wdtype"]
+        assert "bias (7,) torch.float32 is not [8] torch.float32" in msg["bias"]
+        assert "bias (8,) torch.float64 is not [8] torch.float32" in msg["bdtype"]
         assert "x, dim ((5, 6), -1) needs a sequence dim" in msg["dim"]
         assert "x, dim ((6,), 0) needs a sequence dim" in msg["vector"]
         assert "comm must be 'c10d'" in msg["comm"]

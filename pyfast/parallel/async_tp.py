@@ -125,7 +125,6 @@ def mm_reduce_scatter(x, b, comm, chunks):
     travel until it is called, behind whatever the caller computes first."""
     W, R, N = comm.world, x.shape[0] // comm.world, b.shape[1]
     out, blocks = x.new_empty(R, N), x.view(W, R, -1)
-    # fewer than MIN_ROWS rows: one GEMM over all rows, the reference's kernel
     works = [comm.reduce_scatter(out, torch.mm(x, b).view(W, R, N))] if R < MIN_ROWS else []
     for a, e in _pieces(R, chunks) if R >= MIN_ROWS else []:
         part = x.new_empty(W, e - a, N)
@@ -208,23 +207,24 @@ def _prepare(what, x, weight, bias, group, dim, chunks, comm):
     world, dim, shapes = tp_world(group)[0], dim % max(x.dim(), 1), (tuple(x.shape), dim)
     if x.dim() < 2 or dim == x.dim() - 1:
         raise ValueError(f"{what}: x, dim {shapes} needs a sequence dim apart from the features")
-    if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
-        raise ValueError(f"{what}: weight {tuple(weight.shape)} is not [out, {x.shape[-1]}]")
-    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise ValueError(f"{what}: bias {tuple(bias.shape)} is not [{weight.shape[0]}]")
+    if weight.dim() != 2 or weight.shape[1] != x.shape[-1] or weight.dtype != x.dtype:
+        raise ValueError(f"{what}: weight {tuple(weight.shape)} {weight.dtype} is not [out, "
+                         f"{x.shape[-1]}] {x.dtype} like x")
+    if bias is not None and (tuple(bias.shape) != (weight.shape[0],) or bias.dtype != x.dtype):
+        raise ValueError(f"{what}: bias {tuple(bias.shape)} {bias.dtype} is not "
+                         f"[{len(weight)}] {x.dtype}")
     if type(chunks) is not int or chunks < 1:
         raise ValueError(f"{what}: chunks must be an int >= 1, got {chunks!r}")
     if what == "linear_reduce_scatter" and x.shape[dim] % world:
         raise ValueError(f"{what}: x, dim {shapes} not divisible by the tensor-parallel size")
     if world == 1:
         return dim, None
-    comm, c10d = launcher(comm, group), C10dComm(group)
+    comm, p = launcher(comm, group), C10dComm(group)
     sent = weight.shape[1 if what == "all_gather_linear" else 0]  # features on the wire
     every = torch.tensor([x.numel() // x.shape[-1], sent, zlib.crc32(f"{what}{x.dtype}".encode())])
     every = every.repeat(world, 1)  # isend/irecv: 113 us here, all_gather_single 295 us
-    c10d._swap([(every[c10d.rank], q) for q in c10d.peers], [(every[q], q) for q in c10d.peers],
-               TAG + 1)()
-    if not bool((every == every[c10d.rank]).all()):
+    p._swap([(every[p.rank], q) for q in p.peers], [(every[q], q) for q in p.peers], TAG + 1)()
+    if not bool((every == every[p.rank]).all()):
         raise ValueError(f"{what}: ranks disagree on (rows, features sent, crc of op and dtype):"
                          f" {every.tolist()} in rank order")
     return dim, comm
