@@ -85,3 +85,12 @@ def run_ranks(fn, world: int, *args):
     if errors:
         raise AssertionError("\n".join(errors))
     return [results[r] for r in range(world)]
+
+
+def value_error_text(fn) -> str:
+    """The message of the ValueError fn() raises, or "no error" (ranks report it for checking)."""
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return "no error"

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spawn import run_ranks
+from spawn import run_ranks, value_error_text
 
 D, HEADS, HIDDEN, LAYERS = 24, 4, 96, 2  # head_dim 6; 4 heads split over 2 or 4 ranks
 B, T = 3, 8
@@ -120,14 +120,6 @@ def _full_grads(model, sp: bool):
     return out
 
 
-def _catch(fn):
-    try:
-        fn()
-    except ValueError as e:
-        return str(e)
-    return "no error"
-
-
 def _worker(rank, world):
     from pyfast.parallel import ColumnParallelLinear, RowParallelLinear, parallelize
     out = {}
@@ -161,17 +153,18 @@ def _worker(rank, world):
     odd = nn.Sequential(nn.Linear(D, 2 * world + 1), nn.Linear(2 * world + 1, D))
     conv = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten())
     out["errors"] = {
-        "no match": (_catch(lambda: parallelize(model, {"layers.*.fc1": "colwise"})),
+        "no match": (value_error_text(lambda: parallelize(model, {"layers.*.fc1": "colwise"})),
                      ["'layers.*.fc1'", "GPT"]),
-        "conv": (_catch(lambda: parallelize(conv, {"0": "colwise"})), ["'0'", "Conv2d"]),
-        "layernorm": (_catch(lambda: parallelize(model, {**PLAN, "layers.0.ln1": "rowwise"})),
+        "conv": (value_error_text(lambda: parallelize(conv, {"0": "colwise"})), ["'0'", "Conv2d"]),
+        "layernorm": (value_error_text(
+            lambda: parallelize(model, {**PLAN, "layers.0.ln1": "rowwise"})),
                       ["'layers.0.ln1'", "LayerNorm"]),
-        "style": (_catch(lambda: parallelize(model, {"layers.*.mlp.fc1": "diagonal"})),
+        "style": (value_error_text(lambda: parallelize(model, {"layers.*.mlp.fc1": "diagonal"})),
                   ["'layers.*.mlp.fc1'", "'diagonal'", "colwise"]),
-        "conflict": (_catch(lambda: parallelize(model, {"layers.*.mlp.fc1": "colwise",
+        "conflict": (value_error_text(lambda: parallelize(model, {"layers.*.mlp.fc1": "colwise",
                                                         "layers.0.mlp.*": "rowwise"})),
                      ["'layers.0.mlp.fc1'", "'layers.*.mlp.fc1'", "'layers.0.mlp.*'"]),
-        "divisible": (_catch(lambda: parallelize(odd, {"0": "colwise", "1": "rowwise"})),
+        "divisible": (value_error_text(lambda: parallelize(odd, {"0": "colwise", "1": "rowwise"})),
                       [f"ColumnParallelLinear(in_features={D}, out_features={2 * world + 1})"]),
     }
     # failed plans leave the model as it was

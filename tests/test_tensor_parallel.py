@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from spawn import run_ranks
+from spawn import run_ranks, value_error_text
 
 COL = (37, 24)  # dense (in, out) of the column cases: out split; in odd
 ROW = (24, 37)  # of the row cases: in split; out odd
@@ -73,14 +73,6 @@ def _local(t, dim, rank, world):
     return t if dim is None else t.chunk(world, dim)[rank]
 
 
-def _catch(fn):
-    try:
-        fn()
-    except ValueError as e:
-        return str(e)
-    return "no error"
-
-
 def _worker(rank, world):
     from pyfast.parallel import ColumnParallelLinear, RowParallelLinear
     out = {}
@@ -130,31 +122,31 @@ def _worker(rank, world):
     odd = 2 * world + 1
     row = RowParallelLinear(*ROW)
     out["errors"] = {
-        "col_features": (_catch(lambda: ColumnParallelLinear(8, odd)),
+        "col_features": (value_error_text(lambda: ColumnParallelLinear(8, odd)),
                          ["ColumnParallelLinear(in_features=8, out_features=%d)" % odd,
                           f"({odd}, 8)"]),
-        "row_features": (_catch(lambda: RowParallelLinear(odd, 8)),
+        "row_features": (value_error_text(lambda: RowParallelLinear(odd, 8)),
                          ["RowParallelLinear(in_features=%d, out_features=8)" % odd,
                           f"(8, {odd})"]),
-        "col_input": (_catch(lambda: c(torch.randn(2, 3, COL[0] + 1))),
+        "col_input": (value_error_text(lambda: c(torch.randn(2, 3, COL[0] + 1))),
                       ["ColumnParallelLinear(in_features=37, out_features=24)",
                        f"(2, 3, {COL[0] + 1})"]),
-        "row_input_parallel": (_catch(lambda: row(torch.randn(2, 3, ROW[0]))),
+        "row_input_parallel": (value_error_text(lambda: row(torch.randn(2, 3, ROW[0]))),
                                ["RowParallelLinear(in_features=24, out_features=37)",
                                 f"(2, 3, {ROW[0]})", f"expected {ROW[0] // world}"]),
         "row_input_whole": (
-            _catch(lambda: RowParallelLinear(*ROW, input_is_parallel=False)(
+            value_error_text(lambda: RowParallelLinear(*ROW, input_is_parallel=False)(
                 torch.randn(2, 3, ROW[0] // world))),
             ["RowParallelLinear(in_features=24, out_features=37)", f"(2, 3, {ROW[0] // world})"]),
         "row_sp_sequence": (
-            _catch(lambda: RowParallelLinear(*ROW, sequence_parallel=True)(
+            value_error_text(lambda: RowParallelLinear(*ROW, sequence_parallel=True)(
                 torch.randn(odd, 3, ROW[0] // world))),
             ["RowParallelLinear(in_features=24, out_features=37)",
              f"({odd}, 3, {ROW[0] // world})"]),
-        "overlap_without_sp": (_catch(lambda: ColumnParallelLinear(*COL, overlap=True)),
+        "overlap_without_sp": (value_error_text(lambda: ColumnParallelLinear(*COL, overlap=True)),
                                ["ColumnParallelLinear", "sequence_parallel=True"]),
         "row_sp_not_parallel": (
-            _catch(lambda: RowParallelLinear(*ROW, sequence_parallel=True,
+            value_error_text(lambda: RowParallelLinear(*ROW, sequence_parallel=True,
                                              input_is_parallel=False)),
             ["RowParallelLinear(in_features=24, out_features=37)", "input_is_parallel"]),
     }
