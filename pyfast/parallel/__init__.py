@@ -1,13 +1,14 @@
-"""Drop-in parallel training modules: data (DataParallel, DataParallelNaive), pipeline
-(Pipeline, schedules, traces) and tensor (ColumnParallelLinear, RowParallelLinear,
-VocabParallelEmbedding, vocab_parallel_cross_entropy, parallelize)."""
+"""Drop-in parallel training modules: mesh (Mesh, the dp x tp x pp groups), data (DataParallel,
+DataParallelNaive), pipeline (Pipeline, schedules, traces) and tensor (ColumnParallelLinear,
+RowParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy, parallelize)."""
 from .data import DataParallel, DataParallelNaive
+from .mesh import Mesh
 from .parallelize import parallelize
 from .pipeline import Pipeline
 from .tensor import ColumnParallelLinear, RowParallelLinear
 from .trace import save_trace
 from .vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
-__all__ = ["ColumnParallelLinear", "DataParallel", "DataParallelNaive", "Pipeline",
+__all__ = ["ColumnParallelLinear", "DataParallel", "DataParallelNaive", "Mesh", "Pipeline",
            "RowParallelLinear", "VocabParallelEmbedding", "parallelize", "save_trace",
            "vocab_parallel_cross_entropy"]
