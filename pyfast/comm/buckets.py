@@ -116,6 +116,11 @@ class Bucketer:
         b.launched = True
         self.launch_fn(b)
 
+    def flush(self) -> None:
+        """Launch every bucket now (all gradients taken as they are) and wait: for gradients
+        accumulated outside an armed backward."""
+        self._final()
+
     def _final(self) -> None:
         """Autograd final callback: launch what is left (unused parameters), then wait."""
         self.armed = False

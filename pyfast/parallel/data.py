@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import time
 
 import torch
 import torch.distributed as dist
@@ -114,6 +115,7 @@ class DataParallel(nn.Module):
         self.engine_kind = ["native" if native else "python"] * len(self.bucketer.buckets)
         self._engine = E.NativeEngine.private(group) if native else None
         self._sync, self._closed = True, False
+        self.last_wait_s = 0.0
 
     def _native(self, engine: str) -> bool:
         """Whether the native engine reduces the buckets; ValueError if it was asked for and
@@ -164,7 +166,13 @@ class DataParallel(nn.Module):
             self._engine = None
 
     def _finish(self) -> None:
-        done = self.bucketer.finish()
+        t0 = time.perf_counter()
+        try:
+            done = self.bucketer.finish()
+        finally:
+            # exposed communication: what the training thread spent waiting for the buckets
+            # (and copying them back) after backward's last gradient
+            self.last_wait_s = time.perf_counter() - t0
         if self.selector is not None and len(done) == len(self.bucketer.buckets):
             self.selector.after_step([b.extra["seconds"] for b in done])
         for b in done:
@@ -172,6 +180,18 @@ class DataParallel(nn.Module):
                 # the reduced bucket is bit-identical on every rank: so is this decision
                 raise NonFiniteGradient(f"NaN/Inf in the reduced gradient of {b.name} "
                                         f"({', '.join(b.names[:3])}{'...' if len(b.names) > 3 else ''})")
+
+    def reduce_gradients(self) -> None:
+        """Average the gradients accumulated so far over the group, now, with the configured
+        compressor and engine: for backward passes that did not run through this wrapper's
+        forward (pyfast's Pipeline.step runs one backward per micro-batch on the stage modules)
+        or ended under no_sync(). Same result as the reduction a synced backward does; a
+        parameter without a gradient gets zeros, as there. `last_wait_s` is the time spent
+        here (nothing overlaps this call: it launches and waits for every bucket)."""
+        if self._closed:
+            raise RuntimeError("this DataParallel was closed; call the wrapped .module directly")
+        self.bucketer.arm(self._finish)
+        self.bucketer.flush()
 
     def forward(self, *args, **kwargs):
         if self._closed:
