@@ -1,0 +1,48 @@
+"""Models the main job trains, by name: build(name, ...) -> an nn.Module with
+
+    tp_plan() -> dict            parallelize()'s plan (the LM head's logits stay vocab-sharded)
+    tp_check(tp) -> str | None   why the model cannot be split over tp ranks
+    retie()                      re-tie shared weights after parallelize (no-op if untied)
+    enable_activation_checkpointing()
+    forward(ids [B, T]) -> logits [B, T, vocab / tp]
+
+and, if it can be cut into pipeline stages, is an nn.Sequential (`pipelinable(model)`).
+A registry is a dict: a new model is one entry.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from .gpt import GPT, PRESETS, GPTConfig
+
+
+def _gpt(preset: str):
+    def build(vocab_size: int, seq_len: int, positions: str = "rotary",
+              tie_embeddings: bool = False) -> GPT:
+        return GPT(GPTConfig(**PRESETS[preset], seq_len=seq_len, vocab_size=vocab_size,
+                             positions=positions, tie_embeddings=tie_embeddings))
+    return build
+
+
+def _hf_llama_tiny(vocab_size: int, seq_len: int, positions: str = "rotary",
+                   tie_embeddings: bool = False):
+    from .hf import llama_tiny  # transformers is optional: imported only when asked for
+    return llama_tiny(vocab_size, seq_len, positions=positions, tie_embeddings=tie_embeddings)
+
+
+MODELS = {"gpt-tiny": _gpt("gpt-tiny"), "gpt-small": _gpt("gpt-small"),
+          "hf-llama-tiny": _hf_llama_tiny}
+
+
+def build(name: str, vocab_size: int, seq_len: int, **options) -> nn.Module:
+    """The full model, initialised from torch's default generator (seed it first)."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+    return MODELS[name](vocab_size, seq_len, **options)
+
+
+def pipelinable(model: nn.Module) -> bool:
+    return isinstance(model, nn.Sequential)
+
+
+__all__ = ["GPT", "GPTConfig", "MODELS", "PRESETS", "build", "pipelinable"]

@@ -1,0 +1,198 @@
+"""A short GPT (Radford et al. 2019, as in nanoGPT): pre-norm blocks, causal self-attention
+through F.scaled_dot_product_attention, a GELU MLP, learned or rotary positions (Su et al.
+2021, arXiv:2104.09864), optional tied embeddings.
+
+The model IS an nn.Sequential [Embed, Block x n_layer, Head], so pyfast's Pipeline cuts it into
+stages as it would any Sequential, and its module names ("0.tok", "3.attn.qkv", "7.lm_head")
+are the same on every mesh: checkpoints keyed by them reshard across pipeline layouts.
+
+Fused QKV layout rule: qkv.weight rows are ordered [head, (q, k, v), head_dim] (Megatron's
+layout), not [(q, k, v), head, head_dim]. A column split into tp contiguous blocks then gives
+each rank whole heads with their q, k and v together, so the attention module needs no
+knowledge of tensor parallelism: it infers its local head count from the width it receives.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    n_layer: int
+    n_head: int
+    d_model: int
+    seq_len: int = 256          # the longest sequence (size of the learned position table)
+    vocab_size: int = 256       # bytes
+    positions: str = "rotary"   # "rotary" or "learned"
+    tie_embeddings: bool = False
+    mlp_ratio: int = 4
+    rope_base: float = 10000.0
+
+    def __post_init__(self):
+        if self.positions not in ("rotary", "learned"):
+            raise ValueError(f"positions must be 'rotary' or 'learned', got {self.positions!r}")
+        if self.d_model % self.n_head:
+            raise ValueError(f"d_model {self.d_model} is not divisible by n_head {self.n_head}")
+        if self.positions == "rotary" and (self.d_model // self.n_head) % 2:
+            raise ValueError(f"rotary positions need an even head size, got "
+                             f"{self.d_model // self.n_head}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+
+PRESETS = {
+    # tests: seconds per step on one core
+    "gpt-tiny": dict(n_layer=2, n_head=4, d_model=64),
+    # the demo: 10.8M parameters (nanoGPT's shakespeare-char size, 8 heads so tp 2/4/8 divide
+    # them); one step of 8 x 256 bytes takes about 1 s on 2 ranks of the 2-core EPYC VM, so
+    # `make demo`'s two minutes run ~100 steps and the loss falls from 5.5 to about 2.5
+    "gpt-small": dict(n_layer=6, n_head=8, d_model=384),
+}
+
+
+def rotary_tables(seq_len: int, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv)  # [T, hd/2]
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, h, T, hd]: rotate each (even, odd) pair of the head dimension by its angle."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    c, s = cos[: x.shape[-2]].to(x.dtype), sin[: x.shape[-2]].to(x.dtype)
+    return torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+
+
+class Embed(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.positions == "learned" else None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tok(ids)
+        if self.pos is not None:
+            if ids.shape[-1] > self.pos.num_embeddings:
+                raise ValueError(f"sequence of {ids.shape[-1]} tokens is longer than the "
+                                 f"model's {self.pos.num_embeddings} positions")
+            x = x + self.pos.weight[: ids.shape[-1]]
+        return x
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)  # rows [head, (q,k,v), head_dim]
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        if cfg.positions == "rotary":
+            cos, sin = rotary_tables(cfg.seq_len, cfg.head_dim, cfg.rope_base)
+            self.register_buffer("cos", cos, persistent=False)
+            self.register_buffer("sin", sin, persistent=False)
+        else:
+            self.cos = self.sin = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        qkv = self.qkv(x)  # [B, T, 3 * local heads * hd]: local heads = all heads / tp
+        q, k, v = qkv.view(b, t, -1, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
+        if self.cos is not None:
+            if t > self.cos.shape[0]:
+                raise ValueError(f"sequence of {t} tokens is longer than the model's "
+                                 f"{self.cos.shape[0]} rotary positions")
+            q, k = apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, h, T, hd]
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model)
+        self.proj = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln1, self.attn = nn.LayerNorm(cfg.d_model), Attention(cfg)
+        self.ln2, self.mlp = nn.LayerNorm(cfg.d_model), MLP(cfg)
+        self.checkpointed = False  # activation checkpointing: recompute this block in backward
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpointed and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+
+class Head(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln = nn.LayerNorm(cfg.d_model)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln(x))
+
+
+class GPT(nn.Sequential):
+    """[Embed, Block x n_layer, Head]: token ids [B, T] -> logits [B, T, vocab] (with tensor
+    parallelism, this rank's slice of the vocabulary). Initialised as GPT-2/nanoGPT: normal(0,
+    0.02) weights, residual projections scaled by 1/sqrt(2 n_layer), zero biases, from torch's
+    default generator in a fixed order, so the same seed gives the same full model everywhere."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__(Embed(cfg), *(Block(cfg) for _ in range(cfg.n_layer)), Head(cfg))
+        self.cfg = cfg
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif p.dim() == 2:
+                std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith("proj.weight") else 0.02
+                nn.init.normal_(p, 0.0, std)
+        if cfg.tie_embeddings:
+            self[-1].lm_head.weight = self[0].tok.weight
+
+    def enable_activation_checkpointing(self) -> None:
+        for m in self:
+            if isinstance(m, Block):
+                m.checkpointed = True
+
+    def tp_plan(self) -> dict:
+        """parallelize()'s plan: Megatron's split of attention and MLP, the vocabulary split in
+        the embedding and the head (whose logits stay sharded for
+        vocab_parallel_cross_entropy)."""
+        last = len(self) - 1
+        return {"*.attn.qkv": "colwise", "*.attn.proj": "rowwise", "*.mlp.fc": "colwise",
+                "*.mlp.proj": "rowwise", "0.tok": "vocab", f"{last}.lm_head": "colwise"}
+
+    def tp_check(self, tp: int) -> str | None:
+        """Why this model cannot be split over tp ranks, or None."""
+        c = self.cfg
+        for what, n in (("n_head", c.n_head), ("vocab_size", c.vocab_size),
+                        ("mlp_ratio x d_model", c.mlp_ratio * c.d_model)):
+            if n % tp:
+                return f"{c.__class__.__name__}: {what} {n} is not divisible by tp={tp}"
+        return None
+
+    def retie(self) -> None:
+        """After parallelize: the vocabulary-parallel embedding and the column-parallel head hold
+        the same rows ([r*V/tp, (r+1)*V/tp)), so a tied model shares one shard again (the
+        conversion made two copies)."""
+        if self.cfg.tie_embeddings:
+            self[-1].lm_head.weight = self[0].tok.weight
