@@ -5,7 +5,8 @@ BIN     := $(VENV)/bin
 # A machine without an NVIDIA driver gets the CPU build of torch (pip takes 2.13.0 from a
 # local wheel here); with one, the default (CUDA) build.
 TORCH   ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
-DEPS    := rich numpy triton nvidia-ml-py pytest pytest-benchmark expecttest matplotlib
+DEPS    := rich numpy triton nvidia-ml-py pytest pytest-benchmark expecttest matplotlib \
+           transformers
 NVCC    ?= $(shell command -v nvcc 2>/dev/null)
 STAMP   := $(VENV)/.pyfast-installed
 SRC     := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/cuda/*.cuh)
