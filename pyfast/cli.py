@@ -1,4 +1,4 @@
-"""The `pyfast` command: info, bench."""
+"""The `pyfast` command: train, info, bench."""
 from __future__ import annotations
 
 import argparse
@@ -32,11 +32,15 @@ DELEGATED = {"allreduce": "compressed all-reduce vs plain gloo, on emulated link
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "train":  # its own parser: pyfast.train.config
+        from pyfast.train import main as train
+        return train(argv[1:])
     if len(argv) >= 2 and argv[0] == "bench" and argv[1] in DELEGATED:
         import importlib
         return importlib.import_module(f"pyfast.benchmarks.{argv[1]}").main(argv[2:])
     p = argparse.ArgumentParser(prog="pyfast", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("train", help="train a model on a dp x tp x pp mesh (pyfast train -h)")
     sub.add_parser("info", help="versions, backends available here (and why not), GPUs"
                    ).set_defaults(fn=_info)
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="what", required=True)

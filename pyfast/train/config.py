@@ -1,0 +1,191 @@
+"""The main job's flags, and every check that can run before any rank does work.
+
+Checks are plain functions of the flags and the world size, so the launcher runs them before it
+starts torchrun, and every rank runs the same ones (and gets the same answer) when the job is
+started under torchrun directly.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+
+
+class ConfigError(ValueError):
+    """A flag combination the job cannot run; the message names the flags and numbers."""
+
+
+@dataclass
+class TrainConfig:
+    model: str = "gpt-small"
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    compress: str = "none"
+    schedule: str = "1f1b"
+    micro_batches: int = 0          # 0: 1 without pipeline, 2 x pp with one
+    grad_accum: int = 1
+    precision: str = "fp32"
+    activation_checkpointing: bool = False
+    steps: int = 100
+    batch: int = 8                  # global batch in sequences per optimizer step
+    seq: int = 256
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1       # cosine decays to lr * this
+    warmup: int = -1                # -1: 10% of the steps
+    weight_decay: float = 0.1
+    clip: float = 1.0               # 0: no clipping
+    seed: int = 0
+    out: str = "runs/train"
+    resume: bool = False
+    ckpt_every: int = 0             # 0: only at the end
+    eval_every: int = 0             # 0: only at the end
+    eval_batches: int = 4
+    data: str | None = None
+    positions: str = "rotary"
+    tie_embeddings: bool = False
+    timeout: float = 300.0          # seconds a collective may wait for a silent peer
+
+    @property
+    def m(self) -> int:
+        return self.micro_batches or (1 if self.pp == 1 else 2 * self.pp)
+
+    @property
+    def virtual_stages(self) -> int:
+        return 2 if self.schedule == "interleaved-1f1b" else 1
+
+    @property
+    def warmup_steps(self) -> int:
+        return self.warmup if self.warmup >= 0 else max(1, self.steps // 10)
+
+    def model_key(self) -> dict:
+        """What a checkpoint must match to be this model."""
+        return {"model": self.model, "seq": self.seq, "positions": self.positions,
+                "tie_embeddings": self.tie_embeddings, "data": self.data}
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+
+def parser() -> argparse.ArgumentParser:
+    d = TrainConfig()
+    p = argparse.ArgumentParser(prog="pyfast train", description="Train a model on a dp x tp x pp "
+                                "mesh of processes (gloo on CPU, NCCL on GPUs).")
+    a = p.add_argument
+    g = p.add_argument_group("launch (torchrun's own meaning; omit under torchrun)")
+    g.add_argument("--nproc", type=int, default=0, help="local ranks to start through torchrun")
+    g.add_argument("--nnodes", type=int, default=1)
+    g.add_argument("--node-rank", type=int, default=0)
+    g.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of node 0 (several nodes)")
+    g.add_argument("--max-restarts", type=int, default=0,
+                   help="restart the ranks this often after a failure, resuming from the "
+                        "latest checkpoint")
+    g.add_argument("--print-launch", action="store_true", help="print the torchrun command "
+                   "of every node and exit")
+    a("--model", default=d.model, help="gpt-tiny, gpt-small, hf-llama-tiny")
+    a("--dp", type=int, default=d.dp)
+    a("--tp", type=int, default=d.tp)
+    a("--pp", type=int, default=d.pp)
+    a("--compress", default=d.compress, help="gradient compressor spec over dp (int8, topk:0.01, "
+      "..., auto); error feedback for lossy ones")
+    a("--schedule", default=d.schedule, choices=SCHEDULES)
+    a("--micro-batches", type=int, default=d.micro_batches,
+      help="pieces per accumulation step (pipelined when pp > 1); default 1, or 2 x pp")
+    a("--grad-accum", type=int, default=d.grad_accum)
+    a("--precision", default=d.precision, choices=PRECISIONS,
+      help="bf16/fp16: autocast with fp32 master weights; fp16 adds a GradScaler")
+    a("--activation-checkpointing", action="store_true")
+    a("--steps", type=int, default=d.steps)
+    a("--batch", type=int, default=d.batch, help="global batch: sequences per optimizer step")
+    a("--seq", type=int, default=d.seq)
+    a("--lr", type=float, default=d.lr)
+    a("--min-lr-ratio", type=float, default=d.min_lr_ratio)
+    a("--warmup", type=int, default=d.warmup, help="warm-up steps (default 10%% of --steps)")
+    a("--weight-decay", type=float, default=d.weight_decay)
+    a("--clip", type=float, default=d.clip, help="global gradient-norm clip (0: off)")
+    a("--seed", type=int, default=d.seed)
+    a("--out", default=d.out)
+    a("--resume", action="store_true", help="continue from the latest complete checkpoint")
+    a("--ckpt-every", type=int, default=d.ckpt_every)
+    a("--eval-every", type=int, default=d.eval_every)
+    a("--eval-batches", type=int, default=d.eval_batches)
+    a("--data", default=None, help="text file, folder or nanoGPT uint16 .bin (default: the "
+      "Python standard library's sources)")
+    a("--positions", default=d.positions, choices=("rotary", "learned"))
+    a("--tie-embeddings", action="store_true")
+    a("--timeout", type=float, default=d.timeout)
+    return p
+
+
+LAUNCH_FLAGS = ("nproc", "nnodes", "node_rank", "rdzv_endpoint", "max_restarts", "print_launch")
+
+
+def from_args(ns: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(**{k: v for k, v in vars(ns).items() if k not in LAUNCH_FLAGS})
+
+
+def check(cfg: TrainConfig, world: int) -> None:
+    """ConfigError naming the first problem: everything knowable from the flags alone."""
+    for name in ("dp", "tp", "pp", "steps", "batch", "seq", "grad_accum", "eval_batches"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    for name in ("micro_batches", "ckpt_every", "eval_every"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
+    if cfg.dp * cfg.tp * cfg.pp != world:
+        raise ConfigError(f"--dp {cfg.dp} x --tp {cfg.tp} x --pp {cfg.pp} = "
+                          f"{cfg.dp * cfg.tp * cfg.pp} ranks, but the world size is {world}")
+    per = cfg.dp * cfg.grad_accum * cfg.m
+    if cfg.batch % per:
+        raise ConfigError(f"--batch {cfg.batch} is not divisible by dp {cfg.dp} x grad-accum "
+                          f"{cfg.grad_accum} x micro-batches {cfg.m} = {per}")
+    if cfg.lr <= 0 or cfg.clip < 0 or not 0 <= cfg.min_lr_ratio <= 1:
+        raise ConfigError(f"need --lr > 0, --clip >= 0 and 0 <= --min-lr-ratio <= 1; got lr "
+                          f"{cfg.lr}, clip {cfg.clip}, min-lr-ratio {cfg.min_lr_ratio}")
+    import pyfast.compress as C
+    try:
+        C.get("fp16" if cfg.compress == "auto" else cfg.compress)
+    except ValueError as e:
+        raise ConfigError(f"--compress {cfg.compress!r}: {e}") from None
+    if cfg.compress not in ("none", "") and cfg.dp == 1:
+        raise ConfigError(f"--compress {cfg.compress} compresses the data-parallel gradient "
+                          "reduction, but --dp is 1 (nothing to reduce)")
+    check_model(cfg)
+
+
+def check_model(cfg: TrainConfig, vocab_size: int = 256) -> None:
+    """The model's own limits: built on the meta device (no memory, no init drawn)."""
+    import torch
+
+    from pyfast import models
+    if cfg.model not in models.MODELS:
+        raise ConfigError(f"--model {cfg.model!r} is unknown; known: {', '.join(models.MODELS)}")
+    try:
+        with torch.device("meta"):
+            m = models.build(cfg.model, vocab_size, cfg.seq, positions=cfg.positions,
+                             tie_embeddings=cfg.tie_embeddings)
+    except (ImportError, ValueError) as e:
+        raise ConfigError(f"--model {cfg.model}: {e}") from None
+    why = m.tp_check(cfg.tp)
+    if why:
+        raise ConfigError(f"--tp {cfg.tp}: {why}")
+    if cfg.pp > 1:
+        if not models.pipelinable(m):
+            raise ConfigError(f"--model {cfg.model} cannot be cut into pipeline stages (it is "
+                              f"not an nn.Sequential); use --pp 1")
+        layers = getattr(m, "cfg").n_layer
+        if cfg.pp > layers:
+            raise ConfigError(f"--pp {cfg.pp}: more pipeline stages than the {layers} "
+                              f"transformer layers of {cfg.model}")
+        if cfg.tie_embeddings:
+            raise ConfigError("--tie-embeddings with --pp > 1: the embedding and the LM head "
+                              "would live on different stages (tied weights across stages are "
+                              "not supported)")
+        if cfg.virtual_stages * cfg.pp > layers + 2:
+            raise ConfigError(f"--schedule {cfg.schedule} with --pp {cfg.pp}: "
+                              f"{cfg.virtual_stages * cfg.pp} stages, more than the {layers + 2} "
+                              f"modules of {cfg.model} (embedding, {layers} layers, head)")

@@ -1,0 +1,308 @@
+"""One training job on one rank: a model on a dp x tp x pp Mesh, composed from the public
+modules exactly as a user would compose them:
+
+    model = models.build(...)                        same seed -> same full model on every mesh
+    parallelize(model, model.tp_plan(), group=tp)    tensor parallelism (tp > 1)
+    Pipeline.from_sequential(model, ..., group=pp)   pipeline stages (pp > 1)
+    DataParallel(module, compressor, group=dp)       gradient reduction (dp > 1)
+
+Gradients are reduced over dp once per optimizer step: without a pipeline, the last piece's
+backward reduces (overlapped, DDP-style) and the earlier pieces run under no_sync(); with a
+pipeline, DataParallel.reduce_gradients() runs after the last pipeline step.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from pyfast import models
+from pyfast.data import Batches, load_corpus
+from pyfast.parallel import DataParallel, Mesh, Pipeline, parallelize, vocab_parallel_cross_entropy
+
+from . import checkpoint as ck
+from .config import TrainConfig
+from .telemetry import bytes_written
+
+now = time.perf_counter
+AMP = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# fp16: a run of skipped (overflowing) steps this long is a broken run, not loss scaling
+# finding its level (GradScaler halves the scale per skip: 10 skips = 1/1024 of the scale).
+MAX_SKIPS = 10
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or the gradient norm is NaN/Inf (identical decision on every rank)."""
+
+
+def lr_lambda(cfg: TrainConfig):
+    """Linear warm-up to lr, then cosine down to lr * min_lr_ratio at the last step."""
+    w, n, lo = cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio
+
+    def f(i: int) -> float:  # i: optimizer steps taken so far (LambdaLR's epoch)
+        if i < w:
+            return (i + 1) / w
+        t = min(1.0, (i - w) / max(1, n - w))
+        return lo + (1 - lo) * 0.5 * (1 + math.cos(math.pi * t))
+    return f
+
+
+def autocast_layers(model, device_type: str, dtype) -> None:
+    """Run every top-level layer's forward under autocast (fp32 master weights stay fp32).
+    Per layer rather than around the step, so that whatever runs a layer (the plain loop or a
+    pipeline stage) autocasts its forward and no backward runs inside an autocast region."""
+    layers = list(model) if models.pipelinable(model) else [model]
+    for m in layers:
+        m.forward = torch.autocast(device_type, dtype=dtype)(m.forward)
+
+
+class Job:
+    def __init__(self, cfg: TrainConfig, device: torch.device):
+        self.cfg, self.device = cfg, device
+        self.mesh = mesh = Mesh(cfg.dp, cfg.tp, cfg.pp)
+        self.corpus = load_corpus(cfg.data)
+        torch.manual_seed(cfg.seed)  # before the model: every mesh draws the same full weights
+        model = models.build(cfg.model, self.corpus.vocab_size, cfg.seq,
+                             positions=cfg.positions, tie_embeddings=cfg.tie_embeddings)
+        self.n_params = sum(p.numel() for p in model.parameters())
+        model.to(device)
+        if cfg.activation_checkpointing:
+            model.enable_activation_checkpointing()
+        if cfg.tp > 1:
+            parallelize(model, model.tp_plan(), group=mesh.tp_group)
+            model.retie()
+        if cfg.precision in AMP:
+            autocast_layers(model, device.type, AMP[cfg.precision])
+        self.model, self.mult, self.scaling = model, 1.0, False
+        self.pipe = None
+        if cfg.pp > 1:
+            self.pipe = Pipeline.from_sequential(model, cfg.m, cfg.schedule, self.loss_fn,
+                                                 group=mesh.pp_group,
+                                                 virtual_stages=cfg.virtual_stages)
+        module = self.pipe if self.pipe is not None else model
+        self.dp = None
+        if cfg.dp > 1:  # the job checks NaN/Inf itself, once, over the whole mesh
+            self.dp = DataParallel(module, compressor=cfg.compress, group=mesh.dp_group,
+                                   check_finite=False)
+        self.net = self.dp if self.dp is not None else module
+        self.named = [(n, p) for n, p in model.named_parameters() if not p.is_meta]
+        self.params = [p for _, p in self.named]
+        # the global gradient norm counts each element once: tp-replicated tensors (LayerNorm,
+        # row-parallel biases) on tp rank 0 only, and everything on dp rank 0 only
+        self.counted = [p for p in self.params if mesh.dp_rank == 0 and
+                        (mesh.tp_rank == 0 or getattr(p, "tensor_parallel", False))]
+        decay = [p for p in self.params if p.dim() >= 2]
+        rest = [p for p in self.params if p.dim() < 2]
+        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                      {"params": rest, "weight_decay": 0.0}],
+                                     lr=cfg.lr, betas=(0.9, 0.95))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg))
+        self.scaler = torch.amp.GradScaler(device.type) if cfg.precision == "fp16" else None
+        self.batches = Batches(self.corpus.train, cfg.batch, cfg.seq, cfg.seed,
+                               mesh.dp_rank, cfg.dp)
+        self.skips = 0
+
+    # ---------------------------------------------------------------- loss
+    def loss_fn(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy over the piece's tokens, times self.mult (1/pieces) and, when
+        training in fp16, GradScaler's scale; in fp32 whatever the autocast dtype."""
+        logits, target = logits.flatten(0, -2).float(), target.flatten()
+        if self.cfg.tp > 1:
+            loss = vocab_parallel_cross_entropy(logits, target, group=self.mesh.tp_group)
+        else:
+            loss = F.cross_entropy(logits, target)
+        loss = loss * self.mult
+        return self.scaler.scale(loss) if self.scaler is not None and self.scaling else loss
+
+    # ---------------------------------------------------------------- one optimizer step
+    def _forward_backward(self, x, y) -> tuple[torch.Tensor, float]:
+        """(sum of the pieces' weighted losses on this rank, seconds waited on communication)."""
+        cfg, total, waited = self.cfg, torch.zeros((), dtype=torch.float64), 0.0
+        if self.pipe is None:
+            pieces = cfg.grad_accum * cfg.m
+            xs, ys = x.chunk(pieces), y.chunk(pieces)
+            for i in range(pieces):
+                last = i == pieces - 1
+                sync = self.dp.no_sync() if self.dp is not None and not last else \
+                    contextlib.nullcontext()
+                with sync:
+                    loss = self.loss_fn(self.net(xs[i]), ys[i])
+                    loss.backward()
+                total += loss.detach().double()
+            waited += self.dp.last_wait_s if self.dp is not None else 0.0
+            return total, waited
+        xs, ys = x.chunk(cfg.grad_accum), y.chunk(cfg.grad_accum)
+        for k in range(cfg.grad_accum):
+            loss = self.pipe.step(xs[k], ys[k])
+            waited += self.pipe.last_stats["idle"]
+            if loss is not None:
+                total += loss.double()
+        if self.dp is not None:
+            self.dp.reduce_gradients()
+            waited += self.dp.last_wait_s
+        return total, waited
+
+    def train_step(self, step: int) -> dict:
+        cfg, mesh = self.cfg, self.mesh
+        t0, w0 = now(), bytes_written()
+        self.opt.zero_grad(set_to_none=True)
+        x, y = self.batches.next()
+        x, y = x.to(self.device), y.to(self.device)
+        pieces = cfg.grad_accum * (cfg.m if self.pipe is None else 1)
+        self.mult, self.scaling = 1.0 / pieces, True
+        try:
+            local, waited = self._forward_backward(x, y)
+        finally:
+            self.scaling = False
+        scale = self.scaler.get_scale() if self.scaler is not None else 1.0
+        if self.scaler is not None:
+            self.scaler.unscale_(self.opt)
+        grads = [p.grad for p in self.params if p.grad is not None]
+        norms = [torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]
+        counted = {id(p) for p in self.counted}
+        sq = sum((n * n for p, n in zip((p for p in self.params if p.grad is not None), norms)
+                  if id(p) in counted), torch.zeros((), dtype=torch.float64))
+        bad = float(not all(torch.isfinite(n) for n in norms))
+        owns_loss = mesh.is_last_stage and mesh.tp_rank == 0
+        contrib = local / scale / cfg.dp if owns_loss else torch.zeros((), dtype=torch.float64)
+        sent = bytes_written() - w0
+        tc = now()
+        vec = torch.stack([contrib, sq, torch.tensor(bad, dtype=torch.float64),
+                           torch.tensor(float(sent), dtype=torch.float64)])
+        dist.all_reduce(vec)  # one small all-reduce: loss, norm, NaN/Inf and bytes, everywhere
+        waited += now() - tc
+        loss, gnorm = float(vec[0]), math.sqrt(float(vec[1])) if vec[1] >= 0 else math.nan
+        skipped = False
+        if vec[2] > 0 or not math.isfinite(loss) or not math.isfinite(gnorm):
+            if self.scaler is None:
+                raise NonFiniteError(f"step {step}: loss {loss}, gradient norm {gnorm} (NaN/Inf "
+                                     f"on {int(vec[2])} rank(s)); stopping before the update, "
+                                     f"the last complete checkpoint is kept")
+            skipped = self._skip(step)
+        else:
+            self.skips = 0
+            if cfg.clip > 0 and gnorm > cfg.clip:  # torch's clip_grad_norm_ rule, global norm
+                torch._foreach_mul_(grads, cfg.clip / (gnorm + 1e-6))
+            if self.scaler is not None:
+                self.scaler.step(self.opt)
+                self.scaler.update()
+            else:
+                self.opt.step()
+        lr = self.opt.param_groups[0]["lr"]
+        self.sched.step()
+        step_s = now() - t0
+        rec = {"step": step, "loss": loss, "lr": lr, "grad_norm": gnorm,
+               "tokens_per_s": cfg.batch * cfg.seq / step_s, "step_ms": 1e3 * step_s,
+               "compute_ms": 1e3 * (step_s - waited), "exposed_comm_ms": 1e3 * waited,
+               "bytes_sent": int(vec[3])}
+        if self.scaler is not None:
+            rec.update(loss_scale=scale, skipped=skipped)
+        return rec
+
+    def _skip(self, step: int) -> bool:
+        """fp16 overflow somewhere in the mesh: every rank skips this update and backs off the
+        scale. GradScaler only saw this rank's gradients, so its per-device found_inf flags
+        (torch.amp.GradScaler's _per_optimizer_states) are set to the mesh-wide answer."""
+        self.skips += 1
+        if self.skips > MAX_SKIPS:
+            raise NonFiniteError(f"step {step}: {self.skips} fp16 steps in a row overflowed "
+                                 f"(loss scale {self.scaler.get_scale()}); stopping")
+        state = self.scaler._per_optimizer_states[id(self.opt)]
+        for flag in state["found_inf_per_device"].values():
+            flag.fill_(1.0)
+        self.scaler.step(self.opt)  # skips: found_inf is set
+        self.scaler.update()
+        return True
+
+    # ---------------------------------------------------------------- validation
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        cfg, mesh = self.cfg, self.mesh
+        n = min(cfg.eval_batches, (len(self.corpus.val) - 1) // cfg.seq // cfg.batch)
+        if n < 1:  # the validation split holds less than one global batch (same on every rank)
+            return math.nan
+        val = Batches(self.corpus.val, cfg.batch, cfg.seq, cfg.seed, mesh.dp_rank, cfg.dp,
+                      shuffle=False)
+        old, self.mult = self.mult, 1.0
+        total, count = torch.zeros((), dtype=torch.float64), 0
+        try:
+            for _ in range(n):
+                x, y = val.next()
+                for xk, yk in zip(x.chunk(cfg.grad_accum), y.chunk(cfg.grad_accum)):
+                    if self.pipe is None:
+                        total += self.loss_fn(self.model(xk.to(self.device)), yk.to(self.device))
+                    else:
+                        out = self.pipe(xk.to(self.device))
+                        if out is not None:
+                            total += self.loss_fn(out, yk.to(self.device))
+                    count += 1
+        finally:
+            self.mult = old
+        owns = mesh.is_last_stage and mesh.tp_rank == 0
+        v = total / count / cfg.dp if owns else torch.zeros((), dtype=torch.float64)
+        dist.all_reduce(v)
+        return float(v)
+
+    # ---------------------------------------------------------------- checkpoints
+    def state(self, full: bool) -> dict:
+        """What a checkpoint holds. full=False leaves out the per-rank part (RNG states and
+        compression / error-feedback memory), which only means something on the same mesh."""
+        tp_mesh = self.mesh.device_mesh["tp"] if self.cfg.tp > 1 else None
+        model = {n: ck.shard(p.detach(), p, tp_mesh) for n, p in self.named}
+        optim = {}
+        for n, p in self.named:
+            st = self.opt.state[p]
+            if not st:  # before the first step: the tensors a step would make, to load into
+                st.update(step=torch.zeros((), dtype=torch.float32),
+                          exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+            optim[n] = {"step": st["step"], "exp_avg": ck.shard(st["exp_avg"], p, tp_mesh),
+                        "exp_avg_sq": ck.shard(st["exp_avg_sq"], p, tp_mesh)}
+        train = {"sched": self.sched.state_dict(), "data": self.batches.state_dict(),
+                 "lrs": [g["lr"] for g in self.opt.param_groups], "skips": self.skips,
+                 "scaler": self.scaler.state_dict() if self.scaler is not None else None}
+        state = {"model": model, "optim": optim, "train": ck.blob(train)}
+        if full:
+            mine = {"rng": torch.get_rng_state(),
+                    "comm": self.dp.compression_state_dict() if self.dp is not None else None}
+            state[f"rank{dist.get_rank()}"] = ck.blob(mine)
+        return state
+
+    def meta(self) -> dict:
+        c = self.cfg
+        return {"model_key": c.model_key(), "vocab_size": self.corpus.vocab_size,
+                "mesh": {"dp": c.dp, "tp": c.tp, "pp": c.pp}, "compress": c.compress,
+                "precision": c.precision, "batch": c.batch, "n_params": self.n_params}
+
+    def save(self, out, step: int, fault=None):
+        return ck.save(self.state(full=True), out, step, self.meta(), fault)
+
+    def load(self, path) -> tuple[int, bool]:
+        """Restore from a checkpoint directory: (its step, whether the per-rank state was
+        restored too, i.e. the mesh, precision and compressor are the ones it was saved with)."""
+        meta = ck.read_meta(path)
+        same = {k: meta[k] for k in ("mesh", "compress", "precision")} == \
+            {k: self.meta()[k] for k in ("mesh", "compress", "precision")}
+        state = self.state(full=same)
+        ck.load(state, path)
+        train = ck.unblob(state["train"])
+        self.sched.load_state_dict(train["sched"])
+        for g, lr in zip(self.opt.param_groups, train["lrs"]):
+            g["lr"] = lr
+        self.batches.load_state_dict(train["data"])
+        self.skips = train["skips"]
+        if self.scaler is not None and train["scaler"]:
+            self.scaler.load_state_dict(train["scaler"])
+        if same:
+            mine = ck.unblob(state[f"rank{dist.get_rank()}"])
+            torch.set_rng_state(mine["rng"])
+            if self.dp is not None and mine["comm"] is not None:
+                self.dp.load_compression_state_dict(mine["comm"])
+        return meta["step"], same
+
+    def close(self) -> None:
+        if self.dp is not None:
+            self.dp.close()

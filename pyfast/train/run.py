@@ -1,0 +1,129 @@
+"""The job on one rank, under torchrun (RANK, WORLD_SIZE, MASTER_ADDR set): resume, the step
+loop, validation, checkpoints, metrics; a failure stops every rank with the reason."""
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+
+from . import checkpoint as ck
+from .config import ConfigError, TrainConfig, check, check_model
+from .job import Job, NonFiniteError
+from .metrics import MetricsLog, Progress, plot, read, summary
+from .telemetry import GPU, peak_rss_mb
+
+
+def fault(point: str, step: int) -> None:
+    """Test hook: PYFAST_FAULT="POINT@STEP[:RANK]" SIGKILLs this process at POINT ("step":
+    after that step's update; "ckpt": with the checkpoint written but not committed) on RANK
+    (default every rank), in the first attempt only (torchrun restarts must get through)."""
+    spec = os.environ.get("PYFAST_FAULT")
+    if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        return
+    where, _, rank = spec.partition(":")
+    p, _, s = where.partition("@")
+    if p == point and int(s) == step and (not rank or int(rank) == dist.get_rank()):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def check_resume(cfg: TrainConfig, restarted: bool) -> tuple[int, object] | None:
+    """The checkpoint to resume from, or None for a fresh start; ConfigError when --resume
+    finds none, when it holds another model, or when a fresh run would mix with old ones."""
+    found = ck.latest(cfg.out)
+    if cfg.resume or restarted:
+        if found is None:
+            if restarted:  # died before the first checkpoint: start again
+                return None
+            raise ConfigError(f"--resume: no complete checkpoint under {ck.root(cfg.out)}")
+        key = ck.read_meta(found[1])["model_key"]
+        if key != cfg.model_key():
+            raise ConfigError(f"--resume: {found[1]} holds a different model: {key}, this run is "
+                              f"{cfg.model_key()}")
+        return found
+    if found is not None:
+        raise ConfigError(f"{cfg.out} already has checkpoints (latest step {found[0]}): pass "
+                          f"--resume to continue, or choose another --out")
+    return None
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def main(cfg: TrainConfig) -> int:
+    device = _device()
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            timeout=datetime.timedelta(seconds=cfg.timeout))
+    rank, job = dist.get_rank(), None
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    try:
+        check(cfg, dist.get_world_size())  # same flags, same answer on every rank
+        found = check_resume(cfg, restarted)
+        job = Job(cfg, device)
+        check_model(cfg, job.corpus.vocab_size)
+        start, note = 0, "fresh start"
+        if found is not None:
+            start, same = job.load(found[1])
+            note = f"resumed from {found[1]}" + ("" if same else " (another mesh, compressor or "
+                                                 "precision: per-rank RNG and compression state "
+                                                 "not restored)")
+        if rank == 0:
+            print(f"pyfast train: {cfg.model} ({job.n_params / 1e6:.2f}M parameters), "
+                  f"{job.mesh}, {cfg.precision}, compress {cfg.compress}; "
+                  f"{job.corpus.source}; {note}", flush=True)
+        _loop(cfg, job, start, device)
+        return 0
+    except (ConfigError, NonFiniteError) as e:
+        if rank == 0:
+            print(f"pyfast train: error: {e}", file=sys.stderr, flush=True)
+        return 2 if isinstance(e, ConfigError) else 3
+    finally:
+        if job is not None:
+            job.close()
+        try:  # a rank leaving while another still reads the group aborts the other at exit
+            dist.barrier()
+        except Exception:  # noqa: BLE001  (a peer already died: nothing to wait for)
+            pass
+        dist.destroy_process_group()
+
+
+def _loop(cfg: TrainConfig, job: Job, start: int, device) -> None:
+    rank = dist.get_rank()
+    log = MetricsLog(cfg.out, start) if rank == 0 else None
+    bar = Progress(cfg.steps, start) if rank == 0 else None
+    gpu = GPU(device)
+    try:
+        for step in range(start + 1, cfg.steps + 1):
+            rec = job.train_step(step)
+            fault("step", step)
+            if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
+                rec["val_loss"] = job.evaluate()
+            rss = torch.tensor([peak_rss_mb()])
+            dist.all_reduce(rss, op=dist.ReduceOp.MAX)
+            rec.update(max_rss_mb=float(rss), **gpu.sample())
+            if rank == 0:
+                log.write(rec)
+                bar.update(rec)
+            if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == cfg.steps:
+                job.save(cfg.out, step, fault)
+    finally:
+        if rank == 0:
+            bar.close()
+            log.close()
+    if rank == 0:
+        records = read(log.path)
+        if records:
+            plot(records, os.path.join(cfg.out, "curves.png"))
+            from rich.console import Console
+            Console().print(summary(records, f"{cfg.model} on {job.mesh.dp}x{job.mesh.tp}x"
+                                             f"{job.mesh.pp} (dp x tp x pp)"))
+        print(f"metrics: {log.path}\nplot: {os.path.join(cfg.out, 'curves.png')}\n"
+              f"checkpoints: {ck.root(cfg.out)}", flush=True)
