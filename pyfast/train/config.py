@@ -7,6 +7,7 @@ started under torchrun directly.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 from dataclasses import dataclass
@@ -128,8 +129,9 @@ def from_args(ns: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**{k: v for k, v in vars(ns).items() if k not in LAUNCH_FLAGS})
 
 
-def check(cfg: TrainConfig, world: int) -> None:
-    """ConfigError naming the first problem: everything knowable from the flags alone."""
+def check(cfg: TrainConfig, world: int, model: bool = True) -> None:
+    """ConfigError naming the first problem: everything knowable from the flags alone
+    (model=False: all but the model's own limits, which check_model tells)."""
     for name in ("dp", "tp", "pp", "steps", "batch", "seq", "grad_accum", "eval_batches"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
@@ -154,22 +156,30 @@ def check(cfg: TrainConfig, world: int) -> None:
     if cfg.compress not in ("none", "") and cfg.dp == 1:
         raise ConfigError(f"--compress {cfg.compress} compresses the data-parallel gradient "
                           "reduction, but --dp is 1 (nothing to reduce)")
-    check_model(cfg)
+    if model:
+        check_model(cfg)
 
 
-def check_model(cfg: TrainConfig, vocab_size: int = 256) -> None:
-    """The model's own limits: built on the meta device (no memory, no init drawn)."""
+def build_model(cfg: TrainConfig, vocab_size: int, device=None):
+    """models.build with the job's flags; ConfigError for an unknown model or bad options."""
     import torch
 
     from pyfast import models
     if cfg.model not in models.MODELS:
         raise ConfigError(f"--model {cfg.model!r} is unknown; known: {', '.join(models.MODELS)}")
     try:
-        with torch.device("meta"):
-            m = models.build(cfg.model, vocab_size, cfg.seq, positions=cfg.positions,
-                             tie_embeddings=cfg.tie_embeddings)
+        with torch.device(device) if device is not None else contextlib.nullcontext():
+            return models.build(cfg.model, vocab_size, cfg.seq, positions=cfg.positions,
+                                tie_embeddings=cfg.tie_embeddings)
     except (ImportError, ValueError) as e:
         raise ConfigError(f"--model {cfg.model}: {e}") from None
+
+
+def check_model(cfg: TrainConfig, m=None) -> None:
+    """The model's own limits, on `m` (default: the model built on the meta device: no
+    memory, no init drawn; the launcher's check costs about 1 s of torch's meta machinery)."""
+    from pyfast import models
+    m = build_model(cfg, 256, "meta") if m is None else m
     why = m.tp_check(cfg.tp)
     if why:
         raise ConfigError(f"--tp {cfg.tp}: {why}")

@@ -25,7 +25,7 @@ from pyfast.data import Batches, load_corpus
 from pyfast.parallel import DataParallel, Mesh, Pipeline, parallelize, vocab_parallel_cross_entropy
 
 from . import checkpoint as ck
-from .config import TrainConfig
+from .config import TrainConfig, build_model, check_model
 from .telemetry import bytes_written
 
 now = time.perf_counter
@@ -40,13 +40,14 @@ class NonFiniteError(RuntimeError):
 
 
 def lr_lambda(cfg: TrainConfig):
-    """Linear warm-up to lr, then cosine down to lr * min_lr_ratio at the last step."""
+    """Linear warm-up to lr over the first `warmup` steps, then cosine down to
+    lr * min_lr_ratio at the last step (as nanoGPT with lr_decay_iters = max_iters)."""
     w, n, lo = cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio
 
     def f(i: int) -> float:  # i: optimizer steps taken so far (LambdaLR's epoch)
         if i < w:
             return (i + 1) / w
-        t = min(1.0, (i - w) / max(1, n - w))
+        t = min(1.0, (i - w) / max(1, n - 1 - w))
         return lo + (1 - lo) * 0.5 * (1 + math.cos(math.pi * t))
     return f
 
@@ -66,8 +67,8 @@ class Job:
         self.mesh = mesh = Mesh(cfg.dp, cfg.tp, cfg.pp)
         self.corpus = load_corpus(cfg.data)
         torch.manual_seed(cfg.seed)  # before the model: every mesh draws the same full weights
-        model = models.build(cfg.model, self.corpus.vocab_size, cfg.seq,
-                             positions=cfg.positions, tie_embeddings=cfg.tie_embeddings)
+        model = build_model(cfg, self.corpus.vocab_size)
+        check_model(cfg, model)
         self.n_params = sum(p.numel() for p in model.parameters())
         model.to(device)
         if cfg.activation_checkpointing:

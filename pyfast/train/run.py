@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint as ck
-from .config import ConfigError, TrainConfig, check, check_model
+from .config import ConfigError, TrainConfig, check
 from .job import Job, NonFiniteError
 from .metrics import MetricsLog, Progress, plot, read, summary
 from .telemetry import GPU, peak_rss_mb
@@ -65,10 +65,11 @@ def main(cfg: TrainConfig) -> int:
     rank, job = dist.get_rank(), None
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     try:
-        check(cfg, dist.get_world_size())  # same flags, same answer on every rank
+        # same flags, same answer on every rank; the model's limits are checked on the model
+        # itself when the job builds it, before its first collective after the Mesh
+        check(cfg, dist.get_world_size(), model=False)
         found = check_resume(cfg, restarted)
         job = Job(cfg, device)
-        check_model(cfg, job.corpus.vocab_size)
         start, note = 0, "fresh start"
         if found is not None:
             start, same = job.load(found[1])

@@ -1,0 +1,101 @@
+"""`pyfast train`'s checks before any rank starts, its launch command, checkpoint discovery and
+the metrics log, in-process (no ranks: each case takes milliseconds)."""
+import json
+
+import pytest
+
+from pyfast.train import TrainConfig, main
+from pyfast.train import checkpoint as ck
+from pyfast.train.config import from_args, parser
+from pyfast.train.launch import worker_args
+from pyfast.train.metrics import MetricsLog, read
+
+TINY = ["--model", "gpt-tiny", "--steps", "2", "--batch", "8", "--seq", "32"]
+
+
+def fake_checkpoint(out, step, **key):
+    d = out / "checkpoints" / f"step-{step}"
+    d.mkdir(parents=True)
+    (d / ".metadata").write_bytes(b"x")
+    model_key = {**TrainConfig(model="gpt-tiny", seq=32).model_key(), **key}
+    (d / "meta.json").write_text(json.dumps({"step": step, "model_key": model_key}))
+    return d
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--nproc", "2", "--dp", "1"], "--dp 1 x --tp 1 x --pp 1 = 1 ranks, but --nproc 2"),
+    (["--dp", "2", "--tp", "2", "--nproc", "2"], "= 4 ranks, but --nproc 2"),
+    (["--tp", "3"], "--tp 3: GPTConfig: n_head 4 is not divisible by tp=3"),
+    (["--tp", "8"], "n_head 4 is not divisible by tp=8"),
+    (["--pp", "3", "--micro-batches", "1"], "--pp 3: more pipeline stages than the 2 transformer layers of gpt-tiny"),
+    (["--dp", "2", "--batch", "6", "--grad-accum", "2"],
+     "--batch 6 is not divisible by dp 2 x grad-accum 2 x micro-batches 1 = 4"),
+    (["--pp", "2", "--micro-batches", "3"], "not divisible by dp 1 x grad-accum 1 x micro-batches 3"),
+    (["--model", "gpt-huge"], "--model 'gpt-huge' is unknown; known: gpt-tiny, gpt-small"),
+    (["--dp", "2", "--compress", "int9"], "--compress 'int9': unknown compressor spec 'int9'"),
+    (["--compress", "int8"], "--compress int8 compresses the data-parallel gradient reduction, "
+                             "but --dp is 1"),
+    (["--pp", "2", "--tie-embeddings"], "--tie-embeddings with --pp > 1"),
+    (["--steps", "0"], "--steps must be >= 1"),
+    (["--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint"),
+])
+def test_bad_flags_fail_before_any_rank_starts(tmp_path, capsys, flags, message):
+    assert main(TINY + ["--out", str(tmp_path)] + flags) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_resume_without_a_checkpoint_and_of_another_model(tmp_path, capsys):
+    assert main(TINY + ["--out", str(tmp_path), "--resume"]) == 2
+    assert "--resume: no complete checkpoint under" in capsys.readouterr().err
+    fake_checkpoint(tmp_path, 4, model="gpt-small")
+    assert main(TINY + ["--out", str(tmp_path), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "step-4 holds a different model" in err and "'gpt-small'" in err
+    # and a fresh run would mix its checkpoints with those: refused
+    assert main(TINY + ["--out", str(tmp_path)]) == 2
+    assert "already has checkpoints (latest step 4): pass --resume" in capsys.readouterr().err
+
+
+def test_checkpoint_scan_takes_only_complete_ones(tmp_path):
+    fake_checkpoint(tmp_path, 2)
+    fake_checkpoint(tmp_path, 10)
+    (tmp_path / "checkpoints" / ".tmp-step-12").mkdir()  # a crash mid-write
+    partial = tmp_path / "checkpoints" / "step-11"  # shards without the commit's meta.json
+    partial.mkdir()
+    (partial / ".metadata").write_bytes(b"x")
+    assert [s for s, _ in ck.complete(tmp_path)] == [2, 10]
+    assert ck.latest(tmp_path)[0] == 10  # numeric order, not "10" < "2"
+
+
+def test_print_launch_gives_torchrun_per_node(capsys):
+    assert main(TINY + ["--dp", "4", "--nproc", "2", "--nnodes", "2", "--rdzv-endpoint",
+                        "host0:29400", "--print-launch", "--max-restarts", "3"]) == 0
+    out = capsys.readouterr().out
+    for node in (0, 1):
+        assert (f"torchrun --nproc-per-node 2 --max-restarts 3 --nnodes 2 --node-rank {node} "
+                f"--rdzv-endpoint host0:29400 -m pyfast train") in out
+    assert "--dp 4" in out and "--model gpt-tiny" in out and "--nproc " not in out.replace(
+        "--nproc-per-node", "")
+
+
+def test_worker_args_reproduce_the_config():
+    cfg = from_args(parser().parse_args(TINY + ["--dp", "2", "--precision", "bf16",
+                                                "--activation-checkpointing", "--lr", "3e-4",
+                                                "--data", "x.txt"]))
+    assert from_args(parser().parse_args(worker_args(cfg))) == cfg
+
+
+def test_metrics_log_resume_drops_records_after_the_checkpoint(tmp_path):
+    log = MetricsLog(tmp_path, None)
+    for s in range(1, 6):
+        log.write({"step": s, "loss": 1.0 / s})
+    log.close()
+    assert [r["step"] for r in read(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4, 5]
+    log = MetricsLog(tmp_path, 3)  # resumed from step 3: 4 and 5 will be recomputed
+    log.write({"step": 4, "loss": 0.5})
+    log.close()
+    assert [r["step"] for r in read(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
+    MetricsLog(tmp_path, None).close()  # a fresh run starts a fresh log
+    assert read(tmp_path / "metrics.jsonl") == []
