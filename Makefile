@@ -31,9 +31,14 @@ $(STAMP): $(VENV)/.deps $(SRC)
 
 install: $(STAMP)
 
+# The main job: gpt-small (10.8M parameters) on 2 local ranks with int8-compressed gradients,
+# ~2 minutes on 2 cores (90 steps of 8 x 256 bytes at ~1.2 s); then one short benchmark.
+DEMO    := runs/demo
 demo: $(STAMP)
 	$(BIN)/pyfast info
-	$(BIN)/pyfast bench compress
+	rm -rf $(DEMO)
+	$(BIN)/pyfast train --nproc 2 --dp 2 --compress int8 --model gpt-small --steps 90 \
+	    --batch 8 --seq 256 --eval-every 15 --ckpt-every 30 --out $(DEMO)
 	$(BIN)/pyfast bench allreduce --world 2 --link 1gbit --repeats 3
 
 # The benchmark suites run once, untimed and small, so they cannot rot.
@@ -49,6 +54,8 @@ bench: $(STAMP)
 	$(BIN)/pyfast bench pipeline --trace bench/results/pipeline_trace --out bench/results/pipeline
 	$(BIN)/pyfast bench tp --out bench/results/tp
 	$(BIN)/python -m pyfast.benchmarks.overlap_tp --out bench/results/overlap_tp
+	$(BIN)/pyfast bench train --out bench/results/train
+	$(BIN)/pyfast bench train --batch 2 --out bench/results/train_b2
 
 # Compile every CUDA source to an object file with this machine's nvcc against torch's
 # headers: proves the GPU code builds where no GPU (or CUDA torch) exists to link it.
@@ -57,4 +64,4 @@ cuda-check: $(VENV)/.deps
 	$(BIN)/python tools/cuda_check.py --nvcc "$(NVCC)" csrc/cuda/*.cu
 
 clean:
-	rm -rf build *.egg-info pyfast/_C*.so .pytest_cache
+	rm -rf build *.egg-info pyfast/_C*.so .pytest_cache runs

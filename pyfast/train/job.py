@@ -94,8 +94,8 @@ class Job:
         self.params = [p for _, p in self.named]
         # the global gradient norm counts each element once: tp-replicated tensors (LayerNorm,
         # row-parallel biases) on tp rank 0 only, and everything on dp rank 0 only
-        self.counted = [p for p in self.params if mesh.dp_rank == 0 and
-                        (mesh.tp_rank == 0 or getattr(p, "tensor_parallel", False))]
+        self.counted_ids = {id(p) for p in self.params if mesh.dp_rank == 0 and
+                            (mesh.tp_rank == 0 or getattr(p, "tensor_parallel", False))}
         decay = [p for p in self.params if p.dim() >= 2]
         rest = [p for p in self.params if p.dim() < 2]
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
@@ -106,6 +106,11 @@ class Job:
         self.batches = Batches(self.corpus.train, cfg.batch, cfg.seq, cfg.seed,
                                mesh.dp_rank, cfg.dp)
         self.skips = 0
+
+    def scalar(self, x: float) -> torch.Tensor:
+        """An fp64 scalar on the job's device: the step's sums and its all-reduce stay where the
+        gradients are (NCCL takes CUDA tensors only)."""
+        return torch.tensor(x, dtype=torch.float64, device=self.device)
 
     # ---------------------------------------------------------------- loss
     def loss_fn(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -122,7 +127,7 @@ class Job:
     # ---------------------------------------------------------------- one optimizer step
     def _forward_backward(self, x, y) -> tuple[torch.Tensor, float]:
         """(sum of the pieces' weighted losses on this rank, seconds waited on communication)."""
-        cfg, total, waited = self.cfg, torch.zeros((), dtype=torch.float64), 0.0
+        cfg, total, waited = self.cfg, self.scalar(0.0), 0.0
         if self.pipe is None:
             pieces = cfg.grad_accum * cfg.m
             xs, ys = x.chunk(pieces), y.chunk(pieces)
@@ -162,18 +167,20 @@ class Job:
         scale = self.scaler.get_scale() if self.scaler is not None else 1.0
         if self.scaler is not None:
             self.scaler.unscale_(self.opt)
-        grads = [p.grad for p in self.params if p.grad is not None]
-        norms = [torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]
-        counted = {id(p) for p in self.counted}
-        sq = sum((n * n for p, n in zip((p for p in self.params if p.grad is not None), norms)
-                  if id(p) in counted), torch.zeros((), dtype=torch.float64))
-        bad = float(not all(torch.isfinite(n) for n in norms))
+        have = [p for p in self.params if p.grad is not None]
+        grads = [p.grad for p in have]
+        # one fused pass (torch._foreach_norm, as clip_grad_norm_), squares summed in fp64
+        norms = torch.stack(torch._foreach_norm(grads)).double() if grads else \
+            torch.zeros(0, dtype=torch.float64, device=self.device)
+        keep = torch.tensor([id(p) in self.counted_ids for p in have], dtype=torch.bool,
+                            device=self.device)
+        sq = (norms[keep] ** 2).sum()
+        bad = float(not bool(torch.isfinite(norms).all()))
         owns_loss = mesh.is_last_stage and mesh.tp_rank == 0
-        contrib = local / scale / cfg.dp if owns_loss else torch.zeros((), dtype=torch.float64)
+        contrib = local / scale / cfg.dp if owns_loss else self.scalar(0.0)
         sent = bytes_written() - w0
         tc = now()
-        vec = torch.stack([contrib, sq, torch.tensor(bad, dtype=torch.float64),
-                           torch.tensor(float(sent), dtype=torch.float64)])
+        vec = torch.stack([contrib, sq, self.scalar(bad), self.scalar(float(sent))])
         dist.all_reduce(vec)  # one small all-reduce: loss, norm, NaN/Inf and bytes, everywhere
         waited += now() - tc
         loss, gnorm = float(vec[0]), math.sqrt(float(vec[1])) if vec[1] >= 0 else math.nan
@@ -229,7 +236,7 @@ class Job:
         val = Batches(self.corpus.val, cfg.batch, cfg.seq, cfg.seed, mesh.dp_rank, cfg.dp,
                       shuffle=False)
         old, self.mult = self.mult, 1.0
-        total, count = torch.zeros((), dtype=torch.float64), 0
+        total, count = self.scalar(0.0), 0
         try:
             for _ in range(n):
                 x, y = val.next()
@@ -244,7 +251,7 @@ class Job:
         finally:
             self.mult = old
         owns = mesh.is_last_stage and mesh.tp_rank == 0
-        v = total / count / cfg.dp if owns else torch.zeros((), dtype=torch.float64)
+        v = total / count / cfg.dp if owns else self.scalar(0.0)
         dist.all_reduce(v)
         return float(v)
 

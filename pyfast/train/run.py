@@ -6,6 +6,7 @@ import datetime
 import os
 import signal
 import sys
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -81,19 +82,21 @@ def main(cfg: TrainConfig) -> int:
                   f"{job.mesh}, {cfg.precision}, compress {cfg.compress}; "
                   f"{job.corpus.source}; {note}", flush=True)
         _loop(cfg, job, start, device)
-        return 0
-    except (ConfigError, NonFiniteError) as e:
+        code = 0
+    except (ConfigError, NonFiniteError) as e:  # decided alike on every rank
         if rank == 0:
             print(f"pyfast train: error: {e}", file=sys.stderr, flush=True)
-        return 2 if isinstance(e, ConfigError) else 3
-    finally:
-        if job is not None:
-            job.close()
-        try:  # a rank leaving while another still reads the group aborts the other at exit
-            dist.barrier()
-        except Exception:  # noqa: BLE001  (a peer already died: nothing to wait for)
-            pass
-        dist.destroy_process_group()
+        code = 2 if isinstance(e, ConfigError) else 3
+    except BaseException:  # this rank only: the others may sit in a collective. Leave now;
+        # torchrun sees the exit and stops (or restarts) every rank within its monitor period
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    if job is not None:
+        job.close()
+    dist.barrier()  # a rank leaving while another still reads the group aborts the other
+    dist.destroy_process_group()
+    return code
 
 
 def _loop(cfg: TrainConfig, job: Job, start: int, device) -> None:
@@ -107,7 +110,7 @@ def _loop(cfg: TrainConfig, job: Job, start: int, device) -> None:
             fault("step", step)
             if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
                 rec["val_loss"] = job.evaluate()
-            rss = torch.tensor([peak_rss_mb()])
+            rss = job.scalar(peak_rss_mb())
             dist.all_reduce(rss, op=dist.ReduceOp.MAX)
             rec.update(max_rss_mb=float(rss), **gpu.sample())
             if rank == 0:
