@@ -31,8 +31,9 @@ GRAD_TOL = dict(rtol=1e-5, atol=3e-7)
 GPT_SHAPE = dict(n_layer=2, n_head=4, d_model=40, seq_len=16, vocab_size=VOCAB)
 
 
-def _gpt(positions, tie):
-    return GPT(GPTConfig(**GPT_SHAPE, positions=positions, tie_embeddings=tie))
+def _gpt(positions, tie, vocab_parallel=True):
+    return GPT(GPTConfig(**GPT_SHAPE, positions=positions, tie_embeddings=tie,
+                         vocab_parallel=vocab_parallel))
 
 
 def _llama(tie):
@@ -64,13 +65,17 @@ def _check_tp(rank, world, make, attn_out, case, tied_names):
     dense_loss = F.cross_entropy(logits.flatten(0, 1), target.flatten())
     dense_loss.backward()
     shard = tp(ids)
-    loss = vocab_parallel_cross_entropy(shard.flatten(0, 1), target.flatten())
+    if tp.vocab_parallel:
+        loss = vocab_parallel_cross_entropy(shard.flatten(0, 1), target.flatten())
+        want = logits.chunk(world, -1)[rank]
+    else:  # embedding and head whole on every rank: the whole logits
+        loss, want = F.cross_entropy(shard.flatten(0, 1), target.flatten()), logits
     loss.backward()
 
     def msg(what):
         return lambda m: f"{case}, rank {rank}: {what}: {m}"
 
-    torch.testing.assert_close(shard, logits.chunk(world, -1)[rank], **ACT_TOL, msg=msg("logits"))
+    torch.testing.assert_close(shard, want, **ACT_TOL, msg=msg("logits"))
     torch.testing.assert_close(loss, dense_loss, **ACT_TOL, msg=msg("loss"))
     torch.testing.assert_close(seen_tp[0], seen_dense[0].chunk(world, -1)[rank], **ACT_TOL,
                                msg=msg("attention heads before the output projection"))
@@ -86,9 +91,9 @@ def _check_tp(rank, world, make, attn_out, case, tied_names):
             want, sharded = want.chunk(world, p.partition_dim)[rank], sharded + 1
         torch.testing.assert_close(p.grad, want, **GRAD_TOL, msg=msg(f"grad of {name}"))
     assert sharded >= 8, (case, sharded)  # the plan did shard something in every block
-
     emb, head = (tp.get_submodule(n) for n in tied_names)
-    assert (head.weight is emb.weight) == case.endswith(" tied"), case  # one Parameter
+    assert getattr(emb.weight, "tensor_parallel", False) == tp.vocab_parallel, case
+    assert (head.weight is emb.weight) == (" tied" in case), case  # one Parameter
     return case
 
 
@@ -99,6 +104,10 @@ def _gpt_cases(rank, world):
             case = f"gpt {positions} {'tied' if tie else 'untied'}"
             done.append(_check_tp(rank, world, lambda: _gpt(positions, tie),
                                   lambda m: m[1].attn.proj, case, ("0.tok", "3.lm_head")))
+    # a vocabulary under VOCAB_PARALLEL_MIN stays whole (the default for byte models)
+    done.append(_check_tp(rank, world, lambda: _gpt("rotary", True, vocab_parallel=None),
+                          lambda m: m[1].attn.proj, "gpt rotary tied, vocab whole",
+                          ("0.tok", "3.lm_head")))
     # the fused QKV layout rule: rank r's qkv rows are the dense rows of heads
     # [r*h/tp, (r+1)*h/tp), each head's q, k and v together
     from pyfast.parallel import parallelize
@@ -134,7 +143,7 @@ def ranks():
 @pytest.mark.dist
 def test_gpt_tp2_matches_dense(ranks):
     done = ranks.run(_gpt_cases)
-    assert done == [done[0]] * 2 and len(done[0]) == 4
+    assert done == [done[0]] * 2 and len(done[0]) == 5
 
 
 @pytest.mark.dist
@@ -203,8 +212,13 @@ def test_gpt_tp_check_names_the_field():
     tiny = build("gpt-tiny", 256, 16)
     assert tiny.tp_check(1) is None and tiny.tp_check(2) is None and tiny.tp_check(4) is None
     assert tiny.tp_check(3) == "GPTConfig: n_head 4 is not divisible by tp=3"
-    three_heads = GPT(GPTConfig(n_layer=1, n_head=3, d_model=24, vocab_size=256))
+    three_heads = GPT(GPTConfig(n_layer=1, n_head=3, d_model=24, vocab_size=256,
+                                vocab_parallel=True))
     assert three_heads.tp_check(3) == "GPTConfig: vocab_size 256 is not divisible by tp=3"
+    # a vocabulary that stays whole need not divide; a large one is split by default
+    whole = GPT(GPTConfig(n_layer=1, n_head=3, d_model=24, vocab_size=256))
+    assert not whole.vocab_parallel and whole.tp_check(3) is None
+    assert GPT(GPTConfig(n_layer=1, n_head=2, d_model=8, vocab_size=50304)).vocab_parallel
 
 
 def test_hf_llama_tp_check_and_options():

@@ -4,7 +4,8 @@
     tp_check(tp) -> str | None   why the model cannot be split over tp ranks
     retie()                      re-tie shared weights after parallelize (no-op if untied)
     enable_activation_checkpointing()
-    forward(ids [B, T]) -> logits [B, T, vocab / tp]
+    vocab_parallel -> bool       whether the plan splits the vocabulary over tp
+    forward(ids [B, T]) -> logits [B, T, vocab / tp if vocab_parallel else vocab]
 
 and, if it can be cut into pipeline stages, is an nn.Sequential (`pipelinable(model)`).
 A registry is a dict: a new model is one entry.

@@ -22,6 +22,15 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 
+# Split the vocabulary over tp (Megatron's VocabParallelEmbedding + a column-parallel head) only
+# from this vocabulary size up. Per token, at tp=2 it saves each rank 3*V*D flops of the head
+# and costs two all-reduces of D fp32 values (the embedding's output, the head's input
+# gradient): 16*D bytes on a 2-rank link. At 1 Gbit/s and ~50 GFLOP/s a core those balance at
+# V = 128/0.06 = 2,133, whatever D. Measured (bench/results/train.txt, gpt-small, V=256): the
+# split sent 163.7 MB a step where DTensor TP with a replicated embedding and head sent 151.0.
+VOCAB_PARALLEL_MIN = 2048
+
+
 @dataclass(frozen=True)
 class GPTConfig:
     n_layer: int
@@ -33,6 +42,12 @@ class GPTConfig:
     tie_embeddings: bool = False
     mlp_ratio: int = 4
     rope_base: float = 10000.0
+    vocab_parallel: bool | None = None  # split embedding and head over tp; None: by size
+
+    @property
+    def shard_vocab(self) -> bool:
+        return self.vocab_parallel if self.vocab_parallel is not None else \
+            self.vocab_size >= VOCAB_PARALLEL_MIN
 
     def __post_init__(self):
         if self.positions not in ("rotary", "learned"):
@@ -173,18 +188,27 @@ class GPT(nn.Sequential):
             if isinstance(m, Block):
                 m.checkpointed = True
 
+    @property
+    def vocab_parallel(self) -> bool:
+        """Whether tensor parallelism splits the vocabulary (then forward returns this rank's
+        slice of the logits, for vocab_parallel_cross_entropy), see VOCAB_PARALLEL_MIN."""
+        return self.cfg.shard_vocab
+
     def tp_plan(self) -> dict:
-        """parallelize()'s plan: Megatron's split of attention and MLP, the vocabulary split in
-        the embedding and the head (whose logits stay sharded for
-        vocab_parallel_cross_entropy)."""
-        last = len(self) - 1
-        return {"*.attn.qkv": "colwise", "*.attn.proj": "rowwise", "*.mlp.fc": "colwise",
-                "*.mlp.proj": "rowwise", "0.tok": "vocab", f"{last}.lm_head": "colwise"}
+        """parallelize()'s plan: Megatron's split of attention and MLP, and, for a large
+        vocabulary, the vocabulary split in the embedding and the head (whose logits stay
+        sharded); a small vocabulary's embedding and head stay whole on every rank."""
+        plan = {"*.attn.qkv": "colwise", "*.attn.proj": "rowwise", "*.mlp.fc": "colwise",
+                "*.mlp.proj": "rowwise"}
+        if self.vocab_parallel:
+            plan.update({"0.tok": "vocab", f"{len(self) - 1}.lm_head": "colwise"})
+        return plan
 
     def tp_check(self, tp: int) -> str | None:
         """Why this model cannot be split over tp ranks, or None."""
         c = self.cfg
-        for what, n in (("n_head", c.n_head), ("vocab_size", c.vocab_size),
+        for what, n in (("n_head", c.n_head),
+                        ("vocab_size", c.vocab_size if self.vocab_parallel else 0),
                         ("mlp_ratio x d_model", c.mlp_ratio * c.d_model)):
             if n % tp:
                 return f"{c.__class__.__name__}: {what} {n} is not divisible by tp={tp}"

@@ -53,6 +53,8 @@ class HFCausalLM(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.hf(input_ids=ids).logits
 
+    vocab_parallel = True  # the plan splits embed_tokens and lm_head
+
     def tp_plan(self) -> dict:
         return dict(self._plan)
 

@@ -117,7 +117,7 @@ class Job:
         """Mean cross-entropy over the piece's tokens, times self.mult (1/pieces) and, when
         training in fp16, GradScaler's scale; in fp32 whatever the autocast dtype."""
         logits, target = logits.flatten(0, -2).float(), target.flatten()
-        if self.cfg.tp > 1:
+        if self.cfg.tp > 1 and self.model.vocab_parallel:
             loss = vocab_parallel_cross_entropy(logits, target, group=self.mesh.tp_group)
         else:
             loss = F.cross_entropy(logits, target)
