@@ -27,7 +27,8 @@ def _bench_compress(args) -> int:
 DELEGATED = {"allreduce": "compressed all-reduce vs plain gloo, on emulated links",
              "dp": "DataParallel training step vs torch DDP and its hooks",
              "pipeline": "pipeline schedules vs torch.distributed.pipelining",
-             "tp": "tensor-parallel MLP block vs DTensor TP and one process"}
+             "tp": "tensor-parallel MLP block vs DTensor TP and one process",
+             "train": "the training job's tokens/s per mesh vs one process and torch-native"}
 
 
 def main(argv=None) -> int:
