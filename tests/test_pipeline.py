@@ -33,10 +33,13 @@ def _close(got, want, what):
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * scale, msg=lambda m: f"{what}: {m}")
 
 
-def check_against_dense(rank, world, schedule, v, balance, batches, m=4):
+def check_against_dense(rank, world, schedule, v, balance, batches, m=4, split_backward=None):
     """Rank job: steps with the given batch sizes; compare with the dense model each time."""
     from pyfast.parallel import Pipeline
-    pipe = Pipeline.from_sequential(model(), m, schedule, F.mse_loss, balance=balance, virtual_stages=v)
+    pipe = Pipeline.from_sequential(model(), m, schedule, F.mse_loss, balance=balance,
+                                    virtual_stages=v, split_backward=split_backward)
+    if split_backward is not None:
+        assert all(s == split_backward for s in pipe._split.values()), pipe._split
     first, last = 0 in pipe.stages, pipe.n_stages - 1 in pipe.stages
     ref = model()
     for i, rows in enumerate(batches):
@@ -84,6 +87,12 @@ def test_two_ranks_equal_single_process(pool2, schedule, v):
 def test_four_ranks_equal_single_process(pool4, schedule, v):
     layers = pool4.run(check_against_dense, schedule, v, "params", [8, 16])
     assert sorted(sum(layers, [])) == list(range(9))
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_split_backward_forced_either_way(pool2, split):
+    # the model's Linear layers are under the size heuristic: None would fuse
+    pool2.run(check_against_dense, "1f1b", 1, "params", [8, 12], split_backward=split)
 
 
 @pytest.mark.parametrize("schedule,v,balance", [("1f1b", 1, [7, 2]), ("zb-h1", 1, [1, 8]),
