@@ -138,6 +138,18 @@ def _no_sync(rank, world):
                 nn.functional.mse_loss(net(x), y).backward()
         out[engine] = torch.cat([p.grad.reshape(-1) for p in net.parameters()])
         net.close()
+    # reduce_gradients(): backward passes that never ran through the wrapper's forward (as
+    # Pipeline.step's), reduced afterwards in one call
+    net = DataParallel(model(), None, bucket_mb=0.001)
+    for s in range(3):
+        x, y = batch(rank, s)
+        nn.functional.mse_loss(net.module(x), y).backward()
+    unreduced = torch.cat([p.grad.reshape(-1) for p in net.parameters()])
+    net.reduce_gradients()
+    out["reduce_gradients"] = torch.cat([p.grad.reshape(-1) for p in net.parameters()])
+    out["changed"] = not torch.equal(unreduced, out["reduce_gradients"])
+    out["waited"] = net.last_wait_s
+    net.close()
     return out
 
 
@@ -154,6 +166,10 @@ def test_no_sync_equals_larger_batch():
         assert torch.equal(out[0][engine], out[1][engine]), engine
         torch.testing.assert_close(out[0][engine], ref, rtol=1e-5, atol=1e-7)
     assert torch.equal(out[0]["native"], out[0]["python"])
+    # the same buckets and engine as the synced backward: the same bits
+    assert torch.equal(out[0]["reduce_gradients"], out[0]["native"])
+    assert torch.equal(out[1]["reduce_gradients"], out[1]["native"])
+    assert out[0]["changed"] and out[1]["changed"] and out[0]["waited"] > 0
 
 
 def _bad_inputs(rank, world):
