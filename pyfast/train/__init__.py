@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 
-from .config import ConfigError, TrainConfig, check, from_args, parser
+from .config import ConfigError, TrainConfig, from_args, parser
 
 __all__ = ["ConfigError", "TrainConfig", "main"]
 

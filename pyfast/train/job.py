@@ -96,8 +96,11 @@ class Job:
         self.params = [p for _, p in self.named]
         # the global gradient norm counts each element once: tp-replicated tensors (LayerNorm,
         # row-parallel biases) on tp rank 0 only, and everything on dp rank 0 only
-        self.counted_ids = {id(p) for p in self.params if mesh.dp_rank == 0 and
-                            (mesh.tp_rank == 0 or getattr(p, "tensor_parallel", False))}
+        self.counted = torch.tensor([mesh.dp_rank == 0 and (mesh.tp_rank == 0 or
+                                     getattr(p, "tensor_parallel", False)) for p in self.params],
+                                    dtype=torch.bool, device=device)
+        # one rank per dp replica and tp group holds the loss: a last stage, tp rank 0
+        self.owns_loss = mesh.is_last_stage and mesh.tp_rank == 0
         decay = [p for p in self.params if p.dim() >= 2]
         rest = [p for p in self.params if p.dim() < 2]
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
@@ -128,24 +131,31 @@ class Job:
 
     # ---------------------------------------------------------------- one optimizer step
     def _forward_backward(self, x, y) -> tuple[torch.Tensor, float]:
-        """(sum of the pieces' weighted losses on this rank, seconds waited on communication)."""
-        cfg, total, waited = self.cfg, self.scalar(0.0), 0.0
-        if self.pipe is None:
-            pieces = cfg.grad_accum * cfg.m
-            xs, ys = x.chunk(pieces), y.chunk(pieces)
-            for i in range(pieces):
-                last = i == pieces - 1
-                sync = self.dp.no_sync() if self.dp is not None and not last else \
-                    contextlib.nullcontext()
-                with sync:
-                    loss = self.loss_fn(self.net(xs[i]), ys[i])
-                    loss.backward()
-                total += loss.detach().double()
-            waited += self.dp.last_wait_s if self.dp is not None else 0.0
-            return total, waited
-        xs, ys = x.chunk(cfg.grad_accum), y.chunk(cfg.grad_accum)
-        for k in range(cfg.grad_accum):
-            loss = self.pipe.step(xs[k], ys[k])
+        """(sum of the pieces' weighted losses on this rank, seconds waited on communication).
+        Without a pipeline the m micro-batches run one after another as more accumulation."""
+        pieces = self.cfg.grad_accum * (self.cfg.m if self.pipe is None else 1)
+        self.mult, self.scaling = 1.0 / pieces, True
+        try:
+            run = self._pipelined if self.pipe is not None else self._accumulated
+            return run(x.chunk(pieces), y.chunk(pieces))
+        finally:
+            self.scaling = False
+
+    def _accumulated(self, xs, ys) -> tuple[torch.Tensor, float]:
+        total = self.scalar(0.0)
+        for i, (x, y) in enumerate(zip(xs, ys)):
+            last = i == len(xs) - 1  # the DDP pattern: only the last backward reduces
+            sync = contextlib.nullcontext() if self.dp is None or last else self.dp.no_sync()
+            with sync:
+                loss = self.loss_fn(self.net(x), y)
+                loss.backward()
+            total += loss.detach().double()
+        return total, self.dp.last_wait_s if self.dp is not None else 0.0
+
+    def _pipelined(self, xs, ys) -> tuple[torch.Tensor, float]:
+        total, waited = self.scalar(0.0), 0.0
+        for x, y in zip(xs, ys):
+            loss = self.pipe.step(x, y)  # x used on the first stage, y on the last
             waited += self.pipe.last_stats["idle"]
             if loss is not None:
                 total += loss.double()
@@ -155,37 +165,29 @@ class Job:
         return total, waited
 
     def train_step(self, step: int) -> dict:
-        cfg, mesh = self.cfg, self.mesh
+        cfg = self.cfg
         t0, w0 = now(), bytes_written()
         self.opt.zero_grad(set_to_none=True)
         x, y = self.batches.next()
         x, y = x.to(self.device), y.to(self.device)
-        pieces = cfg.grad_accum * (cfg.m if self.pipe is None else 1)
-        self.mult, self.scaling = 1.0 / pieces, True
-        try:
-            local, waited = self._forward_backward(x, y)
-        finally:
-            self.scaling = False
+        local, waited = self._forward_backward(x, y)
         scale = self.scaler.get_scale() if self.scaler is not None else 1.0
         if self.scaler is not None:
             self.scaler.unscale_(self.opt)
-        have = [p for p in self.params if p.grad is not None]
-        grads = [p.grad for p in have]
+        have = [i for i, p in enumerate(self.params) if p.grad is not None]
+        grads = [self.params[i].grad for i in have]
         # one fused pass (torch._foreach_norm, as clip_grad_norm_), squares summed in fp64
         norms = torch.stack(torch._foreach_norm(grads)).double() if grads else \
             torch.zeros(0, dtype=torch.float64, device=self.device)
-        keep = torch.tensor([id(p) in self.counted_ids for p in have], dtype=torch.bool,
-                            device=self.device)
-        sq = (norms[keep] ** 2).sum()
+        sq = (norms[self.counted[have]] ** 2).sum()
         bad = float(not bool(torch.isfinite(norms).all()))
-        owns_loss = mesh.is_last_stage and mesh.tp_rank == 0
-        contrib = local / scale / cfg.dp if owns_loss else self.scalar(0.0)
+        contrib = local / scale / cfg.dp if self.owns_loss else self.scalar(0.0)
         sent = bytes_written() - w0
         tc = now()
         vec = torch.stack([contrib, sq, self.scalar(bad), self.scalar(float(sent))])
         dist.all_reduce(vec)  # one small all-reduce: loss, norm, NaN/Inf and bytes, everywhere
         waited += now() - tc
-        loss, gnorm = float(vec[0]), math.sqrt(float(vec[1])) if vec[1] >= 0 else math.nan
+        loss, gnorm = float(vec[0]), math.sqrt(float(vec[1]))  # a sum of squares: NaN or >= 0
         skipped = False
         if vec[2] > 0 or not math.isfinite(loss) or not math.isfinite(gnorm):
             if self.scaler is None:
@@ -252,8 +254,7 @@ class Job:
                     count += 1
         finally:
             self.mult = old
-        owns = mesh.is_last_stage and mesh.tp_rank == 0
-        v = total / count / cfg.dp if owns else self.scalar(0.0)
+        v = total / count / cfg.dp if self.owns_loss else self.scalar(0.0)
         dist.all_reduce(v)
         return float(v)
 
