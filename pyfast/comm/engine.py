@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 import pyfast.compress as C
 from pyfast.comm import pipelined as P
+from pyfast.comm.failure import new_group_like
 from pyfast.comm.collectives import OPS, _chunks, choose, fast_path
 from pyfast.compress.cast import Cast, NoCompression
 from pyfast.compress.feedback import WithFeedback
@@ -81,32 +82,12 @@ class Handle:
         return float("nan") if self._error is not None else self._engine.seconds(self._job)
 
 
-def private_group(group=None):
+def private_group(group=None, timeout=None):
     """A new process group with the ranks, backend and timeout of `group` (default: the default
-    group), for the engine alone: the engine's thread and the caller's issue collectives in an
-    order that differs per rank, which on one shared group would pair different collectives.
-
-    Collective over the default group, like dist.new_group: every rank of the job calls it at
-    the same point. Ranks may pass different groups (a data-parallel group per tensor-parallel
-    rank of a mesh): the groups are exchanged and created in one order everywhere.
-    """
-    world = dist.get_world_size()
-    mine = tuple(dist.get_process_group_ranks(group) if group is not None else range(world))
-    try:  # the caller's timeout: a silent peer must time out as it would on `group`
-        timeout = (group or dist.group.WORLD)._get_backend(torch.device("cpu")).options._timeout
-    except (AttributeError, RuntimeError):
-        timeout = None
-    backend = dist.get_backend(group)
-    if len(mine) == world:
-        return dist.new_group(timeout=timeout, backend=backend)
-    every: list = [None] * world
-    dist.all_gather_object(every, mine)
-    made = None
-    for ranks in sorted(set(every)):
-        g = dist.new_group(list(ranks), timeout=timeout if ranks == mine else None,
-                           backend=backend if ranks == mine else None)
-        made = g if ranks == mine else made
-    return made
+    group; `timeout` overrides), for the engine alone: the engine's thread and the caller's
+    issue collectives in an order that differs per rank, which on one shared group would pair
+    different collectives. Collective over the default group (failure.new_group_like)."""
+    return new_group_like(group, timeout)
 
 
 def check_device(device: torch.device) -> None:
@@ -144,9 +125,9 @@ class NativeEngine:
         self._owns_group = False
 
     @classmethod
-    def private(cls, group=None) -> "NativeEngine":
-        """An engine on private_group(group), destroyed by close()."""
-        e = cls(private_group(group))
+    def private(cls, group=None, timeout=None) -> "NativeEngine":
+        """An engine on private_group(group, timeout), destroyed by close()."""
+        e = cls(private_group(group, timeout))
         e._owns_group = True
         return e
 
