@@ -40,7 +40,7 @@ def as_timedelta(timeout) -> datetime.timedelta | None:
 def group_timeout(group=None) -> datetime.timedelta | None:
     """The timeout `group` (None: the default group) was made with, if the backend says."""
     pg = group or dist.group.WORLD
-    for dev in ("cpu", "cuda"):  # documented literal: the backends are registered per device type
+    for dev in ("cpu", "cuda"):  # cpu-literal: backends are registered per device type
         try:
             return pg._get_backend(torch.device(dev)).options._timeout
         except (AttributeError, RuntimeError):
