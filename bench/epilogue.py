@@ -110,9 +110,11 @@ def build():
     flags = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
     if cap in ("AVX2", "AVX512"):
         flags.append(f"-DCPU_CAPABILITY_{cap}")
-    return load_inline("pyfast_epilogue_bench", CPP, functions=["bias_act_", "gelu_backward_db",
-                       "omp_threads"], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                       build_directory=tempfile.mkdtemp(prefix="pyfast_epilogue_"))
+    # the loaded .so stays mapped after its directory is removed (ignore: Windows refuses)
+    with tempfile.TemporaryDirectory(prefix="pyfast_epilogue_", ignore_cleanup_errors=True) as d:
+        return load_inline("pyfast_epilogue_bench", CPP, functions=["bias_act_",
+                           "gelu_backward_db", "omp_threads"], extra_cflags=flags,
+                           extra_ldflags=["-fopenmp"], build_directory=d)
 
 
 def fused_layer(ext):

@@ -21,6 +21,7 @@ import time
 import pyfast
 import pyfast.compress as C
 from pyfast import perf
+from pyfast._io import atomic_write_text
 from pyfast.benchmarks import netns
 from pyfast.benchmarks.compress import gradient
 
@@ -79,8 +80,7 @@ def _worker() -> None:
                          "wire_bytes": wire_bytes(algo, world, [e[1] for e in each]),
                          "link_bytes": sent if os.environ.get("PYFAST_NETNS") else None})
     if rank == 0:
-        with open(job["out"], "w") as f:
-            json.dump(rows, f)
+        atomic_write_text(job["out"], json.dumps(rows))
     dist.destroy_process_group()
 
 

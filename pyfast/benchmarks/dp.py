@@ -25,6 +25,7 @@ import time
 
 import pyfast
 from pyfast import perf
+from pyfast._io import atomic_write_text
 from pyfast.benchmarks import netns
 
 CONFIGS = ["ddp", "ddp+fp16", "ddp+powersgd:4", "pyfast:none", "pyfast:int8",
@@ -145,8 +146,7 @@ def _worker() -> None:
             rows.append(row)
         del net, opt
     if rank == 0:
-        with open(job["out"], "w") as f:
-            json.dump(rows, f)
+        atomic_write_text(job["out"], json.dumps(rows))
     dist.destroy_process_group()
 
 

@@ -34,6 +34,7 @@ import time
 
 import pyfast
 from pyfast import perf
+from pyfast._io import atomic_write_text
 from pyfast.benchmarks import netns
 
 ROWS, K, N = 512, 1024, 1024  # x shard per rank, in features, out features
@@ -120,8 +121,7 @@ def _worker() -> None:
     if engine is not None:
         engine.close()
     if rank == 0:
-        with open(job["out"], "w") as f:
-            json.dump(rows, f)
+        atomic_write_text(job["out"], json.dumps(rows))
     dist.destroy_process_group()
 
 

@@ -30,6 +30,7 @@ from torch import nn
 
 import pyfast
 from pyfast import perf
+from pyfast._io import atomic_open, atomic_write_text
 
 MODELS = {"large": (1024, 256), "tiny": (256, 32)}
 SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zb-h1": 1}  # name: virtual stages
@@ -334,10 +335,9 @@ def table(result: dict):
 
 def save(result: dict, out: str, note: str = "") -> None:
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out + ".json", "w") as f:
-        json.dump({**result, "note": note}, f, indent=1)
+    atomic_write_text(out + ".json", json.dumps({**result, "note": note}, indent=1))
     from rich.console import Console
-    with open(out + ".txt", "w") as f:
+    with atomic_open(out + ".txt") as f:
         console = Console(file=f, width=230)
         console.print(table(result))
         if note:

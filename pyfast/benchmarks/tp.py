@@ -39,6 +39,7 @@ from torch import nn
 
 import pyfast
 from pyfast import perf
+from pyfast._io import atomic_write_text
 from pyfast.benchmarks import netns
 
 SHAPES = {"big": (1024, 4096, 2048), "small": (256, 1024, 256),  # hidden, mlp, tokens
@@ -267,8 +268,7 @@ def _worker() -> None:
         _pin({rank % os.cpu_count()})
     blocks = [_measure(s, job, rank, world) for s in job["shapes"]]
     if rank == 0:
-        with open(job["out"], "w") as f:
-            json.dump(blocks, f)
+        atomic_write_text(job["out"], json.dumps(blocks))
     # DTensor TP+SP leaves functional-collective works referenced from its modules' tensors;
     # freed after the group is destroyed they abort the rank ("terminate called without an
     # active exception", 1 run in 8 of the tiny block): free them first, then leave together.

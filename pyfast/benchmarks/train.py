@@ -38,6 +38,7 @@ from torch import nn
 
 import pyfast
 from pyfast import models, perf
+from pyfast._io import atomic_write_text
 from pyfast.benchmarks import netns
 from pyfast.data import Batches, load_corpus
 
@@ -281,8 +282,7 @@ def _worker() -> None:
             for k in ("compute_ms", "exposed_comm_ms", "bytes_sent"):
                 row[k] = statistics.median(mine[r]["recs"][i][k] for i, r in enumerate(slow))
     if rank == 0:
-        with open(j["out"], "w") as f:
-            json.dump(list(rows.values()), f)
+        atomic_write_text(j["out"], json.dumps(list(rows.values())))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -5,9 +5,10 @@ end DIR/curves.png and a summary table."""
 from __future__ import annotations
 
 import json
-import os
 import statistics
 from pathlib import Path
+
+from pyfast._io import atomic_path, atomic_write_text
 
 
 def read(path) -> list[dict]:
@@ -15,12 +16,6 @@ def read(path) -> list[dict]:
     if not p.exists():
         return []
     return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 class MetricsLog:
@@ -33,7 +28,7 @@ class MetricsLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept = [r for r in read(self.path) if r["step"] <= resume_step] \
             if resume_step is not None else []
-        _atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+        atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         self.f = open(self.path, "a")
 
     def write(self, rec: dict) -> None:
@@ -96,11 +91,11 @@ def plot(records: list[dict], path) -> None:
     b.set_ylabel("tokens/s")
     b.grid(alpha=0.3)
     fig.tight_layout()
-    path = Path(path)
-    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=110)
+    finally:
+        plt.close(fig)
 
 
 def summary(records: list[dict], title: str):
