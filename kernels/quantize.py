@@ -247,10 +247,12 @@ def _dequantize_into(out, codes, scales, n, kind, block, acc):
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, n: int, kind: str, block: int,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+               dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
+    """out (a contiguous dtype[n], checked by the caller) or a new tensor, decoded."""
     if dtype not in OUT_ID:
         raise TypeError(f"dequantize writes float32, float16 or bfloat16, not {dtype}")
-    out = torch.empty(n, dtype=dtype, device=codes.device)
+    if out is None:
+        out = torch.empty(n, dtype=dtype, device=codes.device)
     return _dequantize_into(out, codes, scales, n, kind, block, False)
 
 

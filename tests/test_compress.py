@@ -188,3 +188,30 @@ def test_wire_round_trip(spec, dtype):
     if c.layout(x.numel()) is not None:
         with pytest.raises(ValueError, match="bytes"):
             c.from_wire(buf[:-1], x.shape, x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("spec", SPECS)
+def test_decompress_into_out(spec, dtype):
+    c = C.get(spec)
+    x = grad(33, 65, dtype=dtype)  # ragged: a partial last block, an odd number of int4 codes
+    p = c.compress(x, "w")
+    ref = c.decompress(p)
+    bucket = torch.full((3000,), float("nan"), dtype=dtype)  # out as a slice of a bucket
+    outs = [torch.full_like(x, float("nan")), bucket[100:100 + x.numel()],
+            torch.full((65, 33), float("nan"), dtype=dtype).t()]  # non-contiguous, x's shape
+    for out in outs:
+        assert c.decompress(p, out=out) is out
+        assert torch.equal(out.reshape(-1), ref.reshape(-1)), f"out of shape {tuple(out.shape)}"
+        assert torch.equal(out.reshape(-1).view(torch.int16 if dtype != torch.float32
+                                                else torch.int32),
+                           ref.reshape(-1).view(torch.int16 if dtype != torch.float32
+                                                else torch.int32)), "bitwise (signs of zeros)"
+    assert bucket[:100].isnan().all() and bucket[100 + x.numel():].isnan().all()
+    other = torch.float16 if dtype != torch.float16 else torch.float32
+    with pytest.raises(ValueError, match=f"{dtype}.*2145 elements"):
+        c.decompress(p, out=torch.empty(2145, dtype=other))
+    with pytest.raises(ValueError, match="2145 elements"):
+        c.decompress(p, out=torch.empty(2146, dtype=dtype))
+    with pytest.raises(ValueError, match="payload on cpu"):
+        c.decompress(p, out=torch.empty(33, 65, dtype=dtype, device="meta"))

@@ -26,12 +26,18 @@ class Payload:
         return math.prod(self.shape)
 
     @property
+    def device(self) -> torch.device | None:
+        """Where the payload's tensors are (None for a payload with no tensors)."""
+        return next((t.device for t in self.tensors.values()), None)
+
+    @property
     def nbytes(self) -> int:
         return self.header_bytes + sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
 class Compressor:
-    """compress(x, name) -> Payload; decompress(payload) -> tensor of x's shape and dtype.
+    """compress(x, name) -> Payload; decompress(payload, out=None) -> tensor of x's shape and
+    dtype (or `out`, filled with it).
 
     `name` identifies the tensor (a parameter or a bucket) across steps for compressors with
     per-tensor state (PowerSGD's warm start, the step counter behind a shared random seed).
@@ -42,7 +48,12 @@ class Compressor:
     def compress(self, x: torch.Tensor, name: str = "") -> Payload:
         raise NotImplementedError
 
-    def decompress(self, p: Payload) -> torch.Tensor:
+    def decompress(self, p: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor p encodes. With `out`, it is decoded into out (no new dense tensor where
+        the format allows: a received chunk straight into its slice of a bucket) and out is
+        returned; out must be p.dtype, on the payload's device, with p's number of elements
+        (p.shape, or any shape with as many elements, filled in row-major order, e.g. a flat
+        slice); it may be non-contiguous. Equal to decompress(p) bit for bit."""
         raise NotImplementedError
 
     def compress_with_feedback(self, x: torch.Tensor, ef: torch.Tensor, name: str = "") -> Payload:
@@ -65,7 +76,7 @@ class Compressor:
     def to_wire(self, p: Payload) -> torch.Tensor:
         """The payload as one flat uint8 buffer of exactly p.nbytes bytes."""
         parts = [t.reshape(-1).view(torch.uint8) for t in p.tensors.values()]
-        out = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+        out = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=p.device)
         assert out.numel() == p.nbytes, "payload header not serialized: override to_wire"
         return out
 
@@ -73,7 +84,7 @@ class Compressor:
         lay = self.layout(math.prod(shape))
         if lay is None:
             raise NotImplementedError(f"{self.spec}: variable-size payloads override from_wire")
-        sizes = [count * torch.empty(0, dtype=dt).element_size() for _, dt, count in lay]
+        sizes = [count * dt.itemsize for _, dt, count in lay]
         if sum(sizes) != buf.numel():
             raise ValueError(f"{self.spec}: wire buffer has {buf.numel()} bytes, the layout for "
                              f"{math.prod(shape)} elements needs {sum(sizes)}")
@@ -90,6 +101,31 @@ class Compressor:
 
     def __repr__(self) -> str:
         return f"pyfast.compress.get({self.spec!r})"
+
+
+def check_out(p: Payload, out: torch.Tensor) -> None:
+    """The contract of decompress(p, out): p's dtype and element count, the payload's device."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"decompress: out must be a tensor, got {type(out).__name__}")
+    if out.dtype != p.dtype or out.numel() != p.numel:
+        raise ValueError(f"decompress: out must be {p.dtype} with {p.numel} elements (shape "
+                         f"{tuple(p.shape)} or a view with as many), got {out.dtype} of shape "
+                         f"{tuple(out.shape)}")
+    dev = p.device or out.device
+    if out.device != dev:
+        raise ValueError(f"decompress: out is on {out.device} but the payload on {dev}")
+
+
+def fill(out: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:
+    """y (flat or shaped, p's elements) as the result: out filled with it, or y itself."""
+    if out is None:
+        return y
+    return out.copy_(y.reshape(out.shape))
+
+
+def flat(out: torch.Tensor) -> torch.Tensor | None:
+    """out as a flat view to decode straight into, or None when it has no such view."""
+    return out.view(-1) if out.is_contiguous() else None
 
 
 def aligned(buf: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from pyfast.compress.base import Compressor, aligned, Payload, check_float
+from pyfast.compress.base import Compressor, Payload, aligned, check_float, check_out, fill
 
 
 class NoCompression(Compressor):
@@ -13,8 +13,10 @@ class NoCompression(Compressor):
         check_float(x, self.spec)
         return Payload({"data": x.reshape(-1)}, x.shape, x.dtype)
 
-    def decompress(self, p):
-        return p.tensors["data"].view(p.shape)
+    def decompress(self, p, out=None):
+        if out is not None:
+            check_out(p, out)
+        return fill(out, p.tensors["data"].view(p.shape))
 
     def compress_with_feedback(self, x, ef, name=""):
         return self.compress(x, name)  # nothing is lost, ef stays as it is
@@ -39,8 +41,11 @@ class Cast(Compressor):
         check_float(x, self.spec)
         return Payload({"data": x.reshape(-1).to(self.wire)}, x.shape, x.dtype)
 
-    def decompress(self, p):
-        return p.tensors["data"].to(p.dtype).view(p.shape)
+    def decompress(self, p, out=None):
+        if out is None:
+            return p.tensors["data"].to(p.dtype).view(p.shape)
+        check_out(p, out)
+        return fill(out, p.tensors["data"])  # copy_ converts: one rounding, as .to() does
 
     def layout(self, numel):
         return [("data", self.wire, numel)]

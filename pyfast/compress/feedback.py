@@ -28,8 +28,8 @@ class ErrorFeedback:
     def compress(self, x: torch.Tensor, name: str = "") -> Payload:
         return self.compressor.compress_with_feedback(x, self._buffer(x, name), name)
 
-    def decompress(self, p: Payload) -> torch.Tensor:
-        return self.compressor.decompress(p)
+    def decompress(self, p: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.compressor.decompress(p, out)
 
     def reset(self) -> None:
         self.memory.clear()
@@ -62,8 +62,8 @@ class WithFeedback(Compressor):
     def compress(self, x, name=""):
         return self.feedback.compress(x, name)
 
-    def decompress(self, p):
-        return self.inner.decompress(p)
+    def decompress(self, p, out=None):
+        return self.inner.decompress(p, out)
 
     def layout(self, numel):
         return self.inner.layout(numel)

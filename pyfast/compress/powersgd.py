@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from pyfast.compress.base import Compressor, Payload, check_float, derive_seed
+from pyfast.compress.base import Compressor, Payload, check_float, check_out, derive_seed, fill, flat
 
 
 def orthonormalize(p: torch.Tensor) -> torch.Tensor:
@@ -58,10 +58,17 @@ class PowerSGD(Compressor):
         q = self.q_step(m, p, name)
         return Payload({"p": p, "q": q}, x.shape, x.dtype)
 
-    def decompress(self, p):
+    def decompress(self, p, out=None):
+        if out is not None:
+            check_out(p, out)
         if "data" in p.tensors:
-            return p.tensors["data"].view(p.shape)
-        return (p.tensors["p"] @ p.tensors["q"].t()).to(p.dtype).view(p.shape)
+            return fill(out, p.tensors["data"].view(p.shape))
+        pm, qm = p.tensors["p"], p.tensors["q"]
+        into = flat(out) if out is not None else None
+        if into is not None and p.dtype == torch.float32:  # the product straight into out
+            torch.mm(pm, qm.t(), out=into.view(pm.shape[0], qm.shape[0]))
+            return out
+        return fill(out, (pm @ qm.t()).to(p.dtype).view(p.shape))
 
     def state_dict(self):
         return {"q": {k: v.clone() for k, v in self.q.items()}}

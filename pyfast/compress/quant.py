@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from pyfast.compress.base import Compressor, Payload, StepCounter, check_float, derive_seed
+from pyfast.compress.base import (Compressor, Payload, StepCounter, check_float, check_out,
+                                  derive_seed, fill, flat)
 from pyfast.ops import quantize as Q
 
 
@@ -25,10 +26,17 @@ class Quantizer(Compressor):
         # scales first: fp32 views of the wire buffer stay 4-byte aligned
         return Payload({"scales": scales, "codes": codes}, x.shape, x.dtype)
 
-    def decompress(self, p):
+    def decompress(self, p, out=None):
         t = p.tensors
-        y = Q.dequantize(t["codes"], t["scales"], p.numel, self.kind, self.block, p.dtype)
-        return y.view(p.shape)
+        if out is None:
+            y = Q.dequantize(t["codes"], t["scales"], p.numel, self.kind, self.block, p.dtype)
+            return y.view(p.shape)
+        check_out(p, out)
+        into = flat(out)
+        if into is None:  # no flat view of out: decode, then copy
+            return fill(out, self.decompress(p))
+        Q.dequantize(t["codes"], t["scales"], p.numel, self.kind, self.block, p.dtype, out=into)
+        return out
 
     def layout(self, numel):
         return [("scales", torch.float32, -(-numel // self.block)),

@@ -5,14 +5,21 @@ import math
 
 import torch
 
-from pyfast.compress.base import Compressor, aligned, Payload, StepCounter, check_float, derive_seed
+from pyfast.compress.base import (Compressor, Payload, StepCounter, aligned, check_float, check_out,
+                                  derive_seed, fill, flat)
 from pyfast.ops import topk as T
 
 
-def _scatter(p: Payload, idx: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros(p.numel, dtype=p.dtype, device=idx.device)
-    out[idx.long()] = p.tensors["values"].to(p.dtype)
-    return out.view(p.shape)
+def _scatter(p: Payload, idx: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """Zeros with the sent values at idx: into out (checked) or a new tensor of p's shape."""
+    if out is not None:
+        check_out(p, out)
+    into = flat(out) if out is not None else None
+    if out is not None and into is None:  # no flat view of out: scatter, then copy
+        return fill(out, _scatter(p, idx, None))
+    y = into.zero_() if into is not None else torch.zeros(p.numel, dtype=p.dtype, device=idx.device)
+    y[idx.long()] = p.tensors["values"].to(p.dtype)
+    return out if out is not None else y.view(p.shape)
 
 
 class TopK(Compressor):
@@ -34,8 +41,8 @@ class TopK(Compressor):
         values, idx = T.topk(x, self.ratio, ef)  # fused: ef <- (x + ef) - sent, one pass
         return Payload({"indices": idx, "values": values}, x.shape, x.dtype, header_bytes=4)
 
-    def decompress(self, p):
-        return _scatter(p, p.tensors["indices"])
+    def decompress(self, p, out=None):
+        return _scatter(p, p.tensors["indices"], out)
 
     def to_wire(self, p):
         count = torch.tensor([p.tensors["indices"].numel()], dtype=torch.int32)
@@ -85,8 +92,8 @@ class RandomK(Compressor):
         values = x.reshape(-1)[idx.long()]
         return Payload({"values": values}, x.shape, x.dtype, meta={"seed": seed})
 
-    def decompress(self, p):
-        return _scatter(p, self.indices(p.numel, p.meta["seed"], p.tensors["values"].device))
+    def decompress(self, p, out=None):
+        return _scatter(p, self.indices(p.numel, p.meta["seed"], p.tensors["values"].device), out)
 
     def layout(self, numel):
         return None  # the count of distinct indices depends on the seed

@@ -178,15 +178,31 @@ def quantize(x: torch.Tensor, kind: str, block: int = DEFAULT_BLOCK, stochastic:
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, n: int, kind: str,
                block: int = DEFAULT_BLOCK, dtype: torch.dtype = torch.float32,
-               backend: str | None = None) -> torch.Tensor:
+               backend: str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The n decoded values (dtype). With `out` (contiguous, dtype, n elements, on the codes'
+    device) they are written there and out is returned: no new tensor on cpp (fp32) and
+    triton."""
     _check_codes(codes, scales, n, kind, block)
+    if out is not None:
+        if out.dtype != dtype or out.numel() != n or not out.is_contiguous() \
+                or out.device != codes.device:
+            raise ValueError(f"dequantize: out must be contiguous {dtype}[{n}] on {codes.device}, "
+                             f"got {'' if out.is_contiguous() else 'non-contiguous '}"
+                             f"{out.dtype}[{out.numel()}] on {out.device}")
+        out = out.view(-1)
     b = resolve(codes.device, backend)
     if b == "cpp":
-        return torch.ops.pyfast.dequantize(codes, scales, n, kind, block, dtype)
+        if out is None:
+            return torch.ops.pyfast.dequantize(codes, scales, n, kind, block, dtype)
+        if dtype == torch.float32:  # no out= op in pyfast._C; -0.0 + v == v bitwise, for any v
+            torch.ops.pyfast.dequantize_accumulate_(out.fill_(-0.0), codes, scales, kind, block)
+            return out
+        return out.copy_(torch.ops.pyfast.dequantize(codes, scales, n, kind, block, dtype))
     if b == "triton":
         from pyfast.kernels import quantize as tk
-        return tk.dequantize(codes, scales, n, kind, block, dtype)
-    return dequantize_ref(codes, scales, n, kind, block, dtype)
+        return tk.dequantize(codes, scales, n, kind, block, dtype, out=out)
+    y = dequantize_ref(codes, scales, n, kind, block, dtype)
+    return y if out is None else out.copy_(y)
 
 
 def dequantize_accumulate_(out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
