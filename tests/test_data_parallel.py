@@ -182,7 +182,7 @@ def _bad_inputs(rank, world):
     except ValueError as e:
         res["layout"] = str(e)
     for spec, engine in BAD_CASES:
-        net = DataParallel(model(), spec, bucket_mb=0.001, engine=engine)
+        net = DataParallel(model(), spec, bucket_mb=0.001, engine=engine, check_finite="raise")
         x, y = batch(rank, 0)
         if rank == 1:
             x[3, 5] = float("nan")

@@ -3,8 +3,19 @@
 Parameters go into buckets of about `bucket_mb` (the first one FIRST_BUCKET_MB) in reverse
 registration order (backward produces gradients roughly in that order, as DDP assumes).
 Buckets are launched strictly in index order, so every rank issues the same collectives in
-the same order even when backward finishes gradients in a slightly different order. The wait is queued as an autograd final
-callback: when loss.backward() returns, every gradient is reduced (as in DDP).
+the same order even when backward finishes gradients in a slightly different order. The wait
+is queued as an autograd final callback: when loss.backward() returns, every gradient is
+reduced (as in DDP).
+
+Each parameter starts at a multiple of `align` elements (the compressor's quantization block),
+the gap being zeros, so a block never holds two parameters: a parameter's compression error is
+then the one it has when compressed alone. Measured before this rule on a tiny HF Llama (hidden
+64: 64-element norm weights shift every later offset), int8: q_proj/k_proj came back with 15-29%
+relative error against 0.8% alone, a block's scale being set by its larger neighbour. Cost: under
+`align` - 1 elements per parameter (int8's 512: 0.4% of gpt-small's 10.8M, 104 tensors).
+
+Buckets are fp32 whatever the gradients' dtype (bf16 and fp16 gradients are widened exactly and
+the reduced average is rounded once, back into their dtype) and live on the parameters' device.
 """
 from __future__ import annotations
 
@@ -25,6 +36,7 @@ class Bucket:
     launched: bool = False
     handle: object = None
     extra: dict = field(default_factory=dict)
+    gaps: list = field(default_factory=list)  # [start, end) of the zero padding between params
 
     @property
     def name(self) -> str:
@@ -38,15 +50,17 @@ FIRST_BUCKET_MB = 1.0
 
 class Bucketer:
     def __init__(self, named_params, bucket_mb: float, launch, enabled: bool = True,
-                 first_mb: float | None = None):
-        self.launch_fn, self.enabled = launch, enabled
+                 first_mb: float | None = None, align: int = 1):
+        if align < 1:
+            raise ValueError(f"align must be >= 1, got {align}")
+        self.launch_fn, self.enabled, self.align = launch, enabled, align
         self.buckets: list[Bucket] = []
         first = min(FIRST_BUCKET_MB if first_mb is None else first_mb, bucket_mb)
         group: list = []
         size = 0
         for name, p in reversed(list(named_params)):
             group.append((name, p))
-            size += p.numel() * 4  # reduced in fp32
+            size += -(-p.numel() // align) * align * 4  # reduced in fp32
             if size >= (first if not self.buckets else bucket_mb) * 2 ** 20:
                 self._add(group)
                 group, size = [], 0
@@ -64,12 +78,19 @@ class Bucketer:
         self._queued = False
 
     def _add(self, group) -> None:
-        offsets, off = [], 0
+        offsets, gaps, off = [], [], 0
         for _, p in group:
             offsets.append(off)
-            off += p.numel()
+            end = off + p.numel()
+            off = -(-end // self.align) * self.align
+            if off > end:
+                gaps.append((end, off))
+        if gaps and gaps[-1][1] == off:  # no padding after the last parameter
+            off = gaps.pop()[0]
+        dev = group[0][1].device
         self.buckets.append(Bucket(len(self.buckets), [p for _, p in group],
-                                   [n for n, _ in group], offsets, torch.zeros(off)))
+                                   [n for n, _ in group], offsets,
+                                   torch.zeros(off, dtype=torch.float32, device=dev), gaps=gaps))
 
     def arm(self, on_finish) -> None:
         """Reduce the gradients of the next backward (called by forward)."""
@@ -107,6 +128,8 @@ class Bucketer:
 
     def _launch(self, b: Bucket) -> None:
         with torch.no_grad():
+            for a, e in b.gaps:  # the reduction wrote decoded values here (sign: +-scale)
+                b.flat[a:e].zero_()
             for p, off in zip(b.params, b.offsets):
                 dst = b.flat[off: off + p.numel()]
                 if p.grad is None:  # unused this step: contributes zeros, as in DDP
@@ -129,7 +152,10 @@ class Bucketer:
         self._launch_ready()
         self.finish_and_callback()
 
-    def finish(self) -> list[Bucket]:
+    def finish(self, keep=None, before=None) -> list[Bucket]:
+        """Wait for every launched bucket, call before(buckets), then copy the reduced values
+        into the gradients. keep(bucket, i) False: the i-th parameter's .grad is left as it is
+        (None when no rank produced one)."""
         # Wait for every launched bucket even after one failed: a reduction still running on
         # the communication thread would otherwise interleave with the caller's next
         # collective, in a different order on each rank (seen as a 120 s gloo hang in tests).
@@ -145,6 +171,8 @@ class Bucketer:
             for b in self.buckets:
                 b.handle = None
             raise errors[0]
+        if before is not None:
+            before(self.buckets)
         done = []
         for b in self.buckets:
             if b.handle is None:
@@ -152,7 +180,9 @@ class Bucketer:
             b.extra["seconds"] = getattr(b.handle, "seconds", float("nan"))
             b.handle = None
             with torch.no_grad():
-                for p, off in zip(b.params, b.offsets):
+                for i, (p, off) in enumerate(zip(b.params, b.offsets)):
+                    if keep is not None and not keep(b, i):
+                        continue
                     src = b.flat[off: off + p.numel()].view(p.shape)
                     if p.grad is None:
                         p.grad = src.to(p.dtype).clone()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import time
 
 import torch
@@ -19,7 +20,10 @@ from pyfast.comm import NonFiniteGradient, all_reduce
 from pyfast.comm import engine as E
 from pyfast.comm.collectives import all_finite, wait_all
 from pyfast.comm.auto import CANDIDATES as AUTO_CANDIDATES, AutoSelector
+from pyfast.compress.sparse import TopK
 from pyfast.comm.buckets import Bucketer
+from pyfast.comm.failure import Breaker, new_group_like
+from pyfast.comm.guard import FiniteGuard
 
 ENGINES = ("auto", "native", "python")
 # 4 MB buckets (the first 1 MB, buckets.FIRST_BUCKET_MB), not DDP's 25: the engine pipelines
@@ -38,7 +42,8 @@ def check_same_layout(params: list[tuple[str, torch.Tensor]], group) -> None:
     (instead of hanging in a collective of mismatched sizes). One small all_gather."""
     lines = [f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in params]
     digest = hashlib.sha256("\n".join(lines).encode()).digest()[:8]
-    mine = torch.tensor([len(lines), int.from_bytes(digest, "little", signed=True)])
+    dev = params[0][1].device if params else None
+    mine = torch.tensor([len(lines), int.from_bytes(digest, "little", signed=True)], device=dev)
     world = dist.get_world_size(group)
     every = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(every, mine, group=group)
@@ -55,14 +60,71 @@ def check_same_layout(params: list[tuple[str, torch.Tensor]], group) -> None:
 
 
 def broadcast_state(module: nn.Module, group) -> None:
+    broadcast_coalesced(list(module.parameters()) + list(module.buffers()), group)
+
+
+def broadcast_coalesced(tensors: list[torch.Tensor], group) -> None:
+    """Group rank 0's values into every rank's tensors: one broadcast per (device, dtype)."""
     src = dist.get_global_rank(group, 0) if group is not None else 0
+    kinds: dict = {}
+    for t in tensors:
+        kinds.setdefault((t.device, t.dtype), []).append(t)
     with torch.no_grad():
-        for t in list(module.parameters()) + list(module.buffers()):
-            dist.broadcast(t.data, src, group=group)
+        for ts in kinds.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in ts])
+            dist.broadcast(flat, src, group=group)
+            for t, part in zip(ts, flat.split([t.numel() for t in ts])):
+                t.copy_(part.view(t.shape))
+
+
+def _per_tensor(c) -> bool:
+    """Compressors whose unit is a whole tensor (a matrix to factor, a top-k selection): a
+    bucket is reduced parameter by parameter, so no parameter's selection depends on another's."""
+    return isinstance(getattr(c, "inner", c), (C.PowerSGD, TopK))
+
+
+def _check_params(named) -> None:
+    for n, p in named:
+        if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"DataParallel reduces float32, bfloat16 and float16 parameters; "
+                             f"{n!r} is {p.dtype} (never rounded silently: keep it out of the "
+                             "wrapped module or convert it)")
+    devices = {p.device for _, p in named}
+    if len(devices) > 1:
+        raise ValueError(f"DataParallel needs every parameter on one device, got "
+                         f"{sorted(map(str, devices))}")
 
 
 class DataParallel(nn.Module):
-    """DistributedDataParallel's job with a compressor.
+    """DistributedDataParallel's job with a compressor, and DDP's semantics:
+
+    - A parameter no rank produced a gradient for this step keeps `.grad is None` (DDP with
+      find_unused_parameters=True); one used on some ranks only is averaged with zeros from the
+      others. No flag is needed: which parameters each rank used travels in a side band, one
+      exact fp32 all-reduce of (parameters + buckets) elements queued after the last bucket
+      (what it costs: bench/results/dp_semantics.txt).
+    - Parameters with requires_grad=False are not reduced and keep `.grad is None`; freezing or
+      adding a parameter after wrapping raises at the next forward (re-wrap instead).
+    - broadcast_buffers=True (the default, as DDP): at every forward with autograd on (outside
+      no_sync), group rank 0's buffers are broadcast to the others, one broadcast per dtype. As
+      in DDP, a forward then updates each rank's buffers from its own batch: call
+      sync_buffers() (or run a last forward in eval mode) for equal buffers after training.
+    - check_finite ("skip" by default: a GradScaler then works unchanged, as with DDP): a rank
+      whose bucket holds NaN/Inf sends zeros without touching its error-feedback memory; if any
+      rank had one, every rank gets NaN in that bucket (GradScaler skips the same step
+      everywhere) and every feedback memory and compressor state is put back as before the
+      step. "raise": NonFiniteGradient on every rank instead. False: no check (NaN/Inf go
+      through the compressor as they are). See pyfast.comm.guard for the costs.
+    - Buckets are fp32 whatever the parameters' dtype (bf16 / fp16 gradients are widened
+      exactly; the average is rounded once into their dtype: more exact than DDP, whose buckets
+      take the gradients' dtype); fp64 or complex parameters raise at construction. Shared
+      (tied) parameters are reduced once. Each parameter starts on a compressor block boundary
+      (pyfast.comm.buckets), and top-k / PowerSGD reduce each parameter alone: a parameter's
+      compression error never depends on its neighbours.
+    - A failed collective (dead peer, timeout) raises CommError naming the operation; the
+      module is then broken and every later forward raises. `timeout=` (seconds or timedelta)
+      runs the reductions on a private group with that timeout (collective, like
+      dist.new_group); without it the group's own applies.
 
     state_dict() keys are the wrapped module's with a "module." prefix, exactly as DDP's, so
     checkpoints move between the two. The compression state (error-feedback memory per
@@ -86,8 +148,8 @@ class DataParallel(nn.Module):
     """
 
     def __init__(self, module: nn.Module, compressor=None, bucket_mb: float = BUCKET_MB, group=None,
-                 error_feedback: bool = True, overlap: bool = True, check_finite: bool = True,
-                 engine: str = "auto"):
+                 error_feedback: bool = True, overlap: bool = True, check_finite="skip",
+                 engine: str = "auto", broadcast_buffers: bool = True, timeout=None):
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("DataParallel needs torch.distributed initialized "
@@ -97,25 +159,43 @@ class DataParallel(nn.Module):
         if engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
         self.module, self.group, self.overlap = module, group, overlap
-        self.check_finite = check_finite
+        self.broadcast_buffers = broadcast_buffers
         self.world = dist.get_world_size(group)
         self.auto = compressor == "auto"
         base = C.get("fp16" if self.auto else compressor)
         lossy = base.spec not in ("none", "fp16", "bf16")
         self.compressor = C.WithFeedback(base) if error_feedback and lossy else base
-        native = self._native(engine)  # before any collective or hook: a refusal leaves no trace
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        check_same_layout(named, group)
-        broadcast_state(module, group)
-        self.bucketer = Bucketer(named, bucket_mb, self._launch, enabled=overlap)
-        self.selector = (AutoSelector(self.bucketer.buckets, group, error_feedback)
+        _check_params(named)
+        self._guard = FiniteGuard(check_finite, self._compressors)
+        self.check_finite = self._guard.mode
+        native = self._native(engine)  # before any collective or hook: a refusal leaves no trace
+        # the group every reduction runs on: the caller's, or a private one with `timeout`
+        self._comm = new_group_like(group, timeout) if timeout is not None else group
+        check_same_layout(named, self._comm)
+        broadcast_state(module, self._comm)
+        usable = [C.get(s) for s in AUTO_CANDIDATES] if self.auto else [self.compressor]
+        align = math.lcm(*(getattr(getattr(c, "inner", c), "block", 1) for c in usable))
+        self.bucketer = Bucketer(named, bucket_mb, self._launch, enabled=overlap, align=align)
+        self.selector = (AutoSelector(self.bucketer.buckets, self._comm, error_feedback)
                          if self.auto else None)
         # Per bucket, so that a per-bucket compressor could mix the two; uniform today (auto's
         # candidates are all dense).
         self.engine_kind = ["native" if native else "python"] * len(self.bucketer.buckets)
-        self._engine = E.NativeEngine.private(group) if native else None
+        self._engine = E.NativeEngine.private(group, timeout) if native else None
+        self._params = [p for _, p in named]
+        self._first = [0]  # side band: bucket i's used flags start at _first[i]
+        for b in self.bucketer.buckets:
+            self._first.append(self._first[-1] + len(b.params))
+        dev = self._params[0].device if self._params else None
+        self._side = torch.zeros(self._first[-1] + len(self.bucketer.buckets), device=dev)
+        self._breaker = Breaker("this DataParallel")
         self._sync, self._closed = True, False
         self.last_wait_s = 0.0
+        self.skipped = False  # whether the last reduction was a skipped (non-finite) step
+
+    def _compressors(self) -> list:
+        return list(self.selector.made.values()) if self.selector else [self.compressor]
 
     def _native(self, engine: str) -> bool:
         """Whether the native engine reduces the buckets; ValueError if it was asked for and
@@ -134,21 +214,34 @@ class DataParallel(nn.Module):
     # ------------------------------------------------------------------ reduction
     def _launch(self, bucket) -> None:
         """Called by the bucketer when a bucket's gradients are all ready (in bucket order)."""
-        bucket.handle = self.reduce_async(bucket)
-
-    def reduce_async(self, bucket):
-        """Start averaging bucket.flat over the group; returns a handle with wait() and
-        `seconds` (what compressor="auto" measures)."""
+        if bucket.index == 0:
+            self._guard.begin()
+            self._side.zero_()
+        first = self._first[bucket.index]
+        for i, p in enumerate(bucket.params):
+            if p.grad is not None:
+                self._side[first + i] = 1.0
+        ok = self._guard.local_ok(bucket.flat)
+        if not ok:  # NaN/Inf here: send zeros, flag it, keep the feedback memory out of it
+            bucket.flat.zero_()
+            self._side[self._first[-1] + bucket.index] = 1.0
         c = self.selector.compressor(bucket) if self.selector else self.compressor
+        bucket.handle = self.reduce_async(bucket, self._guard.for_bucket(c, bucket.name, ok))
+
+    def reduce_async(self, bucket, c=None):
+        """Start averaging bucket.flat over the group with compressor c (default: this
+        DataParallel's); returns a handle with wait() and `seconds` (what compressor="auto"
+        measures)."""
+        if c is None:
+            c = self.selector.compressor(bucket) if self.selector else self.compressor
         if self.engine_kind[bucket.index] == "native":
             return self._engine.all_reduce(bucket.flat, c, op="avg", name=bucket.name)
-        if isinstance(getattr(c, "inner", c), C.PowerSGD):
-            # low rank needs the matrices: reduce each parameter's view of the bucket
-            handles = [all_reduce(bucket.flat[o: o + p.numel()].view(p.shape), c, self.group,
+        if _per_tensor(c):
+            handles = [all_reduce(bucket.flat[o: o + p.numel()].view(p.shape), c, self._comm,
                                   op="avg", async_op=True, name=f"{bucket.name}.{n}")
                        for p, n, o in zip(bucket.params, bucket.names, bucket.offsets)]
             return _All(handles)
-        return all_reduce(bucket.flat, c, self.group, op="avg", async_op=True, name=bucket.name)
+        return all_reduce(bucket.flat, c, self._comm, op="avg", async_op=True, name=bucket.name)
 
     def close(self) -> None:
         """Wait for reductions in flight, remove the gradient hooks, join the native engine's
@@ -164,39 +257,81 @@ class DataParallel(nn.Module):
         if self._engine is not None:
             self._engine.close()
             self._engine = None
+        if self._comm is not self.group:
+            with contextlib.suppress(BaseException):  # the peers may be gone
+                dist.destroy_process_group(self._comm)
+            self._comm = self.group
 
     def _finish(self) -> None:
         t0 = time.perf_counter()
         try:
-            done = self.bucketer.finish()
+            with self._breaker.guard("DataParallel gradient reduction"):
+                if self._engine is not None:
+                    side = self._engine.all_reduce(self._side, None, op="sum", name="sideband")
+                else:
+                    side = all_reduce(self._side, None, self._comm, op="sum", async_op=True,
+                                      name="sideband")
+                try:
+                    side.wait()  # FIFO behind the buckets: they are done too
+                finally:
+                    used = self._side.tolist()
+                    done = self.bucketer.finish(keep=lambda b, i: used[self._first[b.index] + i] > 0,
+                                                before=self._before_copy)
         finally:
             # exposed communication: what the training thread spent waiting for the buckets
             # (and copying them back) after backward's last gradient
             self.last_wait_s = time.perf_counter() - t0
         if self.selector is not None and len(done) == len(self.bucketer.buckets):
             self.selector.after_step([b.extra["seconds"] for b in done])
-        for b in done:
-            if self.check_finite and not all_finite(b.flat):
-                # the reduced bucket is bit-identical on every rank: so is this decision
-                raise NonFiniteGradient(f"NaN/Inf in the reduced gradient of {b.name} "
-                                        f"({', '.join(b.names[:3])}{'...' if len(b.names) > 3 else ''})")
+
+    def _before_copy(self, buckets) -> None:
+        """Between the wait and the copy into .grad: the non-finite verdict of the step."""
+        flags = [int(f) for f in self._side[self._first[-1]:].tolist()]
+        names = [f"{b.name} ({', '.join(b.names[:3])}{'...' if len(b.names) > 3 else ''})"
+                 for b in self.bucketer.buckets]
+        self.skipped = self._guard.settle(
+            flags, names, lambda i: self.bucketer.buckets[i].flat.fill_(float("nan")))
 
     def reduce_gradients(self) -> None:
         """Average the gradients accumulated so far over the group, now, with the configured
         compressor and engine: for backward passes that did not run through this wrapper's
         forward (pyfast's Pipeline.step runs one backward per micro-batch on the stage modules)
-        or ended under no_sync(). Same result as the reduction a synced backward does; a
-        parameter without a gradient gets zeros, as there. `last_wait_s` is the time spent
+        or ended under no_sync(). Same result as the reduction a synced backward does. `last_wait_s` is the time spent
         here (nothing overlaps this call: it launches and waits for every bucket)."""
-        if self._closed:
-            raise RuntimeError("this DataParallel was closed; call the wrapped .module directly")
+        self._check_usable()
         self.bucketer.arm(self._finish)
         self.bucketer.flush()
 
-    def forward(self, *args, **kwargs):
+    def sync_buffers(self) -> None:
+        """Broadcast group rank 0's buffers to every rank now."""
+        self._check_usable()
+        self._sync_buffers()
+
+    def _sync_buffers(self) -> None:
+        bufs = list(self.module.buffers())
+        if bufs:
+            with self._breaker.guard("DataParallel buffer broadcast"):
+                broadcast_coalesced(bufs, self._comm)
+
+    def _check_usable(self) -> None:
         if self._closed:
             raise RuntimeError("this DataParallel was closed; call the wrapped .module directly")
+        self._breaker.check()
+        now = [p for p in self.module.parameters() if p.requires_grad]
+        if len(now) != len(self._params) or any(a is not b for a, b in zip(now, self._params)):
+            names = {id(p): n for n, p in self.module.named_parameters()}
+            was = {id(p) for p in self._params}
+            new = [names[id(p)] for p in now if id(p) not in was]
+            gone = [names.get(id(p), "?") for p in self._params if id(p) not in {id(q) for q in now}]
+            raise RuntimeError(f"the wrapped module's trainable parameters changed after "
+                               f"DataParallel was built (added or unfrozen: {new or 'none'}; "
+                               f"removed or frozen: {gone or 'none'}): wrap it again")
+
+    def forward(self, *args, **kwargs):
+        self._check_usable()
         if torch.is_grad_enabled() and self._sync:
+            if self.broadcast_buffers:
+                self._sync_buffers()
             self.bucketer.arm(self._finish)
         else:
             self.bucketer.disarm()

@@ -1,0 +1,114 @@
+"""Non-finite gradients under compression, with torch.amp.GradScaler's semantics.
+
+With loss scaling an overflow (inf/NaN in some rank's gradients) is routine: the scaler must see
+it on every rank, skip that step everywhere, lower the scale and go on. A compressor with error
+feedback would otherwise store the inf in its memory (poisoning every later step), and the
+finite ranks would store this step's residual although the step is skipped. So, per step:
+
+1. each rank checks its own bucket before compressing it (one aminmax pass); a non-finite
+   bucket is sent as zeros through the compressor without its feedback memory (the collective
+   still runs: every rank issues the same ones), and its flag goes into the step's side band;
+2. in mode "skip", the feedback memory a bucket is about to update is copied first (and the
+   compressor's own state, e.g. PowerSGD's Q, at the step's start);
+3. once the flags are summed over ranks: "skip" fills the flagged buckets with NaN on every rank
+   (what GradScaler checks) and puts memory and state back as they were; "raise" raises
+   NonFiniteGradient on every rank, naming the bucket and how many ranks had it.
+
+Costs (9.4M fp32 gradients, one core of this 2-core EPYC): the check 1.6 ms a step, the memory
+copy 2.8 ms (only "skip" with a feedback compressor); nothing when check_finite=False.
+"""
+from __future__ import annotations
+
+import torch
+
+from pyfast.comm.collectives import NonFiniteGradient, all_finite
+
+MODES = ("skip", "raise", False)
+
+
+def check_mode(mode) -> str | bool:
+    if mode is True:  # the old boolean API: True meant "raise"
+        return "raise"
+    if mode not in MODES:
+        raise ValueError(f"check_finite must be one of {MODES}, got {mode!r}")
+    return mode
+
+
+def _mine(name: str, key: str) -> bool:
+    return key == name or key.startswith(name + ".") or key.startswith(name + ":")
+
+
+class FiniteGuard:
+    """The three steps above for one reducer; `compressors()` lists the compressors in use."""
+
+    def __init__(self, mode, compressors):
+        self.mode = check_mode(mode)
+        self.compressors = compressors
+        self._saved: dict[tuple[int, str], torch.Tensor] = {}
+        self._backup: dict[tuple[int, str], torch.Tensor] = {}  # reused buffers
+        self._state: list | None = None
+
+    def begin(self) -> None:
+        """A new step: forget the previous one's copies; snapshot compressor state ("skip")."""
+        self._saved = {}
+        self._state = None
+        if self.mode == "skip":
+            self._state = [(c, _inner(c).state_dict()) for c in self.compressors()]
+
+    def local_ok(self, flat: torch.Tensor) -> bool:
+        return self.mode is False or all_finite(flat)
+
+    def for_bucket(self, c, name: str, ok: bool):
+        """The compressor to reduce bucket `name` with: c itself, after copying the feedback
+        memory it will update ("skip"); without its memory if this rank's bucket is not
+        finite (the caller zeroes the bucket)."""
+        if not ok:
+            return _inner(c)
+        fb = getattr(c, "feedback", None)
+        if self.mode == "skip" and fb is not None:
+            for key, mem in fb.memory.items():
+                if _mine(name, key):
+                    k = (id(c), key)
+                    buf = self._backup.get(k)
+                    if buf is None or buf.shape != mem.shape or buf.device != mem.device:
+                        buf = self._backup[k] = torch.empty_like(mem)
+                    buf.copy_(mem)
+                    self._saved[k] = buf
+            self._saved[(id(c), name + "\0new")] = None  # memory created this step is dropped
+        return c
+
+    def rollback(self) -> None:
+        """Put every feedback memory and compressor state back as they were at begin()."""
+        for c in self.compressors():
+            fb = getattr(c, "feedback", None)
+            if fb is None:
+                continue
+            touched = [k[1][:-4] for k in self._saved if k[0] == id(c) and k[1].endswith("\0new")]
+            for key in list(fb.memory):
+                if not any(_mine(n, key) for n in touched):
+                    continue
+                old = self._saved.get((id(c), key))
+                if old is None:
+                    del fb.memory[key]
+                else:
+                    fb.memory[key].copy_(old)
+        for c, state in self._state or []:
+            _inner(c).load_state_dict(state)
+
+    def settle(self, flagged: list[int], names: list[str], fill) -> bool:
+        """After the flags were summed over ranks (flagged[i]: how many ranks had a non-finite
+        bucket i). Returns True if the step is skipped; `fill(i)` NaN-fills bucket i."""
+        bad = [i for i, f in enumerate(flagged) if f]
+        if not bad or self.mode is False:
+            return False
+        if self.mode == "raise":
+            raise NonFiniteGradient("NaN/Inf gradients in " + ", ".join(
+                f"{names[i]} on {flagged[i]} rank(s)" for i in bad) + " (check_finite='raise')")
+        self.rollback()
+        for i in bad:
+            fill(i)
+        return True
+
+
+def _inner(c):
+    return getattr(c, "inner", c)
