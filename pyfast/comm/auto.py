@@ -40,7 +40,7 @@ def _codec_seconds(c: C.Compressor, x: torch.Tensor, repeats: int = 3) -> float:
 
 def _wire(c: C.Compressor, n: int) -> int:
     lay = c.layout(n)
-    return n * 4 if lay is None else sum(k * torch.empty(0, dtype=d).element_size() for _, d, k in lay)
+    return n * 4 if lay is None else sum(k * d.itemsize for _, d, k in lay)
 
 
 class AutoSelector:
@@ -61,7 +61,10 @@ class AutoSelector:
         return self.made[self.choice[b.index]]
 
     def _agree(self, values: list[float]) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64)
+        if not self.buckets:  # every rank has the same buckets: none agree on nothing
+            return []
+        # on the gradients' device: the backend that reduces them carries the timings too
+        t = torch.tensor(values, dtype=torch.float64, device=self.buckets[0].flat.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return t.tolist()
 

@@ -14,6 +14,13 @@ same bytes in the same rank order with the same arithmetic on every rank. Algori
   rank raises the same error).
 - randomk: indices come from a shared seed, so the values are all-reduced directly.
 - powersgd: all-reduce P, orthonormalize, all-reduce Q.
+
+Devices: every buffer here (received bytes, fp32 sums, the counts and NaN/Inf flags that go
+first) is allocated on the device of the tensor it serves, so a CUDA gradient never meets a
+host buffer; the group must have a CUDA backend other than gloo for it (check_backend): gloo
+would copy through the host behind the caller's back. A backend failure (a dead peer, the
+group's timeout) surfaces as failure.CommError naming the reduction, e.g. "all_reduce of
+bucket3 (int8, two-phase) failed on rank 1: ...".
 """
 from __future__ import annotations
 
@@ -28,6 +35,7 @@ import torch.distributed as dist
 
 import pyfast.compress as C
 from pyfast.comm import pipelined as P
+from pyfast.comm.failure import naming
 from pyfast.compress.cast import Cast, NoCompression
 from pyfast.compress.powersgd import PowerSGD, orthonormalize
 from pyfast.compress.quant import Quantizer
@@ -45,6 +53,35 @@ class NonFiniteGradient(ValueError):
 
 def _world(group) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
+
+
+def device_backends(config: str) -> dict[str, str]:
+    """dist.get_backend_config's "cpu:gloo,cuda:nccl" (or a bare "gloo": every device) ->
+    {device type: backend name}."""
+    pairs = [item.split(":", 1) for item in config.lower().split(",") if item.strip()]
+    if len(pairs) == 1 and len(pairs[0]) == 1:
+        return {"*": pairs[0][0].strip()}
+    return {dev.strip(): name.strip() for dev, name in pairs}
+
+
+def check_backend(device: torch.device, group=None, what: str = "a collective") -> None:
+    """CUDA tensors go through the group's CUDA backend (NCCL), never gloo: a gloo group
+    accepts CUDA tensors by staging them through host memory, a copy no caller asked for.
+    Raise ValueError naming the fix instead. Other devices pass: their backend is the caller's."""
+    if device.type != "cuda":
+        return
+    found = device_backends(dist.get_backend_config(group))
+    backend = found.get("cuda", found.get("*"))
+    if backend is None or backend == "gloo":
+        raise ValueError(f"{what}: a tensor on {device} needs a process group with a CUDA backend "
+                         f"(NCCL), but the group's backends are {dist.get_backend_config(group)!r}: "
+                         "gloo would copy it through the host. Make the group with "
+                         'backend="nccl" (or "cpu:gloo,cuda:nccl"), or move the tensor to the CPU')
+
+
+def _label(name: str, t: torch.Tensor) -> str:
+    """How errors name the reduced tensor: its name, or its size and dtype."""
+    return name or f"a {t.numel()}-element {str(t.dtype).replace('torch.', '')} tensor"
 
 
 def _chunks(n: int, parts: int, align: int) -> list[tuple[int, int]]:
@@ -68,18 +105,19 @@ def _decode_add(c: C.Compressor, buf: torch.Tensor, out: torch.Tensor, dtype) ->
 
 
 def _all_gather_var(buf: torch.Tensor, group, flag: int = 0) -> tuple[list[torch.Tensor], list[int]]:
-    """All-gather byte buffers of different sizes: sizes (and a flag) first, then padded data."""
+    """All-gather byte buffers of different sizes: sizes (and a flag) first, then padded data.
+    The sizes travel on buf's device too: the group's backend for that device carries them."""
     world, _ = _world(group)
-    meta = torch.tensor([buf.numel(), flag], dtype=torch.int64)
-    metas = [torch.empty_like(meta) for _ in range(world)]
-    dist.all_gather(metas, meta, group=group)
-    sizes, flags = [int(m[0]) for m in metas], [int(m[1]) for m in metas]
+    meta = torch.tensor([buf.numel(), flag], dtype=torch.int64, device=buf.device)
+    metas = meta.new_empty(world * 2)
+    dist.all_gather_single(metas, meta, group=group)
+    sizes, flags = metas[0::2].tolist(), metas[1::2].tolist()
     if any(flags):
         return [], flags
     pad = max(sizes)
-    padded = torch.zeros(pad, dtype=torch.uint8)
+    padded = buf.new_zeros(pad)
     padded[: buf.numel()] = buf
-    out = [torch.empty(pad, dtype=torch.uint8) for _ in range(world)]
+    out = list(buf.new_empty(world, pad).unbind())
     dist.all_gather(out, padded, group=group)
     return [o[:s] for o, s in zip(out, sizes)], flags
 
@@ -91,14 +129,14 @@ def _two_phase(x: torch.Tensor, c, group, name: str) -> torch.Tensor:
     send = [_bytes(c, x[a:b], f"{name}.{i}") for i, (a, b) in enumerate(bounds)]
     sizes = [s.numel() for s in send]  # every rank's chunk i has the same layout and size
     mine = bounds[rank]
-    recv = torch.empty(sizes[rank] * world, dtype=torch.uint8)
+    recv = torch.empty(sizes[rank] * world, dtype=torch.uint8, device=x.device)
     dist.all_to_all_single(recv, torch.cat(send), [sizes[rank]] * world, sizes, group=group)
-    acc = torch.zeros(mine[1] - mine[0], dtype=torch.float32)
+    acc = torch.zeros(mine[1] - mine[0], dtype=torch.float32, device=x.device)
     for buf in recv.split(sizes[rank]):
         _decode_add(c, buf, acc, x.dtype)
     reduced = _bytes(c, acc.to(x.dtype), f"{name}.sum")
     gathered, _ = _all_gather_var(reduced, group)
-    out = torch.empty(n, dtype=torch.float32)
+    out = torch.empty(n, dtype=torch.float32, device=x.device)
     for (a, b), buf in zip(bounds, gathered):
         out[a:b] = c.decompress(c.from_wire(buf, (b - a,), x.dtype)).to(torch.float32)
     return out
@@ -112,7 +150,7 @@ def _gather_checked(x: torch.Tensor, c, group, name: str) -> list[torch.Tensor]:
     except ValueError as e:  # top-k refuses NaN/Inf: tell every rank before anyone raises
         if "NaN/Inf" not in str(e):
             raise
-        buf, flag = torch.empty(0, dtype=torch.uint8), 1
+        buf, flag = torch.empty(0, dtype=torch.uint8, device=x.device), 1
     gathered, flags = _all_gather_var(buf, group, flag)
     if any(flags):
         bad = [r for r, f in enumerate(flags) if f]
@@ -122,7 +160,7 @@ def _gather_checked(x: torch.Tensor, c, group, name: str) -> list[torch.Tensor]:
 
 def _gather_sum(x: torch.Tensor, c, group, name: str) -> torch.Tensor:
     """All-gather compressed tensors, sum in rank order (same bytes, same order everywhere)."""
-    out = torch.zeros(x.numel(), dtype=torch.float32)
+    out = torch.zeros(x.numel(), dtype=torch.float32, device=x.device)
     for buf in _gather_checked(x, c, group, name):
         _decode_add(c, buf, out, x.dtype)
     return out
@@ -144,7 +182,7 @@ def _agree_finite(x: torch.Tensor, group, name: str) -> None:
     all-reduce (and their seed counters a step ahead). Agree first, with one tiny all-reduce,
     before any compressor state moves."""
     world, rank = _world(group)
-    flags = torch.zeros(world)
+    flags = torch.zeros(world, device=x.device)  # on x's device: its backend carries it
     flags[rank] = float(not all_finite(x))
     dist.all_reduce(flags, group=group)
     if flags.any():
@@ -194,7 +232,7 @@ def choose(c: C.Compressor, numel: int, world: int) -> str:
     if isinstance(c, PowerSGD):
         return "powersgd"
     if isinstance(c, (Quantizer, Cast)):
-        wire = sum(cnt * torch.empty(0, dtype=dt).element_size() for _, dt, cnt in c.layout(numel))
+        wire = sum(cnt * dt.itemsize for _, dt, cnt in c.layout(numel))
         small = wire <= ALLGATHER_MAX_BYTES
         return "allgather" if world <= 2 or small else "two-phase"
     raise TypeError(f"no collective algorithm for compressor {c!r}")
@@ -211,6 +249,11 @@ def _reduce(t: torch.Tensor, c, group, op: str, name: str, algo: str | None) -> 
     elif algo != auto and not {algo, auto} <= {"two-phase", "allgather"}:
         raise ValueError(f"{c.spec} cannot use algorithm {algo!r} (it uses {auto!r}; the dense "
                          "quantizers and casts choose between 'two-phase' and 'allgather')")
+    with naming(f"all_reduce of {_label(name, t)} ({c.spec}, {algo})"):
+        return _run(t, c, group, op, name, algo, world)
+
+
+def _run(t: torch.Tensor, c, group, op: str, name: str, algo: str, world: int) -> torch.Tensor:
     if algo == "native" and t.dtype == torch.float32 and t.is_contiguous():
         dist.all_reduce(t, group=group)  # in place, no copies
         return t.div_(world) if op == "avg" else t
@@ -304,6 +347,7 @@ def all_reduce(t: torch.Tensor, compressor=None, group=None, op: str = "sum",
     if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"all_reduce takes float32, bfloat16 or float16 tensors, got {t.dtype}")
     c = C.get(compressor)
+    check_backend(t.device, group, f"all_reduce of {_label(name, t)}")
     if not async_op:
         return _reduce(t, c, group, op, name, algorithm)
     h = _Handle()

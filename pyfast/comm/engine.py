@@ -24,7 +24,13 @@ _C.Engine.cuda_enabled). Then the thread issues each job onto a side stream that
 caller's current stream at submit, with NCCL underneath (csrc/cuda/engine_cuda.cu); wait()
 makes the caller's current stream wait for the job, without a host sync, and `seconds` is the
 time to issue the job. That path is compiled on a machine without a GPU (make cuda-check) but
-has not run there.
+has not run there. CUDA tensors also need the engine's group to have a CUDA backend other than
+gloo (NCCL): collectives.check_backend refuses them at submit otherwise.
+
+A failed job (a dead peer, the group's timeout) raises failure.CommError from its handle's
+wait(), naming the job; the engine is broken from then on: every later job fails with "not
+run" instead of pairing with a peer's different collective, and close() still returns (the
+worker fails the queued jobs without sending anything).
 """
 from __future__ import annotations
 
@@ -35,8 +41,8 @@ import torch.distributed as dist
 
 import pyfast.compress as C
 from pyfast.comm import pipelined as P
-from pyfast.comm.failure import new_group_like
-from pyfast.comm.collectives import OPS, _chunks, choose, fast_path
+from pyfast.comm.failure import naming, new_group_like
+from pyfast.comm.collectives import OPS, _chunks, check_backend, choose, fast_path
 from pyfast.compress.cast import Cast, NoCompression
 from pyfast.compress.feedback import WithFeedback
 from pyfast.compress.quant import Quantizer
@@ -56,11 +62,12 @@ def _kind(c: C.Compressor) -> str | None:
 
 
 class Handle:
-    """wait() returns the reduced tensor (raises what the worker raised); `seconds` is the time
-    the job took on the engine's thread (NaN until it is done)."""
+    """wait() returns the reduced tensor (raises what the worker raised, as a CommError naming
+    `what` if the backend failed); `seconds` is the time the job took on the engine's thread
+    (NaN until it is done)."""
 
-    def __init__(self, engine, job: int, t: torch.Tensor):
-        self._engine, self._job, self._t = engine, job, t
+    def __init__(self, engine, job: int, t: torch.Tensor, what: str):
+        self._engine, self._job, self._t, self._what = engine, job, t, what
         self._seconds: float | None = None
         self._error: BaseException | None = None
 
@@ -69,7 +76,8 @@ class Handle:
             raise self._error
         if self._seconds is None:
             try:
-                self._seconds = self._engine.wait(self._job)  # releases the GIL
+                with naming(self._what):
+                    self._seconds = self._engine.wait(self._job)  # releases the GIL
             except BaseException as e:
                 self._error = e
                 raise
@@ -146,8 +154,9 @@ class NativeEngine:
     def all_gather_into(self, out: torch.Tensor, x: torch.Tensor) -> Handle:
         """Queue out <- every rank's x in rank order (dist.all_gather_into_tensor): contiguous
         float32 on one device, out.numel() == world * x.numel(). wait() returns out."""
-        check_device(x.device)
-        return Handle(self._engine, self._engine.submit_all_gather(out, x), out)
+        what = f"all_gather_into of {x.numel()} elements on the native engine"
+        self._check(x.device, what)
+        return Handle(self._engine, self._engine.submit_all_gather(out, x), out, what)
 
     def reduce_scatter_into(self, out: torch.Tensor, x: torch.Tensor, op: str = "sum") -> Handle:
         """Queue out <- part `rank` (of world equal parts) of x_0 + x_1 + ... added in rank order
@@ -156,8 +165,10 @@ class NativeEngine:
         returns out."""
         if op not in OPS:
             raise ValueError(f"op must be one of {OPS}, got {op!r}")
-        check_device(x.device)
-        return Handle(self._engine, self._engine.submit_reduce_scatter(out, x, op == "avg"), out)
+        what = f"reduce_scatter_into of {x.numel()} elements on the native engine"
+        self._check(x.device, what)
+        return Handle(self._engine, self._engine.submit_reduce_scatter(out, x, op == "avg"), out,
+                      what)
 
     def all_reduce(self, t: torch.Tensor, compressor=None, op: str = "sum", name: str = "",
                    algorithm: str | None = None) -> Handle:
@@ -171,7 +182,7 @@ class NativeEngine:
         if kind is None:
             raise ValueError(f"the native engine does not run {c!r} (dense, deterministic "
                              "compressors only); use pyfast.comm.all_reduce")
-        check_device(t.device)
+        self._check(t.device, "the native engine's all_reduce")
         if t.dtype != torch.float32 or not t.is_contiguous():
             raise TypeError(f"the native engine reduces contiguous float32 tensors, got "
                             f"{t.dtype} on {t.device} (contiguous: {t.is_contiguous()})")
@@ -189,7 +200,13 @@ class NativeEngine:
         ef = self._feedback(c, x, name, algorithm, align, chunk)
         job = self._engine.submit(x, kind, getattr(getattr(c, "inner", c), "block", 8),
                                   algorithm, op == "avg", ef, align, chunk)
-        return Handle(self._engine, job, t)
+        label = name or f"a {x.numel()}-element tensor"
+        return Handle(self._engine, job, t,
+                      f"all_reduce of {label} ({c.spec}, {algorithm}) on the native engine")
+
+    def _check(self, device: torch.device, what: str) -> None:
+        check_device(device)
+        check_backend(device, self.group, what)
 
     def _feedback(self, c, x, name, algorithm, align, chunk) -> list[torch.Tensor]:
         """The memories pyfast.comm.all_reduce would use, created under its names if missing."""

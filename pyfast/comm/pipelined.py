@@ -12,7 +12,8 @@ a 64 MB fp32 gradient (bench/results/allreduce.txt):
   (two-phase) chunks in flight, so compressing chunk i+1 and decoding chunk i-1 overlap the
   transfer of chunk i: int8 339 -> 270 ms (floor 270.5), fp16 -> 537 ms (floor 537).
 Chunk bounds are multiples of the block size (times W for two-phase), so every quantization
-block is the same block as in the unchunked reference.
+block is the same block as in the unchunked reference. Every buffer is made on x's device (new_empty /
+new_zeros of the chunk's bytes), so CUDA chunks never stage through the host.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def chunk_elems() -> int:
 
 
 def _wire_bytes(c, n: int) -> int:
-    return sum(cnt * torch.empty(0, dtype=dt).element_size() for _, dt, cnt in c.layout(n))
+    return sum(cnt * dt.itemsize for _, dt, cnt in c.layout(n))
 
 
 def gather_sum_into(x, c, group, name, out, helpers):
@@ -65,7 +66,7 @@ def gather_sum_into(x, c, group, name, out, helpers):
 
     for i, (a, b) in enumerate(bounds):
         buf = helpers.to_bytes(c, x[a:b], f"{name}.{i}" if len(bounds) > 1 else name)
-        recv = torch.empty(world * buf.numel(), dtype=torch.uint8)
+        recv = buf.new_empty(world * buf.numel())
         h = dist.all_gather_single(recv, buf, group=group, async_op=True)
         pending.append((a, b, recv, h))
         if len(pending) > 2:  # two chunks in flight: the link never idles
@@ -91,7 +92,7 @@ def two_phase_into(x, c, group, name, out, helpers):
         pre = name if single else f"{name}.{j}"
         send = [helpers.to_bytes(c, x[a + p:a + q], f"{pre}.{i}") for i, (p, q) in enumerate(pieces)]
         sizes = [s.numel() for s in send]
-        recv = torch.empty(sizes[rank] * world, dtype=torch.uint8)
+        recv = send[0].new_empty(sizes[rank] * world)
         h = dist.all_to_all_single(recv, torch.cat(send), [sizes[rank]] * world, sizes,
                                    group=group, async_op=True)
         stage_a.append((pre, a, pieces, sizes, recv, h))
@@ -99,14 +100,14 @@ def two_phase_into(x, c, group, name, out, helpers):
     def reduce_gather(pre, a, pieces, sizes, recv, h):
         h.wait()
         p, q = pieces[rank]
-        acc = torch.zeros(q - p, dtype=torch.float32)
+        acc = torch.zeros(q - p, dtype=torch.float32, device=x.device)
         for buf in recv.split(sizes[rank]):
             helpers.decode_add(c, buf, acc, x.dtype)
         mine = helpers.to_bytes(c, acc.to(x.dtype), f"{pre}.sum")
         full = max(sizes)  # the last piece of a ragged chunk is shorter: pad to the largest
-        padded = torch.zeros(full, dtype=torch.uint8)
+        padded = mine.new_zeros(full)
         padded[:mine.numel()] = mine
-        got = torch.empty(full * world, dtype=torch.uint8)
+        got = mine.new_empty(full * world)
         h2 = dist.all_gather_single(got, padded, group=group, async_op=True)
         stage_b.append((a, pieces, got, full, h2))
 

@@ -16,6 +16,10 @@ Before any data moves, the ranks check that they agree (shape, dtype, out): a mi
 otherwise hang a collective or pair chunks of different tensors. The check is one all-gather of
 8 bytes: 0.6 ms at W=2 on this 2-core machine (loaded), against 1.6 ms for a whole int8
 reduce_scatter of 4K elements and 18 ms at 4M: it matters only for tiny tensors.
+
+As in collectives.py: every buffer, the digests and counts included, is on t's device; CUDA
+tensors need a group with a CUDA backend other than gloo (check_backend); a backend failure is
+a failure.CommError naming the operation.
 """
 from __future__ import annotations
 
@@ -27,7 +31,8 @@ import torch.distributed as dist
 
 import pyfast.compress as C
 from pyfast.comm.collectives import (OPS, NonFiniteGradient, _Handle, _all_gather_var, _bytes,
-                                     _decode_add, _executor, _world, choose)
+                                     _decode_add, _executor, _label, _world, check_backend, choose)
+from pyfast.comm.failure import naming
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 SPARSE = ("sparse-allgather", "shared-index")  # choose()'s names for topk and randomk
@@ -56,8 +61,8 @@ def _agree(what: str, name: str, t, out, want, why: str, group) -> None:
     desc = f"{tuple(t.shape)} {t.dtype}"
     kind, msg = _own_problem(t, out, want, why, world)
     digest = hashlib.sha256(f"{desc}|{msg}".encode()).digest()[:8]
-    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)])
-    every = torch.empty(world, dtype=torch.int64)
+    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], device=t.device)
+    every = mine.new_empty(world)
     dist.all_gather_single(every, mine, group=group)
     if not msg and bool((every == mine).all()):
         return  # equal digests: every rank took this same branch
@@ -93,7 +98,7 @@ def _dense_rs(parts, names, c, group, name, acc):
     world, _ = _world(group)
     send = [_bytes(c, x, nm) for x, nm in zip(parts, names)]
     size = send[0].numel()  # equal chunks and a fixed layout: every payload has this size
-    recv = torch.empty(world * size, dtype=torch.uint8)
+    recv = send[0].new_empty(world * size)
     dist.all_to_all_single(recv, torch.cat(send), group=group)
     acc.zero_()
     for buf in recv.split(size):
@@ -104,12 +109,13 @@ def _sparse_rs(parts, names, c, group, name, acc):
     world, rank = _world(group)
     ps, flag = _compress_checked(c, parts, names)
     send = [c.to_wire(p) for p in ps]
-    mine = torch.tensor([flag] + ([s.numel() for s in send] if send else [0] * world))
-    every = torch.empty(world, world + 1, dtype=torch.int64)
+    mine = torch.tensor([flag] + ([s.numel() for s in send] if send else [0] * world),
+                        device=parts[0].device)
+    every = mine.new_empty(world, world + 1)
     dist.all_gather_single(every.view(-1), mine, group=group)
     _raise_nonfinite(every[:, 0].tolist(), name)
     sizes = every[:, 1 + rank].tolist()
-    recv = torch.empty(sum(sizes), dtype=torch.uint8)
+    recv = send[0].new_empty(sum(sizes))
     dist.all_to_all_single(recv, torch.cat(send), sizes, mine[1:].tolist(), group=group)
     acc.zero_()
     meta = ps[rank].meta  # randomk: every rank derived this same seed for chunk `rank`
@@ -129,7 +135,7 @@ def _reduce_scatter(out, t, c, group, op, name):
     # Sum straight into out when it is fp32: a fresh temporary costs page faults (pipelined.py).
     # On the compressed paths out may even alias t: every chunk is compressed before out is
     # written. The backend's reduce-scatter makes no such promise.
-    acc = out.view(-1) if out.dtype == torch.float32 else torch.empty(per, dtype=torch.float32)
+    acc = out.view(-1) if out.dtype == torch.float32 else out.new_empty(per, dtype=torch.float32)
     kind = choose(c, n, world)
     if kind == "native":  # fp32 sums for 16-bit inputs too, as all_reduce does
         # all_to_all_single + a local fp32 sum measured faster than gloo's reduce-scatter at
@@ -159,13 +165,13 @@ def _all_gather(out, t, c, group, name):
         return out
     if kind in SPARSE:
         ps, flag = _compress_checked(c, [x], [name])
-        buf = c.to_wire(ps[0]) if ps else torch.empty(0, dtype=torch.uint8)
+        buf = c.to_wire(ps[0]) if ps else x.new_empty(0, dtype=torch.uint8)
         bufs, flags = _all_gather_var(buf, group, flag)
         _raise_nonfinite(flags, name)
         meta = ps[0].meta
     else:
         buf = _bytes(c, x, name)
-        recv = torch.empty(world * buf.numel(), dtype=torch.uint8)
+        recv = buf.new_empty(world * buf.numel())
         dist.all_gather_single(recv, buf, group=group)
         bufs, meta = recv.split(buf.numel()), {}
     for r, buf in enumerate(bufs):
@@ -173,7 +179,10 @@ def _all_gather(out, t, c, group, name):
     return out
 
 
-def _start(async_op: bool, fn, *args):
+def _start(async_op: bool, op: str, fn, *args):
+    """fn(*args) now, or on all_reduce's FIFO worker when async_op; a backend failure either way
+    is a CommError naming `op`."""
+    fn = _named(op, fn)
     if not async_op:
         return fn(*args)
     h = _Handle()  # all_reduce's handle and its one FIFO worker: every rank issues in order
@@ -185,6 +194,13 @@ def _start(async_op: bool, fn, *args):
         return result
     h._fut = _executor().submit(timed)  # the executor's future carries the result or the error
     return h
+
+
+def _named(op: str, fn):
+    def run(*args):
+        with naming(op):
+            return fn(*args)
+    return run
 
 
 def _compressor(spec, refusal: str):
@@ -204,7 +220,9 @@ def reduce_scatter(out: torch.Tensor, t: torch.Tensor, compressor=None, group=No
         raise ValueError(f"reduce_scatter: op must be one of {OPS}, got {op!r}")
     c = _compressor(compressor, "reduce_scatter: powersgd factors the whole matrix, not a "
                     "chunk of it; use all_reduce")
-    return _start(async_op, _reduce_scatter, out, t, c, group, op, name)
+    what = f"reduce_scatter of {_label(name, t)} ({c.spec})"
+    check_backend(t.device, group, what)
+    return _start(async_op, what, _reduce_scatter, out, t, c, group, op, name)
 
 
 def all_gather(out: torch.Tensor, t: torch.Tensor, compressor=None, group=None,
@@ -214,4 +232,6 @@ def all_gather(out: torch.Tensor, t: torch.Tensor, compressor=None, group=None,
     returns out when async_op."""
     c = _compressor(compressor, "all_gather: powersgd's factors exist only as sums over ranks "
                     "(all_reduce); it has no per-rank payload to gather")
-    return _start(async_op, _all_gather, out, t, c, group, name)
+    what = f"all_gather of {_label(name, t)} ({c.spec})"
+    check_backend(t.device, group, what)
+    return _start(async_op, what, _all_gather, out, t, c, group, name)
