@@ -8,7 +8,8 @@ from torch import nn
 
 from pyfast.parallel import Pipeline
 from pyfast.parallel import schedules as S
-from pyfast.parallel.p2p import pack_header, unpack_header
+from pyfast.parallel.p2p import (failed_message, pack, pack_header, read_failure, spec_of, unpack,
+                                 unpack_header)
 from pyfast.parallel.zero_bubble import _linear_weight_grad, input_grad, weight_grad
 from pyfast.parallel.schedules import partition
 
@@ -144,12 +145,25 @@ def test_split_backward_equals_full_backward(kind):
 
 
 def test_header_round_trip():
-    t = torch.empty(3, 5, 7, dtype=torch.bfloat16)
-    h = unpack_header(pack_header(12, True, t, requires_grad=True))
-    assert (h["shape"], h["dtype"], h["requires_grad"], h["step"], h["error"]) == \
-        ((3, 5, 7), torch.bfloat16, True, 12, None)
+    spec = (True, (((3, 5, 7), torch.bfloat16, True), ((3,), torch.int64, False), ((), torch.bool, False)))
+    h = unpack_header(pack_header(12, True, spec))
+    assert (h["spec"], h["step"], h["training"], h["error"]) == (spec, 12, True, None)
     err = unpack_header(pack_header(3, False, error="batch size 30 is bad"))
-    assert err["error"] == "batch size 30 is bad"
+    assert err["error"] == "batch size 30 is bad" and err["spec"] == (False, ())
+
+
+def test_packed_messages_round_trip():
+    ts = [torch.randn(3, 5).to(torch.bfloat16), torch.randint(-9, 9, (7,)), torch.rand(2, 3) > 0.5,
+          torch.randn(1, 3, dtype=torch.float64), torch.randn(0, 4)]
+    specs = spec_of(True, ts)[1]
+    buf = pack(ts, specs, ts[0].device)
+    assert read_failure(buf) is None
+    for got, want in zip(unpack(buf, specs), ts):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    bad = failed_message(specs, "rank 3: loss_fn failed", ts[0].device)
+    assert bad.shape == buf.shape and read_failure(bad) == "rank 3: loss_fn failed"
+    tiny = failed_message([((1,), torch.float32, True)], "rank 3: loss_fn failed", ts[0].device)
+    assert tiny.numel() == 17 and read_failure(tiny) == "rank 3: loss_f"  # as much as fits
 
 
 def _model():

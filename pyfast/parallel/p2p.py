@@ -3,10 +3,17 @@
 A receive must be posted with exactly the size of its send: on a mismatch gloo aborts the
 whole process from its I/O thread ("Received data size doesn't match expected size", measured
 with torch 2.13). So the first activation of every step on a boundary is preceded by a
-1 KB header (shape, dtype, requires_grad, step number), and the first gradient coming back by a
-header too. Headers are also how an error reaches the other ranks: a rank that fails sends
-error headers on every boundary it has not yet opened this step, and a rank that receives one
-raises it, so bad input ends in a named error everywhere instead of a hang on a recv.
+1 KB header (the output's tensors: shapes, dtypes, requires_grad; the step number), and the
+first gradient coming back by a header too.
+
+Every message of a micro-batch (its activations, or their gradients) is one byte buffer: the
+tensors of a stage's output (one tensor or a tuple) packed at 16-byte offsets, then a status
+byte. Status is how a failure reaches ranks that are already waiting mid-step: a rank that
+fails sends, on each boundary, an error header if it has not opened it this step, else a
+"failed" message of the right size for every micro-batch it still owes (the receive posted
+for it matches, and the text of the error rides in its payload). A rank that receives one
+fails in turn and passes it on, so every rank stops its schedule instead of waiting for the
+group's timeout. The Pipeline then agrees on the step's outcome with one all-reduce.
 """
 from __future__ import annotations
 
@@ -15,18 +22,28 @@ import struct
 import torch
 import torch.distributed as dist
 
+from pyfast.comm.failure import CommError, naming
+
 HEADER_BYTES = 1024
 MAX_STAGES, MAX_MICROBATCHES = 256, 8192  # what the tag layout below can name
-MAX_DIMS = 8
-_INTS = 6 + MAX_DIMS  # magic, step, training, status, ndim, dtype, shape...
-_MAGIC = 0x5046  # "PF"
+MAX_DIMS, MAX_TENSORS = 8, 8
+_BASE, _PER = 6, 3 + MAX_DIMS  # magic, step, training, status, is_tuple, count; dtype, rg, ndim, shape
+_INTS = _BASE + MAX_TENSORS * _PER
+_MAGIC = 0x5047  # "PG": header layout 2 (tuples)
+_ALIGN = 16  # packed tensors start at multiples of this: .view(dtype) needs aligned offsets
+OK, FAILED = 0, 1
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
 ACT, GRAD, ACT_HEADER, GRAD_HEADER = range(4)
 
 
 class PipelineError(RuntimeError):
-    """A pipeline step failed on this rank or, forwarded by a header, on another one."""
+    """A pipeline step failed on this rank or on another one (the message names which rank,
+    stage and micro-batch). The Pipeline that raised it refuses further steps."""
+
+
+class PipelineCommError(PipelineError, CommError):
+    """A pipeline step failed because communication did (a dead or silent peer, a timeout)."""
 
 
 def tag(uid: int, kind: int, stage: int, mb: int) -> int:
@@ -36,83 +53,193 @@ def tag(uid: int, kind: int, stage: int, mb: int) -> int:
     return (uid & 255) << 23 | kind << 21 | stage << 13 | mb
 
 
-def pack_header(step: int, training: bool, t: torch.Tensor | None = None, requires_grad=False,
-                error: str | None = None) -> torch.Tensor:
-    shape = list(t.shape) if t is not None else []
-    if len(shape) > MAX_DIMS or (t is not None and t.dtype not in DTYPES):
-        raise PipelineError(f"stage outputs must have at most {MAX_DIMS} dims and a dtype in "
-                            f"{DTYPES}; got {tuple(shape)} {t.dtype}")
-    dtype = DTYPES.index(t.dtype) if t is not None else 0
-    ints = [_MAGIC, step, int(training), int(error is not None) + 2 * int(requires_grad),
-            len(shape), dtype] + shape + [0] * (MAX_DIMS - len(shape))
+# -- what crosses a boundary: one tensor or a tuple of them --------------------------------------
+def as_tensors(y, what: str) -> tuple[bool, list[torch.Tensor]]:
+    """(is_tuple, tensors) of a stage output; PipelineError if it is neither a tensor nor a
+    tuple/list of tensors."""
+    if isinstance(y, torch.Tensor):
+        return False, [y]
+    if isinstance(y, (tuple, list)) and y and all(isinstance(t, torch.Tensor) for t in y):
+        if len(y) > MAX_TENSORS:
+            raise PipelineError(f"{what} is a tuple of {len(y)} tensors; at most {MAX_TENSORS}")
+        return True, list(y)
+    kinds = [type(t).__name__ for t in y] if isinstance(y, (tuple, list)) else type(y).__name__
+    raise PipelineError(f"{what} must be a tensor or a non-empty tuple of tensors, got {kinds}")
+
+
+def spec_of(is_tuple: bool, ts: list[torch.Tensor]) -> tuple:
+    """A step's activation layout: (is_tuple, ((shape, dtype, requires_grad), ...))."""
+    return is_tuple, tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in ts)
+
+
+def describe(spec) -> str:
+    parts = [f"{shape} {str(dtype).replace('torch.', '')}" for shape, dtype, _ in spec[1]]
+    return f"({', '.join(parts)})" if spec[0] else parts[0]
+
+
+def _nbytes(shape, dtype) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n * dtype.itemsize
+
+
+def _layout(specs) -> tuple[list[int], int]:
+    offs, o = [], 0
+    for shape, dtype, _ in specs:
+        offs.append(o)
+        o += -(-_nbytes(shape, dtype) // _ALIGN) * _ALIGN
+    return offs, o + 1  # + the status byte
+
+
+def pack(ts: list[torch.Tensor], specs, device) -> torch.Tensor:
+    offs, size = _layout(specs)
+    buf = torch.empty(size, dtype=torch.uint8, device=device)
+    for t, o in zip(ts, offs):
+        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        buf.narrow(0, o, raw.numel()).copy_(raw)
+    buf[-1:].fill_(OK)
+    return buf
+
+
+def unpack(buf: torch.Tensor, specs) -> list[torch.Tensor]:
+    """Views into buf (no copy)."""
+    offs, _ = _layout(specs)
+    return [buf.narrow(0, o, _nbytes(shape, dtype)).view(dtype).view(shape)
+            for o, (shape, dtype, _) in zip(offs, specs)]
+
+
+def failed_message(specs, message: str, device) -> torch.Tensor:
+    """A message laid out like `specs` whose status says FAILED, carrying as much of `message`
+    as its payload holds."""
+    _, size = _layout(specs)
+    buf = torch.zeros(size, dtype=torch.uint8, device=device)
+    text = message.encode()[:max(0, size - 3)]
+    if text:
+        raw = struct.pack("<H", len(text)) + text
+        buf[:len(raw)].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+    buf[-1:].fill_(FAILED)
+    return buf
+
+
+def read_failure(buf: torch.Tensor) -> str | None:
+    """None if buf's status is OK, else the text it carries."""
+    if int(buf[-1].item()) == OK:
+        return None
+    raw = bytes(buf.cpu().numpy())
+    n = struct.unpack_from("<H", raw)[0] if len(raw) >= 3 else 0
+    return raw[2:2 + n].decode(errors="replace") if 0 < n <= len(raw) - 3 else ""
+
+
+# -- headers ---------------------------------------------------------------------------------
+def pack_header(step: int, training: bool, spec=None, error: str | None = None,
+                device=None) -> torch.Tensor:
+    is_tuple, specs = spec if spec is not None else (False, ())
+    ints = [_MAGIC, step, int(training), int(error is not None), int(is_tuple), len(specs)]
+    for shape, dtype, rg in specs:
+        if len(shape) > MAX_DIMS or dtype not in DTYPES:
+            raise PipelineError(f"stage outputs must have at most {MAX_DIMS} dims and a dtype in "
+                                f"{DTYPES}; got {shape} {dtype}")
+        ints += [DTYPES.index(dtype), int(rg), len(shape), *shape, *[0] * (MAX_DIMS - len(shape))]
+    ints += [0] * (_INTS - len(ints))
     head = struct.pack(f"<{_INTS}q", *ints)
     text = (error or "").encode()[:HEADER_BYTES - len(head) - 2]
     raw = head + struct.pack("<H", len(text)) + text
-    buf = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
-    buf[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    buf = torch.zeros(HEADER_BYTES, dtype=torch.uint8, device=device)
+    buf[:len(raw)].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
     return buf
 
 
 def unpack_header(buf: torch.Tensor) -> dict:
-    raw = bytes(buf.numpy())
+    raw = bytes(buf.cpu().numpy())
     ints = struct.unpack_from(f"<{_INTS}q", raw)
     if ints[0] != _MAGIC:
         raise PipelineError("corrupt pipeline header: another message used this tag")
     n = struct.unpack_from("<H", raw, 8 * _INTS)[0]
-    ndim = ints[4]
-    return {"step": ints[1], "training": bool(ints[2]), "error": None if not ints[3] & 1 else
+    specs = []
+    for i in range(ints[5]):
+        dt, rg, nd = ints[_BASE + i * _PER:_BASE + i * _PER + 3]
+        shape = ints[_BASE + i * _PER + 3:_BASE + i * _PER + 3 + nd]
+        specs.append((tuple(shape), DTYPES[dt], bool(rg)))
+    return {"step": ints[1], "training": bool(ints[2]), "error": None if not ints[3] else
             raw[8 * _INTS + 2:8 * _INTS + 2 + n].decode(errors="replace"),
-            "requires_grad": bool(ints[3] & 2), "dtype": DTYPES[ints[5]],
-            "shape": tuple(ints[6:6 + ndim])}
+            "spec": (bool(ints[4]), tuple(specs))}
+
+
+def _forwarded(message: str) -> PipelineError:
+    err = PipelineError(message)
+    err.forwarded = True  # already names its rank; pass it on unchanged
+    return err
 
 
 class Link:
     """Boundary stage -> stage + 1 as seen by this rank: it is the sender (it owns `stage`),
     the receiver (it owns `stage + 1`), or both (one rank, no messages at all)."""
 
-    def __init__(self, group, uid: int, stage: int, src: int, dst: int, me: int):
-        self.group, self.uid, self.stage = group, uid, stage
+    def __init__(self, group, uid: int, stage: int, src: int, dst: int, me: int, m: int):
+        self.group, self.uid, self.stage, self.m = group, uid, stage, m
         self.src, self.dst = src, dst  # group ranks
         self.sender, self.receiver, self.local = src == me, dst == me, src == dst
         self._glob = {r: dist.get_global_rank(group, r) for r in {src, dst}} if group else {}
         self.sends: list = []
         self.act_sends: dict = {}  # mb -> (work, tensor): released when the gradient returns
+        self.abandoned: list = []  # a failed step's pending transfers: their buffers stay alive
 
-    def begin(self, step: int, training: bool):
-        self.step, self.training = step, training
-        self.meta = None            # (shape, dtype, requires_grad) of this step's activations
+    def begin(self, step: int, training: bool, device):
+        self.abandoned += self.sends + list(self.act_sends.values())
+        self.sends, self.act_sends = [], {}
+        self.step, self.training, self.device = step, training, device
+        self.meta = None  # spec_of(...) of this step's activations
         self.opened_f = self.opened_b = False  # headers sent by this rank this step
         self.grad_ok = not training  # gradient header received (or not expected)
         self.acts, self.grads, self.mailbox = {}, {}, {}
+        self.sent_f, self.sent_b = set(), set()
         self._hf = self._hb = None
         if self.local:
             return
         if self.receiver:
-            self._hf = self._irecv(torch.empty(HEADER_BYTES, dtype=torch.uint8), ACT_HEADER, 0)
+            self._hf = self._irecv(torch.empty(HEADER_BYTES, dtype=torch.uint8, device=device),
+                                   ACT_HEADER, 0)
         if self.sender and training:
-            self._hb = self._irecv(torch.empty(HEADER_BYTES, dtype=torch.uint8), GRAD_HEADER, 0)
+            self._hb = self._irecv(torch.empty(HEADER_BYTES, dtype=torch.uint8, device=device),
+                                   GRAD_HEADER, 0)
 
     # -- transport -------------------------------------------------------------------------
+    def _what(self, kind, mb):
+        name = {ACT: f"stage {self.stage}'s output for micro-batch {mb}",
+                GRAD: f"the gradient of stage {self.stage}'s output for micro-batch {mb}",
+                ACT_HEADER: f"stage {self.stage}'s output header",
+                GRAD_HEADER: f"the header of stage {self.stage}'s output gradients"}[kind]
+        return name
+
     def _isend(self, t, kind, mb):
-        w = dist.isend(t, self._glob[self.dst if kind in (ACT, ACT_HEADER) else self.src],
-                       self.group, tag(self.uid, kind, self.stage, mb))
+        peer = self.dst if kind in (ACT, ACT_HEADER) else self.src
+        with naming(f"Pipeline: sending {self._what(kind, mb)} to rank {peer}"):
+            w = dist.isend(t, self._glob[peer], self.group, tag(self.uid, kind, self.stage, mb))
         if kind == ACT and self.training:
             self.act_sends[mb] = (w, t)
         else:
             self.sends.append((w, t))
 
     def _irecv(self, buf, kind, mb):
-        peer = self._glob[self.src if kind in (ACT, ACT_HEADER) else self.dst]
-        return dist.irecv(buf, peer, self.group, tag(self.uid, kind, self.stage, mb)), buf
+        peer = self.src if kind in (ACT, ACT_HEADER) else self.dst
+        with naming(f"Pipeline: receiving {self._what(kind, mb)} from rank {peer}"):
+            work = dist.irecv(buf, self._glob[peer], self.group, tag(self.uid, kind, self.stage, mb))
+        return work, buf, kind, mb
+
+    def _wait(self, pending) -> torch.Tensor:
+        work, buf, kind, mb = pending
+        peer = self.src if kind in (ACT, ACT_HEADER) else self.dst
+        with naming(f"Pipeline: receiving {self._what(kind, mb)} from rank {peer}"):
+            work.wait()
+        if kind in (ACT, GRAD) and (text := read_failure(buf)) is not None:
+            raise _forwarded(text or f"rank {peer} failed (its message was too small to say why)")
+        return buf
 
     def _header(self, pending, who: str) -> dict:
-        work, buf = pending
-        work.wait()
-        h = unpack_header(buf)
+        h = unpack_header(self._wait(pending))
         if h["error"] is not None:
-            err = PipelineError(h["error"])
-            err.forwarded = True  # already names its rank; pass it on unchanged
-            raise err
+            raise _forwarded(h["error"])
         if h["step"] != self.step or h["training"] != self.training:
             call = lambda t: "step()" if t else "forward()"  # noqa: E731
             raise PipelineError(
@@ -121,101 +248,124 @@ class Link:
                 f"number {self.step}; every rank must call step()/forward() the same way")
         return h
 
+    def _grad_specs(self):
+        return [s for s in self.meta[1] if s[2]]
+
     # -- activations, stage -> stage + 1 ---------------------------------------------------
-    def send_act(self, mb: int, y: torch.Tensor):
-        meta = (tuple(y.shape), y.dtype, y.requires_grad)
+    def send_act(self, mb: int, y):
+        is_tuple, ts = as_tensors(y, f"stage {self.stage}'s output")
+        meta = spec_of(is_tuple, ts)
         if self.meta is None:
             self.meta = meta
             if not self.local:
-                self._isend(pack_header(self.step, self.training, y, y.requires_grad),
+                self._isend(pack_header(self.step, self.training, meta, device=self.device),
                             ACT_HEADER, 0)
             self.opened_f = True
-        elif meta != self.meta:
+        elif meta != self.meta:  # requires_grad too: it decides what the gradient message holds
             raise PipelineError(
-                f"stage {self.stage} output for micro-batch {mb} is {meta[:2]} but earlier "
-                f"micro-batches of this step gave {self.meta[:2]}; within a step every "
-                f"micro-batch must produce the same shape and dtype")
-        y = y.detach()
+                f"stage {self.stage} output for micro-batch {mb} is {describe(meta)} but earlier "
+                f"micro-batches of this step gave {describe(self.meta)}; within a step every "
+                f"micro-batch must produce the same shapes and dtypes")
         if self.local:
-            self.mailbox[mb] = y
+            self.mailbox[mb] = [t.detach() for t in ts]
         else:
-            self._isend(y.contiguous(), ACT, mb)
+            self._isend(pack(ts, self.meta[1], self.device), ACT, mb)
+        self.sent_f.add(mb)
 
     def post_act(self, mb: int):
-        """Post the receive now if this step's shape is known; else take_act posts it after
+        """Post the receive now if this step's layout is known; else take_act posts it after
         reading the header (never block here: a receive is posted one action ahead)."""
-        if self.local or mb in self.acts:
+        if self.local or mb in self.acts or self.meta is None:
             return
-        if self.meta is not None:
-            shape, dtype, _ = self.meta
-            self.acts[mb] = self._irecv(torch.empty(shape, dtype=dtype), ACT, mb)
+        size = _layout(self.meta[1])[1]
+        self.acts[mb] = self._irecv(torch.empty(size, dtype=torch.uint8, device=self.device), ACT, mb)
 
-    def _read_act_header(self):
-        h = self._header(self._hf, f"sender of stage {self.stage}")
-        self.meta = (h["shape"], h["dtype"], h["requires_grad"])
-
-    def take_act(self, mb: int) -> torch.Tensor:
+    def take_act(self, mb: int) -> list[torch.Tensor]:
         if self.local:
             return self.mailbox.pop(mb)
         if self.meta is None:
-            self._read_act_header()
+            self.meta = self._header(self._hf, f"sender of stage {self.stage}")["spec"]
         self.post_act(mb)
-        work, buf = self.acts.pop(mb)
-        work.wait()
-        return buf
+        return unpack(self._wait(self.acts.pop(mb)), self.meta[1])
 
     # -- gradients, stage + 1 -> stage -----------------------------------------------------
-    def send_grad(self, mb: int, g: torch.Tensor | None):
-        shape, dtype, _ = self.meta
-        if g is None:  # the stage's output did not depend on its input
-            g = torch.zeros(shape, dtype=dtype)
+    def send_grad(self, mb: int, gs: list):
+        """gs: one gradient (or None: the output did not reach the input) per activation
+        tensor that requires grad, in order."""
+        specs = self._grad_specs()
+        gs = [g if g is not None else torch.zeros(shape, dtype=dtype, device=self.device)
+              for g, (shape, dtype, _) in zip(gs, specs)]
         if self.local:
-            self.mailbox[("g", mb)] = g
-            return
-        if not self.opened_b:
-            self._isend(pack_header(self.step, self.training), GRAD_HEADER, 0)
-            self.opened_b = True
-        self._isend(g.contiguous(), GRAD, mb)
+            self.mailbox[("g", mb)] = gs
+        else:
+            if not self.opened_b:
+                self._isend(pack_header(self.step, self.training, device=self.device),
+                            GRAD_HEADER, 0)
+                self.opened_b = True
+            self._isend(pack(gs, specs, self.device), GRAD, mb)
+        self.sent_b.add(mb)
 
     def post_grad(self, mb: int):
-        """Post the receive once this step's activation shape is known (the gradient has it)."""
+        """Post the receive once this step's activation layout is known (the gradient has it)."""
         if not self.local and mb not in self.grads and self.meta is not None:
-            shape, dtype, _ = self.meta
-            self.grads[mb] = self._irecv(torch.empty(shape, dtype=dtype), GRAD, mb)
+            size = _layout(self._grad_specs())[1]
+            self.grads[mb] = self._irecv(torch.empty(size, dtype=torch.uint8, device=self.device),
+                                         GRAD, mb)
 
-    def take_grad(self, mb: int) -> torch.Tensor:
+    def take_grad(self, mb: int) -> list[torch.Tensor]:
         if self.local:
             return self.mailbox.pop(("g", mb))
         if not self.grad_ok:
             self._header(self._hb, f"receiver of stage {self.stage}")
             self.grad_ok = True
         self.post_grad(mb)
-        work, buf = self.grads.pop(mb)
-        work.wait()
+        gs = unpack(self._wait(self.grads.pop(mb)), self._grad_specs())
         # Its gradient is back, so the activation has arrived: this wait returns at once, and
         # dropping the send keeps 1F1B's bound of p micro-batches held (work.is_completed()
         # stays False on gloo until wait() is called, so it cannot be polled instead).
         sent = self.act_sends.pop(mb, None)
         if sent is not None:
-            sent[0].wait()
-        return buf
+            with naming(f"Pipeline: sending stage {self.stage}'s output for micro-batch {mb}"):
+                sent[0].wait()
+        return gs
 
     # -- end of step -----------------------------------------------------------------------
     def fail(self, message: str):
-        """Tell the neighbours through every header this rank has not sent yet this step."""
+        """Tell the neighbours: an error header on each boundary this rank has not opened this
+        step, else a FAILED message for every micro-batch it still owes there, so whichever
+        receive a neighbour waits on returns."""
         if self.local:
             return
-        err = pack_header(self.step, self.training, error=message)
-        if self.sender and not self.opened_f:
-            self._isend(err, ACT_HEADER, 0)
-            self.opened_f = True
-        if self.receiver and self.training and not self.opened_b:
-            self._isend(err.clone(), GRAD_HEADER, 0)
-            self.opened_b = True
+        if self.sender:
+            if not self.opened_f:
+                self._isend(pack_header(self.step, self.training, error=message,
+                                        device=self.device), ACT_HEADER, 0)
+                self.opened_f = True
+            else:
+                for mb in sorted(set(range(self.m)) - self.sent_f):
+                    self._isend(failed_message(self.meta[1], message, self.device), ACT, mb)
+                    self.sent_f.add(mb)
+        if self.receiver and self.training:
+            if not self.opened_b:
+                self._isend(pack_header(self.step, self.training, error=message,
+                                        device=self.device), GRAD_HEADER, 0)
+                self.opened_b = True
+            else:
+                for mb in sorted(set(range(self.m)) - self.sent_b):
+                    self._isend(failed_message(self._grad_specs(), message, self.device), GRAD, mb)
+                    self.sent_b.add(mb)
+
+    def abandon(self):
+        """After a failed step: keep this step's pending transfers alive, never wait on them."""
+        self.abandoned += self.sends + list(self.act_sends.values())
+        self.abandoned += list(self.acts.values()) + list(self.grads.values())
+        self.abandoned += [h for h in (self._hf, self._hb) if h is not None]
+        self.sends, self.act_sends, self.acts, self.grads = [], {}, {}, {}
 
     def finish(self):
-        for w, _ in self.sends + list(self.act_sends.values()):
-            w.wait()
+        with naming(f"Pipeline: completing the sends of boundary {self.stage}->{self.stage + 1}"):
+            for w, _ in self.sends + list(self.act_sends.values()):
+                w.wait()
         self.sends, self.act_sends = [], {}
 
 
@@ -232,5 +382,5 @@ def agree(group, p: int, config: tuple, problem: str | None):
             raise ValueError(prob)
         if c != seen[0][0]:
             raise ValueError(f"ranks disagree on the pipeline: rank 0 has (schedule, n_microbatches, "
-                             f"virtual_stages, balance, layers, pipelines built) = {seen[0][0]}, "
-                             f"rank {r} has {c}")
+                             f"virtual_stages, balance, layers, timeout, pipelines built) = "
+                             f"{seen[0][0]}, rank {r} has {c}")

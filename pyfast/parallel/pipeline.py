@@ -6,8 +6,13 @@ v interleaved virtual stages) and runs a schedule's action list (schedules.py) i
     opt.step(); opt.zero_grad()   # opt over pipe.parameters(): this rank's layers only
 
 Gradients accumulate like loss.backward() on the mean loss over the whole batch: each
-micro-batch loss is back-propagated with weight 1/m. Schedules: gpipe, 1f1b, interleaved-1f1b,
-zb-h1 (torch.distributed.pipelining's names, lower-case).
+micro-batch loss is back-propagated with weight 1/m, and x gets its gradient when
+x.requires_grad. Stages may return a tensor or a tuple of tensors. Schedules: gpipe, 1f1b,
+interleaved-1f1b, zb-h1 (torch.distributed.pipelining's names, lower-case).
+
+A failure anywhere (a stage, loss_fn, a dead or silent peer) raises PipelineError on every
+rank, naming the rank, stage and micro-batch where it started (p2p.py says how it travels);
+the ranks agree on each step's outcome with one all-reduce of a flag at its end.
 """
 from __future__ import annotations
 
@@ -21,17 +26,23 @@ import torch.distributed as dist
 from torch import nn
 
 from . import schedules as S
-from .p2p import MAX_MICROBATCHES, MAX_STAGES, Link, PipelineError, agree
+from pyfast.comm.failure import CommError, as_timedelta, new_group_like
+from .p2p import (MAX_MICROBATCHES, MAX_STAGES, Link, PipelineCommError, PipelineError, agree,
+                  as_tensors)
 from .trace import Recorder
 from .zero_bubble import input_grad, weight_grad
 
-__all__ = ["Pipeline", "PipelineError"]
+__all__ = ["Pipeline", "PipelineError", "PipelineCommError"]
 _built = 0  # Pipelines built by this process; SPMD code builds them in the same order on every rank
 now = time.perf_counter
 # Receives are posted 2 compute actions before their consumer: tiny model (8 x Linear(256)),
 # 2 ranks, 1f1b, 10.8 -> 9.6 ms a step against 1; on 8 x Linear(1024) 1, 2 and 4 were within
 # the noise of the shared 2-core machine (AMD EPYC), and 8 was slower (more buffers in flight).
 RECV_LOOKAHEAD = 2
+ACTION_NAMES = {S.F: "forward", S.B: "backward", S.I: "input-gradient backward",
+                S.W: "weight-gradient backward", S.SEND_F: "sending the output",
+                S.SEND_B: "sending the input gradient", S.RECV_F: "posting the input's receive",
+                S.RECV_B: "posting the output gradient's receive"}
 
 
 class Pipeline(nn.Module):
@@ -41,13 +52,17 @@ class Pipeline(nn.Module):
     def from_sequential(cls, seq: nn.Sequential, n_microbatches: int, schedule: str = "1f1b",
                         loss_fn=None, group=None, balance="params", virtual_stages: int = 1,
                         example: torch.Tensor | None = None,
-                        split_backward: bool | None = None) -> Pipeline:
+                        split_backward: bool | None = None, timeout=None) -> Pipeline:
         """Split `seq` into world_size * virtual_stages contiguous stages; stage s goes to rank
         s % world_size. balance: "params" (equal parameter counts), "time" (equal measured
         forward+backward time on `example`, a batch like step's x), or a list of layer counts.
         The layers of other ranks' stages are moved to the meta device, freeing their memory.
         split_backward: run each backward as input gradient then weight gradient (always, for
-        zero-bubble schedules, which need it); None decides by layer size (see __init__)."""
+        zero-bubble schedules, which need it); None decides by layer size (see __init__).
+        timeout: seconds (or a timedelta) after which a step waiting on a silent peer fails;
+        the pipeline then runs on a private group with this timeout, made by a collective over
+        the default group (every rank of the job calls from_sequential at the same point, as
+        for dist.new_group). None: the group's own timeout."""
         global _built
         if not isinstance(seq, nn.Sequential):
             raise TypeError(f"Pipeline.from_sequential needs an nn.Sequential, "
@@ -86,8 +101,11 @@ class Pipeline(nn.Module):
         elif balance == "time" and not isinstance(example, torch.Tensor):
             problem = (f"balance='time' needs example= (a batch like step's x) on every rank; "
                        f"rank {rank} has none")
+        td = as_timedelta(timeout)  # TypeError/ValueError before any collective
         spec = list(balance) if isinstance(balance, (list, tuple)) else balance
-        agree(group, p, (schedule, m, v, spec, len(seq), _built), problem)
+        agree(group, p, (schedule, m, v, spec, len(seq), td and td.total_seconds(), _built), problem)
+        if td is not None and p > 1:
+            group = new_group_like(group, td)
         if balance == "params":
             counts = S.partition([sum(t.numel() for t in layer.parameters()) for layer in seq], n)
         elif balance == "time":
@@ -120,13 +138,14 @@ class Pipeline(nn.Module):
         self.stages, self.bounds, self.n_stages = stages, bounds, len(bounds) - 1
         self.n_microbatches, self.schedule, self.loss_fn = m, schedule, loss_fn
         self.group, self.rank, self.world_size = group, rank, p
+        self.abandoned: list = []  # a failed step's pending work (agreement), kept alive
         self.actions = S.lower(compute, self.n_stages, RECV_LOOKAHEAD)
         self.forward_actions = S.lower(S.forward_only(compute), self.n_stages, RECV_LOOKAHEAD)
         self.links = {}
         for s in stages:
             for b in (s - 1, s):
                 if 0 <= b < self.n_stages - 1 and b not in self.links:
-                    self.links[b] = Link(group, uid, b, b % p, (b + 1) % p, rank)
+                    self.links[b] = Link(group, uid, b, b % p, (b + 1) % p, rank, m)
         self._steps, self._broken, self.last_stats = 0, None, {}
         # Split backward (I then W) on every stage for zero bubble; elsewhere only where Linear
         # layers are big enough for the in-place weight gradient to pay for the graph walk:
@@ -146,7 +165,8 @@ class Pipeline(nn.Module):
     def step(self, x: torch.Tensor | None = None, target: torch.Tensor | None = None,
              trace: bool = False) -> torch.Tensor | None:
         """One training iteration: returns the mean micro-batch loss on the last stage (None
-        elsewhere) and leaves the gradients of the whole batch's mean loss in .grad."""
+        elsewhere) and leaves the gradients of the whole batch's mean loss in .grad (and in x's
+        graph when x.requires_grad)."""
         if not torch.is_grad_enabled():
             raise PipelineError("step() needs autograd enabled; use forward() for inference")
         self._run(self.actions, x, target, True, trace)
@@ -155,53 +175,119 @@ class Pipeline(nn.Module):
         return torch.stack([self._losses[k] for k in range(self.n_microbatches)]).mean()
 
     @torch.no_grad()
-    def forward(self, x: torch.Tensor | None = None, trace: bool = False) -> torch.Tensor | None:
+    def forward(self, x: torch.Tensor | None = None, trace: bool = False):
         """Inference through the pipeline (no autograd graph kept): the last stage's output for
-        the whole batch on the rank holding it, None elsewhere."""
+        the whole batch (a tensor, or a tuple if the stage returns one) on the rank holding it,
+        None elsewhere."""
         self._run(self.forward_actions, x, None, False, trace)
         if self.n_stages - 1 not in self.stages:
             return None
-        return torch.cat([self._outputs[k] for k in range(self.n_microbatches)])
+        outs = [self._outputs[k] for k in range(self.n_microbatches)]
+        if isinstance(outs[0], torch.Tensor):
+            return torch.cat(outs)
+        return type(outs[0])(torch.cat(parts) for parts in zip(*outs))
 
     # -- the runtime loop ----------------------------------------------------------------------
+    def _device(self, x):
+        """Where this step's buffers go: this rank's parameters', else x's (first stage), else
+        the default device (a stage without parameters or buffers on a middle rank)."""
+        for st in self.stages.values():
+            for t in (*st.parameters(), *st.buffers()):
+                return t.device
+        return x.device if isinstance(x, torch.Tensor) else torch.get_default_device()
+
     def _run(self, actions, x, target, training: bool, trace: bool):
+        op = "Pipeline.step" if training else "Pipeline.forward"
         if self._broken:
-            raise PipelineError(f"this Pipeline failed earlier ({self._broken}); messages of that "
-                                f"step may still be in flight, so build a new Pipeline")
+            raise PipelineError(f"{op}: this Pipeline is broken: a step failed earlier "
+                                f"({self._broken}); messages of that step may still be in "
+                                f"flight, so build a new Pipeline")
         self._steps += 1
         self._training, self._rec = training, Recorder(self.rank, self.group) if trace else None
         self._state, self._gin, self._losses, self._outputs = {}, {}, {}, {}
         self.last_stats = stats = {"compute": 0.0, "idle": 0.0, "actions": len(actions)}
+        self._dev = self._device(x)
         t0 = now()
+        error = None
         try:
             for link in self.links.values():
-                link.begin(self._steps, training)
+                link.begin(self._steps, training, self._dev)
             self._take_inputs(x, target, training)
-            run = self._run_action
             for a in actions:
-                run[a.kind](a)
-            for link in self.links.values():
-                link.finish()
-        except Exception as e:
-            if getattr(e, "forwarded", False):  # another rank's error, already named
-                msg = str(e)
-            else:
-                msg = f"rank {self.rank}: " + (str(e) if isinstance(e, PipelineError) else
-                                               f"{type(e).__name__}: {e}")
-            self._broken = msg
+                self._act(a)
+            if self._x_root is not None:
+                self._backward_into_x()
+        except Exception as e:  # noqa: BLE001  (every failure must reach the other ranks)
+            error = e
             for link in self.links.values():
                 with contextlib.suppress(Exception):  # the group itself may be what failed
-                    link.fail(msg)
-            raise PipelineError(msg) from e
+                    link.fail(self._message(e))
         finally:
-            self._state, self._gin, self._x, self._t = {}, {}, None, None
+            self._state, self._gin, self._x, self._t, self._x_root = {}, {}, None, None, None
+        self._agree(op, error)
+        for link in self.links.values():
+            link.finish()
         stats["wall"] = now() - t0
         stats["overhead_per_action"] = (stats["wall"] - stats["compute"] - stats["idle"]) / len(actions)
         if trace:
             stats["peak_activation_bytes"] = self._rec.peak_activation_bytes
 
+    def _message(self, e: Exception) -> str:
+        if getattr(e, "forwarded", False):  # another rank's error, already named
+            return str(e)
+        return f"rank {self.rank}: " + (str(e) if isinstance(e, PipelineError) else
+                                        f"{type(e).__name__}: {e}")
+
+    def _agree(self, op: str, error: Exception | None):
+        """Every rank learns whether any rank failed this step (one all-reduce of a flag; the
+        messages are gathered only on failure) and raises the error where it started. A rank
+        that finished its schedule before a peer failed raises too."""
+        failed, why = error is not None, None
+        if self.world_size > 1:
+            try:
+                flag = torch.tensor([int(failed)], dtype=torch.int32, device=self._dev)
+                dist.all_reduce(flag, dist.ReduceOp.MAX, group=self.group)
+                if int(flag.item()):
+                    seen = [None] * self.world_size
+                    mine = (self._message(error), not getattr(error, "forwarded", False)) \
+                        if failed else None
+                    dist.all_gather_object(seen, mine, group=self.group)
+                    why = next((m for m, origin in filter(None, seen) if origin),
+                               next(m for m, _ in filter(None, seen)))
+            except Exception as e:  # noqa: BLE001  (a dead or silent peer: the group failed)
+                local = self._message(error) if failed else f"rank {self.rank}: no error here"
+                self._broken = f"{local}; {type(e).__name__}: {e}"
+                for link in self.links.values():
+                    link.abandon()
+                raise PipelineCommError(
+                    f"{op} failed: {local}; and agreeing on the step with the other ranks failed "
+                    f"(a peer is dead or silent): {type(e).__name__}: {e}") from (error or e)
+        elif failed:
+            why = self._message(error)
+        if why is None:
+            return
+        self._broken = why
+        for link in self.links.values():
+            link.abandon()
+        kind = PipelineCommError if isinstance(error, CommError) else PipelineError
+        where = "" if failed and why == self._message(error) else \
+            f" (rank {self.rank} stopped because of it)"
+        raise kind(f"{op} failed: {why}{where}") from error
+
+    def _act(self, a):
+        try:
+            self._run_action[a.kind](a)
+        except PipelineError:
+            raise
+        except CommError as e:
+            raise PipelineCommError(f"{ACTION_NAMES[a.kind]} of stage {a.stage}, micro-batch "
+                                    f"{a.mb}: {e}") from e
+        except Exception as e:
+            raise PipelineError(f"{ACTION_NAMES[a.kind]} of stage {a.stage} failed on micro-batch "
+                                f"{a.mb}: {type(e).__name__}: {e}") from e
+
     def _take_inputs(self, x, target, training):
-        m, self._x, self._t = self.n_microbatches, None, None
+        m, self._x, self._t, self._x_root = self.n_microbatches, None, None, None
         if 0 in self.stages:
             if not isinstance(x, torch.Tensor):
                 raise PipelineError(f"the first stage (rank {self.rank}) needs x, a tensor; "
@@ -209,12 +295,21 @@ class Pipeline(nn.Module):
             if x.dim() == 0 or x.shape[0] % m or x.shape[0] == 0:
                 raise PipelineError(f"batch size {x.shape[0] if x.dim() else 0} is not divisible by "
                                     f"n_microbatches={m}: micro-batches must have equal sizes")
-            self._x = x.split(x.shape[0] // m)
+            if training and x.requires_grad:  # x gets its gradient, like loss.backward() would
+                self._x_root = x
+                self._x = [c.detach().requires_grad_() for c in x.detach().split(x.shape[0] // m)]
+            else:
+                self._x = x.detach().split(x.shape[0] // m)
         if training and self.n_stages - 1 in self.stages and target is not None:
             if not isinstance(target, torch.Tensor) or target.dim() == 0 or target.shape[0] % m:
                 rows = target.shape[0] if isinstance(target, torch.Tensor) and target.dim() else target
                 raise PipelineError(f"target batch size {rows} is not divisible by n_microbatches={m}")
             self._t = target.split(target.shape[0] // m)
+
+    def _backward_into_x(self):
+        """The first stage's input gradients, gathered per micro-batch, into x's graph at once."""
+        grads = [c.grad if c.grad is not None else torch.zeros_like(c) for c in self._x]
+        torch.autograd.backward(self._x_root, torch.cat(grads))
 
     def _mark(self, kind: str, a, t0: float, t1: float):
         if kind == "idle":
@@ -235,68 +330,89 @@ class Pipeline(nn.Module):
 
     # -- actions -------------------------------------------------------------------------------
     def _f(self, a):
+        """State kept for the backward: (handle, xs, y, loss). xs are the inputs whose gradient
+        is wanted (the previous stage's outputs that require grad; x's micro-batch when
+        x.requires_grad); handle is the single input the split backward walks from."""
         s, mb, last = a.stage, a.mb, a.stage == self.n_stages - 1
         t0 = now()
         if s == 0:
             x = self._x[mb]
-            if self._training and self._split[0] and x.is_floating_point():
-                x = x.detach().requires_grad_()  # a handle for input_grad, never differentiated
+            xs = [x] if x.requires_grad else []
+            handle = x if xs else None
+            if handle is None and self._training and self._split[0] and x.is_floating_point():
+                handle = x.detach().requires_grad_()  # for input_grad's walk, never differentiated
+                x = handle
         else:
             link = self.links[s - 1]
-            x = link.take_act(mb)
-            if self._training and link.meta[2]:
-                x.requires_grad_()
+            ts = link.take_act(mb)
+            is_tuple, specs = link.meta
+            if self._training:
+                for t, (_, _, rg) in zip(ts, specs):
+                    if rg:
+                        t.requires_grad_()
+            xs = [t for t in ts if t.requires_grad]
+            x = tuple(ts) if is_tuple else ts[0]
+            handle = xs[0] if len(xs) == 1 else None
         t1 = now()
         target = self._t[mb] if last and self._t is not None else None
-        if last and target is not None and target.shape[0] != x.shape[0]:
+        rows = (x[0] if isinstance(x, tuple) else x).shape[0]
+        if last and target is not None and target.shape[0] != rows:
             raise PipelineError(f"target has {target.shape[0]} rows per micro-batch but the input has "
-                                f"{x.shape[0]}: x and target batch sizes differ")
+                                f"{rows}: x and target batch sizes differ")
         loss, what = None, f"stage {s} (layers {self.bounds[s]}..{self.bounds[s + 1] - 1})"
         try:
             with self._saving((s, mb)):
                 y = self.stages[s](x)
                 if last and self._training:
-                    what = "loss_fn"
+                    what = f"loss_fn of stage {s}"
                     loss = self.loss_fn(y, target) if target is not None else self.loss_fn(y)
         except Exception as e:
-            if s > 0 and what != "loss_fn":
+            if s > 0 and not what.startswith("loss_fn"):
                 what += f" cannot take stage {s - 1}'s output"
-            raise PipelineError(f"{what} failed on micro-batch {mb}, input {tuple(x.shape)} "
-                                f"{x.dtype}: {type(e).__name__}: {e}") from e
+            raise PipelineError(f"{what} failed on micro-batch {mb}, input {_describe(x)}: "
+                                f"{type(e).__name__}: {e}") from e
         self._mark("idle", a, t0, t1)
         self._mark("forward", a, t1, now())
         if last and self._training:
-            if loss.numel() != 1:
-                raise PipelineError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}")
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                got = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+                raise PipelineError(f"loss_fn of stage {s} must return a scalar tensor, got {got} "
+                                    f"on micro-batch {mb}")
             self._losses[mb] = loss.detach()
         elif last:
             self._outputs[mb] = y
-        self._state[(s, mb)] = [x, y, loss]
+        if not last:
+            as_tensors(y, f"stage {s}'s output on micro-batch {mb}")  # fail here, naming it
+        self._state[(s, mb)] = [handle, xs, y, loss]
 
     def _out_grad(self, s, mb, y, loss):
-        """What to back-propagate from: the loss weighted 1/m, or the output with its gradient."""
+        """What to back-propagate from: the loss weighted 1/m, or the outputs that require grad
+        with their gradients."""
         if s == self.n_stages - 1:
-            return loss, torch.full_like(loss, 1.0 / self.n_microbatches)
-        return y, self.links[s].take_grad(mb)
+            return [loss], [torch.full_like(loss, 1.0 / self.n_microbatches)]
+        outs = [t for t in as_tensors(y, "")[1] if t.requires_grad]
+        return outs, self.links[s].take_grad(mb)
 
-    def _backward_input(self, s, x, out, grad):
-        """(plan for W, input gradient). With no plan the whole backward has run (fused)."""
-        if out.requires_grad and x.requires_grad and self._split[s]:
+    def _backward_input(self, s, handle, xs, outs, grads):
+        """(plan for W, the gradients of xs). With no plan the whole backward has run (fused)."""
+        if len(outs) == 1 and outs[0].requires_grad and handle is not None and self._split[s]:
             params = [p for p in self.stages[s].parameters() if p.requires_grad]
-            split = input_grad(out, grad, x, params, want_x=s > 0)
+            split = input_grad(outs[0], grads[0], handle, params, want_x=bool(xs))
             if split is not None:
-                return split
-        if out.requires_grad:
-            torch.autograd.backward(out, grad)
-        return None, x.grad if s > 0 else None
+                return split[0], [split[1]] if xs else []
+        live = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
+        if live:
+            torch.autograd.backward([o for o, _ in live], [g for _, g in live])
+        return None, [t.grad for t in xs]
 
     def _b(self, a):
         s, mb = a.stage, a.mb
-        x, y, loss = self._state.pop((s, mb))
+        handle, xs, y, loss = self._state.pop((s, mb))
         t0 = now()
-        out, grad = self._out_grad(s, mb, y, loss)
+        outs, grads = self._out_grad(s, mb, y, loss)
         t1 = now()
-        plan, self._gin[(s, mb)] = self._backward_input(s, x, out, grad)
+        plan, gin = self._backward_input(s, handle, xs, outs, grads)
+        self._keep_input_grad(s, mb, xs, plan, gin)
         if plan:
             weight_grad(plan)
         self._release((s, mb))
@@ -305,14 +421,21 @@ class Pipeline(nn.Module):
 
     def _i(self, a):
         s, mb = a.stage, a.mb
-        x, y, loss = self._state[(s, mb)]
+        handle, xs, y, loss = self._state[(s, mb)]
         t0 = now()
-        out, grad = self._out_grad(s, mb, y, loss)
+        outs, grads = self._out_grad(s, mb, y, loss)
         t1 = now()
-        plan, self._gin[(s, mb)] = self._backward_input(s, x, out, grad)
+        plan, gin = self._backward_input(s, handle, xs, outs, grads)
+        self._keep_input_grad(s, mb, xs, plan, gin)
         self._state[(s, mb)] = plan  # W needs only the plan: y, loss and the rest can go
         self._mark("idle", a, t0, t1)
         self._mark("backward", a, t1, now())
+
+    def _keep_input_grad(self, s, mb, xs, plan, gin):
+        if s > 0:
+            self._gin[(s, mb)] = gin  # for SEND_B
+        elif xs and plan is not None and gin[0] is not None:  # split: x's chunk has no .grad yet
+            xs[0].grad = gin[0] if xs[0].grad is None else xs[0].grad + gin[0]
 
     def _w(self, a):
         t0 = now()
@@ -326,7 +449,7 @@ class Pipeline(nn.Module):
         """Post a receive (it never blocks: take_* waits) or send a tensor produced earlier."""
         t0, key = now(), (a.stage, a.mb)
         if a.kind == S.SEND_F:
-            y = self._state[key][1] if self._training else self._state.pop(key)[1]
+            y = self._state[key][2] if self._training else self._state.pop(key)[2]
             self.links[a.stage].send_act(a.mb, y)
         elif a.kind == S.SEND_B:
             self.links[a.stage - 1].send_grad(a.mb, self._gin.pop(key))
@@ -335,3 +458,9 @@ class Pipeline(nn.Module):
         else:  # RECV_B: before this step's first forward is sent, take_grad posts it
             self.links[a.stage].post_grad(a.mb)
         self._mark("send" if a.kind in (S.SEND_F, S.SEND_B) else "recv", a, t0, now())
+
+
+def _describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"{tuple(x.shape)} {x.dtype}"
+    return "(" + ", ".join(_describe(t) for t in x) + ")"
