@@ -107,7 +107,7 @@ def check_device(device: torch.device) -> None:
                            f"tensors on {device}; rebuild pyfast (pip install "
                            "--no-build-isolation -e .) where torch is a CUDA build and nvcc "
                            "exists, or use pyfast.comm.all_reduce")
-    if device.type not in ("cpu", "cuda"):
+    if device.type not in ("cpu", "cuda"):  # cpu-literal: the device types _C.Engine runs
         raise TypeError(f"the native engine takes CPU and CUDA tensors, got one on {device}")
 
 
