@@ -9,6 +9,23 @@ from pyfast.ops import quantize as Q
 
 
 class Quantizer(Compressor):
+    """Blockwise codes and one fp32 scale per block (docs/FORMATS.md).
+
+    Bounds, per element x of a block with amax = max |x| over the block and step = amax / qmax
+    (tests/test_compress_props.py checks exactly these):
+    - int8 (qmax 127), int4 (qmax 7): |y - x| <= (1/2 + 2^-14) step + qmax 2^-128; a whole
+      step instead of half with stochastic=True.
+    - fp8 (e4m3, qmax 448): |y - x| <= (2^-4 + 2^-20) |x| + (2^-10 + 2^-14) step + 448 2^-128;
+      2^-3 and 2^-9 instead of 2^-4 and 2^-10 with stochastic=True.
+    - sign: |y| is the block's mean |x| (within 2^-14 relative: summation order), y < 0 iff
+      x < 0; a block whose fp32 sum of |x| overflows (mean |x| >= 6.6e35 at block 512)
+      decodes to NaN.
+    Then half an ulp of x's dtype for bf16/fp16 tensors. The 2^-14 step covers the two
+    roundings of 1 / amax * qmax (2^-22 relative where 1 / amax is subnormal); qmax 2^-128
+    covers blocks with amax < qmax / FLT_MAX, whose non-zero elements all code to +-qmax.
+    A block holding NaN or Inf decodes to NaN throughout: never to finite numbers.
+    """
+
     def __init__(self, kind: str, block: int = Q.DEFAULT_BLOCK, stochastic: bool = False,
                  seed: int = 0):
         if kind not in Q.KINDS:

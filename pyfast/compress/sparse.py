@@ -25,7 +25,11 @@ def _scatter(p: Payload, idx: torch.Tensor, out: torch.Tensor | None) -> torch.T
 class TopK(Compressor):
     """The largest-magnitude ~R*n entries (Aji & Heafield 2017; sampled threshold as in Deep
     Gradient Compression, Lin et al. 2018). Wire: values in x's dtype + int32 indices + a
-    4-byte count, since the count varies from step to step."""
+    4-byte count, since the count varies from step to step.
+
+    Bound: the sent entries are exact, the rest 0; no dropped entry is larger in magnitude than
+    a sent one; ceil(k/2) <= sent <= floor(3k/2) for k = max(1, round(R n)). NaN/Inf raise
+    ValueError ("NaN/Inf"): kept or dropped, they would vanish into a value or the feedback."""
 
     def __init__(self, ratio: float):
         self.ratio = ratio
@@ -65,7 +69,10 @@ class TopK(Compressor):
 class RandomK(Compressor):
     """~R*n entries at indices drawn from (seed, name, step), which every rank derives alike:
     only the values cross the wire. Draws k indices with replacement and keeps the distinct
-    ones (about k(1 - R/2) of them): O(k) work instead of a permutation of all n."""
+    ones (about k(1 - R/2) of them): O(k) work instead of a permutation of all n.
+
+    Bound: y_i is x_i exactly at the drawn indices, 0 elsewhere. NaN/Inf anywhere raise
+    ValueError ("NaN/Inf"): a random subset would drop them silently."""
 
     def __init__(self, ratio: float, seed: int = 0):
         self.ratio, self.seed = ratio, seed

@@ -67,6 +67,18 @@ def e4m3_decode_mag(c: torch.Tensor) -> torch.Tensor:
     return torch.where(e == 0, f * 2.0 ** -9, normal)
 
 
+def fit_scales(scales: torch.Tensor, kind: str) -> torch.Tensor:
+    """amax / qmax rounds up for some amax within an ulp or two of FLT_MAX, and the top code
+    then decodes to qmax * scale = inf: a finite gradient would arrive as inf. Such a scale
+    steps down one ulp (qmax * scale < amax then). Applied after every backend's kernel, so
+    codes and scales stay bitwise equal across backends; found by tests/test_compress_props.py
+    (int8 of x = 3.4028235e38 decoded to inf)."""
+    if kind == "sign" or not scales.numel():
+        return scales
+    over = torch.isinf(scales * KINDS[kind]) & torch.isfinite(scales)
+    return torch.where(over, scales.nextafter(torch.zeros_like(scales)), scales)
+
+
 # --------------------------------------------------------------------------- reference
 def _blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     xf = x.reshape(-1).to(torch.float32)
@@ -94,6 +106,7 @@ def quantize_ref(x: torch.Tensor, kind: str, block: int = DEFAULT_BLOCK,
     finite = torch.isfinite(amax)
     # a tensor divisor: torch on CUDA turns `tensor / python_float` into a reciprocal multiply
     scales = torch.where(finite, amax / torch.full_like(amax, qmax), torch.full_like(amax, float("nan")))
+    scales = fit_scales(scales, kind)
     # reciprocal then multiply (what `qmax / amax` does in torch): FORMATS.md, two roundings
     inv = torch.where(finite & (amax > 0), amax.reciprocal() * qmax, torch.zeros_like(amax))
     y = (xb * inv[:, None]).reshape(-1)[:n]
@@ -169,11 +182,13 @@ def quantize(x: torch.Tensor, kind: str, block: int = DEFAULT_BLOCK, stochastic:
     x = x.reshape(-1)
     b = resolve(x.device, backend)
     if b == "cpp":
-        return torch.ops.pyfast.quantize(x, kind, block, stochastic, seed)
-    if b == "triton":
+        codes, scales = torch.ops.pyfast.quantize(x, kind, block, stochastic, seed)
+    elif b == "triton":
         from pyfast.kernels import quantize as tk
-        return tk.quantize(x, kind, block, stochastic, seed)
-    return quantize_ref(x, kind, block, stochastic, seed)
+        codes, scales = tk.quantize(x, kind, block, stochastic, seed)
+    else:
+        return quantize_ref(x, kind, block, stochastic, seed)
+    return codes, fit_scales(scales, kind)
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, n: int, kind: str,
