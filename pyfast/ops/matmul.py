@@ -7,15 +7,25 @@ Backends: triton for CUDA tensors (and for CPU tensors in Triton's interpreter w
 the tests do), an autograd Function whose backward reuses the kernel on transposed views:
 dz = dy * act'(z), dx = dz @ W, dW = dz^T @ x with db = dz.sum(0) fused into that GEMM.
 On CPU, "cpp" and "torch" both run the reference: torch's GEMM (MKL) and its epilogue.
+
+Under autocast linear_act computes what F.linear does there: x, weight and bias cast to the
+autocast dtype (fp32/fp16/bf16 ones; float64 stays), the GEMM and epilogue in that dtype. An
+autograd Function is not intercepted by autocast, so without this the Triton path would run
+in fp32 where the dense layer runs in bf16.
+
+`gemm_backend(device, dtypes)` decides between the Triton GEMM and torch's (cuBLAS on CUDA, MKL
+on CPU) for the tensor-parallel layers: Triton on CUDA (or when forced) only where its dtype
+rules hold (one dtype of DTYPES for x, weight and bias), else torch's.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
 import torch.nn.functional as F
 
-from pyfast.ops._backend import resolve
+from pyfast.ops._backend import BackendUnavailable, resolve
 
 ACTIVATIONS = {None: None, "gelu": "none", "gelu_tanh": "tanh"}  # name -> F.gelu's approximate
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -99,11 +109,62 @@ def _use_triton(device: torch.device, backend: str | None) -> bool:
     return resolve(device, backend) == "triton"
 
 
+_AUTOCAST_CASTS = (torch.float32, torch.float16, torch.bfloat16)  # what autocast lowers
+
+
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast runs F.linear in on `device_type` now, or None (autocast off)."""
+    if not torch.amp.is_autocast_available(device_type):
+        return None
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+def autocast_linear_args(*ts: torch.Tensor | None):
+    """(tensors as F.linear would see them under the current autocast, a context that turns
+    autocast off): so a custom GEMM computes what F.linear computes, once, in that dtype. The
+    casts are differentiable (gradients reach fp32 parameters in fp32, as with autocast)."""
+    first = next(t for t in ts if t is not None)
+    dt = autocast_dtype(first.device.type)
+    if dt is None:
+        return ts, contextlib.nullcontext()
+    cast = tuple(t.to(dt) if t is not None and t.dtype in _AUTOCAST_CASTS else t for t in ts)
+    return cast, torch.autocast(first.device.type, enabled=False)
+
+
+def gemm_backend(device: torch.device, x_dtype: torch.dtype, w_dtype: torch.dtype,
+                 b_dtype: torch.dtype | None = None, backend: str | None = None) -> str:
+    """"triton" or "torch": which GEMM a tensor-parallel layer runs for these (post-autocast)
+    dtypes on `device`. Automatic: Triton on CUDA where its dtype rules hold (x, weight and
+    bias of one dtype in DTYPES), else torch's (cuBLAS; on CPU, MKL, which a fused epilogue
+    did not beat: see above). Forced (PYFAST_BACKEND / backend): "triton" raises
+    BackendUnavailable naming the dtypes it cannot take; "cpp" and "torch" run torch's."""
+    name = backend or os.environ.get("PYFAST_BACKEND") or "auto"
+    dtypes = {x_dtype, w_dtype} | ({b_dtype} if b_dtype is not None else set())
+    fits = len(dtypes) == 1 and x_dtype in DTYPES
+    if name == "auto":
+        if device.type != "cuda" or not fits:
+            return "torch"
+        return "triton" if resolve(device, backend) == "triton" else "torch"
+    if resolve(device, backend) != "triton":
+        return "torch"
+    if not fits:
+        raise BackendUnavailable(
+            f"backend 'triton' was asked for but its GEMM takes one dtype of "
+            f"{', '.join(str(d) for d in DTYPES)} for x, weight and bias, got x {x_dtype}, "
+            f"weight {w_dtype}" + (f", bias {b_dtype}" if b_dtype is not None else ""))
+    return "triton"
+
+
 def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                activation: str | None = None, backend: str | None = None) -> torch.Tensor:
-    """act(x @ weight^T + bias) for x [..., in], weight [out, in], bias [out]; differentiable."""
-    _check(x, weight, bias, activation)
-    if not _use_triton(x.device, backend):
-        return linear_act_ref(x, weight, bias, activation)
-    y = _LinearActTriton.apply(x.reshape(-1, x.shape[-1]), weight, bias, activation)
-    return y.view(*x.shape[:-1], weight.shape[0])
+    """act(x @ weight^T + bias) for x [..., in], weight [out, in], bias [out]; differentiable.
+    Under autocast: in the autocast dtype, as F.linear (then the activation in that dtype)."""
+    (x, weight, bias), no_autocast = autocast_linear_args(x, weight, bias)
+    with no_autocast:
+        _check(x, weight, bias, activation)
+        if not _use_triton(x.device, backend):
+            return linear_act_ref(x, weight, bias, activation)
+        y = _LinearActTriton.apply(x.reshape(-1, x.shape[-1]), weight, bias, activation)
+        return y.view(*x.shape[:-1], weight.shape[0])

@@ -14,7 +14,14 @@ added in rank order, gloo's in its ring's order: a few ulps apart.
 comm moves the bytes: "c10d" (isend/irecv, default), a NativeEngine (pyfast.comm.engine; fp32) or
 an object with C10dComm's interface. Not async collectives: at 1 Gbit/s (bench/results/overlap_tp)
 the all-gather is as fast (36.8 vs 37.9 ms), gloo's reduce_scatter is an all-reduce (43.8 vs 77.1).
+
+Under autocast both compute what F.linear does there: x, weight and bias cast to the autocast
+dtype, the GEMMs in it (torch.mm(out=) alone would ignore autocast and run in fp32).
+Failures: timeout= bounds every wait on a piece (gloo enforces it in its transport, so a
+silent peer fails the call instead of hanging); a failed transfer raises CommError naming the
+function and direction (with a layer's CommGuard: the layer, which it then breaks).
 """
+import datetime
 import zlib
 
 import torch
@@ -22,7 +29,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd import Function
 
-from pyfast.parallel.tp_comm import tp_world
+from pyfast.comm.failure import as_timedelta
+from pyfast.ops.matmul import autocast_linear_args
+from pyfast.parallel.tp_comm import CommGuard, tp_world
 
 # MKL sgemm (2024.2, AVX-512) gives a row the same bits in any GEMM of >= 4 rows, not of 1-3 (8e-5
 # apart at K = 1024): pieces keep MIN_ROWS rows (chunks is a maximum), smaller shards one GEMM.
@@ -40,14 +49,17 @@ class C10dComm:
     reduce_scatter(out, parts [world, rows, cols]): out <- sum of every rank's parts[rank]; both
     return a function that waits. isend/irecv: pieces land in order, in the caller's buffers."""
 
-    def __init__(self, group):
+    def __init__(self, group, timeout: datetime.timedelta | None = None):
         self.group, (self.world, self.rank) = group, tp_world(group)
         self.peers = [(self.rank + s) % self.world for s in range(1, self.world)]
+        self.timeout = timeout  # of each wait; None: the group's own
 
     def _swap(self, send, recv, tag=TAG):  # lists of (tensor, peer); sends kept until waited on
         works = [dist.isend(t, group=self.group, group_dst=q, tag=tag) for t, q in send]
         works += [dist.irecv(t, group=self.group, group_src=q, tag=tag) for t, q in recv]
-        return lambda: [w.wait() for w in works]
+        if self.timeout is None:
+            return lambda: [w.wait() for w in works]
+        return lambda: [w.wait(self.timeout) for w in works]
 
     def all_gather(self, outs, x):
         return self._swap([(x, q) for q in self.peers], [(outs[q], q) for q in self.peers])
@@ -82,11 +94,11 @@ class EngineComm:
         return self.engine.reduce_scatter_into(out, parts).wait
 
 
-def launcher(comm, group):
+def launcher(comm, group, timeout=None):
     """The launcher for `comm` on `group`: "c10d", a NativeEngine, or a launcher object."""
     from pyfast.comm.engine import NativeEngine
     if comm == "c10d":
-        return C10dComm(group)
+        return C10dComm(group, timeout)
     if (comm == "engine" or isinstance(comm, NativeEngine)) and \
             not hasattr(NativeEngine, "all_gather_into"):
         raise NotImplementedError("the native engine has no all_gather jobs yet: use 'c10d'")
@@ -160,33 +172,36 @@ class _AllGatherLinear(Function):
     + F.linear does: gathering it again would trade that memory for one more all-gather."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, comm, dim, chunks):
-        y, full = all_gather_mm(_rows(x, dim), weight.t(), bias, comm, chunks)
+    def forward(ctx, x, weight, bias, comm, dim, chunks, guard):
+        with guard("forward all-gather (all_gather_linear)"):
+            y, full = all_gather_mm(_rows(x, dim), weight.t(), bias, comm, chunks)
         seq = comm.world * x.shape[dim]
         ctx.save_for_backward(_unrows(full, x.shape, dim, seq), weight)
-        ctx.comm, ctx.dim, ctx.chunks, ctx.shape = comm, dim, chunks, x.shape
+        ctx.comm, ctx.dim, ctx.chunks, ctx.shape, ctx.guard = comm, dim, chunks, x.shape, guard
         return _unrows(y, x.shape, dim, seq)
 
     @staticmethod
     def backward(ctx, gy):
         (full, weight), need = ctx.saved_tensors, ctx.needs_input_grad
-        if need[0]:
-            finish = mm_reduce_scatter(_rows(gy, ctx.dim), weight, ctx.comm, ctx.chunks)
-        gw, gb = _linear_grads(gy, full, need[1], need[2])
-        gx = _unrows(finish(), ctx.shape, ctx.dim, ctx.shape[ctx.dim]) if need[0] else None
-        return gx, gw, gb, None, None, None
+        with ctx.guard("backward reduce-scatter (all_gather_linear)"):
+            if need[0]:
+                finish = mm_reduce_scatter(_rows(gy, ctx.dim), weight, ctx.comm, ctx.chunks)
+            gw, gb = _linear_grads(gy, full, need[1], need[2])
+            gx = _unrows(finish(), ctx.shape, ctx.dim, ctx.shape[ctx.dim]) if need[0] else None
+        return gx, gw, gb, None, None, None, None
 
 
 class _LinearReduceScatter(Function):
     """Backward: grad x = all_gather(grad_y) @ w, overlapped; grad w = all_gather(grad_y)^T @ x."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, comm, dim, chunks):
-        out = mm_reduce_scatter(_rows(x, dim), weight.t(), comm, chunks)()
+    def forward(ctx, x, weight, bias, comm, dim, chunks, guard):
+        with guard("forward reduce-scatter (linear_reduce_scatter)"):
+            out = mm_reduce_scatter(_rows(x, dim), weight.t(), comm, chunks)()
         if bias is not None:
             out.add_(bias)
         ctx.save_for_backward(x, weight)
-        ctx.comm, ctx.dim, ctx.chunks = comm, dim, chunks
+        ctx.comm, ctx.dim, ctx.chunks, ctx.guard = comm, dim, chunks, guard
         return _unrows(out, x.shape, dim, x.shape[dim] // comm.world)
 
     @staticmethod
@@ -194,14 +209,15 @@ class _LinearReduceScatter(Function):
         (x, weight), need, dim = ctx.saved_tensors, ctx.needs_input_grad, ctx.dim
         gx = gw = None
         if need[0] or need[1]:
-            gx, gfull = all_gather_mm(_rows(gy, dim), weight, None, ctx.comm, ctx.chunks)
+            with ctx.guard("backward all-gather (linear_reduce_scatter)"):
+                gx, gfull = all_gather_mm(_rows(gy, dim), weight, None, ctx.comm, ctx.chunks)
             gx = _unrows(gx, x.shape, dim, x.shape[dim])
             gw, _ = _linear_grads(_unrows(gfull, gy.shape, dim, x.shape[dim]), x, need[1], False)
         gb = gy.reshape(-1, gy.shape[-1]).sum(0) if need[2] else None
-        return gx, gw, gb, None, None, None
+        return gx, gw, gb, None, None, None, None
 
 
-def _prepare(what, x, weight, bias, group, dim, chunks, comm):
+def _prepare(what, x, weight, bias, group, dim, chunks, comm, timeout, guard):
     """Checks, the last one collective: every rank must send the same shape and dtype (gloo
     aborts on a longer message than expected and silently takes a shorter one)."""
     world, dim, shapes = tp_world(group)[0], dim % max(x.dim(), 1), (tuple(x.shape), dim)
@@ -219,31 +235,46 @@ def _prepare(what, x, weight, bias, group, dim, chunks, comm):
         raise ValueError(f"{what}: x, dim {shapes} not divisible by the tensor-parallel size")
     if world == 1:
         return dim, None
-    comm, p = launcher(comm, group), C10dComm(group)
+    timeout = as_timedelta(timeout)
+    comm, p = launcher(comm, group, timeout), C10dComm(group, timeout)
     sent = weight.shape[1 if what == "all_gather_linear" else 0]  # features on the wire
-    every = torch.tensor([x.numel() // x.shape[-1], sent, zlib.crc32(f"{what}{x.dtype}".encode())])
+    # on x's device: NCCL sends CUDA tensors only (and a host copy would be a silent round trip)
+    every = torch.tensor([x.numel() // x.shape[-1], sent, zlib.crc32(f"{what}{x.dtype}".encode())],
+                         device=x.device)
     every = every.repeat(world, 1)  # isend/irecv: 113 us here, all_gather_single 295 us
-    p._swap([(every[p.rank], q) for q in p.peers], [(every[q], q) for q in p.peers], TAG + 1)()
+    with guard("shape check (" + what + ")"):
+        p._swap([(every[p.rank], q) for q in p.peers], [(every[q], q) for q in p.peers],
+                TAG + 1)()
     if not bool((every == every[p.rank]).all()):
         raise ValueError(f"{what}: ranks disagree on (rows, features sent, crc of op and dtype):"
                          f" {every.tolist()} in rank order")
     return dim, comm
 
 
+def _run(fn, what, x, weight, bias, group, dim, chunks, comm, timeout, guard):
+    """Autocast resolved as F.linear resolves it, then the checks and fn (the overlapped
+    Function) with autocast off; guard None: errors name `what` and break nothing."""
+    guard = guard if guard is not None else CommGuard("")
+    (x, weight, bias), no_autocast = autocast_linear_args(x, weight, bias)
+    with no_autocast:
+        dim, c = _prepare(what, x, weight, bias, group, dim, chunks, comm, timeout, guard)
+        return F.linear(x, weight, bias) if c is None else \
+            fn.apply(x, weight, bias, c, dim, chunks, guard)
+
+
 def all_gather_linear(x, weight, bias=None, group=None, dim: int = 0, chunks: int = 4,
-                      comm="c10d"):
+                      comm="c10d", timeout=None, guard: CommGuard | None = None):
     """F.linear(all_gather(x along dim), weight, bias), the all-gather overlapped: the input of a
     sequence-parallel ColumnParallelLinear (x: this rank's sequence shard). chunks=4: the best
-    median of 1-16 for both functions at 1 Gbit/s in bench/results/overlap_tp.txt."""
-    dim, c = _prepare("all_gather_linear", x, weight, bias, group, dim, chunks, comm)
-    return F.linear(x, weight, bias) if c is None else \
-        _AllGatherLinear.apply(x, weight, bias, c, dim, chunks)
+    median of 1-16 for both functions at 1 Gbit/s in bench/results/overlap_tp.txt. timeout
+    (seconds or a timedelta): the longest wait for a peer's piece ("c10d" comm)."""
+    return _run(_AllGatherLinear, "all_gather_linear", x, weight, bias, group, dim, chunks, comm,
+                timeout, guard)
 
 
 def linear_reduce_scatter(x, weight, bias=None, group=None, dim: int = 0, chunks: int = 4,
-                          comm="c10d"):
+                          comm="c10d", timeout=None, guard: CommGuard | None = None):
     """reduce_scatter(F.linear(x, weight) along dim) + bias, the reduce-scatter overlapped: the
     output of a sequence-parallel RowParallelLinear (bias added once, after the sum)."""
-    dim, c = _prepare("linear_reduce_scatter", x, weight, bias, group, dim, chunks, comm)
-    return F.linear(x, weight, bias) if c is None else \
-        _LinearReduceScatter.apply(x, weight, bias, c, dim, chunks)
+    return _run(_LinearReduceScatter, "linear_reduce_scatter", x, weight, bias, group, dim,
+                chunks, comm, timeout, guard)

@@ -17,6 +17,17 @@ with the GEMM piece by piece, with the same bits.
 Parameters say how they are split, so optimizers and checkpointing can tell: every weight and
 bias has `tensor_parallel` (True: this rank holds a shard) and `partition_dim` (the dimension
 of the full tensor it is a slice of; None when whole).
+
+Autocast: the layer computes what nn.Linear computes under it (x, weight and bias cast to the
+autocast dtype, the GEMM, the collectives and the bias add in it), on every backend; the GEMM
+is pyfast's Triton kernel on CUDA where its dtype rules hold, else torch's (ops.gemm_backend).
+
+Failures: `timeout=` (seconds or a timedelta) runs the layer on a private process group with
+that timeout (made collectively at construction, pyfast.comm.failure.new_group_like), so a
+silent peer fails a step instead of hanging for the group's 30 minutes. A failed collective, in
+forward or backward, raises CommError naming the layer and the operation, and breaks the layer
+(`breaker`, shared by all layers parallelize converts): later steps raise at once instead of
+pairing their collectives with a peer's different ones.
 """
 from __future__ import annotations
 
@@ -24,10 +35,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pyfast.ops import linear_act
+from pyfast.comm.failure import Breaker, new_group_like
+from pyfast.ops.matmul import autocast_linear_args, gemm_backend, linear_act
 
 from .async_tp import all_gather_linear, linear_reduce_scatter
-from .tp_comm import (copy_to_tp_region, gather_from_sequence_parallel_region,
+from .tp_comm import (CommGuard, copy_to_tp_region, gather_from_sequence_parallel_region,
                       gather_from_tp_region, reduce_from_tp_region,
                       reduce_scatter_to_sequence_parallel_region, scatter_to_tp_region, tp_world)
 
@@ -43,21 +55,25 @@ OVERLAP_MIN_BYTES = 1 << 20
 
 
 def _linear(x, weight, bias=None):
-    """The local GEMM: pyfast's Triton matmul with the fused bias epilogue on CUDA; on CPU
-    torch's F.linear (MKL), which a fused C++ epilogue did not beat (pyfast/ops/matmul.py)."""
-    return linear_act(x, weight, bias) if x.is_cuda else F.linear(x, weight, bias)
+    """The local GEMM (autocast already resolved): pyfast's Triton matmul with the fused bias
+    epilogue on CUDA where its dtypes hold; else torch's F.linear (cuBLAS; MKL on CPU, which a
+    fused C++ epilogue did not beat, pyfast/ops/matmul.py)."""
+    b_dtype = bias.dtype if bias is not None else None
+    if gemm_backend(x.device, x.dtype, weight.dtype, b_dtype) == "triton":
+        return linear_act(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
-def _sp_gather_linear(x, weight, bias, group, dim: int, chunks: int = 0):
+def _sp_gather_linear(x, weight, bias, group, dim: int, chunks: int = 0, guard=None):
     """All-gather x along the sequence dimension `dim`, then x @ weight.T + bias (column
     layer, sequence parallel). Backward: the input gradient is reduce-scattered along `dim`.
     chunks > 0: the gather overlapped with the GEMM (async_tp), bitwise the same result."""
     if chunks:
-        return all_gather_linear(x, weight, bias, group, dim, chunks)
-    return _linear(gather_from_sequence_parallel_region(x, group, dim), weight, bias)
+        return all_gather_linear(x, weight, bias, group, dim, chunks, guard=guard)
+    return _linear(gather_from_sequence_parallel_region(x, group, dim, guard), weight, bias)
 
 
-def _sp_linear_reduce_scatter(x, weight, bias, group, dim: int, chunks: int = 0):
+def _sp_linear_reduce_scatter(x, weight, bias, group, dim: int, chunks: int = 0, guard=None):
     """x @ weight.T (a partial sum over this rank's input features), reduce-scattered along
     the sequence dimension `dim`, plus bias (row layer, sequence parallel).
 
@@ -65,10 +81,10 @@ def _sp_linear_reduce_scatter(x, weight, bias, group, dim: int, chunks: int = 0)
     gradient here covers that slice only: copy_to_tp_region all-reduces it in backward, and
     every rank ends with the whole bias gradient, as without sequence parallelism."""
     if chunks:
-        y = linear_reduce_scatter(x, weight, None, group, dim, chunks)
+        y = linear_reduce_scatter(x, weight, None, group, dim, chunks, guard=guard)
     else:
-        y = reduce_scatter_to_sequence_parallel_region(_linear(x, weight), group, dim)
-    return y if bias is None else y + copy_to_tp_region(bias, group)
+        y = reduce_scatter_to_sequence_parallel_region(_linear(x, weight), group, dim, guard)
+    return y if bias is None else y + copy_to_tp_region(bias, group, guard)
 
 
 class _ParallelLinear(nn.Module):
@@ -78,11 +94,14 @@ class _ParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group,
                  sequence_parallel: bool, sequence_dim: int, device=None, dtype=None,
-                 overlap: int = 0):
+                 overlap: int = 0, timeout=None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.group = group
-        self.tp_size, self.tp_rank = tp_world(group)
+        # timeout: a private group like `group` with it (a collective: every rank builds the
+        # layer at the same point, as it must anyway to shard it)
+        self.group = new_group_like(group, timeout) if timeout is not None else group
+        self.breaker = Breaker(self._name())
+        self.tp_size, self.tp_rank = tp_world(self.group)
         self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
         if overlap and not sequence_parallel:
             raise ValueError(f"{self._name()}: overlap={overlap} needs sequence_parallel=True "
@@ -111,6 +130,11 @@ class _ParallelLinear(nn.Module):
     def _name(self) -> str:
         return (f"{type(self).__name__}(in_features={self.in_features}, "
                 f"out_features={self.out_features})")
+
+    @property
+    def guard(self) -> CommGuard:
+        """Names this layer in a failed collective's error and breaks `breaker`."""
+        return CommGuard(self._name(), self.breaker)
 
     def _mark(self):
         self.weight.tensor_parallel, self.weight.partition_dim = True, self.partition_dim
@@ -189,27 +213,33 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  gather_output: bool = False, group=None, sequence_parallel: bool = False,
-                 sequence_dim: int = 0, device=None, dtype=None, overlap: int = 0):
+                 sequence_dim: int = 0, device=None, dtype=None, overlap: int = 0,
+                 timeout=None):
         super().__init__(in_features, out_features, bias, group, sequence_parallel,
-                         sequence_dim, device, dtype, overlap)
+                         sequence_dim, device, dtype, overlap, timeout)
         self.gather_output = gather_output
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, gather_output: bool = False, group=None,
-                    sequence_parallel: bool = False, sequence_dim: int = 0, overlap: int = 0):
+                    sequence_parallel: bool = False, sequence_dim: int = 0, overlap: int = 0,
+                    timeout=None):
         """This rank's shard of `linear` (its rows), same dtype and device."""
         return cls._from_linear(linear, gather_output=gather_output, group=group,
                                 sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
-                                overlap=overlap)
+                                overlap=overlap, timeout=timeout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.breaker.check()
         self._check_input(x, self.in_features, "in_features")
-        if self.sequence_parallel:
-            y = _sp_gather_linear(x, self.weight, self.bias, self.group, self.sequence_dim,
-                                  self._pieces(x.numel() * x.element_size()))
-        else:
-            y = _linear(copy_to_tp_region(x, self.group), self.weight, self.bias)
-        return gather_from_tp_region(y, self.group, -1) if self.gather_output else y
+        guard = self.guard
+        (x, w, b), no_autocast = autocast_linear_args(x, self.weight, self.bias)
+        with no_autocast:
+            if self.sequence_parallel:
+                y = _sp_gather_linear(x, w, b, self.group, self.sequence_dim,
+                                      self._pieces(x.numel() * x.element_size()), guard)
+            else:
+                y = _linear(copy_to_tp_region(x, self.group, guard), w, b)
+            return gather_from_tp_region(y, self.group, -1, guard) if self.gather_output else y
 
     def extra_repr(self) -> str:
         return super().extra_repr() + (", gather_output=True" if self.gather_output else "")
@@ -227,9 +257,10 @@ class RowParallelLinear(_ParallelLinear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  input_is_parallel: bool = True, group=None, sequence_parallel: bool = False,
-                 sequence_dim: int = 0, device=None, dtype=None, overlap: int = 0):
+                 sequence_dim: int = 0, device=None, dtype=None, overlap: int = 0,
+                 timeout=None):
         super().__init__(in_features, out_features, bias, group, sequence_parallel,
-                         sequence_dim, device, dtype, overlap)
+                         sequence_dim, device, dtype, overlap, timeout)
         self.input_is_parallel = input_is_parallel
         if sequence_parallel and not input_is_parallel:  # as Megatron: SP follows a column layer
             raise ValueError(f"{self._name()}: sequence_parallel needs input_is_parallel=True "
@@ -237,29 +268,36 @@ class RowParallelLinear(_ParallelLinear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, input_is_parallel: bool = True, group=None,
-                    sequence_parallel: bool = False, sequence_dim: int = 0, overlap: int = 0):
+                    sequence_parallel: bool = False, sequence_dim: int = 0, overlap: int = 0,
+                    timeout=None):
         """This rank's shard of `linear` (its columns; the whole bias), same dtype and device."""
         return cls._from_linear(linear, input_is_parallel=input_is_parallel, group=group,
                                 sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
-                                overlap=overlap)
+                                overlap=overlap, timeout=timeout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.breaker.check()
+        (x, w, b), no_autocast = autocast_linear_args(x, self.weight, self.bias)
+        with no_autocast:
+            return self._forward(x, w, b, self.guard)
+
+    def _forward(self, x, w, b, guard):
         if self.input_is_parallel:
             self._check_input(x, self.in_features // self.tp_size, "in_features / tp, "
                               "input_is_parallel")
         else:
             self._check_input(x, self.in_features, "in_features")
-            x = scatter_to_tp_region(x, self.group, -1)
+            x = scatter_to_tp_region(x, self.group, -1, guard)
         if self.sequence_parallel:
             if x.shape[self.sequence_dim] % self.tp_size:
                 raise ValueError(f"{self._name()}: input of shape {tuple(x.shape)}: sequence "
                                  f"dimension {self.sequence_dim} is not divisible by the "
                                  f"tensor-parallel size {self.tp_size}")
             wire = x.numel() // x.shape[-1] * self.out_features * x.element_size()
-            return _sp_linear_reduce_scatter(x, self.weight, self.bias, self.group,
-                                             self.sequence_dim, self._pieces(wire))
-        y = reduce_from_tp_region(_linear(x, self.weight), self.group)
-        return y if self.bias is None else y + self.bias
+            return _sp_linear_reduce_scatter(x, w, b, self.group, self.sequence_dim,
+                                             self._pieces(wire), guard)
+        y = reduce_from_tp_region(_linear(x, w), self.group, guard)
+        return y if b is None else y + b
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ("" if self.input_is_parallel else

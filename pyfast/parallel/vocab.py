@@ -15,6 +15,10 @@ the vocabulary holds, so a tied lm head can use `embedding.weight` as its shard.
 Every rank of the group must see the same ids and targets (as it does in tensor parallelism):
 the range checks then raise on every rank together instead of leaving the others waiting in a
 collective.
+
+Failures as in pyfast.parallel.tensor: the embedding takes `timeout=` (a private group with it)
+and a failed all-reduce raises CommError naming the module and breaks it; the loss's
+all-reduces raise CommError naming vocab_parallel_cross_entropy (its group's timeout holds).
 """
 from __future__ import annotations
 
@@ -25,7 +29,9 @@ from torch import nn
 from torch.autograd import Function
 from torch.autograd.function import once_differentiable
 
-from .tp_comm import reduce_from_tp_region, tp_world
+from pyfast.comm.failure import Breaker, naming, new_group_like
+
+from .tp_comm import CommGuard, reduce_from_tp_region, tp_world
 
 _ID_DTYPES = (torch.int64, torch.int32)  # what nn.Embedding and F.cross_entropy accept
 _REDUCTIONS = ("mean", "sum", "none")
@@ -55,14 +61,16 @@ class VocabParallelEmbedding(nn.Module):
 
     padding_idx behaves as in nn.Embedding (its row starts at zero and gets no gradient); it
     is handled by the rank that owns it. max_norm, scale_grad_by_freq and sparse are not
-    supported."""
+    supported. timeout: a private group like `group` with that timeout (made collectively
+    here)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None,
-                 group=None, device=None, dtype=None):
+                 group=None, device=None, dtype=None, timeout=None):
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.group = group
-        self.tp_size, self.tp_rank = tp_world(group)
+        self.group = new_group_like(group, timeout) if timeout is not None else group
+        self.breaker = Breaker(self._name())
+        self.tp_size, self.tp_rank = tp_world(self.group)
         if num_embeddings % self.tp_size:
             raise ValueError(f"{self._name()}: num_embeddings {num_embeddings} (weight shape "
                              f"{(num_embeddings, embedding_dim)}) is not divisible by the "
@@ -92,6 +100,11 @@ class VocabParallelEmbedding(nn.Module):
     def _mark(self):
         self.weight.tensor_parallel, self.weight.partition_dim = True, 0
 
+    @property
+    def guard(self) -> CommGuard:
+        """Names this module in a failed collective's error and breaks `breaker`."""
+        return CommGuard(self._name(), self.breaker)
+
     def reset_parameters(self):
         # Every rank draws the FULL table exactly as nn.Embedding does (normal(0, 1) from torch's
         # default generator, padding row zeroed) and keeps its rows. So the sharded table is the
@@ -112,7 +125,8 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.copy_(embedding.weight[self.vocab_start_index:self.vocab_end_index])
 
     @classmethod
-    def from_embedding(cls, embedding: nn.Embedding, group=None) -> "VocabParallelEmbedding":
+    def from_embedding(cls, embedding: nn.Embedding, group=None,
+                       timeout=None) -> "VocabParallelEmbedding":
         """This rank's shard of `embedding` (its rows), same dtype, device and padding_idx:
         the module computes exactly what `embedding` did."""
         if not isinstance(embedding, nn.Embedding):
@@ -125,7 +139,8 @@ class VocabParallelEmbedding(nn.Module):
                                           f"{getattr(embedding, option)} is not supported")
         w = embedding.weight
         m = cls(embedding.num_embeddings, embedding.embedding_dim, embedding.padding_idx,
-                group=group, device="meta", dtype=w.dtype)  # meta: no init drawn, thrown away
+                group=group, device="meta", dtype=w.dtype,  # meta: no init drawn, thrown away
+                timeout=timeout)
         m.weight = nn.Parameter(torch.empty(m.weight.shape, dtype=w.dtype, device=w.device),
                                 requires_grad=w.requires_grad)
         m._mark()
@@ -133,6 +148,7 @@ class VocabParallelEmbedding(nn.Module):
         return m
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        self.breaker.check()
         _check_ids(ids, "ids", self._name())
         _check_range(ids, self.num_embeddings, "id", self._name())
         # Megatron's masking: ids owned elsewhere look up local row 0 and are zeroed after, so
@@ -140,7 +156,8 @@ class VocabParallelEmbedding(nn.Module):
         outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
         local = (ids - self.vocab_start_index).masked_fill(outside, 0)
         y = F.embedding(local, self.weight, self._local_padding_idx)
-        return reduce_from_tp_region(y.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
+        return reduce_from_tp_region(y.masked_fill(outside.unsqueeze(-1), 0.0), self.group,
+                                     self.guard)
 
     def extra_repr(self) -> str:
         s = f"{self.num_embeddings}, {self.embedding_dim}, tp={self.tp_size}"
@@ -173,7 +190,8 @@ class _VocabParallelCrossEntropy(Function):
         vocab, start = shard * world, rank * shard
         m = logits.detach().amax(-1, keepdim=True).float()
         if world > 1:
-            dist.all_reduce(m, dist.ReduceOp.MAX, group=group)
+            with naming("vocab_parallel_cross_entropy: forward all-reduce (max)"):
+                dist.all_reduce(m, dist.ReduceOp.MAX, group=group)
         x = logits - m  # m is fp32, so this is one new fp32 buffer (never the caller's logits)
 
         ignored = target == ignore_index
@@ -184,7 +202,8 @@ class _VocabParallelCrossEntropy(Function):
         e = x.exp_()
         stats = torch.stack([e.sum(-1), target_logit] + logit_sum)
         if world > 1:
-            dist.all_reduce(stats, group=group)
+            with naming("vocab_parallel_cross_entropy: forward all-reduce (sums)"):
+                dist.all_reduce(stats, group=group)
         log_z = stats[0].log()
         loss = log_z - stats[1]  # -log softmax[target]
         if label_smoothing:  # mean over the vocabulary of -log softmax
