@@ -18,6 +18,7 @@ import datetime
 import multiprocessing as mp
 import os
 import queue
+import time
 import traceback
 
 import torch.distributed as dist
@@ -70,7 +71,7 @@ class RankPool:
                        for r in range(world_size)]
         for p in self._procs:
             p.start()
-        self.alive = True
+        self.alive, self._closed = True, False
 
     def run(self, fn, *args, timeout: float = 120.0, expect_errors: bool = False, **kwargs) -> list:
         if not self.alive:
@@ -78,15 +79,23 @@ class RankPool:
         for q in self._ins:
             q.put((fn, args, kwargs))
         results: dict[int, object] = {}
-        deadline = timeout
+        deadline = time.monotonic() + timeout
         while len(results) < self.world_size:
             try:
-                rank, ok, value = self._out.get(timeout=deadline)
+                rank, ok, value = self._out.get(timeout=0.5)
             except queue.Empty:
-                missing = sorted(set(range(self.world_size)) - set(results))
-                self.close()
-                raise TimeoutError(f"{fn.__name__}: ranks {missing} did not finish within "
-                                   f"{timeout:.0f} s; finished: {results}") from None
+                # a rank that died (SIGKILL in a dead-peer test, a segfault) reports as a
+                # RankError of kind "died"; the pool cannot run another job after that
+                for r, p in enumerate(self._procs):
+                    if r not in results and p.exitcode is not None:
+                        results[r] = RankError(r, "died", f"exit code {p.exitcode}", "")
+                        self.alive = False
+                if time.monotonic() > deadline and len(results) < self.world_size:
+                    missing = sorted(set(range(self.world_size)) - set(results))
+                    self.close()
+                    raise TimeoutError(f"{fn.__name__}: ranks {missing} did not finish within "
+                                       f"{timeout:.0f} s; finished: {results}") from None
+                continue
             results[rank] = value if ok else RankError(rank, *value)
         out = [results[r] for r in range(self.world_size)]
         errors = [r for r in out if isinstance(r, RankError)]
@@ -95,13 +104,15 @@ class RankPool:
         return out
 
     def close(self):
-        if not self.alive:
+        if self._closed:
             return
-        self.alive = False
+        self._closed, self.alive = True, False
         for q in self._ins:
             q.put(None)
+        # after a rank died the survivors' group teardown can only time out: 1 s, then kill
+        grace = 1 if any(p.exitcode not in (None, 0) for p in self._procs) else 5
         for p in self._procs:
-            p.join(timeout=5)
+            p.join(timeout=grace)
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)

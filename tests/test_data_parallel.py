@@ -243,11 +243,14 @@ def _silent_peer(rank, world):
 
     from pyfast.parallel.data import DataParallel
     out = {}
-    for engine in ("native", "python"):  # the engine's own group keeps the group's timeout
-        group = dist.new_group(timeout=datetime.timedelta(seconds=3))
-        net = DataParallel(model(), "int8", bucket_mb=0.001, group=group, engine=engine)
+    for engine, own in (("native", False), ("python", False), ("native", True), ("python", True)):
+        # the group's own timeout (the engine's private group keeps it), or DataParallel's
+        group = None if own else dist.new_group(timeout=datetime.timedelta(seconds=2))
+        net = DataParallel(model(), "int8", bucket_mb=0.001, group=group, engine=engine,
+                           timeout=2 if own else None)
+        engine = f"{engine}{'-timeout' if own else ''}"
         if rank == 1:
-            time.sleep(6)  # never joins the reduction: rank 0 must get an error, not hang
+            time.sleep(4)  # never joins the reduction: rank 0 must get an error, not hang
             out[engine] = "silent"
         else:
             t0 = time.perf_counter()
@@ -264,10 +267,11 @@ def _silent_peer(rank, world):
 
 def test_silent_peer_is_a_timeout_not_a_hang():
     out = run_ranks(_silent_peer, 2)
-    for engine in ("native", "python"):
+    for engine in ("native", "python", "native-timeout", "python-timeout"):
         assert out[1][engine] == "silent"
         took, msg = out[0][engine].split("s ", 1)
-        assert float(took) < 30, out[0][engine]
+        assert float(took) < 30, out[0][engine]  # the launcher's group timeout is 120 s
+        assert "DataParallel gradient reduction" in msg, msg
         assert "timed out" in msg.lower() or "timeout" in msg.lower(), out[0][engine]
 
 

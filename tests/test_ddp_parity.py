@@ -255,3 +255,45 @@ def test_compression_error_does_not_depend_on_neighbours():
             assert same, (key, n, float(err), float(err_alone))
     # not vacuous: the lossy formats do lose something
     assert max(float(e) for e, _, _ in out[0]["int8", "native"].values()) > 1e-4
+
+
+def _killed(rank, world, engine, spec):
+    """Rank 2 is SIGKILLed in the middle of backward of step 1; the others must raise CommError
+    naming the reduction within seconds, then refuse the next step."""
+    import os
+    import signal
+    import time
+
+    from pyfast.comm import CommError
+    from pyfast.parallel.data import DataParallel
+    m = _net()
+    net = DataParallel(m, spec, bucket_mb=0.002, engine=engine, timeout=20)
+    if rank == 2:
+        m[1].weight.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL) if step else g)
+    out = {}
+    for step in range(2):
+        x, y = torch.randn(16, 48), torch.randn(16, 10)
+        t0 = time.monotonic()
+        try:
+            nn.functional.mse_loss(net(x), y).backward()
+        except CommError as e:
+            out["error"], out["seconds"] = str(e), time.monotonic() - t0
+            break
+    try:
+        net(x)
+        out["after"] = "no error"
+    except CommError as e:
+        out["after"] = str(e)
+    return out
+
+
+@pytest.mark.parametrize("engine,spec", [("native", "int8"), ("python", "topk:0.1")])
+def test_killed_peer_raises_within_seconds_and_breaks(engine, spec):
+    out = run_ranks(_killed, 3, engine, spec, expect_errors=True, timeout=60)
+    assert out[2].kind == "died"
+    for r in (0, 1):
+        assert not isinstance(out[r], Exception), out[r]
+        assert "DataParallel gradient reduction" in out[r]["error"], out[r]
+        assert "all_reduce of bucket" in out[r]["error"] and "failed on rank" in out[r]["error"]
+        assert out[r]["seconds"] < 10, out[r]  # measured 0.0x s: a reset, not a timeout
+        assert "broken by an earlier failure" in out[r]["after"], out[r]

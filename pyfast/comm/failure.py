@@ -72,12 +72,12 @@ def new_group_like(group=None, timeout=None):
 
 @contextlib.contextmanager
 def naming(op: str):
-    """Re-raise a backend failure inside the block as CommError naming `op` and this rank.
-    Errors that are not the backend's (ValueError, TypeError, CommError) pass unchanged."""
+    """Re-raise a backend failure inside the block as CommError naming `op` and this rank (a
+    CommError from below gets `op` as a prefix). ValueError and TypeError pass unchanged."""
     try:
         yield
-    except CommError:
-        raise
+    except CommError as e:  # from a lower layer: say what it was part of
+        raise CommError(f"{op}: {e}") from e
     except RuntimeError as e:
         rank = dist.get_rank() if dist.is_initialized() else 0
         raise CommError(f"{op} failed on rank {rank}: {e}") from e
