@@ -202,3 +202,91 @@ def test_one_rank_bad_input():
     pipe = Pipeline.from_sequential(_model(), 4, loss_fn=F.mse_loss)
     with pytest.raises(Exception, match="batch size 10 is not divisible by n_microbatches=4"):
         pipe.step(torch.randn(10, 10), torch.randn(10, 4))
+
+
+# -- stages returning tuples; the first stage's input gradient -------------------------------------
+class Fork(nn.Module):
+    """h -> (h, tanh(h), a count that needs no gradient, a tensor nobody downstream uses)."""
+
+    def forward(self, h):
+        return h, torch.tanh(h), (h > 0).sum(-1), h * 3
+
+
+class Mix(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, t):
+        h, g, n, _ = t
+        return h + g * (1 + n.unsqueeze(-1) / 16), self.lin(g)
+
+
+class Join(nn.Module):
+    def __init__(self, out=4):
+        super().__init__()
+        self.lin = nn.Linear(16, out)
+
+    def forward(self, t):
+        a, b = t
+        return self.lin(a * b)
+
+
+def tuple_model(seed=5, tuple_out=False):
+    torch.manual_seed(seed)
+    # with tuple_out the last stage returns Mix's tuple: (logits, a second output)
+    return nn.Sequential(nn.Linear(10, 16), Fork(), Mix(), nn.Identity(),
+                         nn.Identity() if tuple_out else Join())
+
+
+def tuple_loss(y, t):
+    if isinstance(y, tuple):
+        return F.mse_loss(y[0][:, :4], t) + y[1].square().mean()
+    return F.mse_loss(y, t)
+
+
+@pytest.mark.parametrize("schedule", list(S.SCHEDULES))
+@pytest.mark.parametrize("tuple_out", [False, True])
+def test_one_rank_tuple_stages_equal_dense(schedule, tuple_out):
+    x, t = torch.randn(12, 10), torch.randn(12, 4)
+    ref = tuple_model(tuple_out=tuple_out)
+    ref_loss = tuple_loss(ref(x), t)
+    ref_loss.backward()
+    v = 5 if schedule == "interleaved-1f1b" else 1  # every layer its own stage: tuples cross
+    pipe = Pipeline.from_sequential(tuple_model(tuple_out=tuple_out), 4, schedule, tuple_loss,
+                                    virtual_stages=v)
+    torch.testing.assert_close(pipe.step(x, t), ref_loss, rtol=1e-6, atol=0)
+    want = dict(ref.named_parameters())
+    for stage in pipe.stages.values():
+        for name, p in stage.named_parameters():
+            g = want[name].grad
+            torch.testing.assert_close(p.grad, g, rtol=1e-6, atol=1e-6 * g.abs().max().item())
+    y, want_y = pipe(x), ref(x)
+    for got, w in zip(y if tuple_out else [y], want_y if tuple_out else [want_y]):
+        torch.testing.assert_close(got, w, rtol=1e-6, atol=1e-6 * w.abs().max().item())
+
+
+def _wide(seed=4):  # Linear(512, 512) reaches the split-backward size heuristic (2^18 weights)
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 512), nn.Tanh(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 3))
+
+
+@pytest.mark.parametrize("split", [None, True, False])
+@pytest.mark.parametrize("leaf", [True, False])
+def test_input_gradient_follows_requires_grad(split, leaf):
+    """x.requires_grad, not the size heuristic behind split_backward, decides whether x gets a
+    gradient; a non-leaf x passes it on into its own graph (once, like loss.backward())."""
+    x0, t = torch.randn(8, 8, requires_grad=True), torch.randn(8, 3)
+    ref = _wide()
+    x = x0 if leaf else torch.tanh(x0)
+    F.mse_loss(ref(x), t).backward()
+    want = x0.grad.clone()
+    x0.grad = None
+    pipe = Pipeline.from_sequential(_wide(), 4, "1f1b", F.mse_loss, split_backward=split)
+    x = x0 if leaf else torch.tanh(x0)
+    pipe.step(x, t)
+    assert x0.grad is not None, "x.requires_grad but x got no gradient"
+    torch.testing.assert_close(x0.grad, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
+    x1 = torch.randn(8, 8)
+    pipe.step(x1, t)  # no requires_grad: no gradient, and none asked of autograd
+    assert x1.grad is None
