@@ -70,7 +70,7 @@ def _select_kernel(x_ptr, ef_ptr, start_ptr, val_ptr, idx_ptr, n, t, limit,
 
 def _f32(t: float) -> float:
     """t rounded to fp32 (nearest even): torch compares an fp32 tensor with float t that way."""
-    return float(torch.tensor(float(t), dtype=torch.float32))
+    return float(torch.tensor(float(t), dtype=torch.float32, device="cpu"))  # a host scalar
 
 
 def _counts(x, ef, t):

@@ -215,3 +215,33 @@ def test_decompress_into_out(spec, dtype):
         c.decompress(p, out=torch.empty(2146, dtype=dtype))
     with pytest.raises(ValueError, match="payload on cpu"):
         c.decompress(p, out=torch.empty(33, 65, dtype=dtype, device="meta"))
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
+@pytest.mark.parametrize("spec", SPECS)
+def test_buffers_follow_the_input_device(spec, backend):
+    # GPU-readiness on a CPU machine: every buffer allocated without device= lands on meta and
+    # fails (meta mixed with cpu raises, .item() of meta raises); inputs are explicitly cpu
+    from pyfast import perf
+    from pyfast.ops import status
+    ok, why = status(backend, torch.device("cpu"))
+    if not ok:
+        pytest.skip(why)
+    xs = [grad(33, 65), grad(1025, dtype=torch.bfloat16), torch.empty(0)]
+    with perf.backend(backend), torch.device("meta"):
+        for x in xs:
+            for c in (C.get(spec), C.WithFeedback(C.get(spec))):
+                p = c.compress(x, "w")
+                y = c.decompress(p)
+                assert y.device.type == "cpu" and y.shape == x.shape
+                out = torch.empty(x.shape, dtype=x.dtype, device="cpu")
+                assert c.decompress(p, out=out) is out and torch.equal(out, y)
+                buf = c.to_wire(p)
+                assert buf.device.type == "cpu"
+                if not spec.startswith("powersgd"):  # its collective sends P and Q itself
+                    q = c.from_wire(buf, x.shape, x.dtype, p.meta)
+                    assert torch.equal(c.decompress(q), y)
+    ef, x = C.ErrorFeedback(C.get(spec)), grad(40, 50)
+    with perf.backend(backend), torch.device("meta"):
+        ef.compress(x, "a")
+        assert ef.memory["a"].device.type == "cpu"

@@ -32,8 +32,9 @@ class PowerSGD(Compressor):
         q = self.q.get(name)
         if q is not None and q.shape == (n, r):
             return q.to(device)
-        g = torch.Generator().manual_seed(derive_seed(self.seed, name, 0))
-        return torch.randn(n, r, generator=g).to(device)
+        # a CPU generator whatever the device: the same start on every rank and device type
+        g = torch.Generator(device="cpu").manual_seed(derive_seed(self.seed, name, 0))
+        return torch.randn(n, r, generator=g, device="cpu").to(device)
 
     def p_step(self, m: torch.Tensor, name: str) -> torch.Tensor:
         """P = M Q: the first half, whose sum across ranks is all-reduced before q_step."""

@@ -49,7 +49,8 @@ class TopK(Compressor):
         return _scatter(p, p.tensors["indices"], out)
 
     def to_wire(self, p):
-        count = torch.tensor([p.tensors["indices"].numel()], dtype=torch.int32)
+        idx = p.tensors["indices"]
+        count = torch.tensor([idx.numel()], dtype=torch.int32, device=idx.device)
         # count, then indices, then values: every view stays aligned to its element size
         return torch.cat([count.view(torch.uint8), p.tensors["indices"].view(torch.uint8),
                           p.tensors["values"].view(torch.uint8)])
@@ -57,7 +58,7 @@ class TopK(Compressor):
     def from_wire(self, buf, shape, dtype, meta=None):
         buf = aligned(buf)
         m = int(buf[:4].view(torch.int32))
-        isz = torch.empty(0, dtype=dtype).element_size()
+        isz = dtype.itemsize
         if buf.numel() < 4 + m * (isz + 4):
             raise ValueError(f"{self.spec}: wire buffer of {buf.numel()} bytes is too short "
                              f"for its count {m}")
@@ -81,11 +82,13 @@ class RandomK(Compressor):
 
     def indices(self, n: int, seed: int, device) -> torch.Tensor:
         k, _, _ = T.target(n, self.ratio)
-        g = torch.Generator().manual_seed(seed)
+        # drawn by a CPU generator whatever the device: the same indices on every rank and
+        # device type (CUDA's generator draws other numbers); k indices, ~R of the tensor
+        g = torch.Generator(device="cpu").manual_seed(seed)
         if k * 4 >= n:  # dense draw: a permutation keeps exactly k
-            idx = torch.randperm(n, generator=g)[:k].sort().values
+            idx = torch.randperm(n, generator=g, device="cpu")[:k].sort().values
         else:
-            idx = torch.randint(n, (k,), generator=g).unique()
+            idx = torch.randint(n, (k,), generator=g, device="cpu").unique()
         return idx.to(device=device, dtype=torch.int32)
 
     def compress(self, x, name=""):
