@@ -19,13 +19,16 @@ SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)]
 
 def model(seed=0):
     torch.manual_seed(seed)  # 9 layers, so 4 ranks x 2 virtual stages still get one each
-    return nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 32), nn.Tanh(), nn.LayerNorm(32),
-                         nn.Linear(32, 24), nn.GELU(), nn.Linear(24, 24), nn.Linear(24, 5))
+    with torch.device("cpu"):  # explicitly: one test runs with the default device set to meta
+        return nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 32), nn.Tanh(),
+                             nn.LayerNorm(32), nn.Linear(32, 24), nn.GELU(), nn.Linear(24, 24),
+                             nn.Linear(24, 5))
 
 
 def batch(rows, seed):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(rows, 12, generator=g), torch.randn(rows, 5, generator=g)
+    with torch.device("cpu"):
+        return torch.randn(rows, 12, generator=g), torch.randn(rows, 5, generator=g)
 
 
 def _close(got, want, what):
@@ -105,6 +108,63 @@ def test_uneven_partitions(pool2, schedule, v, balance):
 def test_more_microbatches_than_ranks_and_fewer(pool4):
     pool4.run(check_against_dense, "1f1b", 1, "params", [4], m=2)    # m < p: no steady state
     pool4.run(check_against_dense, "zb-h1", 1, "params", [36], m=12)
+
+
+def on_meta_default_device(rank, world, schedule, balance):
+    """Every buffer the pipeline allocates must follow its tensors' device: with the default
+    device set to meta, one that does not becomes a meta tensor, which gloo cannot send (the
+    model and batches are made on the CPU explicitly)."""
+    torch.set_default_device("meta")
+    try:
+        if balance == "time":  # measured on example=, then an all-reduce of the times
+            return balanced_by_time(rank, world)
+        return check_against_dense(rank, world, schedule, 1, balance, [8, 12])
+    finally:
+        torch.set_default_device(None)
+
+
+@pytest.mark.parametrize("schedule,balance", [("1f1b", "params"), ("zb-h1", "params"),
+                                              ("1f1b", "time")])
+def test_buffers_follow_the_tensors_device(pool2, schedule, balance):
+    pool2.run(on_meta_default_device, schedule, balance)
+
+
+def tuple_stages(rank, world, schedule, balance, tuple_out):
+    """Stages passing tuples (float, float, int64, an unused float) or (float, float) across
+    the boundary, and x.requires_grad, against the dense model."""
+    from test_pipeline_schedules import tuple_loss, tuple_model
+    from pyfast.parallel import Pipeline
+    g = torch.Generator().manual_seed(11)
+    x0, t = torch.randn(16, 10, generator=g, requires_grad=True), torch.randn(16, 4, generator=g)
+    ref = tuple_model(tuple_out=tuple_out)
+    tuple_loss(ref(torch.tanh(x0)), t).backward()
+    want_x = x0.grad.clone()
+    x0.grad = None
+    pipe = Pipeline.from_sequential(tuple_model(tuple_out=tuple_out), 4, schedule, tuple_loss,
+                                    balance=balance, split_backward=True)
+    first, last = rank == 0, rank == world - 1
+    pipe.step(torch.tanh(x0) if first else None, t if last else None)
+    want = dict(ref.named_parameters())
+    for name, p in pipe.module.named_parameters():
+        _close(p.grad, want[name].grad, f"grad of {name}")
+    if first:
+        _close(x0.grad, want_x, "x's gradient")
+    y = pipe(torch.tanh(x0).detach() if first else None)
+    if last:
+        with torch.no_grad():
+            want_y = ref(torch.tanh(x0))
+        for got, w in zip(y if tuple_out else [y], want_y if tuple_out else [want_y]):
+            _close(got, w, "inference output")
+    return True
+
+
+@pytest.mark.parametrize("schedule,balance,tuple_out", [
+    ("1f1b", [2, 3], False),   # Fork's 4-tuple (with an int64 and an unused tensor) crosses
+    ("zb-h1", [3, 2], False),  # Mix's pair crosses
+    ("gpipe", [2, 3], True),   # and the last stage returns a tuple
+])
+def test_tuple_stages_and_input_gradient(pool2, schedule, balance, tuple_out):
+    pool2.run(tuple_stages, schedule, balance, tuple_out)
 
 
 def balanced_by_time(rank, world):

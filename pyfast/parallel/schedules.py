@@ -64,7 +64,7 @@ def layer_times(seq: nn.Sequential, example: torch.Tensor, group=None, repeats: 
             runs.append(time.perf_counter() - t0)
         times.append(sorted(runs)[repeats // 2])
         h = out.detach()
-    t = torch.tensor(times, dtype=torch.float64)
+    t = torch.tensor(times, dtype=torch.float64, device=example.device)
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(t, group=group)
     return t.tolist()
