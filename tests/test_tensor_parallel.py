@@ -244,3 +244,135 @@ def test_bad_input_messages(ranks):
         for what, (msg, parts) in o["errors"].items():
             for part in parts + [f"tensor-parallel size {world}"]:
                 assert part in msg, f"{what}: {part!r} not in {msg!r}"
+
+
+# ----------------------------------------------------------------- autocast, on every backend
+# Under torch.autocast("cpu", bf16) the layers compute what the dense nn.Linear computes there:
+# x, weight and bias cast to bf16, the GEMM (torch's, or Triton's in its interpreter when
+# PYFAST_BACKEND=triton) and the bias add in bf16. Same output dtype (bf16) as the dense layer;
+# values and gradients within TOL[bf16] (a row layer's partials are rounded to bf16 before the
+# all-reduce; the dense GEMM rounds once).
+AMP_CASES = {  # name: (layer, kwargs, leading dims of x)
+    "col": ("col", {}, (8, 3)),
+    "col_gather": ("col", {"gather_output": True}, (4, 3)),
+    "row": ("row", {}, (8, 3)),
+    "row_scatter": ("row", {"input_is_parallel": False}, (4, 3)),
+    "col_sp": ("col", {"sequence_parallel": True}, (8, 3)),
+    "row_sp": ("row", {"sequence_parallel": True}, (8, 3)),
+    "col_sp_async": ("col", {"sequence_parallel": True, "overlap": 2}, (16, 3)),
+    "row_sp_async": ("row", {"sequence_parallel": True, "overlap": 2}, (16, 3)),
+}
+
+
+def _amp_run(m, x, gy):
+    x = x.clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = m(x)
+    y.backward(gy.to(y.dtype))
+    return dict(y=y.detach(), x=x.grad, w=m.weight.grad, b=m.bias.grad)
+
+
+def _amp_worker(rank, world):
+    import os
+
+    from pyfast.ops import status
+    from pyfast.parallel import ColumnParallelLinear, RowParallelLinear
+    out = {}
+    for backend in ("torch", "cpp", "triton"):
+        if not status(backend, torch.device("cpu"))[0]:
+            continue
+        os.environ["PYFAST_BACKEND"] = backend
+        for name, (layer, kw, lead) in AMP_CASES.items():
+            fin, fout = COL if layer == "col" else ROW
+            torch.manual_seed(len(name))
+            dense = nn.Linear(fin, fout)
+            x, gy = torch.randn(*lead, fin), torch.randn(*lead, fout)
+            cls = ColumnParallelLinear if layer == "col" else RowParallelLinear
+            m = cls.from_linear(dense, **kw)
+            lay = _layout(layer, kw)
+            got = _amp_run(m, _local(x, lay["x"], rank, world), _local(gy, lay["y"], rank, world))
+            want = _amp_run(dense, x, gy)
+            want = dict(y=_local(want["y"], lay["y"], rank, world),
+                        x=_local(want["x"], lay["x"], rank, world),
+                        w=_local(want["w"], lay["w"], rank, world),
+                        b=_local(want["b"], lay["b"], rank, world))
+            out[backend, name] = got, want
+        del os.environ["PYFAST_BACKEND"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def amp_ranks():
+    return run_ranks(_amp_worker, 2)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
+def test_layers_under_autocast_match_dense(amp_ranks, backend):
+    from pyfast.ops import status
+    ok, why = status(backend, torch.device("cpu"))
+    if not ok:
+        pytest.skip(why)
+    for rank, o in enumerate(amp_ranks):
+        for name in AMP_CASES:
+            got, want = o[backend, name]
+            for k in ("y", "x", "w", "b"):
+                assert got[k].dtype == want[k].dtype, (rank, name, k, got[k].dtype, want[k].dtype)
+                torch.testing.assert_close(got[k], want[k], **TOL[torch.bfloat16],
+                                           msg=lambda m: f"{backend} {name} {k} rank {rank}: {m}")
+
+
+# ----------------------------------------------------------------- buffers follow the device
+def _meta_worker(rank, world):
+    """Every layer twice, the second time with torch's default device set to meta while the
+    modules and inputs are explicitly on the CPU: a buffer that does not follow its tensors'
+    device becomes a meta tensor and fails (gloo cannot send it; meta and cpu do not mix)."""
+    from pyfast.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+    from pyfast.parallel import vocab_parallel_cross_entropy
+    from pyfast.parallel.async_tp import all_gather_linear, linear_reduce_scatter
+    cpu = torch.device("cpu")
+
+    def cases():
+        torch.manual_seed(3)
+        col = ColumnParallelLinear(*COL, device=cpu)
+        row = RowParallelLinear(*ROW, device=cpu)
+        emb = VocabParallelEmbedding(4 * world, 5, device=cpu)
+        col_async = ColumnParallelLinear(*COL, sequence_parallel=True, overlap=2, device=cpu)
+        row_async = RowParallelLinear(*ROW, sequence_parallel=True, overlap=2, device=cpu)
+        w = torch.randn(6, 5, device=cpu, requires_grad=True)
+        x = torch.randn(8, 3, COL[0], device=cpu)
+        h = torch.randn(8, 3, ROW[0] // world, device=cpu)
+        ids = torch.randint(0, 4 * world, (3, 4), device=cpu)
+        return {
+            "col": lambda: col(x),
+            "row": lambda: row(h),
+            "vocab": lambda: emb(ids),
+            "vocab_ce": lambda: vocab_parallel_cross_entropy(emb(ids) @ w.t(), ids),
+            "col_async": lambda: col_async(x),
+            "row_async": lambda: row_async(h),
+            "agl": lambda: all_gather_linear(torch.randn(4, 5, device=cpu), w, chunks=2),
+            "lrs": lambda: linear_reduce_scatter(torch.randn(4 * world, 5, device=cpu), w,
+                                                 chunks=2),
+        }
+
+    def run(meta: bool):
+        res = {}
+        for name, fn in cases().items():
+            torch.set_default_device("meta" if meta else None)
+            try:
+                y = fn()
+                y.float().square().sum().backward()
+                res[name] = (y.device.type, y.detach())
+            except Exception as e:  # noqa: BLE001  (reported to the parent for the assertion)
+                res[name] = (f"{type(e).__name__}: {e}", None)
+            finally:
+                torch.set_default_device(None)
+        return res
+    return run(False), run(True)
+
+
+def test_layers_follow_their_tensors_device_not_the_default():
+    for rank, (plain, meta) in enumerate(run_ranks(_meta_worker, 2)):
+        for name, (dev, y) in plain.items():
+            assert dev == "cpu", (rank, name, dev)
+            assert meta[name][0] == "cpu", (rank, name, meta[name][0])
+            assert torch.equal(meta[name][1], y), (rank, name)
