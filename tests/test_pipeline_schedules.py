@@ -290,3 +290,34 @@ def test_input_gradient_follows_requires_grad(split, leaf):
     x1 = torch.randn(8, 8)
     pipe.step(x1, t)  # no requires_grad: no gradient, and none asked of autograd
     assert x1.grad is None
+
+
+def test_trace_files_are_written_atomically(tmp_path, monkeypatch):
+    """A failure while writing leaves the earlier trace whole and no temporary file behind."""
+    import json
+    import os
+    from pyfast.parallel import trace
+    pipe = Pipeline.from_sequential(_model(), 2, "1f1b", F.mse_loss)
+    pipe.step(torch.randn(4, 10), torch.randn(4, 4), trace=True)
+    path = str(tmp_path / "t.json")
+    assert trace.save_trace(path) == path
+    before = {p: open(tmp_path / p, "rb").read() for p in ("t.json", "t.png")}
+    assert json.loads(before["t.json"])["traceEvents"]
+
+    def half_then_fail(obj, f, **kw):
+        f.write('{"traceEvents": [')
+        raise OSError("disk full")
+    monkeypatch.setattr(trace.json, "dump", half_then_fail)
+    with pytest.raises(OSError, match="disk full"):
+        trace.save_trace(path)
+    monkeypatch.undo()
+
+    def png_fails(self, f, **kw):
+        f.write(b"\x89PNG half")
+        raise OSError("disk full")
+    import matplotlib.figure
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", png_fails)
+    with pytest.raises(OSError, match="disk full"):
+        trace.plot([trace.last().events], str(tmp_path / "t.png"))
+    assert {p: open(tmp_path / p, "rb").read() for p in ("t.json", "t.png")} == before
+    assert sorted(os.listdir(tmp_path)) == ["t.json", "t.png"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import tempfile
 import time
 
 import torch
@@ -93,14 +94,38 @@ def plot(per_rank: list[list[tuple]], path: str, title: str = "") -> None:
     ax.set_title((title + "\n" if title else "") + "blue F, orange B or I, green W, dark grey "
                  "send/recv calls, light grey waiting", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    try:
+        with _atomic(path, "wb") as f:
+            fig.savefig(f, format="png")
+    finally:
+        plt.close(fig)
+
+
+@contextlib.contextmanager
+def _atomic(path: str, mode: str = "w"):
+    """Write `path` whole or not at all: into a temporary file in the same directory (so the
+    rename stays on one file system), then os.replace. A failure midway leaves any earlier
+    file at `path` untouched and no temporary behind."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".",
+                               prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, mode) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
 
 
 def save_trace(path: str, recorder: Recorder | None = None, title: str = "") -> str | None:
     """Write the last traced step (`step(..., trace=True)`) of every rank as Chrome trace JSON
     at `path`, and its timeline picture next to it (`.png`). Collective: call it on every rank
-    of the pipeline's group; rank 0 of the group writes and gets the path, the others None."""
+    of the pipeline's group; rank 0 of the group writes and gets the path, the others None.
+    Each file is written atomically (a temporary file in its directory, then os.replace): a
+    crash or an error midway never leaves a truncated trace."""
     rec = recorder or _last
     if rec is None:
         raise RuntimeError("save_trace: no traced step in this process; call step(..., trace=True)")
@@ -112,7 +137,7 @@ def save_trace(path: str, recorder: Recorder | None = None, title: str = "") -> 
     if rec.rank != 0:
         return None
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
+    with _atomic(path) as f:
         json.dump({"traceEvents": chrome_events(gathered), "displayTimeUnit": "ms",
                    "otherData": {"written": time.strftime("%Y-%m-%d %H:%M:%S")}}, f)
     plot(gathered, os.path.splitext(path)[0] + ".png", title)
