@@ -157,3 +157,65 @@ def test_bad_inputs(backend):
         MM.linear_act(x, w.bfloat16(), b, backend=backend)
     with pytest.raises(TypeError, match="float64"):
         MM.linear_act(x.double(), w.double(), b.double(), backend=backend)
+
+
+@pytest.mark.parametrize("backend", backend_params() + ["torch"])
+def test_autocast_computes_what_f_linear_computes(backend):
+    """Under bf16 autocast linear_act casts x, weight and bias as F.linear does and runs its
+    GEMM and epilogue in bf16 (an autograd Function is not intercepted by autocast: the Triton
+    path ran in fp32 before). Gradients reach the fp32 leaves in fp32."""
+    import torch.nn.functional as F
+    x, w, b = inputs((2, 7, 33), 18, torch.float32)
+    dy = torch.randn(2, 7, 18)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = run(MM.linear_act, x, w, b, "gelu", dy, backend=backend)
+        ref = run(lambda x, w, b, act: F.gelu(F.linear(x, w, b)), x, w, b, "gelu", dy)
+    assert [t.dtype for t in got] == [t.dtype for t in ref] == [torch.bfloat16] + [torch.float32] * 3
+    xb, wb, bb = (t.bfloat16() for t in (x, w, b))
+    assert_all_close([got[0]], [ref[0]], torch.bfloat16, xb, wb, bb, dy.bfloat16())
+    for g, r in zip(got[1:], ref[1:]):  # bf16 GEMMs on both sides, then widened
+        torch.testing.assert_close(g, r, rtol=2e-2, atol=2e-2)
+
+
+GEMM_CASES = [  # (device, x, weight, bias dtype, PYFAST_BACKEND) -> Triton's GEMM or torch's
+    ("cuda", torch.float32, torch.float32, torch.float32, None, "triton"),
+    ("cuda", torch.bfloat16, torch.bfloat16, None, None, "triton"),
+    ("cuda", torch.float16, torch.float16, torch.float16, None, "triton"),
+    ("cuda", torch.float64, torch.float64, torch.float64, None, "torch"),  # cuBLAS
+    ("cuda", torch.bfloat16, torch.float32, None, None, "torch"),  # mixed: F.linear's rules
+    ("cuda", torch.bfloat16, torch.bfloat16, torch.float32, None, "torch"),
+    ("cuda", torch.float32, torch.float32, None, "torch", "torch"),
+    ("cpu", torch.float32, torch.float32, None, None, "torch"),  # MKL: the CPU fast path
+    ("cpu", torch.bfloat16, torch.bfloat16, None, "triton", "triton"),  # forced: interpreter
+    ("cpu", torch.float32, torch.float32, None, "cpp", "torch"),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("device,xd,wd,bd,forced,want", GEMM_CASES)
+def test_gemm_backend_uses_triton_only_where_its_dtypes_hold(monkeypatch, device, xd, wd, bd,
+                                                             forced, want):
+    """The tensor-parallel layers' GEMM choice, decided without a GPU (a CUDA device object
+    needs none). Forced triton with dtypes it cannot take fails loudly, never falls back."""
+    if forced is None:
+        monkeypatch.delenv("PYFAST_BACKEND", raising=False)
+    else:
+        monkeypatch.setenv("PYFAST_BACKEND", forced)
+    assert MM.gemm_backend(torch.device(device), xd, wd, bd) == want
+    if forced == "triton":
+        with pytest.raises(MM.BackendUnavailable, match="float64"):
+            MM.gemm_backend(torch.device(device), torch.float64, torch.float64)
+
+
+def test_tp_layers_take_the_gemm_that_gemm_backend_picks(monkeypatch):
+    """ColumnParallelLinear's local GEMM follows gemm_backend: linear_act (Triton) when it
+    says so, torch's F.linear otherwise."""
+    from pyfast.parallel import tensor as TP
+    calls = []
+    monkeypatch.setattr(TP, "linear_act", lambda x, w, b: calls.append("triton") or x @ w.t())
+    x, w = torch.randn(3, 4), torch.randn(5, 4)
+    monkeypatch.setattr(TP, "gemm_backend", lambda *a: "triton")
+    TP._linear(x, w)
+    monkeypatch.setattr(TP, "gemm_backend", lambda *a: "torch")
+    TP._linear(x, w)
+    assert calls == ["triton"]
