@@ -3,7 +3,15 @@
     ddp.register_comm_hook(CompressionState("int8"), compression_hook)
 
 Works on gloo and NCCL alike (torch's own quantization hooks are CUDA-only): the reduction is
-pyfast.comm.all_reduce, run on pyfast's communication thread; DDP waits on the future.
+pyfast.comm.all_reduce, run on pyfast's communication thread; DDP waits on the futures.
+
+As DataParallel does (pyfast.parallel.data), a parameter's compression error never depends on
+its neighbours in DDP's bucket: for the block quantizers (int8, int4, fp8, sign) the gradients
+are copied into a staging buffer where each parameter starts on a block boundary (two copies of
+the bucket, in and out), top-k and PowerSGD reduce each parameter alone. NaN/Inf gradients are
+handled per iteration with GradScaler's semantics (check_finite, pyfast.comm.guard): every
+bucket's future completes once the iteration's last bucket and a small side band (one flag per
+bucket) are reduced, which DDP waits for anyway before it copies the buckets into .grad.
 """
 import torch
 import torch.distributed as dist
@@ -11,22 +19,34 @@ import torch.distributed as dist
 import pyfast.compress as C
 from pyfast.comm import all_reduce
 from pyfast.comm.collectives import wait_all
+from pyfast.comm.failure import Breaker, naming
+from pyfast.comm.guard import FiniteGuard
 
 
 class CompressionState:
     """State of compression_hook: the compressor, its error-feedback memory (per bucket) and
     the iteration count. For the first `start_iter` iterations gradients are reduced
-    uncompressed (as torch's PowerSGD state does), letting training settle first."""
+    uncompressed (as torch's PowerSGD state does), letting training settle first.
+
+    check_finite: "skip" (default: a GradScaler works as with DDP's own reduction), "raise" or
+    False, as DataParallel's. After a failed collective (a dead peer) the state is broken and
+    the next iteration's hook raises rather than pair mismatched collectives. The timeout is
+    the process group's own (make the group with dist.new_group(timeout=...))."""
 
     def __init__(self, spec="int8", process_group=None, start_iter: int = 0,
-                 error_feedback: bool = True):
+                 error_feedback: bool = True, check_finite="skip"):
         if start_iter < 0:
             raise ValueError(f"start_iter must be >= 0, got {start_iter}")
         base = C.get(spec)
         lossy = base.spec not in ("none", "fp16", "bf16")
         self.compressor = C.WithFeedback(base) if error_feedback and lossy else base
         self.process_group, self.start_iter, self.iter = process_group, start_iter, 0
+        self.guard = FiniteGuard(check_finite, lambda: [self.compressor])
+        self.breaker = Breaker("this CompressionState")
+        self.skipped = False  # whether the last iteration was skipped (non-finite gradients)
         self._seen: set[str] = set()
+        self._pending: list = []  # this iteration's buckets, completed with the last one
+        self._staging: dict = {}
 
     def state_dict(self) -> dict:
         return {"spec": self.compressor.spec, "iter": self.iter,
@@ -47,31 +67,106 @@ def _prune(state: CompressionState) -> None:
     state._seen = set()
 
 
+class _Pending:
+    """One bucket of the iteration: its buffer, its reductions, the staging copy to undo."""
+
+    def __init__(self, buf, fut, handles, staged=None):
+        self.buf, self.fut, self.handles, self.staged = buf, fut, handles, staged
+
+
+def _staged(state, name, grads, block):
+    """(flat, offsets): a buffer where each gradient starts at a multiple of `block`."""
+    offsets, off = [], 0
+    for g in grads:
+        offsets.append(off)
+        off = -(-(off + g.numel()) // block) * block
+    flat = state._staging.get(name)
+    if flat is None or flat.numel() != off or flat.device != grads[0].device:
+        flat = state._staging[name] = torch.zeros(off, device=grads[0].device)
+    else:
+        flat.zero_()  # the gaps hold the previous reduction's decoded values
+    with torch.no_grad():
+        for g, o in zip(grads, offsets):
+            flat[o:o + g.numel()].copy_(g.reshape(-1))
+    return flat, offsets
+
+
+def _starts(sizes):
+    out, a = [], 0
+    for n in sizes:
+        out.append(a)
+        a += n
+    return out
+
+
+def _reduce(state, c, name, bucket, buf):
+    group = state.process_group
+    inner = getattr(c, "inner", c)
+    grads = bucket.gradients()
+    if isinstance(inner, (C.PowerSGD, C.TopK)):  # whole tensors: a matrix, a selection
+        shaped = [g.view(p.shape) for g, p in zip(grads, bucket.parameters())]
+        return [all_reduce(g, c, group, op="avg", async_op=True, name=f"{name}.{i}")
+                for i, g in enumerate(shaped)], None
+    block = getattr(inner, "block", 1)
+    if block > 1 and len(grads) > 1:
+        sizes = [g.numel() for g in grads]
+        if sum(sizes) != buf.numel():
+            raise RuntimeError(f"DDP bucket {name}: {buf.numel()} elements but its gradients "
+                               f"have {sum(sizes)} (a DDP layout this hook does not know)")
+        flat, offsets = _staged(state, name, grads, block)
+        return [all_reduce(flat, c, group, op="avg", async_op=True, name=name)], (flat, offsets, sizes)
+    return [all_reduce(buf, c, group, op="avg", async_op=True, name=name)], None
+
+
+def _complete(state: CompressionState, side, pending: list) -> None:
+    """On the communication thread, once the side band (FIFO: after every bucket) is done."""
+    try:
+        with state.breaker.guard("compression_hook reduction"):
+            wait_all([h for p in pending for h in p.handles] + [side])
+        for p in pending:
+            if p.staged is not None:  # DDP's buffer holds the gradients back to back
+                flat, offsets, sizes = p.staged
+                with torch.no_grad():
+                    for a, o, n in zip(_starts(sizes), offsets, sizes):
+                        p.buf[a:a + n].copy_(flat[o:o + n])
+        flags = [int(f) for f in side.wait().tolist()]
+        state.skipped = state.guard.settle(flags, [f"bucket{i}" for i in range(len(pending))],
+                                           lambda i: pending[i].buf.fill_(float("nan")))
+    except BaseException as e:
+        for p in pending:
+            p.fut.set_exception(e)
+        return
+    for p in pending:
+        p.fut.set_result(p.buf)
+
+
 # no `from __future__ import annotations`: DDP checks these annotations as objects
 def compression_hook(state: CompressionState,
                      bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    state.breaker.check()
     buf = bucket.buffer()
     # DDP rebuilds its buckets once, after the first iteration, so an index can change size:
     # the size is part of the key, and keys of buckets that no longer exist are dropped.
     name = f"bucket{bucket.index()}:{buf.numel()}"
-    c = state.compressor if state.iter >= state.start_iter else None
+    c = state.compressor if state.iter >= state.start_iter else C.get(None)
+    if not state._pending:
+        state.guard.begin()
+    ok = state.guard.local_ok(buf)
+    if not ok:  # send zeros, keep the memory out of it; the side band tells every rank
+        buf.zero_()
+    c = state.guard.for_bucket(c, name, ok)
     state._seen.add(name)
+    fut = torch.futures.Future()
+    with naming(f"compression_hook on {name}"):
+        handles, staged = _reduce(state, c, name, bucket, buf)
+    state._pending.append(_Pending(buf, fut, handles, staged))
+    state._pending[-1].bad = not ok
     if bucket.is_last():
         state.iter += 1
         _prune(state)
-    fut = torch.futures.Future()
-    if c is not None and isinstance(getattr(c, "inner", c), C.PowerSGD):
-        grads = [g.view(p.shape) for g, p in zip(bucket.gradients(), bucket.parameters())]
-        handles = [all_reduce(g, c, state.process_group, op="avg", async_op=True,
-                              name=f"{name}.{i}") for i, g in enumerate(grads)]
-    else:
-        handles = [all_reduce(buf, c, state.process_group, op="avg", async_op=True, name=name)]
-
-    def done(_):
-        try:
-            wait_all(handles)
-            fut.set_result(buf)
-        except BaseException as e:
-            fut.set_exception(e)
-    handles[-1]._fut.add_done_callback(done)
+        pending, state._pending = state._pending, []
+        flags = torch.tensor([float(p.bad) for p in pending], device=buf.device)
+        side = all_reduce(flags, None, state.process_group, op="sum", async_op=True,
+                          name="sideband")
+        side._fut.add_done_callback(lambda _: _complete(state, side, pending))
     return fut

@@ -169,11 +169,10 @@ def _net():
 def _scaler(rank, world):
     """int8 + error feedback under torch.amp.GradScaler; at step 2 rank 1's last bias gradient
     overflows (inf): every rank must skip that step, halve the scale and go on."""
-    from pyfast.parallel.data import DataParallel
     out = {}
-    for engine in ENGINES:
+    for engine in ENGINES + ("hook",):
         m = _net()
-        net = DataParallel(m, "int8", bucket_mb=0.002, engine=engine)
+        net, memory = _wrap(m, "int8", engine, 0.002)
         opt = torch.optim.SGD(m.parameters(), lr=0.05)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
         rows = []
@@ -183,14 +182,14 @@ def _scaler(rank, world):
             if s == 2 and rank == 1:
                 h = m[5].bias.register_hook(lambda g: g * float("inf"))
             before = [p.detach().clone() for p in m.parameters()]
-            mem = {k: v.clone() for k, v in net.compression_state_dict()["state"]["feedback"]["memory"].items()}
+            mem = {k: v.clone() for k, v in memory().items()}
             opt.zero_grad()
             scaler.scale(nn.functional.mse_loss(net(x), y)).backward()
             scaler.step(opt)
             scaler.update()
             if h is not None:
                 h.remove()
-            after = net.compression_state_dict()["state"]["feedback"]["memory"]
+            after = memory()
             rows.append({"scale": scaler.get_scale(), "skipped": net.skipped,
                          "moved": any(not torch.equal(a, p) for a, p in zip(before, m.parameters())),
                          "mem_same": mem.keys() == after.keys() and all(torch.equal(mem[k], after[k]) for k in mem),
@@ -201,9 +200,41 @@ def _scaler(rank, world):
     return out
 
 
+class _Hooked:
+    """DDP with pyfast's compression hook, shaped like DataParallel for these tests."""
+
+    def __init__(self, m, spec, mb):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        from pyfast.hooks import CompressionState, compression_hook
+        self.ddp = DDP(m, bucket_cap_mb=mb)
+        self.state = CompressionState(spec)
+        self.ddp.register_comm_hook(self.state, compression_hook)
+
+    def __call__(self, *a):
+        return self.ddp(*a)
+
+    @property
+    def skipped(self):
+        return self.state.skipped
+
+    def close(self):
+        pass
+
+
+def _wrap(m, spec, engine, mb):
+    """(wrapped module, a function returning the error-feedback memory)."""
+    from pyfast.parallel.data import DataParallel
+    if engine == "hook":
+        net = _Hooked(m, spec, mb)
+        return net, lambda: net.state.compressor.feedback.memory
+    net = DataParallel(m, spec, bucket_mb=mb, engine=engine)
+    return net, lambda: net.compression_state_dict()["state"]["feedback"]["memory"]
+
+
 def test_grad_scaler_overflow_skips_the_same_step_everywhere():
     out = run_ranks(_scaler, 2)
-    for engine in ENGINES:
+    for engine in ENGINES + ("hook",):
         r0, r1 = out[0][engine], out[1][engine]
         for s, (a, b) in enumerate(zip(r0, r1)):
             assert torch.equal(a["params"], b["params"]) and a["scale"] == b["scale"], (engine, s)
@@ -228,16 +259,21 @@ def _alone(rank, world):
     from pyfast.parallel.data import DataParallel
     out = {}
     for spec in ALONE_SPECS:
-        for engine in ENGINES if spec != "topk:0.1" else ("python",):
+        for engine in (ENGINES if spec != "topk:0.1" else ("python",)) + ("hook",):
             m = _net()
-            net = DataParallel(m, spec, bucket_mb=1.0, engine=engine)  # one bucket holds all
             g = torch.Generator().manual_seed(7 + rank)
             x, y = torch.randn(16, 48, generator=g), torch.randn(16, 10, generator=g)
             nn.functional.mse_loss(m(x), y).backward()  # the module: no reduction yet
             local = {n: p.grad.clone() for n, p in m.named_parameters()}
-            net.reduce_gradients()
+            if engine == "hook":  # one DDP bucket holds all
+                m.zero_grad()
+                hooked = _Hooked(m, spec, 1.0)  # alive until backward is done
+                nn.functional.mse_loss(hooked(x), y).backward()
+            else:
+                net = DataParallel(m, spec, bucket_mb=1.0, engine=engine)  # one bucket holds all
+                net.reduce_gradients()
+                net.close()
             got = {n: p.grad.clone() for n, p in m.named_parameters()}
-            net.close()
             alone = {n: all_reduce(v.clone(), C.get(spec), op="avg", name=n)
                      for n, v in local.items()}
             exact = {n: all_reduce(v.clone(), None, op="avg") for n, v in local.items()}
@@ -255,6 +291,7 @@ def test_compression_error_does_not_depend_on_neighbours():
             assert same, (key, n, float(err), float(err_alone))
     # not vacuous: the lossy formats do lose something
     assert max(float(e) for e, _, _ in out[0]["int8", "native"].values()) > 1e-4
+    assert ("int8", "hook") in out[0] and ("topk:0.1", "hook") in out[0]
 
 
 def _killed(rank, world, engine, spec):
@@ -264,10 +301,12 @@ def _killed(rank, world, engine, spec):
     import signal
     import time
 
-    from pyfast.comm import CommError
-    from pyfast.parallel.data import DataParallel
     m = _net()
-    net = DataParallel(m, spec, bucket_mb=0.002, engine=engine, timeout=20)
+    if engine == "hook":  # DDP with the hook: the group's own timeout (none set here)
+        net = _Hooked(m, spec, 0.002)
+    else:
+        from pyfast.parallel.data import DataParallel
+        net = DataParallel(m, spec, bucket_mb=0.002, engine=engine, timeout=20)
     if rank == 2:
         m[1].weight.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL) if step else g)
     out = {}
@@ -276,24 +315,26 @@ def _killed(rank, world, engine, spec):
         t0 = time.monotonic()
         try:
             nn.functional.mse_loss(net(x), y).backward()
-        except CommError as e:
+        except RuntimeError as e:  # CommError; through DDP's reducer, a RuntimeError quoting it
             out["error"], out["seconds"] = str(e), time.monotonic() - t0
             break
     try:
-        net(x)
+        nn.functional.mse_loss(net(x), y).backward()
         out["after"] = "no error"
-    except CommError as e:
+    except RuntimeError as e:
         out["after"] = str(e)
     return out
 
 
-@pytest.mark.parametrize("engine,spec", [("native", "int8"), ("python", "topk:0.1")])
+@pytest.mark.parametrize("engine,spec", [("native", "int8"), ("python", "topk:0.1"),
+                                         ("hook", "int8")])
 def test_killed_peer_raises_within_seconds_and_breaks(engine, spec):
     out = run_ranks(_killed, 3, engine, spec, expect_errors=True, timeout=60)
     assert out[2].kind == "died"
+    who = "compression_hook reduction" if engine == "hook" else "DataParallel gradient reduction"
     for r in (0, 1):
         assert not isinstance(out[r], Exception), out[r]
-        assert "DataParallel gradient reduction" in out[r]["error"], out[r]
+        assert who in out[r]["error"], out[r]
         assert "all_reduce of bucket" in out[r]["error"] and "failed on rank" in out[r]["error"]
         assert out[r]["seconds"] < 10, out[r]  # measured 0.0x s: a reset, not a timeout
         assert "broken by an earlier failure" in out[r]["after"], out[r]
