@@ -222,3 +222,149 @@ def test_bad_plans(ranks):
             for part in parts + [f"tensor-parallel size {world}"]:
                 assert part in msg, f"{what}: {part!r} not in {msg!r}"
         assert o["untouched"]
+
+
+# ------------------------------------------------------------ tied weights, fused QKV (2 ranks)
+V = 10  # vocabulary of the tied model: split over 2 ranks
+
+
+class TiedLM(nn.Module):
+    """An embedding and an LM head sharing one weight (GPT-2's tie)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok, self.body, self.head = nn.Embedding(V, D), nn.Linear(D, D), nn.Linear(D, V)
+        self.head.weight = self.tok.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.body(self.tok(ids))))
+
+
+def _tied_data():
+    torch.manual_seed(4)
+    model = TiedLM()
+    g = torch.Generator().manual_seed(5)
+    return model, torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g)
+
+
+def _reference_attention(x, wq, wk, wv, bq, bk, bv, proj, heads):
+    """Multi-head causal attention from separate q, k, v projections ([head, head_dim] rows)."""
+    b, t, _ = x.shape
+    q, k, v = (F.linear(x, w, bias).view(b, t, heads, -1).transpose(1, 2)
+               for w, bias in ((wq, bq), (wk, bk), (wv, bv)))
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+def _qkv_data():
+    from pyfast.models.gpt import Attention as GPTAttention
+    from pyfast.models.gpt import GPTConfig
+    from pyfast.parallel.parallelize import fuse_qkv
+    torch.manual_seed(6)
+    w = [torch.randn(D, D) / D ** 0.5 for _ in range(3)]
+    bias = [torch.randn(D) for _ in range(3)]
+    attn = GPTAttention(GPTConfig(n_layer=1, n_head=HEADS, d_model=D, positions="learned"))
+    with torch.no_grad():  # pyfast.models.gpt's attention, its fused qkv built by the rule
+        attn.qkv.weight.copy_(fuse_qkv(*w, HEADS))
+        attn.qkv.bias.copy_(fuse_qkv(*bias, HEADS))
+    x = torch.randn(B, T, D, generator=torch.Generator().manual_seed(7))
+    return attn, x, _reference_attention(x, *w, *bias, attn.proj, HEADS).detach()
+
+
+def _tie_worker(rank, world):
+    import torch.distributed as dist
+
+    from pyfast.parallel import ColumnParallelLinear, parallelize, vocab_parallel_cross_entropy
+    out = {}
+    model, ids, target = _tied_data()
+    m = parallelize(model, {"tok": "vocab", "head": "colwise"})
+    loss = vocab_parallel_cross_entropy(m(ids), target)
+    loss.backward()
+    parts = [torch.empty_like(m.tok.weight.grad) for _ in range(world)]
+    dist.all_gather(parts, m.tok.weight.grad)
+    out["tied"] = (m.head.weight is m.tok.weight, [n for n, _ in m.named_parameters()],
+                   loss.detach(), torch.cat(parts))
+
+    model = _tied_data()[0]
+    shared = nn.Linear(D, D)
+    twice = nn.ModuleDict({"enc": shared, "dec": shared})
+    conv = parallelize(twice, {"enc": "colwise"})
+    out["module_twice"] = conv.enc is conv.dec and type(conv.enc) is ColumnParallelLinear
+    attn, x, _ = _qkv_data()
+    out["errors"] = {
+        "head only": (value_error_text(lambda: parallelize(model, {"head": "colwise"})),
+                      ["head.weight", "tok.weight", "'head' (colwise)", "'tok' (not in the plan)",
+                       "untie"]),
+        "tok only": (value_error_text(lambda: parallelize(model, {"tok": "vocab"})),
+                     ["'tok' (vocab)", "'head' (not in the plan)", "untie"]),
+        "different shards": (
+            value_error_text(lambda: parallelize(model, {"tok": "vocab", "head": "rowwise"})),
+            ["'tok' (vocab)", "'head' (rowwise)", "shard it differently"]),
+        "qkv heads": (value_error_text(lambda: parallelize(
+            attn, {"qkv": ("colwise_qkv", {"heads": 2 * world + 1})})),
+            ["colwise_qkv", f"out_features {3 * D}"]),
+        "qkv no heads": (value_error_text(lambda: parallelize(attn, {"qkv": "colwise_qkv"})),
+                         ["colwise_qkv needs heads="]),
+        "qkv tp": (value_error_text(lambda: parallelize(
+            attn, {"qkv": ("colwise_qkv", {"heads": HEADS, "kv_heads": 1})})),
+            ["kv_heads 1 is not divisible by the tensor-parallel size"]),
+    }
+    out["untouched"] = (type(model.tok) is nn.Embedding and model.head.weight is model.tok.weight
+                        and type(attn.qkv) is nn.Linear)
+
+    attn, x, _ = _qkv_data()
+    m = parallelize(attn, {"qkv": ("colwise_qkv", {"heads": HEADS}), "proj": "rowwise"})
+    out["qkv"] = m(x).detach()
+    return out
+
+
+@pytest.fixture(scope="module")
+def tie_ranks():
+    return run_ranks(_tie_worker, 2)
+
+
+def test_tied_weights_stay_tied_and_match_dense(tie_ranks):
+    """Embedding 'vocab' + head 'colwise' hold the same rows: one shared shard, whose gradient
+    sums both uses, as the dense tied model's does."""
+    model, ids, target = _tied_data()
+    loss = F.cross_entropy(model(ids).flatten(0, 1), target.flatten())
+    loss.backward()
+    names = [n for n, _ in model.named_parameters()]
+    for o in tie_ranks:
+        same, got_names, got_loss, grad = o["tied"]
+        assert same and got_names == names
+        torch.testing.assert_close(got_loss, loss.detach(), **TOL)
+        torch.testing.assert_close(grad, model.tok.weight.grad, **TOL)
+
+
+def test_a_module_under_two_names_is_converted_once(tie_ranks):
+    assert all(o["module_twice"] for o in tie_ranks)
+
+
+def test_untying_plans_and_bad_fused_qkv_are_refused_naming_both(tie_ranks):
+    for o in tie_ranks:
+        for what, (msg, parts) in o["errors"].items():
+            for part in parts + ["tensor-parallel size 2"] * (what != "qkv no heads"):
+                assert part in msg, f"{what}: {part!r} not in {msg!r}"
+        assert o["untouched"]
+
+
+def test_fused_qkv_layout_rule_matches_separate_projections(tie_ranks):
+    """fuse_qkv's rows run through pyfast.models.gpt's attention compute multi-head attention
+    of the separate q, k, v projections, dense and split over tp by colwise_qkv."""
+    attn, x, want = _qkv_data()
+    torch.testing.assert_close(attn(x).detach(), want, **TOL)
+    for o in tie_ranks:
+        torch.testing.assert_close(o["qkv"], want, **TOL)
+
+
+def test_fuse_qkv_grouped_layout():
+    """GQA: rows [kv group, (its heads/kv_heads q heads, k, v), head_dim]."""
+    from pyfast.parallel.parallelize import fuse_qkv
+    hd, heads, kv = 2, 4, 2
+    q = torch.arange(heads * hd).view(-1, 1) + 100
+    k, v = torch.arange(kv * hd).view(-1, 1) + 200, torch.arange(kv * hd).view(-1, 1) + 300
+    got = fuse_qkv(q, k, v, heads, kv).flatten().tolist()
+    assert got == [100, 101, 102, 103, 200, 201, 300, 301, 104, 105, 106, 107, 202, 203, 302, 303]
+    with pytest.raises(ValueError, match="fuse_qkv"):
+        fuse_qkv(q, k, v, 3, kv)

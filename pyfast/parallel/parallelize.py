@@ -76,19 +76,22 @@ def _qkv_sizes(out_features: int, heads, kv_heads, tp: int, who: str) -> int:
     kv_heads = heads if kv_heads is None else kv_heads
     for what, n in (("heads", heads), ("kv_heads", kv_heads)):
         if type(n) is not int or n < 1:
-            raise ValueError(f"{who}: colwise_qkv needs {what}= a positive int, got {n!r}")
+            raise ValueError(f"{who}: colwise_qkv needs {what}= a positive int, got {n!r} "
+                             f"(tensor-parallel size {tp})")
     per_group = heads // kv_heads + 2  # rows of head_dim per kv group: its q heads, k, v
     rule = (f"rows [kv group, (q x heads/kv_heads, k, v), head_dim] with heads={heads}, "
-            f"kv_heads={kv_heads}")
+            f"kv_heads={kv_heads}; tensor-parallel size {tp}")
     if heads % kv_heads:
-        raise ValueError(f"{who}: colwise_qkv: kv_heads {kv_heads} does not divide heads {heads}")
+        raise ValueError(f"{who}: colwise_qkv: kv_heads {kv_heads} does not divide heads {heads}"
+                         f" (tensor-parallel size {tp})")
     if out_features % (kv_heads * per_group):
         raise ValueError(f"{who}: colwise_qkv: out_features {out_features} is not "
                          f"kv_heads * (heads/kv_heads + 2) * head_dim = {kv_heads} * {per_group}"
                          f" * head_dim ({rule})")
     if kv_heads % tp:
         raise ValueError(f"{who}: colwise_qkv: kv_heads {kv_heads} is not divisible by the "
-                         f"tensor-parallel size {tp}: a rank would get part of a head ({rule})")
+                         f"tensor-parallel size {tp}: a rank would get part of a kv group "
+                         f"({rule})")
     return out_features // (kv_heads * per_group)
 
 
@@ -257,7 +260,11 @@ def parallelize(model: nn.Module, plan: dict, group=None, *, sequence_dim: int =
     made: dict[int, nn.Module] = {}
     for n, (_, style, options) in chosen.items():
         if id(modules[n]) not in made:
-            made[id(modules[n])] = CONVERTERS[style, type(modules[n])](modules[n], group, **options)
+            try:
+                made[id(modules[n])] = CONVERTERS[style, type(modules[n])](modules[n], group,
+                                                                           **options)
+            except ValueError as e:  # the converter's reason, with the module it was about
+                raise ValueError(f"parallelize: {n!r} ({style}): {e}") from e
     new = {n: made[id(modules[n])] for n in chosen}
     _tie(shared, chosen, new, tp)
     breaker = Breaker(f"parallelize({type(model).__name__})'s tensor-parallel modules")
