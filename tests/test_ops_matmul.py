@@ -170,7 +170,8 @@ def test_autocast_computes_what_f_linear_computes(backend):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = run(MM.linear_act, x, w, b, "gelu", dy, backend=backend)
         ref = run(lambda x, w, b, act: F.gelu(F.linear(x, w, b)), x, w, b, "gelu", dy)
-    assert [t.dtype for t in got] == [t.dtype for t in ref] == [torch.bfloat16] + [torch.float32] * 3
+    dtypes = [torch.bfloat16] + [torch.float32] * 3
+    assert [t.dtype for t in got] == [t.dtype for t in ref] == dtypes
     xb, wb, bb = (t.bfloat16() for t in (x, w, b))
     assert_all_close([got[0]], [ref[0]], torch.bfloat16, xb, wb, bb, dy.bfloat16())
     for g, r in zip(got[1:], ref[1:]):  # bf16 GEMMs on both sides, then widened

@@ -3,8 +3,9 @@
 Three gloo ranks, tp = 3. Rank 2 is SIGKILLed in the middle of a step (forward: a parallelized
 embedding + MLP, just before the row layer's all-reduce; backward: a sequence-parallel MLP with
 async TP, just before the row layer's overlapped backward all-gather; one kill per phase, as a
-pool of 3 ranks costs ~10 s to start here), or stays alive and silent (never calls the collective). The other ranks must raise CommError naming the module and
-the operation within seconds (dead: gloo sees the reset connection; silent: the timeout the
+pool of 3 ranks costs ~10 s to start here), or stays alive and silent (never calls the
+collective). The other ranks must raise CommError naming the module and the operation within
+seconds (dead: gloo sees the reset connection; silent: the timeout the
 user gave, `timeout=` on parallelize, the layers and async TP's functions), and afterwards the
 module refuses further steps (the broken state) instead of pairing a collective with a peer's
 different one.

@@ -203,7 +203,8 @@ def _tie(shared, chosen, new: dict[str, nn.Module], tp: int) -> None:
                     f"parallelize: {n1}.{a1} and {n2}.{a2} are one tied parameter, but "
                     f"{_describe(n1, chosen)} and {_describe(n2, chosen)} shard it differently "
                     f"({shard(first)} vs {shard(other)}): they cannot stay tied. Use styles that "
-                    f"keep the same slice (e.g. 'vocab' with 'colwise') (tensor-parallel size {tp})")
+                    f"keep the same slice (e.g. 'vocab' with 'colwise') "
+                    f"(tensor-parallel size {tp})")
             setattr(new[n2], a2, first)
 
 

@@ -189,8 +189,9 @@ class _ReduceScatterToSP(Function):
     @staticmethod
     def forward(ctx, x, group, dim, guard):
         ctx.group, ctx.dim, ctx.guard = group, dim, guard
-        return _reduce_scatter(x, dim, group, guard,
-                               "forward reduce-scatter (reduce_scatter_to_sequence_parallel_region)")
+        return _reduce_scatter(
+            x, dim, group, guard,
+            "forward reduce-scatter (reduce_scatter_to_sequence_parallel_region)")
 
     @staticmethod
     def backward(ctx, g):
