@@ -1,5 +1,6 @@
-"""pytest-benchmark suite: compress + decompress per compressor and backend, with the memory
-roof (a copy) and torch.topk as the side-by-side baselines. `make bench` records JSON;
+"""pytest-benchmark suite: compress + decompress per compressor and backend, decompress into an
+existing tensor vs a new one, with the memory roof (a copy) and torch.topk as the side-by-side
+baselines. `make bench` records JSON;
 `make test` runs it once with --benchmark-disable so it cannot rot. The README's table comes
 from `pyfast bench compress --out bench/results/compress` (same measurements, one run)."""
 import pytest
@@ -46,3 +47,15 @@ def test_compress_round_trip(benchmark, x, spec, backend):
                                     moved_bytes=2 * x.numel() * 4 + 2 * p.nbytes)
         y = benchmark(lambda: c.decompress(c.compress(x, "g")))
     assert y.shape == x.shape and torch.isfinite(y).all()
+
+
+@pytest.mark.parametrize("into", [False, True], ids=["allocate", "into"])
+@pytest.mark.parametrize("spec", SPECS)
+def test_decompress_into(benchmark, x, spec, into):
+    """decompress(p) (fresh pages each call) vs decompress(p, out=buf) (existing pages)."""
+    c = C.get(spec)
+    p = c.compress(x, "g")
+    out = torch.empty_like(x)
+    benchmark.extra_info.update(spec=spec, into=into)
+    y = benchmark(lambda: c.decompress(p, out=out) if into else c.decompress(p))
+    assert y.shape == x.shape
