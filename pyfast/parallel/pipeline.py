@@ -225,8 +225,12 @@ class Pipeline(nn.Module):
         finally:
             self._state, self._gin, self._x, self._t, self._x_root = {}, {}, None, None, None
         self._agree(op, error)
-        for link in self.links.values():
-            link.finish()
+        try:  # every rank has received everything: these waits return at once
+            for link in self.links.values():
+                link.finish()
+        except CommError as e:
+            self._broken = str(e)
+            raise PipelineCommError(f"{op} failed: rank {self.rank}: {e}") from e
         stats["wall"] = now() - t0
         stats["overhead_per_action"] = (stats["wall"] - stats["compute"] - stats["idle"]) / len(actions)
         if trace:
