@@ -19,7 +19,7 @@ import torch.distributed as dist
 import pyfast.compress as C
 from pyfast.comm import all_reduce
 from pyfast.comm.collectives import wait_all
-from pyfast.comm.failure import Breaker, naming
+from pyfast.comm.failure import Breaker, naming, new_group_like
 from pyfast.comm.guard import FiniteGuard
 
 
@@ -30,17 +30,26 @@ class CompressionState:
 
     check_finite: "skip" (default: a GradScaler works as with DDP's own reduction), "raise" or
     False, as DataParallel's. After a failed collective (a dead peer) the state is broken and
-    the next iteration's hook raises rather than pair mismatched collectives. The timeout is
-    the process group's own (make the group with dist.new_group(timeout=...))."""
+    the next iteration's hook raises rather than pair mismatched collectives.
+
+    The reductions run on a private copy of `process_group` (same ranks; `timeout` if given,
+    else the group's own), made here: construction is collective, like dist.new_group. DDP
+    issues collectives of its own during backward on its group (with
+    find_unused_parameters=True, the used-parameter map), from its thread; on one shared group
+    they would pair with this hook's in a different order on each rank (seen as a hang)."""
 
     def __init__(self, spec="int8", process_group=None, start_iter: int = 0,
-                 error_feedback: bool = True, check_finite="skip"):
+                 error_feedback: bool = True, check_finite="skip", timeout=None):
         if start_iter < 0:
             raise ValueError(f"start_iter must be >= 0, got {start_iter}")
+        if not dist.is_initialized():
+            raise RuntimeError("CompressionState needs torch.distributed initialized (it makes "
+                               "its own process group, like dist.new_group)")
         base = C.get(spec)
         lossy = base.spec not in ("none", "fp16", "bf16")
         self.compressor = C.WithFeedback(base) if error_feedback and lossy else base
         self.process_group, self.start_iter, self.iter = process_group, start_iter, 0
+        self._group = new_group_like(process_group, timeout)
         self.guard = FiniteGuard(check_finite, lambda: [self.compressor])
         self.breaker = Breaker("this CompressionState")
         self.skipped = False  # whether the last iteration was skipped (non-finite gradients)
@@ -74,20 +83,21 @@ class _Pending:
         self.buf, self.fut, self.handles, self.staged = buf, fut, handles, staged
 
 
-def _staged(state, name, grads, block):
-    """(flat, offsets): a buffer where each gradient starts at a multiple of `block`."""
+def _staged(state, name, buf, sizes, block):
+    """(flat, offsets): DDP's bucket (the gradients back to back) copied so that each one
+    starts at a multiple of `block`."""
     offsets, off = [], 0
-    for g in grads:
+    for n in sizes:
         offsets.append(off)
-        off = -(-(off + g.numel()) // block) * block
+        off = -(-(off + n) // block) * block
     flat = state._staging.get(name)
-    if flat is None or flat.numel() != off or flat.device != grads[0].device:
-        flat = state._staging[name] = torch.zeros(off, device=grads[0].device)
+    if flat is None or flat.numel() != off or flat.device != buf.device:
+        flat = state._staging[name] = torch.zeros(off, device=buf.device)
     else:
         flat.zero_()  # the gaps hold the previous reduction's decoded values
     with torch.no_grad():
-        for g, o in zip(grads, offsets):
-            flat[o:o + g.numel()].copy_(g.reshape(-1))
+        for a, o, n in zip(_starts(sizes), offsets, sizes):
+            flat[o:o + n].copy_(buf[a:a + n])
     return flat, offsets
 
 
@@ -100,20 +110,22 @@ def _starts(sizes):
 
 
 def _reduce(state, c, name, bucket, buf):
-    group = state.process_group
+    group = state._group
     inner = getattr(c, "inner", c)
-    grads = bucket.gradients()
+    # the parameters, not bucket.gradients(): a parameter unused on this rank (DDP's
+    # find_unused_parameters) has no gradient tensor there, but its zeros are in the buffer
+    params = bucket.parameters()
+    sizes = [p.numel() for p in params]
+    if sum(sizes) != buf.numel():  # same on every rank: the layout is DDP's, not the data's
+        raise RuntimeError(f"DDP bucket {name}: {buf.numel()} elements but its parameters "
+                           f"have {sum(sizes)} (a DDP layout this hook does not know)")
     if isinstance(inner, (C.PowerSGD, C.TopK)):  # whole tensors: a matrix, a selection
-        shaped = [g.view(p.shape) for g, p in zip(grads, bucket.parameters())]
-        return [all_reduce(g, c, group, op="avg", async_op=True, name=f"{name}.{i}")
-                for i, g in enumerate(shaped)], None
+        return [all_reduce(buf[a:a + n].view(p.shape), c, group, op="avg", async_op=True,
+                           name=f"{name}.{i}")
+                for i, (a, n, p) in enumerate(zip(_starts(sizes), sizes, params))], None
     block = getattr(inner, "block", 1)
-    if block > 1 and len(grads) > 1:
-        sizes = [g.numel() for g in grads]
-        if sum(sizes) != buf.numel():
-            raise RuntimeError(f"DDP bucket {name}: {buf.numel()} elements but its gradients "
-                               f"have {sum(sizes)} (a DDP layout this hook does not know)")
-        flat, offsets = _staged(state, name, grads, block)
+    if block > 1 and len(sizes) > 1:
+        flat, offsets = _staged(state, name, buf, sizes, block)
         return [all_reduce(flat, c, group, op="avg", async_op=True, name=name)], (flat, offsets, sizes)
     return [all_reduce(buf, c, group, op="avg", async_op=True, name=name)], None
 
@@ -166,7 +178,7 @@ def compression_hook(state: CompressionState,
         _prune(state)
         pending, state._pending = state._pending, []
         flags = torch.tensor([float(p.bad) for p in pending], device=buf.device)
-        side = all_reduce(flags, None, state.process_group, op="sum", async_op=True,
+        side = all_reduce(flags, None, state._group, op="sum", async_op=True,
                           name="sideband")
         side._fut.add_done_callback(lambda _: _complete(state, side, pending))
     return fut

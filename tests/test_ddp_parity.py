@@ -6,9 +6,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dist_utils import run_ranks
+from dist_utils import RankPool, run_ranks
 
 ENGINES = ("native", "python")
+
+
+@pytest.fixture(scope="module")
+def pool():
+    """Two ranks spawned once for the module's cases (spawning costs ~2 s a rank here)."""
+    with RankPool(2) as p:
+        yield p
 
 
 class Branchy(nn.Module):
@@ -45,14 +52,19 @@ def _semantics(rank, world):
 
     from pyfast.parallel.data import DataParallel
     out = {}
-    for kind in ("ddp",) + ENGINES:
+    for kind in ("ddp", "hook") + ENGINES:
         m = Branchy()
         if rank:  # construction must broadcast rank 0's parameters and buffers
             with torch.no_grad():
                 m.inp.weight.add_(1.0)
                 m.bn.running_mean.add_(3.0)
-        net = (DDP(m, bucket_cap_mb=0.001, find_unused_parameters=True) if kind == "ddp" else
-               DataParallel(m, None, bucket_mb=0.001, engine=kind))
+        if kind in ("ddp", "hook"):  # DDP issues its used-map all-reduce beside the hook's
+            net = DDP(m, bucket_cap_mb=0.001, find_unused_parameters=True)
+            if kind == "hook":
+                from pyfast.hooks import CompressionState, compression_hook
+                net.register_comm_hook(CompressionState("none"), compression_hook)
+        else:
+            net = DataParallel(m, None, bucket_mb=0.001, engine=kind)
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
         for s in range(3):
             x, y = _batch(rank, s)
@@ -61,7 +73,7 @@ def _semantics(rank, world):
             grads = {n: (None if p.grad is None else p.grad.clone()) for n, p in m.named_parameters()}
             opt.step()
         out[kind] = {"grads": grads, "state": {k: v.clone() for k, v in m.state_dict().items()}}
-        if kind != "ddp":
+        if kind in ENGINES:
             net.sync_buffers()
             out[kind]["synced"] = {k: v.clone() for k, v in m.named_buffers()}
             m.norm.weight.requires_grad_(False)  # frozen after wrapping: refused, never diverges
@@ -75,11 +87,14 @@ def _semantics(rank, world):
     return out
 
 
-def test_unused_frozen_buffers_match_ddp():
-    out = run_ranks(_semantics, 2)
+def test_unused_frozen_buffers_match_ddp(pool):
+    out = pool.run(_semantics)
     for rank in range(2):
         ddp = out[rank]["ddp"]
         assert ddp["grads"]["never.weight"] is None and ddp["grads"]["frozen.weight"] is None
+        hook = out[rank]["hook"]  # DDP + pyfast's hook ("none") is DDP, bit for bit
+        for n, g in ddp["grads"].items():
+            assert (g is None and hook["grads"][n] is None) or torch.equal(hook["grads"][n], g), n
         for kind in ENGINES:
             mine = out[rank][kind]
             for n, g in ddp["grads"].items():
@@ -142,8 +157,8 @@ def _tied_and_dtypes(rank, world):
     return out
 
 
-def test_tied_parameters_reduced_once_and_dtypes():
-    out = run_ranks(_tied_and_dtypes, 2)
+def test_tied_parameters_reduced_once_and_dtypes(pool):
+    out = pool.run(_tied_and_dtypes)
     ref = Tied()  # one process, both ranks' batches: the mean of their losses
     loss = 0
     for r in range(2):
@@ -203,11 +218,11 @@ def _scaler(rank, world):
 class _Hooked:
     """DDP with pyfast's compression hook, shaped like DataParallel for these tests."""
 
-    def __init__(self, m, spec, mb):
+    def __init__(self, m, spec, mb, unused=False):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         from pyfast.hooks import CompressionState, compression_hook
-        self.ddp = DDP(m, bucket_cap_mb=mb)
+        self.ddp = DDP(m, bucket_cap_mb=mb, find_unused_parameters=unused)
         self.state = CompressionState(spec)
         self.ddp.register_comm_hook(self.state, compression_hook)
 
@@ -232,8 +247,8 @@ def _wrap(m, spec, engine, mb):
     return net, lambda: net.compression_state_dict()["state"]["feedback"]["memory"]
 
 
-def test_grad_scaler_overflow_skips_the_same_step_everywhere():
-    out = run_ranks(_scaler, 2)
+def test_grad_scaler_overflow_skips_the_same_step_everywhere(pool):
+    out = pool.run(_scaler)
     for engine in ENGINES + ("hook",):
         r0, r1 = out[0][engine], out[1][engine]
         for s, (a, b) in enumerate(zip(r0, r1)):
@@ -283,8 +298,8 @@ def _alone(rank, world):
     return out
 
 
-def test_compression_error_does_not_depend_on_neighbours():
-    out = run_ranks(_alone, 2)
+def test_compression_error_does_not_depend_on_neighbours(pool):
+    out = pool.run(_alone)
     for key, per in out[0].items():
         for n, (err, err_alone, same) in per.items():
             # same blocks, same arithmetic: bit for bit, and so the same relative error
@@ -326,8 +341,7 @@ def _killed(rank, world, engine, spec):
     return out
 
 
-@pytest.mark.parametrize("engine,spec", [("native", "int8"), ("python", "topk:0.1"),
-                                         ("hook", "int8")])
+@pytest.mark.parametrize("engine,spec", [("native", "int8"), ("hook", "int8")])
 def test_killed_peer_raises_within_seconds_and_breaks(engine, spec):
     out = run_ranks(_killed, 3, engine, spec, expect_errors=True, timeout=60)
     assert out[2].kind == "died"
@@ -338,3 +352,49 @@ def test_killed_peer_raises_within_seconds_and_breaks(engine, spec):
         assert "all_reduce of bucket" in out[r]["error"] and "failed on rank" in out[r]["error"]
         assert out[r]["seconds"] < 10, out[r]  # measured 0.0x s: a reset, not a timeout
         assert "broken by an earlier failure" in out[r]["after"], out[r]
+
+
+META_CASES = [("native", "int8"), ("python", "int8"), ("python", "topk:0.1"),
+              ("python", "powersgd:2"), ("native", "none"), ("hook", "int8"), ("hook", "topk:0.1")]
+
+
+def _meta(rank, world):
+    """Two steps of each case with torch's default device "meta" and every user tensor on the
+    CPU: a buffer that does not follow its tensors' device is a meta tensor and fails."""
+    cpu = torch.device("cpu")  # explicit, as a user's CUDA tensors would be
+    out = {}
+    for meta in (False, True):
+        for engine, spec in META_CASES:
+            torch.set_default_device("meta" if meta else None)
+            try:
+                with torch.device(cpu):
+                    m = Branchy()
+                    g = torch.Generator(device=cpu).manual_seed(rank)
+                    xs = [(torch.randn(8, 13, generator=g), torch.randn(8, 3, generator=g))
+                          for _ in range(2)]
+                if engine == "hook":
+                    m = m.to(cpu)
+                    net = _Hooked(m, spec, 0.0005, unused=True)
+                else:
+                    from pyfast.parallel.data import DataParallel
+                    net = DataParallel(m, spec, bucket_mb=0.0005, engine=engine)
+                for x, y in xs:
+                    nn.functional.mse_loss(net(x, rank == 1), y).backward()
+                got = torch.cat([p.grad.reshape(-1) for p in m.parameters() if p.grad is not None])
+                assert got.device == cpu, got.device
+                out[meta, engine, spec] = got.clone()
+                net.close()
+            except Exception as e:  # reported all at once by the test
+                out[meta, engine, spec] = f"{type(e).__name__}: {e}"
+            finally:
+                torch.set_default_device(None)
+    return out
+
+
+def test_buffers_follow_the_parameters_device(pool):
+    out = pool.run(_meta)
+    bad = {k: v for o in out for k, v in o.items() if isinstance(v, str)}
+    assert not bad, bad
+    for engine, spec in META_CASES:
+        for r in range(2):
+            assert torch.equal(out[r][True, engine, spec], out[r][False, engine, spec]), (engine, spec)
