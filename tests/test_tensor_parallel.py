@@ -301,9 +301,18 @@ def _amp_worker(rank, world):
     return out
 
 
+def _two_rank_worker(rank, world):  # one spawn for the autocast and the device cases
+    return _amp_worker(rank, world), _meta_worker(rank, world)
+
+
 @pytest.fixture(scope="module")
-def amp_ranks():
-    return run_ranks(_amp_worker, 2)
+def two_ranks():
+    return run_ranks(_two_rank_worker, 2)
+
+
+@pytest.fixture(scope="module")
+def amp_ranks(two_ranks):
+    return [amp for amp, _ in two_ranks]
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
@@ -370,8 +379,8 @@ def _meta_worker(rank, world):
     return run(False), run(True)
 
 
-def test_layers_follow_their_tensors_device_not_the_default():
-    for rank, (plain, meta) in enumerate(run_ranks(_meta_worker, 2)):
+def test_layers_follow_their_tensors_device_not_the_default(two_ranks):
+    for rank, (_, (plain, meta)) in enumerate(two_ranks):
         for name, (dev, y) in plain.items():
             assert dev == "cpu", (rank, name, dev)
             assert meta[name][0] == "cpu", (rank, name, meta[name][0])
