@@ -51,6 +51,7 @@ bench: $(STAMP)
 	$(BIN)/pyfast bench compress --out bench/results/compress
 	$(BIN)/pyfast bench allreduce --out bench/results/allreduce
 	$(BIN)/pyfast bench dp --out bench/results/dp
+	$(BIN)/python -m pyfast.benchmarks.dp_semantics --out bench/results/dp_semantics
 	$(BIN)/pyfast bench pipeline --trace bench/results/pipeline_trace --out bench/results/pipeline
 	$(BIN)/pyfast bench tp --out bench/results/tp
 	$(BIN)/python -m pyfast.benchmarks.overlap_tp --out bench/results/overlap_tp

@@ -147,6 +147,11 @@ class DataParallel(nn.Module):
     alive as long as the module lives).
     """
 
+    # Benchmark only (pyfast.benchmarks.dp_semantics): skip the DDP-semantics work (the side
+    # band of used flags, the parameter check and the buffer broadcast) to measure its cost.
+    # Unused parameters then get zeros and NaN flags are not exchanged: never set in training.
+    _bare = False
+
     def __init__(self, module: nn.Module, compressor=None, bucket_mb: float = BUCKET_MB, group=None,
                  error_feedback: bool = True, overlap: bool = True, check_finite="skip",
                  engine: str = "auto", broadcast_buffers: bool = True, timeout=None):
@@ -219,7 +224,7 @@ class DataParallel(nn.Module):
             self._side.zero_()
         first = self._first[bucket.index]
         for i, p in enumerate(bucket.params):
-            if p.grad is not None:
+            if p.grad is not None and not self._bare:
                 self._side[first + i] = 1.0
         ok = self._guard.local_ok(bucket.flat)
         if not ok:  # NaN/Inf here: send zeros, flag it, keep the feedback memory out of it
@@ -266,23 +271,29 @@ class DataParallel(nn.Module):
         t0 = time.perf_counter()
         try:
             with self._breaker.guard("DataParallel gradient reduction"):
-                if self._engine is not None:
-                    side = self._engine.all_reduce(self._side, None, op="sum", name="sideband")
-                else:
-                    side = all_reduce(self._side, None, self._comm, op="sum", async_op=True,
-                                      name="sideband")
-                try:
-                    side.wait()  # FIFO behind the buckets: they are done too
-                finally:
-                    used = self._side.tolist()
-                    done = self.bucketer.finish(keep=lambda b, i: used[self._first[b.index] + i] > 0,
-                                                before=self._before_copy)
+                done = self._reduce_and_copy()
         finally:
             # exposed communication: what the training thread spent waiting for the buckets
             # (and copying them back) after backward's last gradient
             self.last_wait_s = time.perf_counter() - t0
         if self.selector is not None and len(done) == len(self.bucketer.buckets):
             self.selector.after_step([b.extra["seconds"] for b in done])
+
+    def _reduce_and_copy(self) -> list:
+        if self._bare:
+            return self.bucketer.finish(before=self._before_copy)
+        if self._engine is not None:
+            side = self._engine.all_reduce(self._side, None, op="sum", name="sideband")
+        else:
+            side = all_reduce(self._side, None, self._comm, op="sum", async_op=True,
+                              name="sideband")
+        try:
+            side.wait()  # FIFO behind the buckets: they are done too
+        finally:  # wait for every bucket even so: none may run on behind the caller's back
+            used = self._side.tolist()
+            done = self.bucketer.finish(keep=lambda b, i: used[self._first[b.index] + i] > 0,
+                                        before=self._before_copy)
+        return done
 
     def _before_copy(self, buckets) -> None:
         """Between the wait and the copy into .grad: the non-finite verdict of the step."""
@@ -328,9 +339,12 @@ class DataParallel(nn.Module):
                                f"removed or frozen: {gone or 'none'}): wrap it again")
 
     def forward(self, *args, **kwargs):
-        self._check_usable()
+        if self._bare:
+            self._breaker.check()
+        else:
+            self._check_usable()
         if torch.is_grad_enabled() and self._sync:
-            if self.broadcast_buffers:
+            if self.broadcast_buffers and not self._bare:
                 self._sync_buffers()
             self.bucketer.arm(self._finish)
         else:

@@ -1,0 +1,125 @@
+"""What DDP's semantics cost DataParallel a step, on `pyfast bench dp`'s model (9.4M
+parameters, batch 128/rank, 2 ranks x 1 thread, gloo on loopback):
+
+    python -m pyfast.benchmarks.dp_semantics --out bench/results/dp_semantics
+
+Per compressor, three DataParallels over copies of the same model, stepped in turns (round
+robin, so drift in the machine's load hits all three alike), medians of the step:
+- bare: without the DDP-semantics work (DataParallel._bare: no side band of used-parameter
+  flags, no parameter check, no buffer broadcast; unused parameters would get zeros) and
+  check_finite=False;
+- semantics: with it, check_finite=False (unused-parameter detection + buffer broadcast: the
+  issue's 2% target);
+- default: with it and check_finite="skip" (adds the NaN/Inf check and, with error feedback,
+  the copy of the feedback memory that a skipped step restores).
+The model has no buffers (as in bench dp), so the broadcast costs only the check that there is
+nothing to send.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import time
+
+from pyfast import perf
+from pyfast._io import atomic_write_text
+
+VARIANTS = ("bare", "semantics", "default")
+
+
+def _rank(rank: int, world: int, port: int, specs, rounds: int, steps: int, q) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from pyfast.benchmarks.dp import build
+    from pyfast.parallel.data import DataParallel
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(128, 1024, generator=g), torch.randn(128, 1024, generator=g)
+    out = {}
+    for spec in specs:
+        nets = {}
+        for v in VARIANTS:
+            net = DataParallel(build(), spec, check_finite="skip" if v == "default" else False)
+            net._bare = v == "bare"
+            nets[v] = (net, torch.optim.SGD(net.parameters(), lr=1e-3))
+        times = {v: [] for v in VARIANTS}
+        for r in range(rounds + 1):  # round 0 warms up
+            for v in VARIANTS:
+                net, opt = nets[v]
+                for _ in range(steps):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    opt.zero_grad()
+                    nn.functional.mse_loss(net(x), y).backward()
+                    opt.step()
+                    if r:
+                        times[v].append(time.perf_counter() - t0)
+        for net, _ in nets.values():
+            net.close()
+        out[spec] = {v: statistics.median(t) for v, t in times.items()}
+    if rank == 0:
+        q.put(out)
+    dist.destroy_process_group()
+
+
+def run(specs=("int8", "none"), rounds: int = 5, steps: int = 6) -> dict:
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, 2, port, list(specs), rounds, steps, q))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    res = q.get(timeout=1800)
+    for p in procs:
+        p.join(60)
+    rows = {spec: {**t, "semantics_cost": t["semantics"] / t["bare"] - 1,
+                   "default_cost": t["default"] / t["bare"] - 1} for spec, t in res.items()}
+    return {"machine": perf.machine(), "world": 2, "link": "loopback", "batch": 128,
+            "model": "bench dp MLP, 9.4M parameters", "rounds": rounds, "steps": steps,
+            "rows": rows}
+
+
+def table(res: dict) -> str:
+    lines = [f"DDP-semantics cost per step, {res['model']}, 2 ranks x 1 thread, {res['link']}, "
+             f"batch {res['batch']}/rank; medians of {res['rounds']} x {res['steps']} steps; "
+             f"{res['machine']}",
+             f"{'compressor':<11}{'bare ms':>9}{'semantics ms':>14}{'default ms':>12}"
+             f"{'semantics cost':>16}{'default cost':>14}"]
+    for spec, r in res["rows"].items():
+        lines.append(f"{spec:<11}{r['bare'] * 1e3:>9.1f}{r['semantics'] * 1e3:>14.1f}"
+                     f"{r['default'] * 1e3:>12.1f}{r['semantics_cost']:>+16.1%}"
+                     f"{r['default_cost']:>+14.1%}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pyfast.benchmarks.dp_semantics", description=__doc__)
+    p.add_argument("--specs", default="int8,none")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--out", default="")
+    a = p.parse_args(argv)
+    res = run(a.specs.split(","), a.rounds, a.steps)
+    text = table(res)
+    print(text)
+    if a.out:
+        atomic_write_text(a.out + ".json", json.dumps(res, indent=1) + "\n")
+        atomic_write_text(a.out + ".txt", text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
