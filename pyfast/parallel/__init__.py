@@ -4,11 +4,12 @@ RowParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy, paralle
 from .data import DataParallel, DataParallelNaive
 from .mesh import Mesh
 from .parallelize import parallelize
-from .pipeline import Pipeline
+from .pipeline import Pipeline, PipelineCommError, PipelineError
 from .tensor import ColumnParallelLinear, RowParallelLinear
 from .trace import save_trace
 from .vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 __all__ = ["ColumnParallelLinear", "DataParallel", "DataParallelNaive", "Mesh", "Pipeline",
+           "PipelineCommError", "PipelineError",
            "RowParallelLinear", "VocabParallelEmbedding", "parallelize", "save_trace",
            "vocab_parallel_cross_entropy"]
