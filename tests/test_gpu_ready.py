@@ -127,15 +127,21 @@ def _run_all(rank, world):
     return out
 
 
-def test_collectives_allocate_on_the_inputs_device():
+def _both(rank, world):
+    """One spawn for both checks: ranks cost ~2-5 s each to start here."""
+    return _run_all(rank, world), _cuda_on_gloo(rank, world)
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return run_ranks(_both, 2, timeout=300)
+
+
+def test_collectives_allocate_on_the_inputs_device(ranks):
     world = 2
-    out = run_ranks(_run_all, world, timeout=300)
+    out = [r[0] for r in ranks]
     errors = {k: v for o in out for k, v in o.items() if isinstance(v, str)}
-    # The compressors' own allocations are pyfast.compress's: reported apart (xfail below) so
-    # that this test still guards comm/ while they are open.
-    theirs = {k: v for k, v in errors.items() if v.startswith("pyfast/compress/")}
-    ours = {k: v for k, v in errors.items() if k not in theirs}
-    assert not ours, "\n".join(f"{k}: {v[:300]}" for k, v in ours.items())
+    assert not errors, "\n".join(f"{k}: {v[:300]}" for k, v in errors.items())
     scattered = [k for k in out[0] if k[0] == "rs" or k[-1] == "reduce_scatter_into"]
     for key, got in out[0].items():
         if key not in errors and key not in scattered:
@@ -150,10 +156,6 @@ def test_collectives_allocate_on_the_inputs_device():
         err = (out[0][mode, "int8", "two-phase", True, torch.float32] - exact).abs().max()
         assert err < 0.1 * exact.abs().max(), f"int8 {mode}: error {err}"
     torch.testing.assert_close(out[0]["engine", "none", None], exact, rtol=1e-6, atol=1e-6)
-    if theirs:
-        places = sorted({v.split(": ", 1)[0] for v in theirs.values()})
-        pytest.xfail(f"{len(theirs)} cases fail on allocations in pyfast/compress (not comm/): "
-                     f"{places}; e.g. {next(iter(theirs.values()))[:200]}")
 
 
 def cpu_literals(path: pathlib.Path, root: pathlib.Path = ROOT) -> list[str]:
@@ -211,12 +213,13 @@ def _cuda_on_gloo(rank, world):
     with FakeTensorMode():
         fake, half = torch.empty(1024, device="cuda"), torch.empty(512, device="cuda")
     found = {"config": dist.get_backend_config()}
+    group = dist.new_group(backend="gloo")  # every rank makes it: new_group is collective
     calls = {
         "all_reduce": lambda: comm.all_reduce(fake, "int8", name="bucket3"),
         "all_reduce-async": lambda: comm.all_reduce(fake, "none", async_op=True).wait(),
         "reduce_scatter": lambda: comm.reduce_scatter(half, fake, "int8"),
         "all_gather": lambda: comm.all_gather(fake, half, "topk:0.1"),
-        "group": lambda: comm.all_reduce(fake, "fp16", group=dist.new_group(backend="gloo")),
+        "group": lambda: comm.all_reduce(fake, "fp16", group=group),
     }
     for key, call in calls.items():
         try:
@@ -228,8 +231,8 @@ def _cuda_on_gloo(rank, world):
     return found
 
 
-def test_cuda_tensors_never_go_through_gloo():
-    found = run_ranks(_cuda_on_gloo, 1)[0]
+def test_cuda_tensors_never_go_through_gloo(ranks):
+    found = ranks[0][1]
     assert "cuda:gloo" in found.pop("config")
     for key, msg in found.items():
         assert "cuda:0" in msg and "NCCL" in msg and "gloo" in msg, f"{key}: {msg}"

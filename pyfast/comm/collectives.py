@@ -18,7 +18,9 @@ same bytes in the same rank order with the same arithmetic on every rank. Algori
 Devices: every buffer here (received bytes, fp32 sums, the counts and NaN/Inf flags that go
 first) is allocated on the device of the tensor it serves, so a CUDA gradient never meets a
 host buffer; the group must have a CUDA backend other than gloo for it (check_backend): gloo
-would copy through the host behind the caller's back. A backend failure (a dead peer, the
+would copy through the host behind the caller's back. The host reads only the scalars it must
+branch on: the gathered sizes and flags (_all_gather_var), the finiteness flags, each one sync
+of a few bytes. A backend failure (a dead peer, the
 group's timeout) surfaces as failure.CommError naming the reduction, e.g. "all_reduce of
 bucket3 (int8, two-phase) failed on rank 1: ...".
 """
