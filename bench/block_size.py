@@ -8,6 +8,7 @@ import sys
 import torch
 
 from pyfast import perf
+from pyfast._io import atomic_write_text
 from pyfast.benchmarks.compress import gradient
 from pyfast.ops import quantize as Q
 
@@ -29,8 +30,7 @@ def main(numel=1 << 24, out="bench/results/block_size.txt"):
             lines.append(f"{kind:5s} {b:6d} {err:8.4f} {wire:7.2f} {t * 1e3:8.1f}")
     text = "\n".join(lines)
     print(text)
-    with open(out, "w") as f:
-        f.write(text + "\n")
+    atomic_write_text(out, text + "\n")
 
 
 if __name__ == "__main__":

@@ -63,8 +63,9 @@ def save_result(result: dict, out: str, table, width: int = 160) -> None:
     import json
 
     from rich.console import Console
+
+    from pyfast._io import atomic_open, atomic_write_text
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out + ".json", "w") as f:
-        json.dump(result, f, indent=1)
-    with open(out + ".txt", "w") as f:
+    atomic_write_text(out + ".json", json.dumps(result, indent=1))
+    with atomic_open(out + ".txt", "w") as f:
         Console(file=f, width=width).print(table(result))
