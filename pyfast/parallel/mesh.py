@@ -49,7 +49,8 @@ class Mesh:
             raise ValueError(f"Mesh: dp={dp} x tp={tp} x pp={pp} = {dp * tp * pp} ranks, but the "
                              f"world size is {self.world}")
         if device_type is None:  # NCCL groups serve CUDA tensors, gloo CPU ones
-            device_type = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+            nccl = dist.get_backend(group) == "nccl"
+            device_type = "cuda" if nccl else "cpu"  # cpu-literal: DeviceMesh's type for gloo
         shape = (pp, dp, tp)
         if group is None or dist.get_world_size(group) == dist.get_world_size():
             self.device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=DIMS)
