@@ -198,8 +198,8 @@ class GPT(nn.Sequential):
         """parallelize()'s plan: Megatron's split of attention and MLP, and, for a large
         vocabulary, the vocabulary split in the embedding and the head (whose logits stay
         sharded); a small vocabulary's embedding and head stay whole on every rank."""
-        plan = {"*.attn.qkv": "colwise", "*.attn.proj": "rowwise", "*.mlp.fc": "colwise",
-                "*.mlp.proj": "rowwise"}
+        plan = {"*.attn.qkv": ("colwise_qkv", {"heads": self.cfg.n_head}),  # checked layout
+                "*.attn.proj": "rowwise", "*.mlp.fc": "colwise", "*.mlp.proj": "rowwise"}
         if self.vocab_parallel:
             plan.update({"0.tok": "vocab", f"{len(self) - 1}.lm_head": "colwise"})
         return plan
