@@ -30,7 +30,8 @@ def examples(draw):
     return dict(
         spec=spec, shape=(rows, max(1, n // rows)),
         dtype=draw(st.sampled_from(sorted(DTYPES))),
-        algorithm=draw(st.sampled_from([None, "two-phase", "allgather"])) if spec in DENSE else None,
+        algorithm=(draw(st.sampled_from([None, "two-phase", "allgather"])) if spec in DENSE
+                   else None),
         reference=draw(st.booleans()), op=draw(st.sampled_from(["sum", "avg"])),
         feedback=draw(st.booleans()) if spec in DENSE or spec.startswith("topk") else False,
         async_op=draw(st.booleans()), seed=draw(st.integers(0, 2**31 - 1)))

@@ -75,8 +75,9 @@ def check_backend(device: torch.device, group=None, what: str = "a collective") 
     found = device_backends(dist.get_backend_config(group))
     backend = found.get("cuda", found.get("*"))
     if backend is None or backend == "gloo":
+        config = dist.get_backend_config(group)
         raise ValueError(f"{what}: a tensor on {device} needs a process group with a CUDA backend "
-                         f"(NCCL), but the group's backends are {dist.get_backend_config(group)!r}: "
+                         f"(NCCL), but the group's backends are {config!r}: "
                          "gloo would copy it through the host. Make the group with "
                          'backend="nccl" (or "cpu:gloo,cuda:nccl"), or move the tensor to the CPU')
 

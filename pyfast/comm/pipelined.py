@@ -12,8 +12,8 @@ a 64 MB fp32 gradient (bench/results/allreduce.txt):
   (two-phase) chunks in flight, so compressing chunk i+1 and decoding chunk i-1 overlap the
   transfer of chunk i: int8 339 -> 270 ms (floor 270.5), fp16 -> 537 ms (floor 537).
 Chunk bounds are multiples of the block size (times W for two-phase), so every quantization
-block is the same block as in the unchunked reference. Every buffer is made on x's device (new_empty /
-new_zeros of the chunk's bytes), so CUDA chunks never stage through the host.
+block is the same block as in the unchunked reference. Every buffer is made on x's device
+(new_empty / new_zeros of the chunk's bytes), so CUDA chunks never stage through the host.
 """
 from __future__ import annotations
 
