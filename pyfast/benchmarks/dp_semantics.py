@@ -4,7 +4,8 @@ parameters, batch 128/rank, 2 ranks x 1 thread, gloo on loopback):
     python -m pyfast.benchmarks.dp_semantics --out bench/results/dp_semantics
 
 Per compressor, three DataParallels over copies of the same model, stepped in turns (round
-robin, so drift in the machine's load hits all three alike), medians of the step:
+robin, the order rotated every round, so drift in the machine's load and the cost of
+switching models hit all three alike), medians of the step:
 - bare: without the DDP-semantics work (DataParallel._bare: no side band of used-parameter
   flags, no parameter check, no buffer broadcast; unused parameters would get zeros) and
   check_finite=False;
@@ -13,7 +14,9 @@ robin, so drift in the machine's load hits all three alike), medians of the step
 - default: with it and check_finite="skip" (adds the NaN/Inf check and, with error feedback,
   the copy of the feedback memory that a skipped step restores).
 The model has no buffers (as in bench dp), so the broadcast costs only the check that there is
-nothing to send.
+nothing to send. The step medians move by a few percent from run to run on this shared
+2-core machine, more than the work measured, so each part is also timed alone (_components)
+and `parts / bare` is their sum over the bare step.
 """
 from __future__ import annotations
 
@@ -53,7 +56,8 @@ def _rank(rank: int, world: int, port: int, specs, rounds: int, steps: int, q) -
             nets[v] = (net, torch.optim.SGD(net.parameters(), lr=1e-3))
         times = {v: [] for v in VARIANTS}
         for r in range(rounds + 1):  # round 0 warms up
-            for v in VARIANTS:
+            k = r % len(VARIANTS)  # each variant takes each place in the round in turn
+            for v in VARIANTS[k:] + VARIANTS[:k]:
                 net, opt = nets[v]
                 for _ in range(steps):
                     dist.barrier()
@@ -63,12 +67,48 @@ def _rank(rank: int, world: int, port: int, specs, rounds: int, steps: int, q) -
                     opt.step()
                     if r:
                         times[v].append(time.perf_counter() - t0)
+        out[spec] = {v: statistics.median(t) for v, t in times.items()}
+        out[spec].update(_components(nets["semantics"][0], dist))
         for net, _ in nets.values():
             net.close()
-        out[spec] = {v: statistics.median(t) for v, t in times.items()}
     if rank == 0:
         q.put(out)
     dist.destroy_process_group()
+
+
+def _components(net, dist, n: int = 40) -> dict:
+    """The semantics work timed alone (the step medians above differ by less than this
+    machine's noise): the parameter check a forward runs, the used flags a bucket launch sets,
+    and the side band's all-reduce (on the engine, as in a step, after a barrier)."""
+    import torch
+
+    def med(fn):
+        ts = []
+        for _ in range(n):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+
+    def flags():
+        for b in net.bucketer.buckets:
+            first = net._first[b.index]
+            for i, p in enumerate(b.params):
+                if p.grad is not None:
+                    net._side[first + i] = 1.0
+
+    def side():
+        h = (net._engine.all_reduce(net._side, None, op="sum", name="sideband")
+             if net._engine is not None else None)
+        if h is None:
+            from pyfast.comm import all_reduce
+            h = all_reduce(net._side, None, net._comm, op="sum", async_op=True)
+        h.wait()
+
+    with torch.no_grad():
+        return {"check_s": med(net._check_usable), "flags_s": med(flags), "side_s": med(side),
+                "side_floats": net._side.numel()}
 
 
 def run(specs=("int8", "none"), rounds: int = 5, steps: int = 6) -> dict:
@@ -86,7 +126,9 @@ def run(specs=("int8", "none"), rounds: int = 5, steps: int = 6) -> dict:
     for p in procs:
         p.join(60)
     rows = {spec: {**t, "semantics_cost": t["semantics"] / t["bare"] - 1,
-                   "default_cost": t["default"] / t["bare"] - 1} for spec, t in res.items()}
+                   "default_cost": t["default"] / t["bare"] - 1,
+                   "parts_cost": (t["check_s"] + t["flags_s"] + t["side_s"]) / t["bare"]}
+            for spec, t in res.items()}
     return {"machine": perf.machine(), "world": 2, "link": "loopback", "batch": 128,
             "model": "bench dp MLP, 9.4M parameters", "rounds": rounds, "steps": steps,
             "rows": rows}
@@ -97,11 +139,14 @@ def table(res: dict) -> str:
              f"batch {res['batch']}/rank; medians of {res['rounds']} x {res['steps']} steps; "
              f"{res['machine']}",
              f"{'compressor':<11}{'bare ms':>9}{'semantics ms':>14}{'default ms':>12}"
-             f"{'semantics cost':>16}{'default cost':>14}"]
+             f"{'semantics cost':>16}{'default cost':>14}{'check ms':>10}{'flags ms':>10}"
+             f"{'side band ms':>14}{'parts / bare':>14}"]
     for spec, r in res["rows"].items():
         lines.append(f"{spec:<11}{r['bare'] * 1e3:>9.1f}{r['semantics'] * 1e3:>14.1f}"
                      f"{r['default'] * 1e3:>12.1f}{r['semantics_cost']:>+16.1%}"
-                     f"{r['default_cost']:>+14.1%}")
+                     f"{r['default_cost']:>+14.1%}{r['check_s'] * 1e3:>10.3f}"
+                     f"{r['flags_s'] * 1e3:>10.3f}{r['side_s'] * 1e3:>14.3f}"
+                     f"{r['parts_cost']:>14.2%}")
     return "\n".join(lines)
 
 
