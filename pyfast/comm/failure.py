@@ -73,14 +73,30 @@ def new_group_like(group=None, timeout=None):
 @contextlib.contextmanager
 def naming(op: str):
     """Re-raise a backend failure inside the block as CommError naming `op` and this rank (a
-    CommError from below gets `op` as a prefix). ValueError and TypeError pass unchanged."""
+    CommError from below gets `op` as a prefix). Other errors (a bug, bad input) pass
+    unchanged: only torch.distributed's own errors and the transport's are a CommError."""
     try:
         yield
     except CommError as e:  # from a lower layer: say what it was part of
         raise CommError(f"{op}: {e}") from e
     except RuntimeError as e:
+        if not is_backend_failure(e):
+            raise
         rank = dist.get_rank() if dist.is_initialized() else 0
         raise CommError(f"{op} failed on rank {rank}: {e}") from e
+
+
+# gloo raises plain RuntimeErrors (measured: "[.../gloo/transport/tcp/pair.cc:537] Read error
+# ...: Connection reset by peer", "Application timeout caused pair closure", "Timed out
+# waiting ... for recv operation"); NCCL's come as DistBackendError
+_TRANSPORT = ("gloo", "nccl", "connection", "timed out", "timeout", "pair closure",
+              "broken pipe", "socket")
+
+
+def is_backend_failure(e: BaseException) -> bool:
+    if isinstance(e, (CommError, dist.DistError)):
+        return True
+    return isinstance(e, RuntimeError) and any(m in str(e).lower() for m in _TRANSPORT)
 
 
 class Breaker:
@@ -102,10 +118,14 @@ class Breaker:
 
     @contextlib.contextmanager
     def guard(self, op: str):
-        """naming(op), and trip on any CommError."""
+        """naming(op), and trip on any error but ValueError / TypeError (bad input, raised the
+        same way on every rank): after anything else mid-collective the ranks may be out of
+        step, whatever raised it."""
         try:
             with naming(op):
                 yield
-        except CommError as e:
+        except (ValueError, TypeError):
+            raise
+        except Exception as e:
             self.trip(e)
             raise
