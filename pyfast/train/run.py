@@ -28,6 +28,10 @@ def fault(point: str, step: int) -> None:
     where, _, rank = spec.partition(":")
     p, _, s = where.partition("@")
     if p == point and int(s) == step and (not rank or int(rank) == dist.get_rank()):
+        # said first: torchrun reports whichever rank it sees fail first, and a survivor
+        # raising CommError (within ~0.05 s of the kill) can be that one
+        print(f"pyfast: PYFAST_FAULT {spec}: SIGKILL rank {dist.get_rank()}", file=sys.stderr,
+              flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
 
