@@ -46,17 +46,21 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 	PYFAST_BENCH_NUMEL=65536 $(BIN)/python -m pytest -q bench --benchmark-disable
 
-# The numbers the README quotes (each writes bench/results/NAME.json and .txt).
+# The numbers docs/benchmarks.md quotes (each writes bench/results/NAME.json and .txt; the
+# last step regenerates docs/benchmarks.md from them).
 bench: $(STAMP)
 	$(BIN)/pyfast bench compress --out bench/results/compress
 	$(BIN)/pyfast bench allreduce --out bench/results/allreduce
 	$(BIN)/pyfast bench dp --out bench/results/dp
-	$(BIN)/python -m pyfast.benchmarks.dp_semantics --out bench/results/dp_semantics
+	$(BIN)/pyfast bench dp_semantics --out bench/results/dp_semantics
 	$(BIN)/pyfast bench pipeline --trace bench/results/pipeline_trace --out bench/results/pipeline
 	$(BIN)/pyfast bench tp --out bench/results/tp
-	$(BIN)/python -m pyfast.benchmarks.overlap_tp --out bench/results/overlap_tp
+	$(BIN)/pyfast bench overlap_tp --out bench/results/overlap_tp
 	$(BIN)/pyfast bench train --out bench/results/train
 	$(BIN)/pyfast bench train --batch 2 --out bench/results/train_b2
+	$(BIN)/pyfast bench epilogue --out bench/results/epilogue
+	$(BIN)/pyfast bench block_size --out bench/results/block_size
+	$(BIN)/pyfast bench report
 
 # Compile every CUDA source to an object file with this machine's nvcc against torch's
 # headers: proves the GPU code builds where no GPU (or CUDA torch) exists to link it.

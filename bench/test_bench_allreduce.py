@@ -82,11 +82,15 @@ def test_allreduce_loopback_2_ranks(benchmark, rank0, spec):
                                 wire_bytes=allreduce.wire_bytes(algo, 2, [payload]))
     benchmark.pedantic(lambda: pyfast.comm.all_reduce(t, spec, name="g"), setup=setup,
                        rounds=5, warmup_rounds=1)
-    assert torch.isfinite(t).all()
-    if spec == "none":  # two fp32 addends in a fixed order: exact
-        assert torch.equal(t, x + x1)
-    elif spec in ("fp16", "int8"):
-        assert (t - (x + x1)).norm() < 0.05 * (x + x1).norm()
+    exact = x + x1  # two fp32 addends in a fixed order
+    if spec == "none":
+        assert torch.equal(t, exact)
+    elif spec != "powersgd:4":  # W=2 gathers: each rank's round trip, summed in rank order
+        ref = sum(pyfast.compress.get(spec).decompress(pyfast.compress.get(spec).compress(v, "g"))
+                  for v in (x, x1))
+        torch.testing.assert_close(t, ref, rtol=1e-6, atol=1e-6)
+    bound = {"none": 0, "fp16": 1e-3, "int8": 0.02, "topk:0.01": 0.95, "powersgd:4": 1.0}[spec]
+    assert (t - exact).norm() <= bound * exact.norm(), spec  # the compressor's own error
 
 
 def test_emulated_link(tmp_path):
@@ -105,7 +109,7 @@ def test_emulated_link(tmp_path):
     for r in rows:
         # the namespace's lo saw what the model says gloo sends (headers, barriers: < 2%)
         assert r["wire_bytes"] <= r["link_bytes"] < 1.02 * r["wire_bytes"] + 4096, r
-        assert r["time_s"] >= (r["wire_bytes"] - 512 * 1024) * 8 / 1e9, r  # tbf is real
+        assert r["median_s"] >= (r["wire_bytes"] - 512 * 1024) * 8 / 1e9, r  # tbf is real
     assert "int8" in (tmp_path / "ar.txt").read_text()
 
 

@@ -2,7 +2,24 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+
+# `pyfast bench NAME ARGS` runs pyfast.benchmarks.NAME.main(ARGS): each parses its own options
+# and ends in pyfast.perf.finish (the table, OUT.json and OUT.txt).
+BENCHMARKS = {
+    "compress": "every compressor: wire ratio, error, throughput",
+    "block_size": "the quantizers' block size: error, scale overhead, throughput",
+    "allreduce": "compressed all-reduce vs plain gloo, on emulated links",
+    "dp": "DataParallel training step vs torch DDP and its hooks",
+    "dp_semantics": "what DataParallel's DDP semantics and check_finite cost a step",
+    "tp": "tensor-parallel MLP block vs DTensor TP and one process",
+    "overlap_tp": "overlapped vs sequential all-gather/reduce-scatter + matmul",
+    "epilogue": "a fused C++ bias+GELU epilogue vs torch's GEMM + GELU on CPU",
+    "pipeline": "pipeline schedules vs torch.distributed.pipelining",
+    "train": "the training job's tokens/s per mesh vs one process and torch-native",
+    "report": "write docs/benchmarks.md from bench/results/ (no benchmark is run)",
+}
 
 
 def _info(args) -> int:
@@ -11,33 +28,12 @@ def _info(args) -> int:
     return 0
 
 
-def _bench_compress(args) -> int:
-    from rich.console import Console
-
-    from pyfast.benchmarks import compress
-    specs = args.specs.split(",") if args.specs else compress.SPECS
-    result = compress.run(args.numel, specs, args.repeats)
-    Console(width=160).print(compress.table(result))
-    if args.out:
-        compress.save(result, args.out)
-        print(f"wrote {args.out}.json and {args.out}.txt")
-    return 0
-
-
-DELEGATED = {"allreduce": "compressed all-reduce vs plain gloo, on emulated links",
-             "dp": "DataParallel training step vs torch DDP and its hooks",
-             "pipeline": "pipeline schedules vs torch.distributed.pipelining",
-             "tp": "tensor-parallel MLP block vs DTensor TP and one process",
-             "train": "the training job's tokens/s per mesh vs one process and torch-native"}
-
-
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "train":  # its own parser: pyfast.train.config
         from pyfast.train import main as train
         return train(argv[1:])
-    if len(argv) >= 2 and argv[0] == "bench" and argv[1] in DELEGATED:
-        import importlib
+    if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCHMARKS:
         return importlib.import_module(f"pyfast.benchmarks.{argv[1]}").main(argv[2:])
     p = argparse.ArgumentParser(prog="pyfast", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -45,17 +41,9 @@ def main(argv=None) -> int:
     sub.add_parser("info", help="versions, backends available here (and why not), GPUs"
                    ).set_defaults(fn=_info)
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="what", required=True)
-    bc = bench.add_parser("compress", help="every compressor: wire ratio, error, throughput")
-    bc.add_argument("--numel", type=int, default=1 << 24, help="elements (default 16M)")
-    bc.add_argument("--specs", default="", help="comma-separated specs (default: all)")
-    bc.add_argument("--repeats", type=int, default=5)
-    bc.add_argument("--out", default="", help="write OUT.json and OUT.txt")
-    bc.set_defaults(fn=_bench_compress)
-    for what, helptext in DELEGATED.items():  # parsed by the benchmark module's own main()
+    for what, helptext in BENCHMARKS.items():  # parsed by the benchmark module's own main()
         bench.add_parser(what, help=helptext)
     args = p.parse_args(argv)
-    if getattr(args, "numel", 1) < 1:
-        p.error("--numel must be >= 1")
     return args.fn(args)
 
 

@@ -1,4 +1,6 @@
-"""Timing helpers shared by `pyfast bench` and bench/: medians, copy bandwidth, machine name."""
+"""The benchmark harness shared by every `pyfast bench X` and bench/: timing with medians and
+quantiles under one set of key names (median_s, q10_s, q90_s), copy bandwidth, the machine's
+name, the result saved as JSON + a table (TXT) atomically, and one entry point per benchmark."""
 from __future__ import annotations
 
 import contextlib
@@ -21,8 +23,29 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {n} thread{'s' * (n != 1)}"
 
 
-def median_time(fn, repeats: int = 7, warmup: int = 1, min_time: float = 0.0) -> tuple[float, float, float]:
-    """(median, q10, q90) wall seconds of fn() over `repeats` runs after `warmup`."""
+KEYS = ("median_s", "q10_s", "q90_s")
+LEGACY = {"median_s": ("time_s", "median"), "q10_s": ("q10",), "q90_s": ("q90",)}  # older results
+
+
+def summary(times) -> dict:
+    """{"median_s", "q10_s", "q90_s"} of a list of seconds: the keys every result row uses."""
+    ts = sorted(times)
+    if not ts:
+        raise ValueError("summary of no times")
+    q = lambda f: ts[min(len(ts) - 1, int(f * len(ts)))]  # noqa: E731
+    return {"median_s": statistics.median(ts), "q10_s": q(0.1), "q90_s": q(0.9)}
+
+
+def stat(row: dict, key: str):
+    """row[key] for key in KEYS, also from results recorded before the keys were unified."""
+    for k in (key, *LEGACY.get(key, ())):
+        if k in row:
+            return row[k]
+    raise KeyError(key)
+
+
+def times(fn, repeats: int = 7, warmup: int = 1, min_time: float = 0.0) -> list[float]:
+    """Wall seconds of each of `repeats` calls of fn() (more until min_time) after `warmup`."""
     for _ in range(warmup):
         fn()
     ts = []
@@ -31,9 +54,13 @@ def median_time(fn, repeats: int = 7, warmup: int = 1, min_time: float = 0.0) ->
         t0 = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t0)
-    ts.sort()
-    q = lambda f: ts[min(len(ts) - 1, int(f * len(ts)))]  # noqa: E731
-    return statistics.median(ts), q(0.1), q(0.9)
+    return ts
+
+
+def median_time(fn, repeats: int = 7, warmup: int = 1, min_time: float = 0.0) -> tuple[float, float, float]:
+    """(median, q10, q90) wall seconds of fn() over `repeats` runs after `warmup` (summary())."""
+    s = summary(times(fn, repeats, warmup, min_time))
+    return s["median_s"], s["q10_s"], s["q90_s"]
 
 
 def copy_bandwidth(x: torch.Tensor, repeats: int = 7) -> float:
@@ -58,14 +85,31 @@ def backend(name: str | None):
             os.environ["PYFAST_BACKEND"] = old
 
 
-def save_result(result: dict, out: str, table, width: int = 160) -> None:
-    """Write OUT.json (the data) and OUT.txt (the rich table) for a benchmark result."""
-    import json
-
+def show(result: dict, table, width: int = 160, file=None) -> None:
+    """Print table(result): a rich Table or plain text."""
     from rich.console import Console
+    t = table(result)
+    if isinstance(t, str):
+        print(t, file=file)
+    else:
+        Console(file=file, width=width).print(t)
+
+
+def save_result(result: dict, out: str, table, width: int = 160) -> None:
+    """Write OUT.json (the data) and OUT.txt (the table) for a benchmark result, atomically."""
+    import json
 
     from pyfast._io import atomic_open, atomic_write_text
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     atomic_write_text(out + ".json", json.dumps(result, indent=1))
     with atomic_open(out + ".txt", "w") as f:
-        Console(file=f, width=width).print(table(result))
+        show(result, table, width, file=f)
+
+
+def finish(result: dict, table, out: str = "", width: int = 160) -> int:
+    """The end of every benchmark's main(): show the table, save OUT.json/.txt if asked."""
+    show(result, table, width)
+    if out:
+        save_result(result, out, table, width)
+        print(f"wrote {out}.json and {out}.txt")
+    return 0

@@ -13,7 +13,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -74,8 +73,7 @@ def _worker() -> None:
         if rank == 0:
             per_call = sorted(max(ts) for ts in zip(*(e[0] for e in each)))
             algo = choose(c, x.numel(), world)
-            rows.append({"spec": spec, "algorithm": algo, "time_s": statistics.median(per_call),
-                         "q10_s": per_call[int(0.1 * reps)], "q90_s": per_call[int(0.9 * reps)],
+            rows.append({"spec": spec, "algorithm": algo, **perf.summary(per_call),
                          "payload_bytes": max(e[1] for e in each),
                          "wire_bytes": wire_bytes(algo, world, [e[1] for e in each]),
                          "link_bytes": sent if os.environ.get("PYFAST_NETNS") else None})
@@ -86,13 +84,13 @@ def _worker() -> None:
 
 def _derive(rows: list[dict], world: int, link: str) -> list[dict]:
     bps = netns.rate_bps(link)
-    by = {r["spec"]: r["time_s"] for r in rows}
+    by = {r["spec"]: r["median_s"] for r in rows}
     for r in rows:
         r.update(world=world, link=link)
         r["floor_s"] = r["wire_bytes"] * 8 / bps if bps else None
-        r["floor_fraction"] = r["floor_s"] / r["time_s"] if bps else None
+        r["floor_fraction"] = r["floor_s"] / r["median_s"] if bps else None
         for base in ("none", "fp16"):
-            r[f"vs_{base}"] = by[base] / r["time_s"] if base in by else None
+            r[f"vs_{base}"] = by[base] / r["median_s"] if base in by else None
     return rows
 
 
@@ -127,15 +125,15 @@ def targets(result: dict) -> list[str]:
     out = []
     for world in sorted({r["world"] for r in result["rows"] if r["link"] == TARGET_LINK}):
         got = {r["spec"]: r for r in result["rows"]
-               if r["link"] == TARGET_LINK and r["world"] == world and "time_s" in r}
+               if r["link"] == TARGET_LINK and r["world"] == world and "median_s" in r}
         for spec, base, want in TARGETS:
             if spec in got and base in got:
-                x = got[base]["time_s"] / got[spec]["time_s"]
+                x = got[base]["median_s"] / got[spec]["median_s"]
                 out.append(f"{'met   ' if x >= want else 'MISSED'} W={world} {spec} vs {base}: "
                            f"{x:.2f}x (target {want:g}x)")
         for spec in dict.fromkeys(s for s, _, _ in TARGETS):
             if spec in got:
-                k = got[spec]["time_s"] / got[spec]["floor_s"]
+                k = got[spec]["median_s"] / got[spec]["floor_s"]
                 out.append(f"{'met   ' if k <= FLOOR_SLACK else 'MISSED'} W={world} {spec}: "
                            f"{k:.2f}x its floor (target <= {FLOOR_SLACK}x)")
     return out
@@ -165,7 +163,7 @@ def table(result: dict):
         mb = lambda b: "-" if b is None else f"{b / 2**20:.2f}"  # noqa: E731
         x = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731
         t.add_row(str(r["world"]), r["link"], r["spec"], r["algorithm"], mb(r["payload_bytes"]),
-                  mb(r["wire_bytes"]), mb(r["link_bytes"]), _ms(r["time_s"]),
+                  mb(r["wire_bytes"]), mb(r["link_bytes"]), _ms(perf.stat(r, "median_s")),
                   f"{_ms(r['q10_s'])}-{_ms(r['q90_s'])}", _ms(r["floor_s"]),
                   "-" if r["floor_fraction"] is None else f"{100 * r['floor_fraction']:.0f}%",
                   x(r["vs_none"]), x(r["vs_fp16"]))

@@ -124,3 +124,17 @@ def table(result: dict):
 
 def save(result: dict, out: str) -> None:
     perf.save_result(result, out, table, width=160)
+
+
+def main(argv=None) -> int:
+    import argparse
+    p = argparse.ArgumentParser(prog="pyfast bench compress", description=__doc__.split("\n")[0])
+    p.add_argument("--numel", type=int, default=1 << 24, help="elements (default 16M)")
+    p.add_argument("--specs", default="", help="comma-separated specs (default: all)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", default="", help="write OUT.json and OUT.txt")
+    a = p.parse_args(argv)
+    if a.numel < 1:
+        p.error("--numel must be >= 1")
+    result = run(a.numel, a.specs.split(",") if a.specs else SPECS, a.repeats)
+    return perf.finish(result, table, a.out, width=160)

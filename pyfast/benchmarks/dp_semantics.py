@@ -1,7 +1,7 @@
 """What DDP's semantics cost DataParallel a step, on `pyfast bench dp`'s model (9.4M
 parameters, batch 128/rank, 2 ranks x 1 thread, gloo on loopback):
 
-    python -m pyfast.benchmarks.dp_semantics --out bench/results/dp_semantics
+    pyfast bench dp_semantics --out bench/results/dp_semantics
 
 Per compressor, three DataParallels over copies of the same model, stepped in turns (round
 robin, the order rotated every round, so drift in the machine's load and the cost of
@@ -22,14 +22,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import socket
 import statistics
 import time
 
 from pyfast import perf
-from pyfast._io import atomic_write_text
 
 VARIANTS = ("bare", "semantics", "default")
 
@@ -151,19 +149,13 @@ def table(res: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pyfast.benchmarks.dp_semantics", description=__doc__)
+    p = argparse.ArgumentParser(prog="pyfast bench dp_semantics", description=__doc__)
     p.add_argument("--specs", default="int8,none")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
-    res = run(a.specs.split(","), a.rounds, a.steps)
-    text = table(res)
-    print(text)
-    if a.out:
-        atomic_write_text(a.out + ".json", json.dumps(res, indent=1) + "\n")
-        atomic_write_text(a.out + ".txt", text + "\n")
-    return 0
+    return perf.finish(run(a.specs.split(","), a.rounds, a.steps), table, a.out)
 
 
 if __name__ == "__main__":

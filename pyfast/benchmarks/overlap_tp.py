@@ -1,6 +1,6 @@
 """Overlapped vs sequential all-gather + matmul (issue 4, async TP) on plain and emulated links.
 
-    python -m pyfast.benchmarks.overlap_tp --out bench/results/overlap_tp
+    pyfast bench overlap_tp --out bench/results/overlap_tp
 
 2 ranks (subprocesses, one torch thread each, see netns.py), each holding x [512, 1024] fp32:
 all_gather_linear gathers x to [1024, 1024] and multiplies it by a [1024, 1024] weight. Timed,
@@ -115,8 +115,7 @@ def _worker() -> None:
         dist.all_gather_object(every, times)
         for k in cases:
             per = sorted(max(ts) for ts in zip(*(e[k] for e in every)))
-            rows.append({"op": op, "case": k, "time_s": statistics.median(per),
-                         "q10_s": per[int(0.1 * len(per))], "q90_s": per[int(0.9 * len(per))],
+            rows.append({"op": op, "case": k, **perf.summary(per),
                          "min_s": per[0], "cpu_s": statistics.median(cpu[k]), "mismatch": k in bad})
     if engine is not None:
         engine.close()
@@ -130,12 +129,12 @@ def _derive(rows, link):
         mine = [r for r in rows if r["op"] == op]
         for r in mine:
             r["link"] = link
-        for key in ("time_s", "min_s"):
+        for key in ("median_s", "min_s"):
             t = {r["case"]: r[key] for r in mine}
             comm = t.get("all-gather", t.get("reduce-scatter"))
             for r in mine:
                 if " c=" in r["case"]:
-                    r["hidden" if key == "time_s" else "hidden_min"] = \
+                    r["hidden" if key == "median_s" else "hidden_min"] = \
                         (comm + t["matmul"] - r[key]) / comm
     return rows
 
@@ -185,8 +184,8 @@ def targets(result: dict) -> list[str]:
             if "c10d all-gather only" in t:
                 # overlapped >= the transfer alone (the link), and >= the matmul plus the CPU the
                 # transfer takes from it (both cores multiply: 2 ranks x 1 thread on 2 cores)
-                ag, mm = t["all-gather"]["time_s"], t["matmul"]["time_s"]
-                alone, cpu = t["c10d all-gather only"]["time_s"], t["c10d all-gather only"]["cpu_s"]
+                ag, mm = t["all-gather"]["median_s"], t["matmul"]["median_s"]
+                alone, cpu = t["c10d all-gather only"]["median_s"], t["c10d all-gather only"]["cpu_s"]
                 best = max(alone, mm + cpu)
                 out.append(f"       {link}: ceiling (ag + mm - max(transfer alone, mm + its cpu)) /"
                            f" ag = ({ag * 1e3:.1f} + {mm * 1e3:.1f} - max({alone * 1e3:.1f}, "
@@ -213,7 +212,7 @@ def table(result: dict):
         prev = (r["link"], r["op"])
         pct = lambda k: f"{100 * r[k]:.0f}%" if k in r else ""  # noqa: E731
         t.add_row(r["link"], r["op"], r["case"] + (" MISMATCH" if r["mismatch"] else ""),
-                  f"{r['time_s'] * 1e3:.1f}", f"{r['q10_s'] * 1e3:.1f}-{r['q90_s'] * 1e3:.1f}",
+                  f"{perf.stat(r, 'median_s') * 1e3:.1f}", f"{r['q10_s'] * 1e3:.1f}-{r['q90_s'] * 1e3:.1f}",
                   f"{r['cpu_s'] * 1e3:.1f}", pct("hidden"), f"{r['min_s'] * 1e3:.1f}",
                   pct("hidden_min"))
     t.caption_justify = "left"
@@ -225,7 +224,7 @@ def table(result: dict):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pyfast.benchmarks.overlap_tp",
+    p = argparse.ArgumentParser(prog="pyfast bench overlap_tp",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--link", default=",".join(TARGET_LINKS),
                    help="comma-separated: loopback or a tc rate like 1gbit")
@@ -242,13 +241,7 @@ def main(argv=None) -> int:
         p.error(str(e))
     if a.repeats < 7 or min(chunks) < 1:
         p.error("--repeats must be >= 7 (medians), --chunks >= 1")
-    result = run(links, a.repeats, chunks=chunks, note=a.note)
-    from rich.console import Console
-    Console(width=160).print(table(result))
-    if a.out:
-        perf.save_result(result, a.out, table)
-        print(f"wrote {a.out}.json and {a.out}.txt")
-    return 0
+    return perf.finish(run(links, a.repeats, chunks=chunks, note=a.note), table, a.out)
 
 
 if __name__ == "__main__":

@@ -183,12 +183,6 @@ class Ranks:
 
 
 # -- the driver (parent process) ---------------------------------------------------------------
-def _summary(ts: list[float]) -> dict:
-    ts = sorted(ts)
-    return {"median_s": statistics.median(ts), "q10_s": ts[int(0.1 * len(ts))],
-            "q90_s": ts[min(len(ts) - 1, int(0.9 * len(ts)))]}
-
-
 def run(worlds=(2, 4), models=("large", "tiny"), repeats: int = 7, pin: bool = True,
         trace: str | None = None, log=print) -> dict:
     """Measure every provider; `trace` (a path prefix) also writes one traced pyfast 1f1b step
@@ -221,7 +215,7 @@ def run(worlds=(2, 4), models=("large", "tiny"), repeats: int = 7, pin: bool = T
                         stats[n].append([r[n][1] for r in per_rank])
                 rows_out = []
                 for n, ts in times.items():
-                    row = {"provider": n, **_summary(ts)}
+                    row = {"provider": n, **perf.summary(ts)}
                     if n.startswith("pyfast"):
                         sched = n.split()[1]
                         row.update(_pyfast_metrics(stats[n], world, SCHEDULES[sched]))

@@ -248,11 +248,8 @@ def _measure(shape: str, job: dict, rank: int, world: int) -> dict | None:
         if name in problems:
             rows.append({"variant": name, "problem": problems[name]})
             continue
-        per_step = sorted(max(ts) for ts in zip(*(e[name] for e in each)))
-        n = len(per_step)
-        rows.append({"variant": name, "info": cases[name].info,
-                     "median_s": statistics.median(per_step),
-                     "q10_s": per_step[int(0.1 * n)], "q90_s": per_step[min(n - 1, int(0.9 * n))],
+        per_step = [max(ts) for ts in zip(*(e[name] for e in each))]
+        rows.append({"variant": name, "info": cases[name].info, **perf.summary(per_step),
                      "lo_bytes": statistics.median(sent[name]) if count else None})
     return {"shape": shape, "hidden": hidden, "mlp": mlp, "tokens": tokens,
             "steps_per_sample": steps, "load_average": [load0, os.getloadavg()[0]], "rows": rows}
