@@ -1,0 +1,35 @@
+"""docs/benchmarks.md is generated (`pyfast bench report`) and up to date with bench/results/."""
+import json
+import os
+
+import pytest
+
+from pyfast.benchmarks import report
+
+
+def test_page_is_up_to_date_with_results():
+    with open(report.OUT) as f:
+        page = f.read()
+    assert page == report.render(), "docs/benchmarks.md is stale: run `pyfast bench report`"
+
+
+def test_generator_quotes_the_results(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "x.txt").write_text("a recorded table 1.23 ms   \n")
+    (results / "x.json").write_text(json.dumps({"machine": "M1", "date": "2026-01-02T03:04:05.6"}))
+    tpl = tmp_path / "page.md.in"
+    tpl.write_text("# B\n\n{{machines}}\n\n## x\n\ntext\n\n{{recorded:x}}\n")
+    page = report.render(str(results), str(tpl))
+    assert "| x | M1 | 2026-01-02T03:04:05 |" in page
+    assert "a recorded table 1.23 ms\n" in page and "../bench/results/x.json" in page
+    (results / "x.txt").unlink()
+    with pytest.raises(FileNotFoundError, match="x.txt"):
+        report.render(str(results), str(tpl))
+
+
+def test_command_writes_the_page(tmp_path):
+    out = tmp_path / "docs" / "b.md"
+    assert report.main(["--out", str(out)]) == 0
+    assert out.read_text() == report.render()
+    assert not [f for f in os.listdir(out.parent) if f.startswith(".")]  # written atomically

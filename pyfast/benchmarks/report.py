@@ -1,0 +1,78 @@
+"""Write docs/benchmarks.md from bench/results/ (`pyfast bench report`; runs no benchmark).
+
+The page is pyfast/benchmarks/benchmarks.md.in (the setup, targets met or missed and why, per
+benchmark) with its placeholders filled from the recorded results: {{machines}} lists each
+result's machine and date, {{recorded:NAME}} inserts bench/results/NAME.txt (the table the
+benchmark printed) under a link to NAME.json. bench/test_report.py checks that the page in the
+repository is what this writes from the results in the repository.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+TEMPLATE = os.path.join(os.path.dirname(__file__), "benchmarks.md.in")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RESULTS = os.path.join(ROOT, "bench", "results")
+OUT = os.path.join(ROOT, "docs", "benchmarks.md")
+PLACEHOLDER = re.compile(r"\{\{(machines|recorded:([\w.-]+))\}\}")
+
+
+def _load(results: str, name: str) -> dict:
+    path = os.path.join(results, name + ".json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def _recorded(results: str, name: str) -> str:
+    txt = os.path.join(results, name + ".txt")
+    if not os.path.exists(txt):
+        raise FileNotFoundError(f"the page quotes {txt}, which does not exist")
+    with open(txt) as f:
+        body = "\n".join(line.rstrip() for line in f.read().rstrip("\n").splitlines())
+    link = f"[{name}.txt](../bench/results/{name}.txt)"
+    if os.path.exists(os.path.join(results, name + ".json")):
+        link += f", data: [{name}.json](../bench/results/{name}.json)"
+    return (f"<details><summary>Recorded table: {link}</summary>\n\n```\n{body}\n```\n\n"
+            f"</details>\n")
+
+
+def _machines(results: str, names: list[str]) -> str:
+    rows = ["| result | machine | date |", "|---|---|---|"]
+    for n in names:
+        r = _load(results, n)
+        date = str(r.get("date", "")).split(".")[0]
+        rows.append(f"| {n} | {r.get('machine', 'not recorded')} | {date or 'not recorded'} |")
+    return "\n".join(rows)
+
+
+def render(results: str = RESULTS, template: str = TEMPLATE) -> str:
+    with open(template) as f:
+        text = f.read()
+    names = [m.group(2) for m in PLACEHOLDER.finditer(text) if m.group(2)]
+
+    def fill(m):
+        return _machines(results, names) if m.group(1) == "machines" else _recorded(results, m.group(2))
+    return PLACEHOLDER.sub(fill, text).rstrip("\n") + "\n"
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    from pyfast._io import atomic_write_text
+    p = argparse.ArgumentParser(prog="pyfast bench report", description=__doc__.split("\n")[0])
+    p.add_argument("--results", default=RESULTS, help="the recorded results (bench/results)")
+    p.add_argument("--out", default=OUT, help="the page to write (docs/benchmarks.md)")
+    a = p.parse_args(argv)
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    atomic_write_text(a.out, render(a.results))
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
