@@ -1,7 +1,7 @@
 """pytest-benchmark suite: compress + decompress per compressor and backend, decompress into an
 existing tensor vs a new one, with the memory roof (a copy) and torch.topk as the side-by-side
 baselines. `make bench` records JSON;
-`make test` runs it once with --benchmark-disable so it cannot rot. The README's table comes
+`make test` runs it once with --benchmark-disable so it cannot rot. docs/benchmarks.md's table comes
 from `pyfast bench compress --out bench/results/compress` (same measurements, one run)."""
 import pytest
 import torch

@@ -5,7 +5,7 @@ processes (~0.2 ms of queues); extra_info has the slowest rank's own step time.
 
 PYFAST_BENCH_PIPELINE=large|tiny|small picks the model (8 x Linear(w)+ReLU; large: w=1024,
 batch 256; tiny: 256, 32; small: 64, 16). The default is large, or small under
---benchmark-disable (`make test` runs the suite once so it cannot rot). The README's numbers
+--benchmark-disable (`make test` runs the suite once so it cannot rot). docs/benchmarks.md's numbers
 come from `pyfast bench pipeline` (pyfast.benchmarks.pipeline.run: every provider interleaved
 in one run, with the bubble, overhead per action and activation memory).
 """

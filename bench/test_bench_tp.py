@@ -8,7 +8,7 @@ block in this process is timed by pytest-benchmark.
 
 PYFAST_BENCH_TP=big|small|tiny picks the block (hidden, mlp, tokens: tp.SHAPES). The default is
 small, or tiny and a single step under --benchmark-disable (`make test` runs the suite once so
-it cannot rot). The README's numbers come from `pyfast bench tp`.
+it cannot rot). docs/benchmarks.md's numbers come from `pyfast bench tp`.
 """
 import os
 

@@ -1,8 +1,8 @@
 """Smoke suite for `pyfast bench train` (pyfast.benchmarks.train): the harness once, tiny and
 untimed (gpt-tiny, global batch 4, seq 32, one step, plain loopback), so that it cannot rot.
 Every provider must produce a finite step time, and every 2-rank provider's first-step loss must
-have matched the dense model's (the harness refuses to time one that does not). The numbers the
-README quotes come from `pyfast bench train` itself (bench/results/train*.txt).
+have matched the dense model's (the harness refuses to time one that does not). The numbers
+docs/benchmarks.md quotes come from `pyfast bench train` itself (bench/results/train*.txt).
 """
 import math
 
