@@ -1,20 +1,29 @@
-"""Run a function on N gloo ranks (processes on this machine) with a timeout, and collect what
-each rank returned or raised.
+"""The one launcher of the tests: run a function on N gloo ranks (processes on this machine) with
+a timeout, and collect what each rank returned or raised.
 
     results = run_ranks(fn, 2, arg1, arg2)        # fn(rank, world_size, arg1, arg2) on each rank
     errors = run_ranks(fn, 2, expect_errors=True) # each entry: the value, or a RankError
 
-`fn` must be importable by name (a module-level function of a test module): ranks are spawned,
-not forked, so no torch thread pool or gloo state leaks from the parent. The parent hosts the
-TCPStore on a port the OS picks, so parallel test runs never race for a "free" port. Every rank
-runs with one torch thread and a process group timeout, so a bug fails instead of hanging.
+    with RankPool(2) as pool:                     # ranks kept alive across many small cases
+        pool.run(fn, arg1)
 
-Spawning costs about 2 s per rank on a 2-core machine (importing torch); RankPool keeps the
-ranks alive across calls for suites that run many small cases.
+`fn` must be importable by name (a module-level function of a test module): ranks are spawned
+(or forked from a forkserver), never forked from the test process, so no torch thread pool or
+gloo state leaks from the parent. The parent hosts the TCPStore on a port the OS picks, so
+parallel test runs never race for a "free" port. Every rank runs with one torch thread and a
+process group timeout (`pg_timeout`), so a bug fails instead of hanging. A rank that raises
+reports its exception type, message and traceback; a rank that dies (SIGKILL in a dead-peer
+test, a segfault) reports as RankError of kind "died" with its exit code.
+
+Spawning costs about 2 s per rank on a 2-core machine (importing torch): RankPool keeps the
+ranks alive across calls for suites that run many small cases. Tests that kill a rank need
+fresh ranks per case: `RankPool(world, start_method="forkserver", preload=[...])` forks them
+from a server that imported torch (and `preload`) once, well under a second for three ranks.
 """
 from __future__ import annotations
 
 import datetime
+import io
 import multiprocessing as mp
 import os
 import queue
@@ -25,11 +34,26 @@ import torch.distributed as dist
 
 
 class RankError(Exception):
-    """What a rank raised: its exception type name, message and traceback text."""
+    """What a rank raised (kind: its exception type name, message, traceback text), or kind
+    "died" for a rank that exited without a report (message: its exit code)."""
 
     def __init__(self, rank: int, kind: str, message: str, tb: str):
         super().__init__(f"rank {rank}: {kind}: {message}")
         self.rank, self.kind, self.message, self.tb = rank, kind, message, tb
+
+
+def _pack(value) -> bytes:
+    # tensors by value: torch's queue pickling shares their memory through the rank that made
+    # them, which may be dead (or killed) by the time the parent reads them
+    import torch
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
+
+
+def _unpack(data: bytes):
+    import torch
+    return torch.load(io.BytesIO(data), weights_only=False)
 
 
 def _worker(rank, world, port, pg_timeout, inbox, outbox):
@@ -47,7 +71,7 @@ def _worker(rank, world, port, pg_timeout, inbox, outbox):
                 break
             fn, args, kwargs = job
             try:
-                outbox.put((rank, True, fn(rank, world, *args, **kwargs)))
+                outbox.put((rank, True, _pack(fn(rank, world, *args, **kwargs))))
             except BaseException as e:  # noqa: BLE001  (report everything to the parent)
                 outbox.put((rank, False, (type(e).__name__, str(e), traceback.format_exc())))
     finally:
@@ -55,11 +79,16 @@ def _worker(rank, world, port, pg_timeout, inbox, outbox):
 
 
 class RankPool:
-    """N live ranks in one gloo group; run() sends them a job. A rank that times out or dies
-    takes the pool down (close() kills the processes this pool started, by pid)."""
+    """N live ranks in one gloo group; run() sends them a job and waits for every rank's report
+    (submit() + wait() do the same in two steps, to run several pools at once). A rank that
+    times out or dies takes the pool down: later jobs are refused, and close() kills the
+    processes this pool started, by their handles."""
 
-    def __init__(self, world_size: int, pg_timeout: float = 30.0):
-        ctx = mp.get_context("spawn")
+    def __init__(self, world_size: int, pg_timeout: float = 30.0, start_method: str = "spawn",
+                 preload: list[str] | tuple[str, ...] = ()):
+        ctx = mp.get_context(start_method)
+        if start_method == "forkserver":
+            ctx.set_forkserver_preload(["torch", "torch.distributed", "dist_utils", *preload])
         self.world_size = world_size
         self._store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
                                     wait_for_workers=False)
@@ -71,21 +100,30 @@ class RankPool:
                        for r in range(world_size)]
         for p in self._procs:
             p.start()
-        self.alive, self._closed = True, False
+        self.alive, self._closed, self._job = True, False, None
 
-    def run(self, fn, *args, timeout: float = 120.0, expect_errors: bool = False, **kwargs) -> list:
+    def submit(self, fn, *args, **kwargs) -> None:
+        """Send fn(rank, world_size, *args, **kwargs) to every rank; wait() collects it."""
         if not self.alive:
             raise RuntimeError("RankPool is closed (a rank timed out or died earlier)")
+        if self._job is not None:
+            raise RuntimeError(f"RankPool: {self._job} was submitted and not waited for")
         for q in self._ins:
             q.put((fn, args, kwargs))
+        self._job = getattr(fn, "__name__", repr(fn))
+
+    def wait(self, timeout: float = 120.0, expect_errors: bool = False) -> list:
+        """Each rank's value in rank order. A rank that raised or died is a RankError: raised
+        together with the others' (type, message, traceback) unless expect_errors, when it is
+        returned in the dead or failed rank's place beside the survivors' values."""
+        job, self._job = self._job, None
         results: dict[int, object] = {}
         deadline = time.monotonic() + timeout
         while len(results) < self.world_size:
             try:
-                rank, ok, value = self._out.get(timeout=0.5)
+                rank, ok, value = self._out.get(timeout=0.2)
             except queue.Empty:
-                # a rank that died (SIGKILL in a dead-peer test, a segfault) reports as a
-                # RankError of kind "died"; the pool cannot run another job after that
+                # a rank that died reports nothing; the pool cannot run another job after that
                 for r, p in enumerate(self._procs):
                     if r not in results and p.exitcode is not None:
                         results[r] = RankError(r, "died", f"exit code {p.exitcode}", "")
@@ -93,22 +131,28 @@ class RankPool:
                 if time.monotonic() > deadline and len(results) < self.world_size:
                     missing = sorted(set(range(self.world_size)) - set(results))
                     self.close()
-                    raise TimeoutError(f"{fn.__name__}: ranks {missing} did not finish within "
+                    raise TimeoutError(f"{job}: ranks {missing} did not finish within "
                                        f"{timeout:.0f} s; finished: {results}") from None
                 continue
-            results[rank] = value if ok else RankError(rank, *value)
+            results[rank] = _unpack(value) if ok else RankError(rank, *value)
         out = [results[r] for r in range(self.world_size)]
         errors = [r for r in out if isinstance(r, RankError)]
         if errors and not expect_errors:
-            raise RuntimeError("\n".join(f"{e}\n{e.tb}" for e in errors))
+            raise RuntimeError(f"{job}:\n" + "\n".join(f"{e}\n{e.tb}" for e in errors))
         return out
+
+    def run(self, fn, *args, timeout: float = 120.0, expect_errors: bool = False, **kwargs) -> list:
+        """fn(rank, world_size, *args, **kwargs) on every rank: wait()'s list."""
+        self.submit(fn, *args, **kwargs)
+        return self.wait(timeout, expect_errors)
 
     def close(self):
         if self._closed:
             return
         self._closed, self.alive = True, False
-        for q in self._ins:
-            q.put(None)
+        for r, q in enumerate(self._ins):
+            if self._procs[r].exitcode is None:
+                q.put(None)
         # after a rank died the survivors' group teardown can only time out: 1 s, then kill
         grace = 1 if any(p.exitcode not in (None, 0) for p in self._procs) else 5
         for p in self._procs:
@@ -125,7 +169,16 @@ class RankPool:
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: float = 30.0,
-              expect_errors: bool = False, **kwargs) -> list:
+              expect_errors: bool = False, start_method: str = "spawn", **kwargs) -> list:
     """fn(rank, world_size, *args, **kwargs) on `world_size` fresh ranks; a list per rank."""
-    with RankPool(world_size, pg_timeout) as pool:
+    with RankPool(world_size, pg_timeout, start_method) as pool:
         return pool.run(fn, *args, timeout=timeout, expect_errors=expect_errors, **kwargs)
+
+
+def value_error_text(fn) -> str:
+    """The message of the ValueError fn() raises, or "no error" (ranks report it for checking)."""
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return "no error"

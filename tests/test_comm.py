@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import pyfast.compress as C
-from spawn import run_ranks
+from dist_utils import RankPool
 
 N = 70_007  # 7 x 10001, ragged: not a multiple of the 512-element block or of the world size
 CASES = [("none", None), ("fp16", "allgather"), ("fp16", "two-phase"), ("bf16", "two-phase"),
@@ -53,6 +53,8 @@ def _worker(rank, world, mode):
     import os
 
     import pyfast.comm as comm
+    for var in ("PYFAST_COMM_REFERENCE", "PYFAST_COMM_CHUNK"):  # the pool's previous job's
+        os.environ.pop(var, None)
     if mode == "reference":
         os.environ["PYFAST_COMM_REFERENCE"] = "1"
     else:  # the in-place pipelined path, with chunks small enough to pipeline 70K elements
@@ -69,10 +71,17 @@ def _worker(rank, world, mode):
     return results
 
 
+@pytest.fixture(scope="module", params=[2, 4])
+def pool(request):
+    """Ranks spawned once per world size for every case (a spawn costs ~2 s a rank here)."""
+    with RankPool(request.param) as p:
+        yield p
+
+
 @pytest.mark.parametrize("mode", ["reference", "pipelined"])
-@pytest.mark.parametrize("world", [2, 4])
-def test_all_reduce_matches_reference_and_ranks_agree(world, mode):
-    out = run_ranks(_worker, world, mode)
+def test_all_reduce_matches_reference_and_ranks_agree(pool, mode):
+    world = pool.world_size
+    out = pool.run(_worker, mode)
     for spec, algo in CASES:
         got = [o[(spec, algo)] for o in out]
         for r in range(1, world):
@@ -120,12 +129,12 @@ def _nan_worker(rank, world):
     return out
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_nan_on_one_rank_same_outcome_everywhere(world):
+def test_nan_on_one_rank_same_outcome_everywhere(pool):
     """A NaN on the last rank only: every rank raises the same NonFiniteGradient naming it
     (top-k, random-k refuse NaN), or every rank holds a non-finite result (the others carry it
     through). Never one rank raising while the others wait in a collective."""
-    out = run_ranks(_nan_worker, world)
+    world = pool.world_size
+    out = pool.run(_nan_worker)
     for spec, algo in CASES:
         seen = [o[spec, algo] for o in out]
         assert all(s == seen[0] for s in seen), f"{spec}/{algo}: ranks disagree: {seen}"

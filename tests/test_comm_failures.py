@@ -4,23 +4,19 @@ and reference paths) and the native engine's jobs; a broken engine refuses later
 close() still returns.
 
 Each case needs a fresh victim (a SIGKILLed rank cannot come back), so the ranks are forked
-from a forkserver that has imported torch and pyfast once: a case's three ranks start in
-well under a second, where spawning three would take ~3-9 s each on this 2-core machine.
-The rank body is tests/dist_utils.py's; what differs from its RankPool is the start method
-and that a killed rank's missing report is expected.
+from a forkserver that has imported torch and pyfast once (RankPool's start_method): a case's
+three ranks start in well under a second, where spawning three would take ~3-9 s each on this
+2-core machine.
 """
 import datetime
-import multiprocessing as mp
 import os
-import queue
 import time
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import pyfast.compress as C
-from dist_utils import RankError, _worker
+from dist_utils import RankError, RankPool
 from pyfast.comm.collectives import choose
 
 PG_TIMEOUT = 60.0  # the default group's timeout, never reached below
@@ -32,59 +28,27 @@ FAMILIES = [  # (spec, algorithm, path)
     ("randomk:0.1", None, "async"), ("powersgd:2", None, "sync"),
     ("int8", "two-phase", "engine"), ("none", None, "engine")]
 BATCH = 12  # cases at once: 12 kills took 16-19 s so, 28 s one by one (2 cores, loaded)
+PRELOAD = ["pyfast.comm", "pyfast.comm.engine"]  # imported once by the forkserver
 
 
-def _context():
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "pyfast.comm", "pyfast.comm.engine",
-                                "dist_utils"])
-    return ctx
+def _ranks(fn, *args, world=3):
+    """fn(rank, world, *args) started at once on `world` fresh ranks; wait() collects it."""
+    pool = RankPool(world, PG_TIMEOUT, start_method="forkserver", preload=PRELOAD)
+    pool.submit(fn, *args)
+    return pool
 
 
-class Ranks:
-    """fn(rank, world, *args) on `world` fresh ranks, started at once; collect() returns
-    {rank: value or RankError} of the ranks not in `dead`, which are expected to be SIGKILLed
-    (no report; exit code -9)."""
-
-    def __init__(self, fn, world, *args, dead=()):
-        ctx = _context()
-        self.what, self.world, self.dead = f"{fn.__name__}{args}", world, set(dead)
-        self.store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True,
-                                   wait_for_workers=False)
-        self.out, self.ins = ctx.Queue(), [ctx.Queue() for _ in range(world)]
-        self.procs = [ctx.Process(target=_worker, daemon=True,
-                                  args=(r, world, self.store.port, PG_TIMEOUT, self.ins[r],
-                                        self.out))
-                      for r in range(world)]
-        for p in self.procs:
-            p.start()
-        for q in self.ins:
-            q.put((fn, args, {}))
-
-    def collect(self, timeout=60.0) -> dict:
-        results = {}
-        try:
-            deadline = time.monotonic() + timeout
-            while len(results) < self.world - len(self.dead):
-                try:
-                    rank, ok, value = self.out.get(timeout=max(0.1, deadline - time.monotonic()))
-                except queue.Empty:
-                    missing = sorted(set(range(self.world)) - set(results) - self.dead)
-                    raise TimeoutError(f"{self.what}: no report within {timeout:.0f} s from "
-                                       f"ranks {missing}") from None
-                results[rank] = value if ok else RankError(rank, *value)
-        finally:
-            for r, q in enumerate(self.ins):
-                if r not in self.dead:
-                    q.put(None)
-            for p in self.procs:
-                p.join(timeout=10)
-                if p.is_alive():  # only the processes started here, by their handle
-                    p.kill()
-                    p.join(timeout=5)
-        codes = {r: self.procs[r].exitcode for r in self.dead}
-        assert all(c == -9 for c in codes.values()), f"{self.what}: exit codes {codes}, not -9"
-        return results
+def _collect(pool, timeout=60.0, dead=()) -> dict:
+    """{rank: value or RankError} of the ranks not in `dead`, which must have been SIGKILLed."""
+    try:
+        got = dict(enumerate(pool.wait(timeout, expect_errors=True)))
+    finally:
+        pool.close()
+    for r in dead:
+        e = got.pop(r)
+        assert isinstance(e, RankError) and e.kind == "died" and e.message == "exit code -9", \
+            f"rank {r} should have been SIGKILLed: {e}"
+    return got
 
 
 def _kill_mid_loop(rank, world, spec, algo, path, victim):
@@ -142,10 +106,9 @@ def test_a_killed_rank_makes_every_other_rank_raise_within_seconds():
     victim = 1
     bad, t0 = [], time.monotonic()
     for first in range(0, len(FAMILIES), BATCH):
-        runs = [(f, Ranks(_kill_mid_loop, 3, *f, victim, dead=(victim,)))
-                for f in FAMILIES[first:first + BATCH]]
-        for (spec, algo, path), r in runs:
-            bad += _check_kill(spec, algo, path, r.collect())
+        runs = [(f, _ranks(_kill_mid_loop, *f, victim)) for f in FAMILIES[first:first + BATCH]]
+        for (spec, algo, path), pool in runs:
+            bad += _check_kill(spec, algo, path, _collect(pool, dead=(victim,)))
     assert not bad, "\n".join(bad)
     print(f"{len(FAMILIES)} kills in {time.monotonic() - t0:.1f} s")
 
@@ -209,7 +172,7 @@ def _silent_peer(rank, world, flag_dir):
 
 
 def test_a_silent_rank_raises_after_the_groups_timeout(tmp_path):
-    got = Ranks(_silent_peer, 3, str(tmp_path)).collect(timeout=90)
+    got = _collect(_ranks(_silent_peer, str(tmp_path)), timeout=90)
     assert got[2] == "silent"
     for rank in (0, 1):
         f = got[rank]

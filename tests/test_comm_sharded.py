@@ -12,7 +12,7 @@ import torch
 
 import pyfast.compress as C
 from pyfast.compress.quant import Quantizer
-from spawn import run_ranks
+from dist_utils import run_ranks
 
 SPECS = ["none", "fp16", "bf16", "int8", "int4", "fp8", "sign", "topk:0.1", "randomk:0.1"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from spawn import run_ranks
+from dist_utils import run_ranks
 
 STEPS, BATCH, DIN = 60, 32, 24
 
@@ -266,7 +266,7 @@ def _silent_peer(rank, world):
 
 
 def test_silent_peer_is_a_timeout_not_a_hang():
-    out = run_ranks(_silent_peer, 2)
+    out = run_ranks(_silent_peer, 2, pg_timeout=120)
     for engine in ("native", "python", "native-timeout", "python-timeout"):
         assert out[1][engine] == "silent"
         took, msg = out[0][engine].split("s ", 1)

@@ -13,7 +13,7 @@ the collectives in step across ranks). A failing collective must surface from wa
 import pytest
 import torch
 
-from spawn import run_ranks
+from dist_utils import RankPool, run_ranks
 
 KINDS = ["none", "fp16", "bf16", "int8", "int4", "fp8", "sign"]
 CASES = [(k, a, fb) for k in KINDS for a in ([None] if k == "none" else ["two-phase", "allgather"])
@@ -35,6 +35,8 @@ def _worker(rank, world, mode):
     import pyfast.comm as comm
     import pyfast.compress as C
     from pyfast.comm.engine import NativeEngine
+    for var in ("PYFAST_COMM_REFERENCE", "PYFAST_COMM_CHUNK"):  # the pool's previous job's
+        os.environ.pop(var, None)
     os.environ["PYFAST_COMM_REFERENCE" if mode == "reference" else "PYFAST_COMM_CHUNK"] = \
         "1" if mode == "reference" else "4096"
     engine = NativeEngine()
@@ -113,10 +115,17 @@ def _uncompressed_jobs(engine, rank, world):
     return bad
 
 
+@pytest.fixture(scope="module", params=[2, 4])
+def pool(request):
+    """Ranks spawned once per world size for both modes (a spawn costs ~2 s a rank here)."""
+    with RankPool(request.param) as p:
+        yield p
+
+
 @pytest.mark.parametrize("mode", ["pipelined", "reference"])
-@pytest.mark.parametrize("world", [2, 4])
-def test_engine_matches_all_reduce_bitwise(world, mode):
-    out = run_ranks(_worker, world, mode)
+def test_engine_matches_all_reduce_bitwise(pool, mode):
+    world = pool.world_size
+    out = pool.run(_worker, mode)
     for rank, (bad, _) in enumerate(out):
         assert not bad, f"rank {rank}:\n" + "\n".join(bad)
     for c, t in out[0][1].items():

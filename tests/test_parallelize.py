@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spawn import run_ranks, value_error_text
+from dist_utils import run_ranks, value_error_text
 
 D, HEADS, HIDDEN, LAYERS = 24, 4, 96, 2  # head_dim 6; 4 heads split over 2 or 4 ranks
 B, T = 3, 8

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from spawn import run_ranks, value_error_text
+from dist_utils import run_ranks, value_error_text
 
 COL = (37, 24)  # dense (in, out) of the column cases: out split; in odd
 ROW = (24, 37)  # of the row cases: in split; out odd

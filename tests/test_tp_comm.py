@@ -8,7 +8,7 @@ another order differs by a few ulps, about 2.4e-7 relative each).
 import pytest
 import torch
 
-from spawn import run_ranks
+from dist_utils import run_ranks
 
 SHAPE = (8, 3, 12)  # dims 0 and 2 split over 2 and 4 ranks; dim 1 odd (never split)
 

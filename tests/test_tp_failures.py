@@ -10,17 +10,16 @@ user gave, `timeout=` on parallelize, the layers and async TP's functions), and 
 module refuses further steps (the broken state) instead of pairing a collective with a peer's
 different one.
 
-The pools here lose a rank, so the survivors' results are collected from RankPool's queue
-directly (RankPool.run waits for every rank); the pool's processes are killed after.
+The pools here lose a rank: RankPool.run(expect_errors=True) returns the survivors' results
+beside the dead rank's RankError ("died").
 """
-import queue
 import time
 
 import pytest
 import torch
 from torch import nn
 
-from dist_utils import RankPool
+from dist_utils import RankError, RankPool
 
 WORLD = 3
 D, F_, V = 6, 12, 9  # divisible by 3
@@ -29,26 +28,16 @@ DEAD_WITHIN = 10.0  # s: generous bound for "within seconds" on a loaded 2-core 
 
 
 def _survivors(fn, *args, dead=(2,), timeout=90.0):
-    """fn(rank, WORLD, *args) on a fresh pool; the results of the ranks not in `dead`."""
-    pool = RankPool(WORLD, pg_timeout=30.0)
-    try:
-        for q in pool._ins:
-            q.put((fn, args, {}))
-        got, deadline = {}, time.monotonic() + timeout
-        while len(got) < WORLD - len(dead):
-            try:
-                rank, ok, value = pool._out.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                raise TimeoutError(f"{fn.__name__}: survivors hung; got {got}") from None
-            if not ok or rank in dead:
-                raise AssertionError(f"rank {rank} (dead: {dead}) reported {value}")
-            got[rank] = value
-        return got
-    finally:
-        pool.alive = False
-        for p in pool._procs:  # the processes this pool started
-            p.kill()
-            p.join(timeout=5)
+    """fn(rank, WORLD, *args) on a fresh pool; the results of the ranks not in `dead`, which
+    must have died."""
+    with RankPool(WORLD, pg_timeout=30.0) as pool:
+        got = dict(enumerate(pool.run(fn, *args, timeout=timeout, expect_errors=True)))
+    for r in dead:
+        e = got.pop(r)
+        assert isinstance(e, RankError) and e.kind == "died", f"rank {r} should have died: {e}"
+    bad = {r: f"{e}\n{e.tb}" for r, e in got.items() if isinstance(e, RankError)}
+    assert not bad, bad
+    return got
 
 
 def _model(vocab: bool, bias: bool = True):
@@ -118,31 +107,34 @@ def test_killed_peer_raises_comm_error_naming_the_op(case, who, op):
         assert "parallelize(Sequential)" in second and took2 < 1.0, (rank, second, took2)
 
 
-def _silent(rank, world, timeout):
-    """Rank 2 builds everything (construction is collective) but never joins the step."""
+def _silent(rank, world, timeout, flag_dir):
+    """Rank 2 builds everything (construction is collective) but never joins the steps: it
+    waits, alive and silent, until the others touched their flag files."""
+    import pathlib
+
     from pyfast.parallel import RowParallelLinear
     from pyfast.parallel.async_tp import all_gather_linear
-    out = {}
     row = RowParallelLinear(F_, D, timeout=timeout)
     x = torch.randn(B, F_ // world)
+    flags = pathlib.Path(flag_dir)
     if rank == 2:
-        time.sleep(timeout + 3)  # silent through the others' timeout
-        out["row"] = None
-    else:
-        out["row"] = _outcome(lambda: row(x), lambda: row(x))
+        deadline = time.monotonic() + 60
+        while len(list(flags.iterdir())) < world - 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return "silent"
+    out = {"row": _outcome(lambda: row(x), lambda: row(x))}
     # async TP's function on the default group: timeout bounds each wait for a peer's piece
     w = torch.randn(D, D)
-    if rank == 2:
-        time.sleep(timeout + 3)
-        return out
     out["agl"] = _outcome(lambda: all_gather_linear(torch.randn(4, D), w, timeout=timeout),
                           lambda: None)
+    (flags / str(rank)).touch()
     return out
 
 
-def test_silent_peer_raises_within_the_user_timeout():
+def test_silent_peer_raises_within_the_user_timeout(tmp_path):
     timeout = 1.5  # the group default here is 30 s: only the user's timeout can fire this soon
-    got = _survivors(_silent, timeout)
+    got = _survivors(_silent, timeout, str(tmp_path), dead=())
+    assert got.pop(2) == "silent"
     for rank, out in got.items():
         first, took, second, took2 = out["row"]
         assert first.startswith("CommError: ") and "RowParallelLinear(in_features=12, " \

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spawn import run_ranks
+from dist_utils import run_ranks
 
 V, D = 4 * 37, 12  # 74 or 37 rows per rank: an odd shard at 4 ranks
 IGNORE = -100
