@@ -21,11 +21,19 @@ def test_forced_triton_without_interpreter_says_why(monkeypatch):
         resolve(torch.device("cpu"), "triton")
 
 
-def test_forced_triton_on_cuda_without_gpu():
-    if torch.cuda.is_available():
-        pytest.skip("a GPU is present")
+def test_triton_on_cuda_is_decided_by_the_device_and_says_why_not(monkeypatch):
+    """Triton's status for a CUDA device depends on the device and on triton, never on a GPU
+    being present (the layers' GEMM choice is tested without one); another device type, or
+    triton missing, is refused with the reason, and forcing it then raises."""
+    assert status("triton", torch.device("cuda")) == (True, "")
+    assert resolve(torch.device("cuda"), "triton") == "triton"
+    ok, why = status("triton", torch.device("meta"))
+    assert not ok and "CUDA tensors, not meta" in why, why
+    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` now raises ImportError
     ok, why = status("triton", torch.device("cuda"))
-    assert ok or "CUDA" in why
+    assert not ok and why.startswith("triton is not installed"), why
+    with pytest.raises(BackendUnavailable, match="backend 'triton' .* triton is not installed"):
+        resolve(torch.device("cuda"), "triton")
 
 
 def test_env_var_forces_reference(monkeypatch):

@@ -30,6 +30,25 @@ def test_round_trip_shape_dtype(spec, dtype):
             assert p.nbytes <= 4
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("spec", SPECS)
+def test_round_trip_values_do_not_depend_on_layout_or_width(spec, dtype):
+    """A non-contiguous input gives bitwise what its contiguous copy gives; a 16-bit input gives
+    what its float32 widening gives, rounded once to the 16-bit type: within half an ulp of
+    that type (|y16 - y32| <= eps/2 |y32|). Fresh compressors on each side (same state)."""
+    def round_trip(x):
+        c = C.get(spec)
+        return c.decompress(c.compress(x, "w"))
+    x = grad(8, 40, dtype=dtype).t()
+    assert torch.equal(round_trip(x), round_trip(x.contiguous())), "non-contiguous input differs"
+    x = grad(33, 65, dtype=dtype)
+    y, wide = round_trip(x).float(), round_trip(x.float())
+    bound = torch.finfo(dtype).eps / 2 * wide.abs()
+    assert ((y - wide).abs() <= bound).all(), (
+        f"{spec} {dtype}: {int(((y - wide).abs() > bound).sum())} of {y.numel()} values beyond "
+        f"half an ulp of the float32 result; worst {float((y - wide).abs().max())}")
+
+
 def rel_err(x, y):
     return float((y.float() - x.float()).norm() / x.float().norm())
 
