@@ -18,28 +18,18 @@
 #include <string_view>
 
 #include "common.h"
+#include "format.h"
 
 namespace pyfast {
 namespace {
 
-enum Kind { INT8, INT4, FP8, SIGN };
-
-Kind parse_kind(std::string_view k) {
-  if (k == "int8") return INT8;
-  if (k == "int4") return INT4;
-  if (k == "fp8") return FP8;
-  TORCH_CHECK(k == "sign", "unknown quantization kind '", k, "'; valid: int8, int4, fp8, sign");
-  return SIGN;
-}
-
-int64_t codes_len(int64_t n, Kind k) {
-  return k == INT4 ? (n + 1) / 2 : k == SIGN ? (n + 7) / 8 : n;
-}
-
-void check_block(int64_t block) {
-  TORCH_CHECK(block >= 32 && block <= 65536 && (block & (block - 1)) == 0,
-              "block size must be a power of two in [32, 65536], got ", block);
-}
+using format::codes_len;
+using format::FP8;
+using format::INT4;
+using format::INT8;
+using format::Quant;
+using format::scales_len;
+using format::SIGN;
 
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
@@ -50,7 +40,7 @@ constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 template <int K, bool STOCH>
 PYFAST_INLINE uint32_t encode(float y, uint32_t i, uint32_t seed_mix) {
   if constexpr (K == FP8) {
-    const float m = u2f(std::min(f2u(y) & 0x7FFFFFFFu, f2u(448.f)));  // min(|y|, 448)
+    const float m = u2f(std::min(f2u(y) & 0x7FFFFFFFu, f2u(format::qmax(FP8))));  // min(|y|, 448)
     uint32_t c = e4m3_encode(m);
     if constexpr (STOCH) {
       const float a = e4m3_decode(c);
@@ -65,7 +55,7 @@ PYFAST_INLINE uint32_t encode(float y, uint32_t i, uint32_t seed_mix) {
     }
     return c | ((f2u(y) >> 24) & 0x80u & (0u - uint32_t(c != 0)));  // -0 encodes as 0x00
   } else {
-    constexpr int32_t q = K == INT8 ? 127 : 7;
+    constexpr int32_t q = int32_t(format::qmax(Quant(K)));
     float r;
     if constexpr (STOCH) {  // floor(z) as rne(z) - (rne(z) > z): __builtin_floorf stays scalar
       const float z = y + uniform(i, seed_mix);
@@ -121,10 +111,10 @@ void quantize_block(const In* __restrict x, int64_t start, int64_t len, uint32_t
     }
     if (amax_bits >= 0x7F800000u) {  // NaN or Inf: scale NaN, every code 0
       *scale = kNaN;
-      std::memset(c, 0, K == INT4 ? (len + 1) / 2 : len);
+      std::memset(c, 0, codes_len(len, Quant(K)));
       return;
     }
-    constexpr float qmax = K == INT8 ? 127.f : K == INT4 ? 7.f : 448.f;
+    constexpr float qmax = format::qmax(Quant(K));
     const float amax = u2f(amax_bits);
     *scale = amax / qmax;
     const float inv = amax > 0.f ? (1.f / amax) * qmax : 0.f;  // see the file comment
@@ -134,7 +124,7 @@ void quantize_block(const In* __restrict x, int64_t start, int64_t len, uint32_t
       // qmax / amax overflowed (amax < ~1e-36): y = x * inf is +-inf, or NaN for x = 0. Rare,
       // so a separate loop keeps these tests out of the vectorized ones. 0 encodes as 0, +-inf
       // as +-1e6 (the same codes, clamped to +-qmax, with a defined int conversion).
-      std::memset(c, 0, K == INT4 ? (len + 1) / 2 : len);
+      std::memset(c, 0, codes_len(len, Quant(K)));
       for (int64_t i = 0; i < len; ++i) {
         const float v = widen(x[i]);
         const uint32_t q = code(v == 0.f ? 0.f : v < 0.f ? -1e6f : 1e6f, i);
@@ -155,7 +145,7 @@ template <class In, int K, bool STOCH>
 void quantize_all(const at::Tensor& x, int64_t B, uint32_t seed_mix, uint8_t* codes,
                   float* scales) {
   const In* p = reinterpret_cast<const In*>(x.const_data_ptr());
-  const int64_t n = x.numel(), nb = (n + B - 1) / B;
+  const int64_t n = x.numel(), nb = scales_len(n, B);
   const int nt = threads_for(n);
 #pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
   for (int64_t b = 0; b < nb; ++b)
@@ -163,7 +153,7 @@ void quantize_all(const at::Tensor& x, int64_t B, uint32_t seed_mix, uint8_t* co
 }
 
 template <class In, bool ST>
-void quantize_dispatch(const at::Tensor& x, Kind k, int64_t B, uint32_t sm, uint8_t* c, float* s) {
+void quantize_dispatch(const at::Tensor& x, Quant k, int64_t B, uint32_t sm, uint8_t* c, float* s) {
   switch (k) {
     case INT8: return quantize_all<In, INT8, ST>(x, B, sm, c, s);
     case INT4: return quantize_all<In, INT4, ST>(x, B, sm, c, s);
@@ -173,7 +163,7 @@ void quantize_dispatch(const at::Tensor& x, Kind k, int64_t B, uint32_t sm, uint
 }
 
 template <class In>
-void quantize_dispatch(const at::Tensor& x, Kind k, int64_t B, bool st, uint32_t sm, uint8_t* c,
+void quantize_dispatch(const at::Tensor& x, Quant k, int64_t B, bool st, uint32_t sm, uint8_t* c,
                        float* s) {
   if (st) quantize_dispatch<In, true>(x, k, B, sm, c, s);
   else quantize_dispatch<In, false>(x, k, B, sm, c, s);
@@ -181,12 +171,12 @@ void quantize_dispatch(const at::Tensor& x, Kind k, int64_t B, bool st, uint32_t
 
 std::tuple<at::Tensor, at::Tensor> quantize_cpu(const at::Tensor& x_in, std::string_view kind,
                                                 int64_t block, bool stochastic, int64_t seed) {
-  const Kind k = parse_kind(kind);
-  check_block(block);
+  const Quant k = format::parse(kind);
+  format::check_block(block);
   TORCH_CHECK(!(stochastic && k == SIGN),
               "sign has no stochastic rounding: its codes are exact signs");
   const at::Tensor x = x_in.contiguous();
-  const int64_t n = x.numel(), nb = (n + block - 1) / block;
+  const int64_t n = x.numel(), nb = scales_len(n, block);
   at::Tensor codes = at::empty({codes_len(n, k)}, x.options().dtype(at::kByte));
   at::Tensor scales = at::empty({nb}, x.options().dtype(at::kFloat));
   if (n == 0) return {codes, scales};
@@ -244,7 +234,7 @@ void dequantize_block(const uint8_t* __restrict codes, float s, int64_t start, i
 
 template <int K, class Out, bool ACC>
 void dequantize_all(const uint8_t* codes, const float* scales, int64_t n, int64_t B, Out* out) {
-  const int64_t nb = (n + B - 1) / B;
+  const int64_t nb = scales_len(n, B);
   const int nt = threads_for(n);
 #pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
   for (int64_t b = 0; b < nb; ++b)
@@ -252,7 +242,7 @@ void dequantize_all(const uint8_t* codes, const float* scales, int64_t n, int64_
 }
 
 template <class Out, bool ACC>
-void dequantize_dispatch(Kind k, const uint8_t* c, const float* s, int64_t n, int64_t B,
+void dequantize_dispatch(Quant k, const uint8_t* c, const float* s, int64_t n, int64_t B,
                          void* out) {
   Out* o = static_cast<Out*>(out);
   switch (k) {
@@ -263,21 +253,11 @@ void dequantize_dispatch(Kind k, const uint8_t* c, const float* s, int64_t n, in
   }
 }
 
-void check_codes(const at::Tensor& codes, const at::Tensor& scales, int64_t n, Kind k, int64_t B) {
-  TORCH_CHECK(n >= 0, "element count must be >= 0, got ", n);
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.numel() == codes_len(n, k),
-              "codes for ", n, " elements must be uint8[", codes_len(n, k), "], got ",
-              codes.scalar_type(), "[", codes.numel(), "]");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == (n + B - 1) / B,
-              "scales for ", n, " elements in blocks of ", B, " must be float32[", (n + B - 1) / B,
-              "], got ", scales.scalar_type(), "[", scales.numel(), "]");
-}
-
 at::Tensor dequantize_cpu(const at::Tensor& codes_in, const at::Tensor& scales_in, int64_t n,
                           std::string_view kind, int64_t block, at::ScalarType dtype) {
-  const Kind k = parse_kind(kind);
-  check_block(block);
-  check_codes(codes_in, scales_in, n, k, block);
+  const Quant k = format::parse(kind);
+  format::check_block(block);
+  format::check_layout(codes_in, scales_in, n, k, block);
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
               "dequantize writes float32, bfloat16 or float16, not ", dtype);
   const at::Tensor codes = codes_in.contiguous(), scales = scales_in.contiguous();
@@ -294,12 +274,12 @@ at::Tensor dequantize_cpu(const at::Tensor& codes_in, const at::Tensor& scales_i
 
 void dequantize_accumulate_cpu(const at::Tensor& out, const at::Tensor& codes_in,
                                const at::Tensor& scales_in, std::string_view kind, int64_t block) {
-  const Kind k = parse_kind(kind);
-  check_block(block);
+  const Quant k = format::parse(kind);
+  format::check_block(block);
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous(),
               "accumulate buffer must be contiguous float32, got ", out.scalar_type());
   const int64_t n = out.numel();
-  check_codes(codes_in, scales_in, n, k, block);
+  format::check_layout(codes_in, scales_in, n, k, block);
   if (n == 0) return;
   const at::Tensor codes = codes_in.contiguous(), scales = scales_in.contiguous();
   dequantize_dispatch<float, true>(k, codes.const_data_ptr<uint8_t>(),

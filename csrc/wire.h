@@ -6,13 +6,16 @@
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include "format.h"
+
 #include <string>
 #include <utility>
 #include <vector>
 
 namespace pyfast {
 
-enum class Kind { None, Fp16, Bf16, Int8, Int4, Fp8, Sign };
+enum class Kind { None, Fp16, Bf16, Int8, Int4, Fp8, Sign };  // Int8.. in format::Quant's order
+static_assert(int(Kind::Sign) - int(Kind::Int8) == format::SIGN, "Kind and format::Quant differ");
 
 inline int64_t round8(int64_t b) { return (b + 7) & ~int64_t(7); }
 inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
@@ -52,12 +55,12 @@ struct Codec {
 
   bool cast() const { return kind == Kind::Fp16 || kind == Kind::Bf16; }
   at::ScalarType wire_dtype() const { return kind == Kind::Fp16 ? at::kHalf : at::kBFloat16; }
-  int64_t scales(int64_t len) const { return (len + block - 1) / block; }
+  format::Quant quant() const { return format::Quant(int(kind) - int(Kind::Int8)); }
+  int64_t scales(int64_t len) const { return format::scales_len(len, block); }
   int64_t bytes(int64_t len) const {  // the compressor's layout(len), in bytes
     if (kind == Kind::None) return 4 * len;
     if (cast()) return 2 * len;
-    const int64_t codes = kind == Kind::Int4 ? (len + 1) / 2 : kind == Kind::Sign ? (len + 7) / 8 : len;
-    return 4 * scales(len) + codes;
+    return 4 * scales(len) + format::codes_len(len, quant());
   }
   // (scales, codes) views of a wire image; slots start 8-byte aligned, so the fp32 view is valid.
   std::pair<at::Tensor, at::Tensor> split(const at::Tensor& buf, int64_t len) const {

@@ -18,12 +18,19 @@
 
 #include <cstdint>
 
+#include "../format.h"
 #include "load.cuh"
 
 namespace {
 
 using namespace pyfast_cuda;
-enum Kind { INT8, INT4, FP8, SIGN };
+using pyfast::format::codes_len;
+using pyfast::format::FP8;
+using pyfast::format::INT4;
+using pyfast::format::INT8;
+using pyfast::format::Quant;
+using pyfast::format::scales_len;
+using pyfast::format::SIGN;
 constexpr unsigned kFull = 0xffffffffu;
 constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23: (y + M) - M is rne(y) for |y| < 2^22
 
@@ -59,7 +66,8 @@ template <int KIND>
 __device__ __forceinline__ uint32_t encode(float y, bool stochastic, int64_t i, uint32_t seed_mix) {
   if (y != y) y = 0.f;
   if constexpr (KIND == FP8) {
-    const float mag = fminf(fabsf(y), 448.f);
+    constexpr float top = pyfast::format::qmax(FP8);
+    const float mag = fminf(fabsf(y), top);
     uint32_t c = e4m3_encode(mag);
     if (stochastic) {  // b: the e4m3 neighbour of a on the other side of mag
       const float a = e4m3_decode(c);
@@ -70,7 +78,7 @@ __device__ __forceinline__ uint32_t encode(float y, bool stochastic, int64_t i, 
     }
     return (y < 0.f && c != 0) ? (c | 0x80u) : c;  // -0 encodes as 0x00: one code per value
   } else {
-    constexpr float qmax = KIND == INT8 ? 127.f : 7.f;
+    constexpr float qmax = pyfast::format::qmax(Quant(KIND));
     const float q = stochastic ? floorf(__fadd_rn(y, uniform(i, seed_mix))) : rne(y);
     const int v = static_cast<int>(fminf(fmaxf(q, -qmax), qmax));
     return KIND == INT8 ? static_cast<uint32_t>(v) & 0xFFu : static_cast<uint32_t>(v) & 0xFu;
@@ -137,7 +145,7 @@ quantize_kernel(const void* __restrict__ x, int64_t n, int B, bool vec, bool sto
   }
   const float red = block_reduce<KIND != SIGN>(acc, smem);
 
-  constexpr float qmax = KIND == INT8 ? 127.f : KIND == INT4 ? 7.f : 448.f;
+  constexpr float qmax = pyfast::format::qmax(Quant(KIND));
   const float kNaN = __int_as_float(0x7fc00000);  // the NaN torch writes for float("nan")
   bool finite;
   float inv = 0.f;
@@ -282,21 +290,8 @@ dequantize_kernel(const uint8_t* __restrict__ codes, const float* __restrict__ s
 }
 
 // ------------------------------------------------------------------ host side
-Kind parse_kind(c10::string_view kind) {
-  if (kind == "int8") return INT8;
-  if (kind == "int4") return INT4;
-  if (kind == "fp8") return FP8;
-  TORCH_CHECK_VALUE(kind == "sign", "unknown quantization kind '", kind, "'; valid: int8, int4, fp8, sign");
-  return SIGN;
-}
-
-int64_t codes_len(int64_t n, Kind k) { return k == INT4 ? (n + 1) / 2 : k == SIGN ? (n + 7) / 8 : n; }
-
-int check_block(int64_t B) {
-  TORCH_CHECK_VALUE(B >= 32 && B <= 65536 && (B & (B - 1)) == 0,
-                    "block size must be a power of two in [32, 65536], got ", B);
-  return static_cast<int>(B);
-}
+// check_block's range keeps B in int.
+int check_block(int64_t block) { return static_cast<int>(pyfast::format::check_block(block)); }
 
 Dt dt_of(at::ScalarType t, const char* what) {
   if (t == at::kFloat) return F32;
@@ -311,7 +306,7 @@ template <int DT, int KIND>
 void launch_quantize(const at::Tensor& x, int64_t n, int B, bool stochastic, uint32_t seed_mix,
                      at::Tensor& codes, at::Tensor& scales, cudaStream_t stream) {
   const int T = std::min(256, std::max(32, B / 4));  // a multiple of 32 (sign pairs lanes)
-  const int64_t nb = (n + B - 1) / B;
+  const int64_t nb = scales_len(n, B);
   const bool vec = aligned(x.data_ptr(), DT == F32 ? 16 : 8);  // B % 4 == 0 keeps chunks aligned
   auto launch = [&](auto kernel) {
     kernel<<<static_cast<unsigned>(nb), T, 0, stream>>>(x.data_ptr(), n, B, vec, stochastic,
@@ -325,7 +320,7 @@ void launch_quantize(const at::Tensor& x, int64_t n, int B, bool stochastic, uin
 }
 
 template <int DT>
-void quantize_dt(Kind k, const at::Tensor& x, int64_t n, int B, bool sto, uint32_t mix,
+void quantize_dt(Quant k, const at::Tensor& x, int64_t n, int B, bool sto, uint32_t mix,
                  at::Tensor& codes, at::Tensor& scales, cudaStream_t s) {
   switch (k) {
     case INT8: return launch_quantize<DT, INT8>(x, n, B, sto, mix, codes, scales, s);
@@ -337,7 +332,7 @@ void quantize_dt(Kind k, const at::Tensor& x, int64_t n, int B, bool sto, uint32
 
 std::tuple<at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& x_in, c10::string_view kind_s,
                                                  int64_t block, bool stochastic, int64_t seed) {
-  const Kind kind = parse_kind(kind_s);
+  const Quant kind = pyfast::format::parse(kind_s);
   const int B = check_block(block);
   const Dt dt = dt_of(x_in.scalar_type(), "quantize input");
   TORCH_CHECK_VALUE(!(stochastic && kind == SIGN),
@@ -345,7 +340,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& x_in, c10::st
   TORCH_CHECK(x_in.is_cuda(), "quantize (CUDA): input must be a CUDA tensor");
   const c10::cuda::CUDAGuard guard(x_in.device());
   const at::Tensor x = x_in.contiguous();  // flattened view of the elements in order
-  const int64_t n = x.numel(), nb = (n + B - 1) / B;
+  const int64_t n = x.numel(), nb = scales_len(n, B);
   TORCH_CHECK_VALUE(nb < (int64_t{1} << 31), "quantize (CUDA): ", nb, " blocks exceed the grid limit");
   at::Tensor codes = at::empty({codes_len(n, kind)}, x.options().dtype(at::kByte));
   at::Tensor scales = at::empty({nb}, x.options().dtype(at::kFloat));
@@ -358,15 +353,10 @@ std::tuple<at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& x_in, c10::st
   return {codes, scales};
 }
 
-void check_codes(const at::Tensor& codes, const at::Tensor& scales, int64_t n, Kind kind, int B) {
+void check_codes(const at::Tensor& codes, const at::Tensor& scales, int64_t n, Quant kind, int B) {
   TORCH_CHECK(codes.is_cuda() && scales.is_cuda() && codes.device() == scales.device(),
               "dequantize (CUDA): codes and scales must be on one CUDA device");
-  TORCH_CHECK_VALUE(codes.scalar_type() == at::kByte && codes.numel() == codes_len(n, kind),
-                    "codes for ", n, " elements must be uint8[", codes_len(n, kind), "], got ",
-                    codes.scalar_type(), "[", codes.numel(), "]");
-  TORCH_CHECK_VALUE(scales.scalar_type() == at::kFloat && scales.numel() == (n + B - 1) / B,
-                    "scales for ", n, " elements in blocks of ", B, " must be float32[",
-                    (n + B - 1) / B, "], got ", scales.scalar_type(), "[", scales.numel(), "]");
+  pyfast::format::check_layout(codes, scales, n, kind, B);
 }
 
 template <int KIND, int OUT>
@@ -381,7 +371,7 @@ void launch_dequantize(const at::Tensor& codes, const at::Tensor& scales, int64_
 }
 
 template <int OUT>
-void dequantize_out(Kind k, const at::Tensor& codes, const at::Tensor& scales, int64_t n, int B,
+void dequantize_out(Quant k, const at::Tensor& codes, const at::Tensor& scales, int64_t n, int B,
                     void* out) {
   switch (k) {
     case INT8: return launch_dequantize<INT8, OUT>(codes, scales, n, B, out);
@@ -393,10 +383,9 @@ void dequantize_out(Kind k, const at::Tensor& codes, const at::Tensor& scales, i
 
 at::Tensor dequantize_cuda(const at::Tensor& codes_in, const at::Tensor& scales_in, int64_t n,
                            c10::string_view kind_s, int64_t block, at::ScalarType dtype) {
-  const Kind kind = parse_kind(kind_s);
+  const Quant kind = pyfast::format::parse(kind_s);
   const int B = check_block(block);
   const Dt dt = dt_of(dtype, "dequantize dtype");
-  TORCH_CHECK_VALUE(n >= 0, "dequantize: n must be >= 0, got ", n);
   check_codes(codes_in, scales_in, n, kind, B);
   const c10::cuda::CUDAGuard guard(codes_in.device());
   const at::Tensor codes = codes_in.contiguous(), scales = scales_in.contiguous();
@@ -410,7 +399,7 @@ at::Tensor dequantize_cuda(const at::Tensor& codes_in, const at::Tensor& scales_
 
 void dequantize_accumulate_cuda(const at::Tensor& out, const at::Tensor& codes_in,
                                 const at::Tensor& scales_in, c10::string_view kind_s, int64_t block) {
-  const Kind kind = parse_kind(kind_s);
+  const Quant kind = pyfast::format::parse(kind_s);
   const int B = check_block(block);
   TORCH_CHECK_VALUE(out.scalar_type() == at::kFloat && out.is_contiguous(),
                     "accumulate buffer must be contiguous float32, got ", out.scalar_type());
