@@ -16,11 +16,11 @@ import torch
 import triton
 import triton.language as tl
 
+from pyfast.ops.quantize import FORMATS, codes_len, scales_len
+
 TILE = 4096  # elements per program: 16 per thread at 8 warps; 245 programs per 1M elements
 NUM_WARPS = 8
-KIND_ID = {"int8": 0, "int4": 1, "fp8": 2, "sign": 3}
-PACK = {"int8": 1, "int4": 2, "fp8": 1, "sign": 8}  # elements per code byte
-QMAX = {"int8": 127.0, "int4": 7.0, "fp8": 448.0, "sign": 1.0}
+FP8_MAX = tl.constexpr(FORMATS["fp8"].qmax)
 OUT_ID = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 # quantize_ref's `qmax / amax` (float / tensor) is torch's `amax.reciprocal() * qmax`: two
 # roundings, not FORMATS.md's one division. The tests compare with it bitwise, so follow it;
@@ -115,7 +115,7 @@ def _encode(x, inv, ok, idx, seed_k, KIND: tl.constexpr, QMAX: tl.constexpr,
     if STOCH:
         u = _uniform(idx, seed_k)
     if KIND == 2:  # fp8
-        mag = tl.minimum(tl.abs(y), 448.0)
+        mag = tl.minimum(tl.abs(y), FP8_MAX)
         c = _e4m3_encode(mag)
         if STOCH:
             a = _e4m3_decode(c)
@@ -220,8 +220,9 @@ def quantize(x: torch.Tensor, kind: str, block: int, stochastic: bool = False,
              seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     x = x.reshape(-1).contiguous()
     n = x.numel()
-    nb = -(-n // block)
-    codes = torch.empty(-(-n // PACK[kind]), dtype=torch.uint8, device=x.device)
+    nb = scales_len(n, block)
+    fmt = FORMATS[kind]
+    codes = torch.empty(codes_len(n, kind), dtype=torch.uint8, device=x.device)
     scales = torch.empty(nb, dtype=torch.float32, device=x.device)
     if n == 0:
         return codes, scales
@@ -230,7 +231,7 @@ def quantize(x: torch.Tensor, kind: str, block: int, stochastic: bool = False,
     seed_k -= (seed_k >> 31) << 32  # as int32: bitcast back to uint32 in the kernel
     _quantize_kernel[(triton.cdiv(nb, r),)](
         x, codes, scales, n, nb, codes.numel(), seed_k,
-        KIND=KIND_ID[kind], QMAX=QMAX[kind], B=block, R=r, C=c, P=PACK[kind],
+        KIND=fmt.id, QMAX=fmt.qmax or 1.0, B=block, R=r, C=c, P=fmt.per_byte,
         STOCH=bool(stochastic), IN_BF16=x.dtype == torch.bfloat16,
         INV_RECIP=INV_AS_RECIPROCAL, num_warps=NUM_WARPS, enable_fp_fusion=False)
     return codes, scales
@@ -238,10 +239,11 @@ def quantize(x: torch.Tensor, kind: str, block: int, stochastic: bool = False,
 
 def _dequantize_into(out, codes, scales, n, kind, block, acc):
     r, c = _tile(block)
+    fmt = FORMATS[kind]
     if n:
         _dequantize_kernel[(triton.cdiv(-(-n // c), r),)](
-            codes.contiguous(), scales.contiguous(), out, n, codes.numel(), KIND=KIND_ID[kind],
-            B=block, R=r, C=c, P=PACK[kind], ACC=acc, OUT=OUT_ID[out.dtype],
+            codes.contiguous(), scales.contiguous(), out, n, codes.numel(), KIND=fmt.id,
+            B=block, R=r, C=c, P=fmt.per_byte, ACC=acc, OUT=OUT_ID[out.dtype],
             num_warps=NUM_WARPS, enable_fp_fusion=False)
     return out
 

@@ -5,11 +5,26 @@ dispatching entry points. Kernels: kernels/quantize.py (Triton), csrc/quantize.c
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from pyfast.ops._backend import resolve
 
-KINDS = {"int8": 127.0, "int4": 7.0, "fp8": 448.0, "sign": None}  # kind -> qmax
+
+
+class Format(NamedTuple):
+    id: int             # the kernels' kind number (csrc/format.h's Quant)
+    qmax: float | None  # largest code magnitude; sign has none (its scale is mean |x|)
+    per_byte: int       # elements per code byte
+
+
+# The format table for Python and Triton (kernels/quantize.py); csrc/format.h is the same for
+# C++ and CUDA. Wire image: fp32[scales_len] scales, then uint8[codes_len] codes.
+FORMATS = {"int8": Format(0, 127.0, 1), "int4": Format(1, 7.0, 2), "fp8": Format(2, 448.0, 1),
+           "sign": Format(3, None, 8)}
+KINDS = {kind: f.qmax for kind, f in FORMATS.items()}  # kind -> qmax
+MIN_BLOCK, MAX_BLOCK = 32, 65536  # block sizes: powers of two in this range
 # Default block: 512 elements. Measured on this 2-core machine, 16M-element heavy-tailed
 # gradient (bench/results/block_size.txt): scales cost 0.8% of int8's wire and 1.6% of int4's
 # at 512 against 3.1% / 6.3% at 128, for a relative error 30% higher (int8 0.0163 vs 0.0125;
@@ -20,14 +35,19 @@ _MAGIC = 12582912.0  # 1.5 * 2**23: (y + M) - M rounds fp32 y to nearest-even fo
 
 
 def codes_len(n: int, kind: str) -> int:
-    return {"int8": n, "fp8": n, "int4": (n + 1) // 2, "sign": (n + 7) // 8}[kind]
+    return -(-n // FORMATS[kind].per_byte)
+
+
+def scales_len(n: int, block: int) -> int:
+    return -(-n // block)
 
 
 def check_args(x: torch.Tensor, kind: str, block: int) -> None:
     if kind not in KINDS:
         raise ValueError(f"unknown quantization kind {kind!r}; valid: {', '.join(KINDS)}")
-    if block < 32 or block > 65536 or block & (block - 1):
-        raise ValueError(f"block size must be a power of two in [32, 65536], got {block}")
+    if block < MIN_BLOCK or block > MAX_BLOCK or block & (block - 1):
+        raise ValueError(f"block size must be a power of two in [{MIN_BLOCK}, {MAX_BLOCK}], "
+                         f"got {block}")
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"quantize takes float32, bfloat16 or float16 tensors, got {x.dtype}")
 
@@ -83,7 +103,7 @@ def fit_scales(scales: torch.Tensor, kind: str) -> torch.Tensor:
 def _blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     xf = x.reshape(-1).to(torch.float32)
     n = xf.numel()
-    nb = -(-n // block)
+    nb = scales_len(n, block)
     pad = nb * block - n
     xb = torch.nn.functional.pad(xf, (0, pad)).view(nb, block)
     valid = (torch.arange(nb * block, device=x.device) < n).view(nb, block)
@@ -114,7 +134,7 @@ def quantize_ref(x: torch.Tensor, kind: str, block: int = DEFAULT_BLOCK,
     y = torch.where(y.isnan(), torch.zeros_like(y), y)  # 0 * inf when 1/amax overflows
     u = uniform_ref(seed, 0, n, x.device) if stochastic else None
     if kind == "fp8":
-        mag = y.abs().clamp(max=448.0)
+        mag = y.abs().clamp(max=FORMATS["fp8"].qmax)
         c = e4m3_encode_mag(mag)
         if stochastic:
             a = e4m3_decode_mag(c)
@@ -168,9 +188,9 @@ def _check_codes(codes, scales, n, kind, block):
     if codes.dtype != torch.uint8 or codes.numel() != codes_len(n, kind):
         raise ValueError(f"{kind} codes for {n} elements must be uint8[{codes_len(n, kind)}], "
                          f"got {codes.dtype}[{codes.numel()}]")
-    if scales.dtype != torch.float32 or scales.numel() != -(-n // block):
+    if scales.dtype != torch.float32 or scales.numel() != scales_len(n, block):
         raise ValueError(f"scales for {n} elements in blocks of {block} must be "
-                         f"float32[{-(-n // block)}], got {scales.dtype}[{scales.numel()}]")
+                         f"float32[{scales_len(n, block)}], got {scales.dtype}[{scales.numel()}]")
 
 
 def quantize(x: torch.Tensor, kind: str, block: int = DEFAULT_BLOCK, stochastic: bool = False,
