@@ -5,6 +5,10 @@ summation order, so the dense and top-k algorithms must match it bitwise; where 
 summation (none, randomk's values, PowerSGD's P and Q) its order is gloo's, so those compare
 with rtol 1e-5 (a 4-term fp32 sum in another order: a few ulps). Every rank must hold
 bit-identical results.
+
+The reference shares the compressors with the code under test, so a compressor bug would pass
+it: every result is also checked against the exact sum within the error the compression
+allows (exact_error_bound).
 """
 import pytest
 import torch
@@ -49,6 +53,39 @@ def reference(xs, spec, algo):
     return out
 
 
+def block_amax(t, block=512):
+    """Each element's block maximum of |t| (blocks of 512 along the flat vector, as the
+    quantizers' scales; two-phase chunks start at multiples of it)."""
+    pad = torch.nn.functional.pad(t.abs(), (0, -t.numel() % block))
+    return pad.view(-1, block).amax(1).repeat_interleave(block)[:t.numel()]
+
+
+def exact_error_bound(xs, spec, algo):
+    """Elementwise bound on |result - exact sum| from what each compression may lose, stated
+    without running a compressor: a cast rounds by u|x| (u = 2^-11 fp16, 2^-8 bf16); a block
+    quantizer by c * its block's max |x| (c = 1/254 int8, 1/14 int4, 2^-4 fp8 (e4m3: 3 mantissa
+    bits), 1 sign); top-k drops values no larger than the smallest of the 1% it keeps. Two-phase
+    compresses the partial sums once more. Plus 1e-5 of sum |x| for the fp32 sums' order.
+    None for the specs compared with the exact sum directly."""
+    mag = sum(x.abs() for x in xs)
+    if spec in ("fp16", "bf16"):
+        u = {"fp16": 2 ** -11, "bf16": 2 ** -8}[spec]
+        err = u * mag
+        if algo == "two-phase":
+            err = err + u * (mag + err)
+    elif spec in ("int8", "int4", "fp8", "sign"):
+        c = {"int8": 1 / 254, "int4": 1 / 14, "fp8": 2 ** -4, "sign": 1.0}[spec]
+        err = sum(c * block_amax(x) for x in xs)
+        if algo == "two-phase":
+            err = err + c * block_amax(mag + err)
+    elif spec.startswith("topk"):
+        k = max(1, int(0.01 * N) - 1)  # at least this many kept per rank
+        err = sum(torch.topk(x.abs(), k).values[-1] for x in xs) * torch.ones(N)
+    else:
+        return None
+    return err + 1e-5 * mag
+
+
 def _worker(rank, world, mode):
     import os
 
@@ -91,6 +128,10 @@ def test_all_reduce_matches_reference_and_ranks_agree(pool, mode):
         ref = reference(xs, spec, algo)
         if ref is not None:
             assert torch.equal(got[0], ref), f"{spec}/{algo}: differs from the reference"
+            bound = exact_error_bound(xs, spec, algo)
+            off = (got[0] - exact).abs() > bound
+            assert not off.any(), (f"{spec}/{algo}: {int(off.sum())} of {N} beyond the error "
+                                   f"bound from the exact sum, e.g. at {int(off.nonzero()[0])}")
         elif spec == "none":
             torch.testing.assert_close(got[0], exact, rtol=1e-5, atol=1e-5)
         elif spec.startswith("randomk"):
