@@ -33,7 +33,6 @@ class Bucket:
     flat: torch.Tensor
     pending: int = 0
     ready: bool = False
-    launched: bool = False
     handle: object = None
     extra: dict = field(default_factory=dict)
     gaps: list = field(default_factory=list)  # [start, end) of the zero padding between params
@@ -96,7 +95,7 @@ class Bucketer:
         """Reduce the gradients of the next backward (called by forward)."""
         self.armed, self.on_finish, self._next, self._queued = True, on_finish, 0, False
         for b in self.buckets:
-            b.pending, b.ready, b.launched, b.handle = len(b.params), False, False, None
+            b.pending, b.ready, b.handle = len(b.params), False, None
 
     def disarm(self) -> None:
         self.armed = False
@@ -136,7 +135,6 @@ class Bucketer:
                     dst.zero_()
                 else:
                     dst.copy_(p.grad.reshape(-1))
-        b.launched = True
         self.launch_fn(b)
 
     def flush(self) -> None:

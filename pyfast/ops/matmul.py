@@ -37,8 +37,7 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # in 5 ms in place, but training keeps z: then it costs 25 ms against torch's 20; backward,
 # gelu' fused with db's column sum 23 ms against 25. Forward+backward of the layer: 603 ms
 # with torch, 611 ms with both fused passes (-1.3%; +1.0% in an earlier run); 4096 -> 1024
-# without activation, where only the bias is left to fuse: 0.2%. Under the 3% bar. (Inference
-# alone, in place, would save 7% of that forward; pyfast trains.)
+# without activation, where only the bias is left to fuse: 0.2%. Under the 3% bar.
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -99,9 +99,6 @@ def launcher(comm, group, timeout=None):
     from pyfast.comm.engine import NativeEngine
     if comm == "c10d":
         return C10dComm(group, timeout)
-    if (comm == "engine" or isinstance(comm, NativeEngine)) and \
-            not hasattr(NativeEngine, "all_gather_into"):
-        raise NotImplementedError("the native engine has no all_gather jobs yet: use 'c10d'")
     comm = EngineComm(comm, group) if isinstance(comm, NativeEngine) else comm
     if isinstance(comm, str) or comm.world != tp_world(group)[0]:
         raise ValueError(f"comm must be 'c10d', a NativeEngine (NativeEngine.private(group)) or "
@@ -118,7 +115,7 @@ def all_gather_mm(x, b, bias, comm, chunks):
     W, R = comm.world, x.shape[0]
     full, y = x.new_empty(W * R, x.shape[1]), x.new_empty(W * R, b.shape[1])
     at = lambda q, a, e: slice(q * R + a, q * R + e)  # noqa: E731  rows a:e of rank q's block
-    pieces = _pieces(R, chunks) if R >= MIN_ROWS else [(0, R)]
+    pieces = _pieces(R, chunks)  # [(0, R)] below MIN_ROWS
     works = [comm.all_gather([full[at(q, a, e)] for q in range(W)], x[a:e]) for a, e in pieces]
     full[at(comm.rank, 0, R)] = x  # once the sends are posted: the link starts first
     if R < MIN_ROWS:  # one GEMM over all rows: the reference's kernel
