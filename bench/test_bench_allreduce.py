@@ -4,11 +4,7 @@ pytest-benchmark times is its call); rank 1 is a subprocess that mirrors every c
 slow links need root: they run through `pyfast bench allreduce --link 1gbit` (same code), and
 test_emulated_link checks that it works here or skips saying why.
 """
-import datetime
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,47 +18,23 @@ from pyfast.benchmarks.compress import gradient
 SPECS = ["none", "fp16", "int8", "topk:0.01", "powersgd:4"]
 TIMEOUT = 120  # seconds: a lost peer fails the suite instead of hanging it
 
-# Rank 1: takes each spec rank 0 broadcasts, does what rank 0 does; None ends it.
-PEER = """
-import datetime, torch, torch.distributed as dist
-import pyfast.comm
-from pyfast.benchmarks.compress import gradient
-torch.set_num_threads(1)
-dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=%d))
-x = gradient(%d, seed=1)
-t = torch.empty_like(x)
-while True:
-    box = [None]
-    dist.broadcast_object_list(box, src=0)
-    if box[0] is None:
-        break
-    t.copy_(x)
-    dist.barrier()
-    pyfast.comm.all_reduce(t, box[0], name="g")
-dist.destroy_process_group()
-""" % (TIMEOUT, NUMEL)
-
 
 @pytest.fixture(scope="module")
 def rank0():
-    port = netns._free_port()
-    env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    peer = subprocess.Popen([sys.executable, "-c", PEER], env=env, start_new_session=True)
+    """This process is rank 0; rank 1 (allreduce._mirror) repeats every call it is told to."""
+    job = json.dumps({"numel": NUMEL, "pg_timeout": TIMEOUT})
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one core per rank, like the peer
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                                world_size=2, timeout=datetime.timedelta(seconds=TIMEOUT))
-        yield gradient(NUMEL, seed=0), gradient(NUMEL, seed=1)
-        dist.broadcast_object_list([None], src=0)
-        peer.wait(TIMEOUT)
+        with netns.ranks(["-c", "from pyfast.benchmarks.allreduce import _mirror; _mirror()"], 2,
+                         timeout=TIMEOUT, env={"PYFAST_ALLREDUCE": job}, only=[1]) as peer:
+            peer.init_process_group(0, TIMEOUT)
+            yield gradient(NUMEL, seed=0), gradient(NUMEL, seed=1)
+            dist.broadcast_object_list([None], src=0)
+            peer.wait()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-        if peer.poll() is None:
-            os.killpg(peer.pid, 9)
-            peer.wait(10)
         torch.set_num_threads(threads)
 
 

@@ -82,6 +82,30 @@ def _worker() -> None:
     dist.destroy_process_group()
 
 
+def _mirror() -> None:
+    """A peer rank for a caller that is rank 0 in its own process (bench/test_bench_allreduce:
+    pytest-benchmark times rank 0's call): takes each spec rank 0 broadcasts and does the same
+    all-reduce on its own gradient (seed = rank); None ends it. The job in PYFAST_ALLREDUCE."""
+    import torch
+    import torch.distributed as dist
+
+    from pyfast.comm import all_reduce
+    job = json.loads(os.environ["PYFAST_ALLREDUCE"])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=job["pg_timeout"]))
+    x = gradient(job["numel"], seed=dist.get_rank())
+    t = torch.empty_like(x)
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0)
+        if box[0] is None:
+            break
+        t.copy_(x)
+        dist.barrier()
+        all_reduce(t, box[0], name="g")
+    dist.destroy_process_group()
+
+
 def _derive(rows: list[dict], world: int, link: str) -> list[dict]:
     bps = netns.rate_bps(link)
     by = {r["spec"]: r["median_s"] for r in rows}

@@ -22,27 +22,32 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
-import socket
 import statistics
+import tempfile
 import time
 
 from pyfast import perf
+from pyfast._io import atomic_write_text
+from pyfast.benchmarks import netns
 
 VARIANTS = ("bare", "semantics", "default")
 
 
-def _rank(rank: int, world: int, port: int, specs, rounds: int, steps: int, q) -> None:
+def _worker() -> None:
+    """One rank (netns.ranks' env), the job in PYFAST_DP_SEMANTICS (json); rank 0 writes out."""
     import torch
     import torch.distributed as dist
     from torch import nn
 
     from pyfast.benchmarks.dp import build
     from pyfast.parallel.data import DataParallel
+    job = json.loads(os.environ["PYFAST_DP_SEMANTICS"])
+    specs, rounds, steps = job["specs"], job["rounds"], job["steps"]
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    rank = dist.get_rank()
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(128, 1024, generator=g), torch.randn(128, 1024, generator=g)
     out = {}
@@ -70,7 +75,7 @@ def _rank(rank: int, world: int, port: int, specs, rounds: int, steps: int, q) -
         for net, _ in nets.values():
             net.close()
     if rank == 0:
-        q.put(out)
+        atomic_write_text(job["out"], json.dumps(out))
     dist.destroy_process_group()
 
 
@@ -110,19 +115,13 @@ def _components(net, dist, n: int = 40) -> dict:
 
 
 def run(specs=("int8", "none"), rounds: int = 5, steps: int = 6) -> dict:
-    import torch.multiprocessing as mp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, 2, port, list(specs), rounds, steps, q))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    res = q.get(timeout=1800)
-    for p in procs:
-        p.join(60)
+    with tempfile.TemporaryDirectory() as d:
+        job = {"specs": list(specs), "rounds": rounds, "steps": steps,
+               "out": os.path.join(d, "r.json")}
+        netns.run_ranks(["-c", "from pyfast.benchmarks.dp_semantics import _worker; _worker()"],
+                        2, timeout=1800, env={"PYFAST_DP_SEMANTICS": json.dumps(job)})
+        with open(job["out"]) as f:
+            res = json.load(f)
     rows = {spec: {**t, "semantics_cost": t["semantics"] / t["bare"] - 1,
                    "default_cost": t["default"] / t["bare"] - 1,
                    "parts_cost": (t["check_s"] + t["flags_s"] + t["side_s"]) / t["bare"]}

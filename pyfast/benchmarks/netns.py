@@ -4,6 +4,7 @@ namespace whose loopback is rate-limited by `tc ... tbf`.
     with namespace("1gbit") as name: ...          # ip netns add; lo up; tbf; always deleted
     run(["python", "x.py"], link="1gbit")         # one command inside a fresh namespace
     run_ranks(["-m", "mod"], world=2, link="1gbit")  # torchrun-style env, 127.0.0.1
+    with ranks(["-m", "mod"], 2, only=[1]) as launch: ...   # rank 0 in this process
 
 Both directions of every connection cross the one qdisc on lo, so a link moves at most `rate`
 bits/s in total: the floor of a collective is (bytes sent by all ranks) / rate. Only loopback
@@ -19,7 +20,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -175,41 +175,80 @@ def run(cmd: list[str], link: str = "loopback", timeout: float = 600, env=None,
         return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
-def _free_port() -> int:
-    # only on plain loopback (a fresh namespace has every port free); the window between close
-    # and rank 0 binding is the only race, and a lost race fails loudly in init_process_group
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class Launch:
+    """Rank processes started by ranks(): `store` is the rendezvous (None inside a namespace),
+    init_process_group(rank) joins them from this process, wait() returns when all exit and raises with each failed rank's stderr tail."""
+
+    def __init__(self, procs, logs, ranks, world, timeout, what, store):
+        self.procs, self._logs, self._ranks, self.world = procs, logs, ranks, world
+        self._timeout, self._what, self.store = timeout, what, store
+
+    def init_process_group(self, rank: int, timeout: float) -> None:
+        """Join the launched ranks' default group as `rank` from this process (plain loopback)."""
+        import datetime
+
+        import torch.distributed as dist
+        # the ranks' env:// rendezvous prefixes the keys of the default group; a store passed
+        # in is used as it is
+        dist.init_process_group("gloo", store=dist.PrefixStore("default_pg", self.store),
+                                rank=rank, world_size=self.world,
+                                timeout=datetime.timedelta(seconds=timeout))
+
+    def wait(self) -> None:
+        _wait(self.procs, self._timeout, self._what)
+        codes = {r: p.returncode for r, p in zip(self._ranks, self.procs)}
+        if any(codes.values()):
+            tails = []
+            for (r, code), log in zip(codes.items(), self._logs):
+                if code:  # ranks killed after another failed show up too (-9)
+                    log.seek(0)
+                    tails.append(f"rank {r} (exit {code}):\n{log.read()[-3000:]}")
+            raise RuntimeError(f"ranks failed, exit codes {list(codes.values())}\n" + "\n".join(tails))
 
 
-def run_ranks(py_argv: list[str], world: int, link: str = "loopback", timeout: float = 600,
-              env: dict | None = None) -> None:
-    """`python *py_argv` as `world` ranks on `link`, with torchrun's env (RANK, WORLD_SIZE,
-    MASTER_ADDR=127.0.0.1, MASTER_PORT) plus PYFAST_NETNS=<name> inside a namespace. Raises
-    RuntimeError with each rank's stderr tail if any rank fails, TimeoutExpired on timeout."""
+@contextlib.contextmanager
+def ranks(py_argv: list[str], world: int, link: str = "loopback", timeout: float = 600,
+          env: dict | None = None, only: list[int] | None = None):
+    """The one launcher of the benchmarks: `python *py_argv` as ranks `only` (default: all) of
+    `world` on `link`, with torchrun's env (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1,
+    MASTER_PORT, one OpenMP thread) plus PYFAST_NETNS=<name> inside a namespace. Yields a Launch;
+    every rank still running when the block ends is killed.
+
+    Ports cannot race: on plain loopback this process hosts the rendezvous store on a port the
+    kernel picked (torchrun's agent store: every rank connects as a client, and a rank run in
+    this process joins with launch.init_process_group(rank)); a fresh namespace has every
+    port free, so its ranks use 29500."""
+    from datetime import timedelta
+    only = list(range(world)) if only is None else list(only)
     with link_prefix(link) as pre:
-        port = 29500 if pre else _free_port()
+        store = None
+        if not pre:
+            import torch.distributed as dist
+            store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
+                                  timeout=timedelta(seconds=timeout))
         base = {**os.environ, **(env or {}), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE":
-                str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                str(world), "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(store.port if store else 29500),
+                "TORCHELASTIC_USE_AGENT_STORE": str(store is not None),
                 "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
                 "PYFAST_NETNS": pre[-1] if pre else ""}
-        logs = [tempfile.TemporaryFile("w+") for _ in range(world)]
+        logs = [tempfile.TemporaryFile("w+") for _ in only]
         procs = []
         try:
-            for r in range(world):
+            for r, log in zip(only, logs):
                 procs.append(_start(pre + [sys.executable, *py_argv],
-                                    {**base, "RANK": str(r), "LOCAL_RANK": str(r)}, stderr=logs[r]))
-            _wait(procs, timeout, f"{world} ranks of {' '.join(py_argv)} on {link}")
-            codes = [p.returncode for p in procs]
-            if any(codes):
-                tails = []
-                for r, log in enumerate(logs):
-                    if codes[r]:  # ranks killed after another failed show up too (-9)
-                        log.seek(0)
-                        tails.append(f"rank {r} (exit {codes[r]}):\n{log.read()[-3000:]}")
-                raise RuntimeError(f"ranks failed, exit codes {codes}\n" + "\n".join(tails))
+                                    {**base, "RANK": str(r), "LOCAL_RANK": str(r)}, stderr=log))
+            yield Launch(procs, logs, only, world, timeout, f"{world} ranks of {' '.join(py_argv)} on {link}",
+                         store)
         finally:
             _kill(procs)
             for log in logs:
                 log.close()
+
+
+def run_ranks(py_argv: list[str], world: int, link: str = "loopback", timeout: float = 600,
+              env: dict | None = None) -> None:
+    """All `world` ranks of `python *py_argv` on `link` (ranks()), waited for. Raises
+    RuntimeError with each rank's stderr tail if any rank fails, TimeoutExpired on timeout."""
+    with ranks(py_argv, world, link, timeout, env) as launch:
+        launch.wait()
