@@ -46,8 +46,7 @@ class CompressionState:
             raise RuntimeError("CompressionState needs torch.distributed initialized (it makes "
                                "its own process group, like dist.new_group)")
         base = C.get(spec)
-        lossy = base.spec not in ("none", "fp16", "bf16")
-        self.compressor = C.WithFeedback(base) if error_feedback and lossy else base
+        self.compressor = C.wrap(base, error_feedback)
         self.process_group, self.start_iter, self.iter = process_group, start_iter, 0
         self._group = new_group_like(process_group, timeout)
         self.guard = FiniteGuard(check_finite, lambda: [self.compressor])
@@ -69,7 +68,7 @@ class CompressionState:
 
 
 def _prune(state: CompressionState) -> None:
-    fb = getattr(state.compressor, "feedback", None)
+    fb = state.compressor.feedback
     if fb is not None:
         for key in [k for k in fb.memory if k.split(".")[0] not in state._seen]:
             del fb.memory[key]
@@ -111,7 +110,6 @@ def _starts(sizes):
 
 def _reduce(state, c, name, bucket, buf):
     group = state._group
-    inner = getattr(c, "inner", c)
     # the parameters, not bucket.gradients(): a parameter unused on this rank (DDP's
     # find_unused_parameters) has no gradient tensor there, but its zeros are in the buffer
     params = bucket.parameters()
@@ -119,11 +117,11 @@ def _reduce(state, c, name, bucket, buf):
     if sum(sizes) != buf.numel():  # same on every rank: the layout is DDP's, not the data's
         raise RuntimeError(f"DDP bucket {name}: {buf.numel()} elements but its parameters "
                            f"have {sum(sizes)} (a DDP layout this hook does not know)")
-    if isinstance(inner, (C.PowerSGD, C.TopK)):  # whole tensors: a matrix, a selection
+    if c.per_tensor:  # whole tensors: a matrix, a selection
         return [all_reduce(buf[a:a + n].view(p.shape), c, group, op="avg", async_op=True,
                            name=f"{name}.{i}")
                 for i, (a, n, p) in enumerate(zip(_starts(sizes), sizes, params))], None
-    block = getattr(inner, "block", 1)
+    block = c.block
     if block > 1 and len(sizes) > 1:
         flat, offsets = _staged(state, name, buf, sizes, block)
         return [all_reduce(flat, c, group, op="avg", async_op=True, name=name)], (flat, offsets, sizes)

@@ -39,8 +39,8 @@ def _codec_seconds(c: C.Compressor, x: torch.Tensor, repeats: int = 3) -> float:
 
 
 def _wire(c: C.Compressor, n: int) -> int:
-    lay = c.layout(n)
-    return n * 4 if lay is None else sum(k * d.itemsize for _, d, k in lay)
+    w = c.wire_bytes(n)
+    return n * 4 if w is None else w
 
 
 class AutoSelector:
@@ -50,9 +50,7 @@ class AutoSelector:
         self.fixed = False
         self.made = {}
         for spec in CANDIDATES:
-            base = C.get(spec)
-            lossy = spec not in ("none", "fp16", "bf16")
-            self.made[spec] = C.WithFeedback(base) if error_feedback and lossy else base
+            self.made[spec] = C.wrap(C.get(spec), error_feedback)
         self.choice = ["fp16"] * len(buckets)
         self.t16 = [0.0] * len(buckets)
         self.report: list[dict] = []

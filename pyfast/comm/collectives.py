@@ -38,10 +38,6 @@ import torch.distributed as dist
 import pyfast.compress as C
 from pyfast.comm import pipelined as P
 from pyfast.comm.failure import naming
-from pyfast.compress.cast import Cast, NoCompression
-from pyfast.compress.powersgd import PowerSGD, orthonormalize
-from pyfast.compress.quant import Quantizer
-from pyfast.compress.sparse import RandomK, TopK
 
 # Below 256 KB of compressed payload the second compression and the extra round of two-phase
 # cost more than the (W-2)/W bytes they save (latency-bound regime).
@@ -99,12 +95,7 @@ def _bytes(c: C.Compressor, x: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def _decode_add(c: C.Compressor, buf: torch.Tensor, out: torch.Tensor, dtype) -> None:
-    p = c.from_wire(buf, out.shape, dtype)
-    base = getattr(c, "inner", c)
-    if isinstance(base, Quantizer):
-        base.decompress_accumulate_(p, out)  # fused: no dense temporary per received chunk
-    else:
-        out += c.decompress(p).to(torch.float32)
+    c.decode_add(c.from_wire(buf, out.shape, dtype), out)  # fused or sparse where it can be
 
 
 def _all_gather_var(buf: torch.Tensor, group, flag: int = 0) -> tuple[list[torch.Tensor], list[int]]:
@@ -128,7 +119,7 @@ def _all_gather_var(buf: torch.Tensor, group, flag: int = 0) -> tuple[list[torch
 def _two_phase(x: torch.Tensor, c, group, name: str) -> torch.Tensor:
     world, rank = _world(group)
     n = x.numel()
-    bounds = _chunks(n, world, getattr(getattr(c, "inner", c), "block", 8))
+    bounds = _chunks(n, world, c.align)
     send = [_bytes(c, x[a:b], f"{name}.{i}") for i, (a, b) in enumerate(bounds)]
     sizes = [s.numel() for s in send]  # every rank's chunk i has the same layout and size
     mine = bounds[rank]
@@ -193,24 +184,24 @@ def _agree_finite(x: torch.Tensor, group, name: str) -> None:
         raise NonFiniteGradient(f"{name or 'tensor'}: NaN/Inf gradient on rank(s) {bad}")
 
 
-def _randomk(x: torch.Tensor, c: RandomK, group, name: str) -> torch.Tensor:
+def _randomk(x: torch.Tensor, c, group, name: str) -> torch.Tensor:
     _agree_finite(x, group, name)
     p = c.compress(x, name)  # same seed on every rank -> same indices
     values = p.tensors["values"].to(torch.float32)
     dist.all_reduce(values, group=group)
     p.tensors["values"] = values
     p.dtype = torch.float32
-    return getattr(c, "inner", c).decompress(p).reshape(-1)
+    return c.base.decompress(p).reshape(-1)
 
 
 def _powersgd(t: torch.Tensor, c, group, name: str) -> torch.Tensor:
-    base: PowerSGD = getattr(c, "inner", c)
+    base = c.base
     if not base.compressible(t):
         out = t.reshape(-1).to(torch.float32)
         dist.all_reduce(out, group=group)
         return out
     m = t.reshape(t.shape[0], -1).to(torch.float32)
-    ef = c.feedback._buffer(t, name) if hasattr(c, "feedback") else None
+    ef = c.feedback._buffer(t, name) if c.feedback is not None else None
     if ef is not None:
         m = m + ef.view(m.shape)
     p = base.p_step(m, name)
@@ -225,23 +216,15 @@ def _powersgd(t: torch.Tensor, c, group, name: str) -> torch.Tensor:
 
 
 def choose(c: C.Compressor, numel: int, world: int) -> str:
-    c = getattr(c, "inner", c)  # error feedback does not change the algorithm
-    if isinstance(c, NoCompression):
-        return "native"
-    if isinstance(c, TopK):
-        return "sparse-allgather"
-    if isinstance(c, RandomK):
-        return "shared-index"
-    if isinstance(c, PowerSGD):
-        return "powersgd"
-    if isinstance(c, (Quantizer, Cast)):
-        wire = sum(cnt * dt.itemsize for _, dt, cnt in c.layout(numel))
-        small = wire <= ALLGATHER_MAX_BYTES
+    """The algorithm for reducing numel elements through c over world ranks: what c declares
+    (Compressor.algorithm), and for "dense" the cheaper of allgather and two-phase."""
+    algo = c.algorithm  # error feedback does not change it: WithFeedback reports its inner one's
+    if algo == "dense":
+        small = c.wire_bytes(numel) <= ALLGATHER_MAX_BYTES
         return "allgather" if world <= 2 or small else "two-phase"
-    raise TypeError(f"no collective algorithm for compressor {c!r}")
-
-
-ALGORITHMS = ("native", "two-phase", "allgather", "sparse-allgather", "shared-index", "powersgd")
+    if algo in ("native", "sparse-allgather", "shared-index", "powersgd"):
+        return algo
+    raise TypeError(f"no collective algorithm for compressor {c!r} (its algorithm: {algo!r})")
 
 
 def _reduce(t: torch.Tensor, c, group, op: str, name: str, algo: str | None) -> torch.Tensor:
@@ -270,7 +253,7 @@ def _run(t: torch.Tensor, c, group, op: str, name: str, algo: str, world: int) -
         p = c.compress(t.view(-1), name)  # same seed on every rank -> same indices
         values = p.tensors["values"].to(torch.float32)
         dist.all_reduce(values, group=group)
-        idx = getattr(c, "inner", c).indices(t.numel(), p.meta["seed"], t.device).long()
+        idx = c.base.indices(t.numel(), p.meta["seed"], t.device).long()
         flat = t.view(-1).zero_()  # existing memory: 1.9 ms; fresh 64 MB zeros: 29 ms
         flat.index_put_((idx,), values)
         return t.div_(world) if op == "avg" else t

@@ -43,22 +43,12 @@ import pyfast.compress as C
 from pyfast.comm import pipelined as P
 from pyfast.comm.failure import naming, new_group_like
 from pyfast.comm.collectives import OPS, _chunks, check_backend, choose, fast_path
-from pyfast.compress.cast import Cast, NoCompression
-from pyfast.compress.feedback import WithFeedback
-from pyfast.compress.quant import Quantizer
 
 
 def _kind(c: C.Compressor) -> str | None:
-    """The engine's name for c, or None if only the Python path can run it. Exact types: a
-    subclass may compress differently."""
-    base = c.inner if type(c) is WithFeedback else c
-    if type(base) is NoCompression:
-        return "none"
-    if type(base) is Cast:
-        return base.spec
-    if type(base) is Quantizer and not base.stochastic:  # stochastic seeds live in Python
-        return base.kind
-    return None
+    """The engine's name for c (what c declares as native_kind), or None if only the Python
+    path can run it."""
+    return c.native_kind
 
 
 class Handle:
@@ -195,11 +185,10 @@ class NativeEngine:
                              "dense quantizers and casts choose between 'two-phase' and 'allgather')")
         # As collectives.py / pipelined.py: pieces aligned to the (inner) quantizer's block, so
         # every quantization block is the unchunked one; the pieces must be the same.
-        align = getattr(getattr(c, "inner", c), "block", 8)
+        align = c.align
         chunk = P.chunk_elems() if fast_path(t) else 0
         ef = self._feedback(c, x, name, algorithm, align, chunk)
-        job = self._engine.submit(x, kind, getattr(getattr(c, "inner", c), "block", 8),
-                                  algorithm, op == "avg", ef, align, chunk)
+        job = self._engine.submit(x, kind, align, algorithm, op == "avg", ef, align, chunk)
         label = name or f"a {x.numel()}-element tensor"
         return Handle(self._engine, job, t,
                       f"all_reduce of {label} ({c.spec}, {algorithm}) on the native engine")
@@ -210,7 +199,7 @@ class NativeEngine:
 
     def _feedback(self, c, x, name, algorithm, align, chunk) -> list[torch.Tensor]:
         """The memories pyfast.comm.all_reduce would use, created under its names if missing."""
-        if type(c) is not WithFeedback or algorithm == "native":
+        if c.feedback is None or algorithm == "native":
             return []
         fb, n, w = c.feedback, x.numel(), self.world
         unit = align * w if algorithm == "two-phase" else align  # pipelined.py's step rounding

@@ -53,7 +53,7 @@ class FiniteGuard:
         self._saved = {}
         self._state = None
         if self.mode == "skip":
-            self._state = [(c, _inner(c).state_dict()) for c in self.compressors()]
+            self._state = [(c, c.base.state_dict()) for c in self.compressors()]
 
     def local_ok(self, flat: torch.Tensor) -> bool:
         return self.mode is False or all_finite(flat)
@@ -63,8 +63,8 @@ class FiniteGuard:
         memory it will update ("skip"); without its memory if this rank's bucket is not
         finite (the caller zeroes the bucket)."""
         if not ok:
-            return _inner(c)
-        fb = getattr(c, "feedback", None)
+            return c.base
+        fb = c.feedback
         if self.mode == "skip" and fb is not None:
             for key, mem in fb.memory.items():
                 if _mine(name, key):
@@ -80,7 +80,7 @@ class FiniteGuard:
     def rollback(self) -> None:
         """Put every feedback memory and compressor state back as they were at begin()."""
         for c in self.compressors():
-            fb = getattr(c, "feedback", None)
+            fb = c.feedback
             if fb is None:
                 continue
             touched = [k[1][:-4] for k in self._saved if k[0] == id(c) and k[1].endswith("\0new")]
@@ -93,7 +93,7 @@ class FiniteGuard:
                 else:
                     fb.memory[key].copy_(old)
         for c, state in self._state or []:
-            _inner(c).load_state_dict(state)
+            c.base.load_state_dict(state)
 
     def settle(self, flagged: list[int], names: list[str], fill) -> bool:
         """After the flags were summed over ranks (flagged[i]: how many ranks had a non-finite
@@ -108,7 +108,3 @@ class FiniteGuard:
         for i in bad:
             fill(i)
         return True
-
-
-def _inner(c):
-    return getattr(c, "inner", c)

@@ -22,8 +22,6 @@ import os
 import torch
 import torch.distributed as dist
 
-from pyfast.compress.sparse import TopK
-
 # 512K-2M elements per chunk performed the same on 1 Gbit/s; 4M was slightly worse (277 ms).
 DEFAULT_CHUNK = 1 << 21
 
@@ -32,27 +30,17 @@ def chunk_elems() -> int:
     return int(os.environ.get("PYFAST_COMM_CHUNK", DEFAULT_CHUNK))
 
 
-def _wire_bytes(c, n: int) -> int:
-    return sum(cnt * dt.itemsize for _, dt, cnt in c.layout(n))
-
-
 def gather_sum_into(x, c, group, name, out, helpers):
     """out (fp32, contiguous, may be x) <- sum over ranks, in rank order."""
     world = dist.get_world_size(group)
     n = x.numel()
-    if c.layout(n) is None:  # data-dependent size (top-k): one padded gather, sparse decode
+    if c.wire_bytes(n) is None:  # data-dependent size (top-k): one padded gather, sparse decode
         gathered = helpers.gather_checked(x, c, group, name)
         out.zero_()
-        base = getattr(c, "inner", c)
         for b in gathered:
-            if isinstance(base, TopK):
-                p = c.from_wire(b, out.shape, x.dtype)
-                out.index_put_((p.tensors["indices"].long(),),
-                               p.tensors["values"].to(torch.float32), accumulate=True)
-            else:
-                helpers.decode_add(c, b, out, x.dtype)
+            helpers.decode_add(c, b, out, x.dtype)  # top-k's decode_add is sparse
         return out
-    align = getattr(getattr(c, "inner", c), "block", 8)
+    align = c.align
     step = -(-chunk_elems() // align) * align
     bounds = [(a, min(n, a + step)) for a in range(0, n, step)]
     pending = []
@@ -81,7 +69,7 @@ def two_phase_into(x, c, group, name, out, helpers):
     all-gather and chunk j-2's decode overlap. out may be x itself."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     n = x.numel()
-    align = getattr(getattr(c, "inner", c), "block", 8)
+    align = c.align
     step = -(-chunk_elems() // (align * world)) * align * world
     bounds = [(a, min(n, a + step)) for a in range(0, n, step)]
     single = len(bounds) == 1  # then names match the reference's, for error feedback
@@ -115,7 +103,7 @@ def two_phase_into(x, c, group, name, out, helpers):
         h2.wait()
         for (p, q), buf in zip(pieces, got.view(world, full)):
             if q > p:
-                nb = _wire_bytes(c, q - p)
+                nb = c.wire_bytes(q - p)
                 out[a + p:a + q].copy_(c.decompress(c.from_wire(buf[:nb], (q - p,), x.dtype)))
 
     for j, (a, b) in enumerate(bounds):

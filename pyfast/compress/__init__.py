@@ -8,7 +8,7 @@ import torch
 
 from pyfast.compress.base import Compressor, Payload
 from pyfast.compress.cast import Cast, NoCompression
-from pyfast.compress.feedback import ErrorFeedback, WithFeedback
+from pyfast.compress.feedback import ErrorFeedback, WithFeedback, wrap
 from pyfast.compress.powersgd import PowerSGD
 from pyfast.compress.quant import Quantizer
 from pyfast.compress.sparse import RandomK, TopK
@@ -69,4 +69,5 @@ def get(spec: str | Compressor | None, **options) -> Compressor:
         raise ValueError(f"bad options {options} for {spec!r}: {e}") from None
 
 
-__all__ = ["get", "PowerSGD", "Compressor", "Payload", "ErrorFeedback", "WithFeedback", "REGISTRY", "VALID"]
+__all__ = ["get", "wrap", "PowerSGD", "Compressor", "Payload", "ErrorFeedback", "WithFeedback",
+           "REGISTRY", "VALID"]

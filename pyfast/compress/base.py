@@ -45,6 +45,50 @@ class Compressor:
     """
     spec = "?"
 
+    # What the collectives need to know, declared by each compressor (pyfast.comm chooses from
+    # these, never from the type; a new compressor is one file here plus its registry entry):
+    # - algorithm: the all-reduce scheme it supports. "native" (nothing compressed: the
+    #   backend's all-reduce); "dense" (a fixed-size payload per chunk: two-phase or
+    #   allgather, decode_add sums); "sparse-allgather" (variable-size payloads gathered and
+    #   summed with decode_add); "shared-index" (values at indices(n, seed, device) that every
+    #   rank derives from the payload's meta["seed"]: the values are all-reduced);
+    #   "powersgd" (the low-rank protocol: compressible, p_step, q_step, warm_start, q).
+    # - block: elements coded together (1: each alone). A bucket starts every tensor at a
+    #   multiple of it, and chunks of a collective start at multiples of `align`.
+    # - per_tensor: reduce each parameter alone (a matrix to factor, a top-k selection), never a
+    #   bucket of them.
+    # - lossy: worth an error-feedback memory (wrap() adds one).
+    # - deterministic: compress(x) depends on x alone (no random draw).
+    # - native_kind: the C++ engine's name for this compressor (pyfast._C), or None.
+    algorithm: str | None = None
+    block = 1
+    per_tensor = False
+    lossy = True
+    deterministic = True
+    native_kind: str | None = None
+    feedback = None  # the ErrorFeedback memory (WithFeedback), or None
+
+    @property
+    def base(self) -> "Compressor":
+        """The compressor itself without error feedback (WithFeedback's inner one)."""
+        return self
+
+    @property
+    def align(self) -> int:
+        """Chunk starts inside a collective are multiples of this: the block, so that every block
+        is coded whole, or 8 elements for elementwise formats (typed views stay aligned)."""
+        return self.block if self.block > 1 else 8
+
+    def wire_bytes(self, numel: int) -> int | None:
+        """Bytes on the wire for `numel` elements, or None when the size depends on the data."""
+        lay = self.layout(numel)
+        return None if lay is None else sum(count * dt.itemsize for _, dt, count in lay)
+
+    def decode_add(self, p: Payload, out: torch.Tensor) -> torch.Tensor:
+        """out (contiguous fp32, p's numel) += decompress(p) in fp32; formats with a fused or
+        sparse form override it."""
+        return out.add_(self.decompress(p).reshape(out.shape).to(torch.float32))
+
     def compress(self, x: torch.Tensor, name: str = "") -> Payload:
         raise NotImplementedError
 

@@ -9,6 +9,7 @@ from pyfast.compress.base import Compressor, Payload, aligned, check_float, chec
 class NoCompression(Compressor):
     """Bound: exact, decompress(compress(x)) is x bit for bit (NaN and Inf included)."""
     spec = "none"
+    algorithm, lossy, native_kind = "native", False, "none"
 
     def compress(self, x, name=""):
         check_float(x, self.spec)
@@ -38,10 +39,12 @@ class Cast(Compressor):
     half an ulp of x's dtype when the way back rounds again (bf16 through fp16). |x| >= 65520
     becomes +-Inf on fp16 (as with torch's fp16_compress_hook), |x| >= (2 - 2^-8) 2^127 on
     bf16. NaN and Inf pass unchanged."""
+    algorithm, lossy = "dense", False
 
     def __init__(self, wire: torch.dtype):
         self.wire = wire
         self.spec = {torch.float16: "fp16", torch.bfloat16: "bf16"}[wire]
+        self.native_kind = self.spec
 
     def compress(self, x, name=""):
         check_float(x, self.spec)

@@ -59,11 +59,23 @@ class WithFeedback(Compressor):
         self.feedback = feedback or ErrorFeedback(compressor)
         self.spec = compressor.spec
 
+    # what the collectives read (base.Compressor) is the inner compressor's
+    algorithm = property(lambda self: self.inner.algorithm)
+    block = property(lambda self: self.inner.block)
+    per_tensor = property(lambda self: self.inner.per_tensor)
+    lossy = property(lambda self: self.inner.lossy)
+    deterministic = property(lambda self: self.inner.deterministic)
+    native_kind = property(lambda self: self.inner.native_kind)
+    base = property(lambda self: self.inner)
+
     def compress(self, x, name=""):
         return self.feedback.compress(x, name)
 
     def decompress(self, p, out=None):
         return self.inner.decompress(p, out)
+
+    def decode_add(self, p, out):
+        return self.inner.decode_add(p, out)
 
     def layout(self, numel):
         return self.inner.layout(numel)
@@ -83,3 +95,11 @@ class WithFeedback(Compressor):
 
     def __repr__(self):
         return f"WithFeedback({self.inner!r})"
+
+
+def wrap(compressor: Compressor, error_feedback: bool = True) -> Compressor:
+    """The rule every reducer follows: a lossy compressor gets an error-feedback memory when
+    error_feedback is on; an exact one (none, fp16, bf16) stays as it is."""
+    if error_feedback and compressor.lossy:
+        return WithFeedback(compressor)
+    return compressor

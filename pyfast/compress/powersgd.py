@@ -23,6 +23,7 @@ def orthonormalize(p: torch.Tensor) -> torch.Tensor:
 
 
 class PowerSGD(Compressor):
+    algorithm, per_tensor = "powersgd", True
     def __init__(self, rank: int, warm_start: bool = True, seed: int = 0):
         self.rank, self.warm_start, self.seed = rank, warm_start, seed
         self.spec = f"powersgd:{rank}"

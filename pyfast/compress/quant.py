@@ -25,6 +25,7 @@ class Quantizer(Compressor):
     covers blocks with amax < qmax / FLT_MAX, whose non-zero elements all code to +-qmax.
     A block holding NaN or Inf decodes to NaN throughout: never to finite numbers.
     """
+    algorithm = "dense"
 
     def __init__(self, kind: str, block: int = Q.DEFAULT_BLOCK, stochastic: bool = False,
                  seed: int = 0):
@@ -34,6 +35,8 @@ class Quantizer(Compressor):
             raise ValueError("sign has no stochastic rounding")
         self.kind, self.block, self.stochastic, self.seed = kind, block, stochastic, seed
         self.spec = kind
+        self.deterministic = not stochastic
+        self.native_kind = None if stochastic else kind  # stochastic seeds live in Python
         self._steps = StepCounter()
 
     def compress(self, x, name=""):
@@ -59,7 +62,7 @@ class Quantizer(Compressor):
         return [("scales", torch.float32, -(-numel // self.block)),
                 ("codes", torch.uint8, Q.codes_len(numel, self.kind))]
 
-    def decompress_accumulate_(self, p, out: torch.Tensor) -> torch.Tensor:
+    def decode_add(self, p, out: torch.Tensor) -> torch.Tensor:
         """out (contiguous fp32, p's numel) += decompress(p), without a temporary."""
         t = p.tensors
         return Q.dequantize_accumulate_(out.view(-1), t["codes"], t["scales"], self.kind,

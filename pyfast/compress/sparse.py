@@ -30,6 +30,7 @@ class TopK(Compressor):
     Bound: the sent entries are exact, the rest 0; no dropped entry is larger in magnitude than
     a sent one; ceil(k/2) <= sent <= floor(3k/2) for k = max(1, round(R n)). NaN/Inf raise
     ValueError ("NaN/Inf"): kept or dropped, they would vanish into a value or the feedback."""
+    algorithm, per_tensor = "sparse-allgather", True
 
     def __init__(self, ratio: float):
         self.ratio = ratio
@@ -47,6 +48,12 @@ class TopK(Compressor):
 
     def decompress(self, p, out=None):
         return _scatter(p, p.tensors["indices"], out)
+
+    def decode_add(self, p, out):
+        """Sparse: out[indices] += values, no dense temporary (the indices are distinct)."""
+        out.view(-1).index_put_((p.tensors["indices"].long(),),
+                                p.tensors["values"].to(torch.float32), accumulate=True)
+        return out
 
     def to_wire(self, p):
         idx = p.tensors["indices"]
@@ -74,6 +81,7 @@ class RandomK(Compressor):
 
     Bound: y_i is x_i exactly at the drawn indices, 0 elsewhere. NaN/Inf anywhere raise
     ValueError ("NaN/Inf"): a random subset would drop them silently."""
+    algorithm = "shared-index"
 
     def __init__(self, ratio: float, seed: int = 0):
         self.ratio, self.seed = ratio, seed

@@ -20,7 +20,6 @@ from pyfast.comm import NonFiniteGradient, all_reduce
 from pyfast.comm import engine as E
 from pyfast.comm.collectives import all_finite, wait_all
 from pyfast.comm.auto import CANDIDATES as AUTO_CANDIDATES, AutoSelector
-from pyfast.compress.sparse import TopK
 from pyfast.comm.buckets import Bucketer
 from pyfast.comm.failure import Breaker, new_group_like
 from pyfast.comm.guard import FiniteGuard
@@ -75,12 +74,6 @@ def broadcast_coalesced(tensors: list[torch.Tensor], group) -> None:
             dist.broadcast(flat, src, group=group)
             for t, part in zip(ts, flat.split([t.numel() for t in ts])):
                 t.copy_(part.view(t.shape))
-
-
-def _per_tensor(c) -> bool:
-    """Compressors whose unit is a whole tensor (a matrix to factor, a top-k selection): a
-    bucket is reduced parameter by parameter, so no parameter's selection depends on another's."""
-    return isinstance(getattr(c, "inner", c), (C.PowerSGD, TopK))
 
 
 def _check_params(named) -> None:
@@ -168,8 +161,7 @@ class DataParallel(nn.Module):
         self.world = dist.get_world_size(group)
         self.auto = compressor == "auto"
         base = C.get("fp16" if self.auto else compressor)
-        lossy = base.spec not in ("none", "fp16", "bf16")
-        self.compressor = C.WithFeedback(base) if error_feedback and lossy else base
+        self.compressor = C.wrap(base, error_feedback)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         _check_params(named)
         self._guard = FiniteGuard(check_finite, self._compressors)
@@ -180,7 +172,7 @@ class DataParallel(nn.Module):
         check_same_layout(named, self._comm)
         broadcast_state(module, self._comm)
         usable = [C.get(s) for s in AUTO_CANDIDATES] if self.auto else [self.compressor]
-        align = math.lcm(*(getattr(getattr(c, "inner", c), "block", 1) for c in usable))
+        align = math.lcm(*(c.block for c in usable))
         self.bucketer = Bucketer(named, bucket_mb, self._launch, enabled=overlap, align=align)
         self.selector = (AutoSelector(self.bucketer.buckets, self._comm, error_feedback)
                          if self.auto else None)
@@ -241,7 +233,7 @@ class DataParallel(nn.Module):
             c = self.selector.compressor(bucket) if self.selector else self.compressor
         if self.engine_kind[bucket.index] == "native":
             return self._engine.all_reduce(bucket.flat, c, op="avg", name=bucket.name)
-        if _per_tensor(c):
+        if c.per_tensor:  # a matrix to factor, a selection: no parameter depends on another
             handles = [all_reduce(bucket.flat[o: o + p.numel()].view(p.shape), c, self._comm,
                                   op="avg", async_op=True, name=f"{bucket.name}.{n}")
                        for p, n, o in zip(bucket.params, bucket.names, bucket.offsets)]
