@@ -71,6 +71,12 @@ def _worker() -> None:
                     if r:
                         times[v].append(time.perf_counter() - t0)
         out[spec] = {v: statistics.median(t) for v, t in times.items()}
+        # after the timing: the variants took the same steps on the same data, so they must
+        # hold the same weights (the semantics change no result on this model)
+        bare = list(nets["bare"][0].parameters())
+        out[spec]["max_param_diff"] = max(
+            float((a - b).abs().max()) for v in VARIANTS[1:]
+            for a, b in zip(nets[v][0].parameters(), bare))
         out[spec].update(_components(nets["semantics"][0], dist))
         for net, _ in nets.values():
             net.close()

@@ -139,6 +139,13 @@ def _round(rank, world, names):
     return out
 
 
+def _grad_sq(rank, world, names):
+    """Per provider, the squared norm of this rank's parameter gradients from its last step:
+    summed over ranks, the whole model's, to compare with single_process(micro=True)'s."""
+    return {n: float(sum(p.grad.double().pow(2).sum() for p in _local[n][0].parameters()
+                         if p.grad is not None)) for n in names}
+
+
 def _traced(rank, world, name, path):
     from pyfast.parallel import save_trace
     pipe, _ = _local["pyfast " + name]
