@@ -22,6 +22,7 @@ silent peer fails the call instead of hanging); a failed transfer raises CommErr
 function and direction (with a layer's CommGuard: the layer, which it then breaks).
 """
 import datetime
+import warnings
 import zlib
 
 import torch
@@ -34,13 +35,13 @@ from pyfast.ops.matmul import autocast_linear_args
 from pyfast.parallel.tp_comm import CommGuard, tp_world
 
 # MKL sgemm (2024.2, AVX-512) gives a row the same bits in any GEMM of >= 4 rows, not of 1-3 (8e-5
-# apart at K = 1024): pieces keep MIN_ROWS rows (chunks is a maximum), smaller shards one GEMM.
+# apart at K = 1024): pieces keep MIN_ROWS rows (`pieces` is a maximum), smaller shards one GEMM.
 MIN_ROWS = 4
 TAG = 0x7470  # p2p tag ("tp"): never matched with pipeline-parallel transfers
 
 
-def _pieces(rows, chunks):  # [a, e) row ranges
-    n = max(1, min(chunks, rows // MIN_ROWS))  # sizes differ by at most one row
+def _row_ranges(rows, pieces):  # [a, e) row ranges
+    n = max(1, min(pieces, rows // MIN_ROWS))  # sizes differ by at most one row
     return [(i * rows // n, (i + 1) * rows // n) for i in range(n)]
 
 
@@ -110,32 +111,32 @@ def _mm(a, b, bias, out):  # addmm(bias, x, w.t()) is F.linear's own call: same 
     return torch.mm(a, b, out=out) if bias is None else torch.addmm(bias, a, b, out=out)
 
 
-def all_gather_mm(x, b, bias, comm, chunks):
+def all_gather_mm(x, b, bias, comm, pieces):
     """(all_gather(x) @ b + bias, all_gather(x)) for x [R, K] this rank's rows, b [K, N]."""
     W, R = comm.world, x.shape[0]
     full, y = x.new_empty(W * R, x.shape[1]), x.new_empty(W * R, b.shape[1])
     at = lambda q, a, e: slice(q * R + a, q * R + e)  # noqa: E731  rows a:e of rank q's block
-    pieces = _pieces(R, chunks)  # [(0, R)] below MIN_ROWS
-    works = [comm.all_gather([full[at(q, a, e)] for q in range(W)], x[a:e]) for a, e in pieces]
+    ranges = _row_ranges(R, pieces)  # [(0, R)] below MIN_ROWS
+    works = [comm.all_gather([full[at(q, a, e)] for q in range(W)], x[a:e]) for a, e in ranges]
     full[at(comm.rank, 0, R)] = x  # once the sends are posted: the link starts first
     if R < MIN_ROWS:  # one GEMM over all rows: the reference's kernel
         works[0]()
         return _mm(full, b, bias, y), full
     _mm(x, b, bias, y[at(comm.rank, 0, R)])  # own rows while the others travel
-    for (a, e), wait in zip(pieces, works):
+    for (a, e), wait in zip(ranges, works):
         wait()
         for q in comm.peers:
             _mm(full[at(q, a, e)], b, bias, y[at(q, a, e)])
     return y, full
 
 
-def mm_reduce_scatter(x, b, comm, chunks):
+def mm_reduce_scatter(x, b, comm, pieces):
     """reduce_scatter(x @ b), x [W * R, K], b [K, N], as finish() -> [R, N]: the last pieces
     travel until it is called, behind whatever the caller computes first."""
     W, R, N = comm.world, x.shape[0] // comm.world, b.shape[1]
     out, blocks = x.new_empty(R, N), x.view(W, R, -1)
     works = [comm.reduce_scatter(out, torch.mm(x, b).view(W, R, N))] if R < MIN_ROWS else []
-    for a, e in _pieces(R, chunks) if R >= MIN_ROWS else []:
+    for a, e in _row_ranges(R, pieces) if R >= MIN_ROWS else []:
         part = x.new_empty(W, e - a, N)
         for q in comm.peers + [comm.rank]:  # own rows last: they need not travel
             torch.mm(blocks[q, a:e], b, out=part[q])
@@ -169,12 +170,12 @@ class _AllGatherLinear(Function):
     + F.linear does: gathering it again would trade that memory for one more all-gather."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, comm, dim, chunks, guard):
+    def forward(ctx, x, weight, bias, comm, dim, pieces, guard):
         with guard("forward all-gather (all_gather_linear)"):
-            y, full = all_gather_mm(_rows(x, dim), weight.t(), bias, comm, chunks)
+            y, full = all_gather_mm(_rows(x, dim), weight.t(), bias, comm, pieces)
         seq = comm.world * x.shape[dim]
         ctx.save_for_backward(_unrows(full, x.shape, dim, seq), weight)
-        ctx.comm, ctx.dim, ctx.chunks, ctx.shape, ctx.guard = comm, dim, chunks, x.shape, guard
+        ctx.comm, ctx.dim, ctx.pieces, ctx.shape, ctx.guard = comm, dim, pieces, x.shape, guard
         return _unrows(y, x.shape, dim, seq)
 
     @staticmethod
@@ -182,7 +183,7 @@ class _AllGatherLinear(Function):
         (full, weight), need = ctx.saved_tensors, ctx.needs_input_grad
         with ctx.guard("backward reduce-scatter (all_gather_linear)"):
             if need[0]:
-                finish = mm_reduce_scatter(_rows(gy, ctx.dim), weight, ctx.comm, ctx.chunks)
+                finish = mm_reduce_scatter(_rows(gy, ctx.dim), weight, ctx.comm, ctx.pieces)
             gw, gb = _linear_grads(gy, full, need[1], need[2])
             gx = _unrows(finish(), ctx.shape, ctx.dim, ctx.shape[ctx.dim]) if need[0] else None
         return gx, gw, gb, None, None, None, None
@@ -192,13 +193,13 @@ class _LinearReduceScatter(Function):
     """Backward: grad x = all_gather(grad_y) @ w, overlapped; grad w = all_gather(grad_y)^T @ x."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, comm, dim, chunks, guard):
+    def forward(ctx, x, weight, bias, comm, dim, pieces, guard):
         with guard("forward reduce-scatter (linear_reduce_scatter)"):
-            out = mm_reduce_scatter(_rows(x, dim), weight.t(), comm, chunks)()
+            out = mm_reduce_scatter(_rows(x, dim), weight.t(), comm, pieces)()
         if bias is not None:
             out.add_(bias)
         ctx.save_for_backward(x, weight)
-        ctx.comm, ctx.dim, ctx.chunks, ctx.guard = comm, dim, chunks, guard
+        ctx.comm, ctx.dim, ctx.pieces, ctx.guard = comm, dim, pieces, guard
         return _unrows(out, x.shape, dim, x.shape[dim] // comm.world)
 
     @staticmethod
@@ -207,14 +208,14 @@ class _LinearReduceScatter(Function):
         gx = gw = None
         if need[0] or need[1]:
             with ctx.guard("backward all-gather (linear_reduce_scatter)"):
-                gx, gfull = all_gather_mm(_rows(gy, dim), weight, None, ctx.comm, ctx.chunks)
+                gx, gfull = all_gather_mm(_rows(gy, dim), weight, None, ctx.comm, ctx.pieces)
             gx = _unrows(gx, x.shape, dim, x.shape[dim])
             gw, _ = _linear_grads(_unrows(gfull, gy.shape, dim, x.shape[dim]), x, need[1], False)
         gb = gy.reshape(-1, gy.shape[-1]).sum(0) if need[2] else None
         return gx, gw, gb, None, None, None, None
 
 
-def _prepare(what, x, weight, bias, group, dim, chunks, comm, timeout, guard):
+def _prepare(what, x, weight, bias, group, dim, pieces, comm, timeout, guard, name="pieces"):
     """Checks, the last one collective: every rank must send the same shape and dtype (gloo
     aborts on a longer message than expected and silently takes a shorter one)."""
     world, dim, shapes = tp_world(group)[0], dim % max(x.dim(), 1), (tuple(x.shape), dim)
@@ -226,8 +227,8 @@ def _prepare(what, x, weight, bias, group, dim, chunks, comm, timeout, guard):
     if bias is not None and (tuple(bias.shape) != (weight.shape[0],) or bias.dtype != x.dtype):
         raise ValueError(f"{what}: bias {tuple(bias.shape)} {bias.dtype} is not "
                          f"[{len(weight)}] {x.dtype}")
-    if type(chunks) is not int or chunks < 1:
-        raise ValueError(f"{what}: chunks must be an int >= 1, got {chunks!r}")
+    if type(pieces) is not int or pieces < 1:  # named as the caller named it
+        raise ValueError(f"{what}: {name} must be an int >= 1, got {pieces!r}")
     if what == "linear_reduce_scatter" and x.shape[dim] % world:
         raise ValueError(f"{what}: x, dim {shapes} not divisible by the tensor-parallel size")
     if world == 1:
@@ -248,30 +249,35 @@ def _prepare(what, x, weight, bias, group, dim, chunks, comm, timeout, guard):
     return dim, comm
 
 
-def _run(fn, what, x, weight, bias, group, dim, chunks, comm, timeout, guard):
+def _run(fn, what, x, weight, bias, group, dim, pieces, comm, timeout, guard, chunks):
     """Autocast resolved as F.linear resolves it, then the checks and fn (the overlapped
-    Function) with autocast off; guard None: errors name `what` and break nothing."""
+    Function) with autocast off; guard None: errors name `what` and break nothing. chunks: the
+    deprecated name of pieces."""
+    name = "pieces"
+    if chunks is not None:
+        warnings.warn(f"{what}(chunks=) is deprecated: pieces=", DeprecationWarning, stacklevel=3)
+        pieces, name = chunks, "chunks"
     guard = guard if guard is not None else CommGuard("")
     (x, weight, bias), no_autocast = autocast_linear_args(x, weight, bias)
     with no_autocast:
-        dim, c = _prepare(what, x, weight, bias, group, dim, chunks, comm, timeout, guard)
+        dim, c = _prepare(what, x, weight, bias, group, dim, pieces, comm, timeout, guard, name)
         return F.linear(x, weight, bias) if c is None else \
-            fn.apply(x, weight, bias, c, dim, chunks, guard)
+            fn.apply(x, weight, bias, c, dim, pieces, guard)
 
 
-def all_gather_linear(x, weight, bias=None, group=None, dim: int = 0, chunks: int = 4,
-                      comm="c10d", timeout=None, guard: CommGuard | None = None):
+def all_gather_linear(x, weight, bias=None, group=None, dim: int = 0, pieces: int = 4,
+                      comm="c10d", timeout=None, guard: CommGuard | None = None, chunks=None):
     """F.linear(all_gather(x along dim), weight, bias), the all-gather overlapped: the input of a
-    sequence-parallel ColumnParallelLinear (x: this rank's sequence shard). chunks=4: the best
+    sequence-parallel ColumnParallelLinear (x: this rank's sequence shard). pieces=4: the best
     median of 1-16 for both functions at 1 Gbit/s in bench/results/overlap_tp.txt. timeout
     (seconds or a timedelta): the longest wait for a peer's piece ("c10d" comm)."""
-    return _run(_AllGatherLinear, "all_gather_linear", x, weight, bias, group, dim, chunks, comm,
-                timeout, guard)
+    return _run(_AllGatherLinear, "all_gather_linear", x, weight, bias, group, dim, pieces, comm,
+                timeout, guard, chunks)
 
 
-def linear_reduce_scatter(x, weight, bias=None, group=None, dim: int = 0, chunks: int = 4,
-                          comm="c10d", timeout=None, guard: CommGuard | None = None):
+def linear_reduce_scatter(x, weight, bias=None, group=None, dim: int = 0, pieces: int = 4,
+                          comm="c10d", timeout=None, guard: CommGuard | None = None, chunks=None):
     """reduce_scatter(F.linear(x, weight) along dim) + bias, the reduce-scatter overlapped: the
     output of a sequence-parallel RowParallelLinear (bias added once, after the sum)."""
     return _run(_LinearReduceScatter, "linear_reduce_scatter", x, weight, bias, group, dim,
-                chunks, comm, timeout, guard)
+                pieces, comm, timeout, guard, chunks)

@@ -50,7 +50,8 @@ from .tp_comm import (CommGuard, copy_to_tp_region, gather_from_sequence_paralle
 # h 256: 128-512 KB a call) took 18.8 ms a step overlapped vs 12.1 plain on loopback, the fixed
 # cost of the pieces (p2p posts, shape headers) exceeding their whole transfer; the big block
 # (4-16 MB a call) gained 1.5x on 1 Gbit/s. Ranks see the same shapes, so they decide alike.
-OVERLAP_CHUNKS = 4
+OVERLAP_PIECES = 4
+OVERLAP_CHUNKS = OVERLAP_PIECES  # the old name (tests import it)
 OVERLAP_MIN_BYTES = 1 << 20
 
 
@@ -64,24 +65,24 @@ def _linear(x, weight, bias=None):
     return F.linear(x, weight, bias)
 
 
-def _sp_gather_linear(x, weight, bias, group, dim: int, chunks: int = 0, guard=None):
+def _sp_gather_linear(x, weight, bias, group, dim: int, pieces: int = 0, guard=None):
     """All-gather x along the sequence dimension `dim`, then x @ weight.T + bias (column
     layer, sequence parallel). Backward: the input gradient is reduce-scattered along `dim`.
-    chunks > 0: the gather overlapped with the GEMM (async_tp), bitwise the same result."""
-    if chunks:
-        return all_gather_linear(x, weight, bias, group, dim, chunks, guard=guard)
+    pieces > 0: the gather overlapped with the GEMM (async_tp), bitwise the same result."""
+    if pieces:
+        return all_gather_linear(x, weight, bias, group, dim, pieces, guard=guard)
     return _linear(gather_from_sequence_parallel_region(x, group, dim, guard), weight, bias)
 
 
-def _sp_linear_reduce_scatter(x, weight, bias, group, dim: int, chunks: int = 0, guard=None):
+def _sp_linear_reduce_scatter(x, weight, bias, group, dim: int, pieces: int = 0, guard=None):
     """x @ weight.T (a partial sum over this rank's input features), reduce-scattered along
     the sequence dimension `dim`, plus bias (row layer, sequence parallel).
 
     The bias is added once, after the sum, to this rank's slice of the sequence, so its
     gradient here covers that slice only: copy_to_tp_region all-reduces it in backward, and
     every rank ends with the whole bias gradient, as without sequence parallelism."""
-    if chunks:
-        y = linear_reduce_scatter(x, weight, None, group, dim, chunks, guard=guard)
+    if pieces:
+        y = linear_reduce_scatter(x, weight, None, group, dim, pieces, guard=guard)
     else:
         y = reduce_scatter_to_sequence_parallel_region(_linear(x, weight), group, dim, guard)
     return y if bias is None else y + copy_to_tp_region(bias, group, guard)
@@ -110,7 +111,7 @@ class _ParallelLinear(nn.Module):
         if type(overlap) not in (bool, int) or overlap < 0:
             raise ValueError(f"{self._name()}: overlap must be a bool or a number of pieces "
                              f">= 0, got {overlap!r} (tensor-parallel size {self.tp_size})")
-        self.chunks = OVERLAP_CHUNKS if overlap is True else int(overlap)
+        self.pieces = OVERLAP_PIECES if overlap is True else int(overlap)
         self.overlap_auto = overlap is True  # False: an explicit count always runs overlapped
         split = (out_features, in_features)[self.partition_dim]
         if split % self.tp_size:
@@ -190,15 +191,19 @@ class _ParallelLinear(nn.Module):
         """async_tp pieces for a call moving about wire_bytes per rank (0: the plain path)."""
         if self.overlap_auto and wire_bytes < OVERLAP_MIN_BYTES:
             return 0
-        return self.chunks
+        return self.pieces
+
+    @property
+    def chunks(self) -> int:  # the old name of pieces (tests and `pyfast bench tp` read it)
+        return self.pieces
 
     def extra_repr(self) -> str:
         s = (f"in_features={self.in_features}, out_features={self.out_features}, "
              f"tp={self.tp_size}, bias={self.bias is not None}")
         if self.sequence_parallel:
             s += f", sequence_parallel=True, sequence_dim={self.sequence_dim}"
-        if self.chunks:
-            s += f", overlap={self.chunks}"
+        if self.pieces:
+            s += f", overlap={self.pieces}"
         return s
 
 
