@@ -24,7 +24,7 @@ def machine() -> str:
 
 
 KEYS = ("median_s", "q10_s", "q90_s")
-LEGACY = {"median_s": ("time_s", "median"), "q10_s": ("q10",), "q90_s": ("q90",)}  # older results
+LEGACY = {"median_s": ("time_s", "median", "step_s"), "q10_s": ("q10",), "q90_s": ("q90",)}  # older results
 
 
 def summary(times) -> dict:

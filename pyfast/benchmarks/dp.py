@@ -138,7 +138,7 @@ def _worker() -> None:
         dist.all_gather_object(each, row)
         if rank == 0:
             per_step = [max(ts) for ts in zip(*(e["times"] for e in each))]
-            row["step_s"] = statistics.median(per_step)
+            row.update(perf.summary(per_step))
             row["loss"] = statistics.mean(e["loss"] for e in each)
             for k in ("compute", "comm", "bound"):
                 if k in row:
@@ -165,13 +165,13 @@ def run(links=("1gbit", "loopback"), configs=CONFIGS, batch: int = 128, steps: i
                 continue
             with open(job["out"]) as f:
                 rows = json.load(f)
-        base = {r["config"]: r["step_s"] for r in rows}
+        base = {r["config"]: r["median_s"] for r in rows}
         for r in rows:
             r["link"] = link
-            r["vs_ddp_fp16"] = base["ddp+fp16"] / r["step_s"] if "ddp+fp16" in base else None
+            r["vs_ddp_fp16"] = base["ddp+fp16"] / r["median_s"] if "ddp+fp16" in base else None
             if "compute" in r:
-                r["overlap_ratio"] = r["step_s"] / max(r["compute"], r["comm"])
-                r["bound_ratio"] = r["step_s"] / r["bound"]
+                r["overlap_ratio"] = r["median_s"] / max(r["compute"], r["comm"])
+                r["bound_ratio"] = r["median_s"] / r["bound"]
         out += rows
     return {"machine": perf.machine(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "pyfast": pyfast.__version__, "world": 2, "batch": batch, "steps": steps,
@@ -196,7 +196,8 @@ def table(result: dict):
         cfg = r["config"] + (f" ({r['engine']})" if "engine" in r else "") + \
             (f" {r['auto_choice']}" if "auto_choice" in r else "")
         g = lambda k: f"{r[k]:.2f}" if k in r else ""  # noqa: E731
-        t.add_row(r["link"], escape(cfg), f("step_s"), f"{r['vs_ddp_fp16']:.2f}x",
+        t.add_row(r["link"], escape(cfg), f("median_s"),
+                  f"{r['vs_ddp_fp16']:.2f}x" if r.get("vs_ddp_fp16") else "",
                   f"{r['loss']:.4f}", f("compute"), f("comm"), g("overlap_ratio"), f("bound"),
                   g("bound_ratio"))
     return t

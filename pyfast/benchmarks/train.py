@@ -276,7 +276,7 @@ def _worker() -> None:
         mine = [e[name] for e in each]
         slow = [max(range(world), key=lambda r: mine[r]["times"][i]) for i in range(j["steps"])]
         per_step = [mine[r]["times"][i] for i, r in enumerate(slow)]
-        row.update(step_s=statistics.median(per_step), times=per_step,
+        row.update(**perf.summary(per_step), times=per_step,
                    wire_bytes=statistics.median(map(sum, zip(*(e["sent"] for e in mine)))))
         if mine[0]["recs"][0]:  # Job's own breakdown, from the slowest rank of each step
             for k in ("compute_ms", "exposed_comm_ms", "bytes_sent"):
@@ -337,8 +337,8 @@ def run(links=("loopback", "1gbit"), configs=CONFIGS, batch: int = 8, steps: int
         got += [{"config": c, "error": why} for c, why in skipped]
         for r in got:
             r["link"] = link
-            if "step_s" in r:
-                r["tokens_s"] = batch * seq / r["step_s"]
+            if "median_s" in r:
+                r["tokens_s"] = batch * seq / r["median_s"]
             rate = netns.rate_bps(link)
             if rate and "wire_bytes" in r:  # both directions share the one qdisc
                 r["floor_s"] = 8 * r.get("bytes_sent", r["wire_bytes"]) / rate
@@ -374,7 +374,7 @@ def table(result: dict):
             continue
         f = lambda k, d=0, s=1.0: f"{r[k] * s:.{d}f}" if k in r else ""  # noqa: E731
         mb = r.get("bytes_sent", r["wire_bytes"]) / 1e6
-        t.add_row(r["link"], escape(r["config"]), f("step_s", 0, 1e3), f("tokens_s"),
+        t.add_row(r["link"], escape(r["config"]), f("median_s", 0, 1e3), f("tokens_s"),
                   f"{r['vs_peer']:.2f}x" if "vs_peer" in r else "",
                   f"{r['loss1'] - r['ref_loss']:+.1e}" if "loss1" in r else "",
                   f("compute_ms"), f("exposed_comm_ms"), f"{mb:.1f}", f("floor_s", 0, 1e3))
