@@ -33,3 +33,15 @@ def test_command_writes_the_page(tmp_path):
     assert report.main(["--out", str(out)]) == 0
     assert out.read_text() == report.render()
     assert not [f for f in os.listdir(out.parent) if f.startswith(".")]  # written atomically
+
+
+def test_tables_are_computed_from_the_json(tmp_path):
+    row = {"world": 2, "spec": "int8", "algorithm": "allgather", "time_s": 0.2734, "link": "1gbit",
+           "floor_s": 0.2711, "floor_fraction": 0.99, "vs_none": 3.941, "vs_fp16": 2.0}
+    new = {**{k: v for k, v in row.items() if k != "time_s"}, "median_s": 0.5}  # today's key
+    (tmp_path / "allreduce.json").write_text(json.dumps({"rows": [row, new, {**row, "link": "loopback"}]}))
+    tpl = tmp_path / "t.md.in"
+    tpl.write_text("{{table:allreduce_1gbit}}\n")
+    lines = report.render(str(tmp_path), str(tpl)).splitlines()
+    assert lines[2:] == ["| 2 | int8 | allgather | 273 | 271 | 99% | 3.94x | 2.00x |",
+                         "| 2 | int8 | allgather | 500 | 271 | 99% | 3.94x | 2.00x |"]

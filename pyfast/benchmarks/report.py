@@ -3,7 +3,8 @@
 The page is pyfast/benchmarks/benchmarks.md.in (the setup, targets met or missed and why, per
 benchmark) with its placeholders filled from the recorded results: {{machines}} lists each
 result's machine and date, {{recorded:NAME}} inserts bench/results/NAME.txt (the table the
-benchmark printed) under a link to NAME.json. bench/test_report.py checks that the page in the
+benchmark printed) under a link to NAME.json, {{table:NAME}} a markdown table computed from the
+JSON (TABLES). bench/test_report.py checks that the page in the
 repository is what this writes from the results in the repository.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ TEMPLATE = os.path.join(os.path.dirname(__file__), "benchmarks.md.in")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULTS = os.path.join(ROOT, "bench", "results")
 OUT = os.path.join(ROOT, "docs", "benchmarks.md")
-PLACEHOLDER = re.compile(r"\{\{(machines|recorded:([\w.-]+))\}\}")
+PLACEHOLDER = re.compile(r"\{\{(machines|recorded:([\w.-]+)|table:([\w.-]+))\}\}")
 
 
 def _load(results: str, name: str) -> dict:
@@ -41,6 +42,22 @@ def _recorded(results: str, name: str) -> str:
             f"</details>\n")
 
 
+def _allreduce_1gbit(results: str) -> str:
+    """allreduce.json's 1 Gbit/s rows: time, floor, and the ratios to fp32 and fp16."""
+    from pyfast import perf
+    rows = ["| W | spec | algorithm | ms | floor ms | % of floor | vs fp32 all-reduce | vs fp16 |",
+            "|---|---|---|---|---|---|---|---|"]
+    for r in _load(results, "allreduce")["rows"]:
+        if r.get("link") == "1gbit" and "skipped" not in r:
+            rows.append(f"| {r['world']} | {r['spec']} | {r['algorithm']} | "
+                        f"{perf.stat(r, 'median_s') * 1e3:.0f} | {r['floor_s'] * 1e3:.0f} | "
+                        f"{100 * r['floor_fraction']:.0f}% | {r['vs_none']:.2f}x | {r['vs_fp16']:.2f}x |")
+    return "\n".join(rows)
+
+
+TABLES = {"allreduce_1gbit": _allreduce_1gbit}  # {{table:NAME}}: a table computed from the JSON
+
+
 def _machines(results: str, names: list[str]) -> str:
     rows = ["| result | machine | date |", "|---|---|---|"]
     for n in names:
@@ -56,7 +73,11 @@ def render(results: str = RESULTS, template: str = TEMPLATE) -> str:
     names = [m.group(2) for m in PLACEHOLDER.finditer(text) if m.group(2)]
 
     def fill(m):
-        return _machines(results, names) if m.group(1) == "machines" else _recorded(results, m.group(2))
+        if m.group(1) == "machines":
+            return _machines(results, names)
+        if m.group(3):
+            return TABLES[m.group(3)](results)
+        return _recorded(results, m.group(2))
     return PLACEHOLDER.sub(fill, text).rstrip("\n") + "\n"
 
 
