@@ -13,6 +13,7 @@ import json
 import os
 import re
 import sys
+from decimal import ROUND_HALF_UP, Decimal
 
 TEMPLATE = os.path.join(os.path.dirname(__file__), "benchmarks.md.in")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -55,7 +56,36 @@ def _allreduce_1gbit(results: str) -> str:
     return "\n".join(rows)
 
 
-TABLES = {"allreduce_1gbit": _allreduce_1gbit}  # {{table:NAME}}: a table computed from the JSON
+LINK_NAMES = {"loopback": "loopback", "10gbit": "10 Gbit/s", "1gbit": "1 Gbit/s"}
+TP_BLOCKS = [("loopback", "big"), ("loopback", "small"), ("10gbit", "big"), ("1gbit", "big"),
+             ("1gbit", "small")]  # 10 Gbit/s small: in tp.txt
+TP_COLUMNS = {"1 process x 1 thread": "1 proc x 1 thr", "1 process x 2 threads": "1 proc x 2 thr",
+              "DTensor TP": "DTensor TP", "DTensor TP+SP": "DTensor TP+SP", "pyfast TP": "pyfast TP",
+              "pyfast TP+SP": "pyfast TP+SP", "pyfast TP+SP+overlap": "pyfast TP+SP+overlap"}
+
+
+def _tp_blocks(results: str) -> str:
+    """tp.json's step ms per block and variant; bold: pyfast's variant where it is the fastest
+    of the 2-rank ones."""
+    rows = ["| link / block | " + " | ".join(TP_COLUMNS.values()) + " |",
+            "|" + "---|" * (len(TP_COLUMNS) + 1)]
+    blocks = {(b["link"], b["shape"]): {r["variant"]: r.get("median_s") for r in b["rows"]}
+              for b in _load(results, "tp")["blocks"]}
+    for link, shape in TP_BLOCKS:
+        t = blocks[(link, shape)]
+        two = {v: x for v, x in t.items() if not v.startswith("1 process") and x is not None}
+        best = min(two, key=two.get)
+        cells = []
+        for v in TP_COLUMNS:
+            ms = t[v] * 1e3
+            # as read off tp.txt: one decimal, then whole ms (half up) from 100 ms
+            cell = f"{ms:.1f}" if ms < 100 else str(Decimal(f"{ms:.1f}").quantize(0, ROUND_HALF_UP))
+            cells.append(f"**{cell}**" if v == best and v.startswith("pyfast") else cell)
+        rows.append(f"| {LINK_NAMES[link]} {shape} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+TABLES = {"allreduce_1gbit": _allreduce_1gbit, "tp_blocks": _tp_blocks}  # {{table:NAME}}: a table computed from the JSON
 
 
 def _machines(results: str, names: list[str]) -> str:
