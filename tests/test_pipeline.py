@@ -242,6 +242,86 @@ def test_bad_construction_fails_on_every_rank(pool2, case, message):
     _expect_everywhere(pool2.run(bad, case, expect_errors=True, timeout=60), message)
 
 
+class _SavedBytes:
+    """Bytes of the activations the autograd graph holds, measured: every tensor saved for the
+    backward (one count per memory region, so a tensor saved twice counts once; a micro-batch
+    is its own region of the batch; parameters excluded) is live from its save until autograd
+    frees it (the saved variable's holder is garbage). `peak` is the most held at once."""
+
+    class _Held:
+        __slots__ = ("t", "__weakref__")
+
+    def __init__(self, params):
+        import weakref
+        self.weakref, self.skip = weakref, {p.untyped_storage().data_ptr() for p in params}
+        self.refs, self.live, self.peak = {}, 0, 0
+
+    def _drop(self, region):
+        n = self.refs[region]
+        if n == 1:
+            del self.refs[region]
+            self.live -= region[1]
+        else:
+            self.refs[region] = n - 1
+
+    def pack(self, t):
+        h, region = self._Held(), (t.data_ptr(), t.nbytes)
+        h.t = t.detach()  # a saved output keeps no grad_fn: no cycle through its own node
+        if t.untyped_storage().data_ptr() not in self.skip:
+            n = self.refs.get(region, 0)
+            self.live += region[1] * (n == 0)
+            self.peak = max(self.peak, self.live)
+            self.refs[region] = n + 1
+            self.weakref.finalize(h, self._drop, region)
+        return h
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda h: h.t)
+
+
+def held_activations(rank, world):
+    """Per schedule: (measured peak of activation bytes during a step of 4 micro-batches, one
+    micro-batch's bytes, what the action list claims this rank holds at most)."""
+    import gc
+
+    from pyfast.parallel import Pipeline
+    from pyfast.parallel import schedules as S
+    m, rows = 4, 8
+    out = {}
+    for schedule in ("gpipe", "1f1b", "zb-h1"):
+        peaks = []
+        for n_mb in (1, m):  # one micro-batch alone, then the step
+            pipe = Pipeline.from_sequential(model(), n_mb, schedule, F.mse_loss)
+            x, t = batch(rows * n_mb, 0)
+            saved = _SavedBytes(pipe.parameters())
+            gc.disable()  # holders die by refcount, when autograd frees them; no later sweep
+            try:
+                with saved.hooks():
+                    pipe.step(x if rank == 0 else None, t if rank == world - 1 else None)
+            finally:
+                gc.enable()
+            gc.collect()
+            peaks.append(saved.peak)
+            left = saved.live  # reported, not asserted here: a rank must not fail alone
+        out[schedule] = (peaks[1], peaks[0], S.held(S.compute_actions(schedule, rank, world, m)),
+                         left)
+    return out
+
+
+def test_activation_memory_is_what_the_schedule_claims(pool2):
+    """Measured, not counted from the action list: GPipe holds all m micro-batches' activations,
+    1F1B at most p - rank of them (2 and 1 here), ZB-H1 no more than 1F1B's peak."""
+    for rank, got in enumerate(pool2.run(held_activations)):
+        for schedule, (peak, one, claim, left) in got.items():
+            assert one > 0 and left == 0, (rank, schedule, one, left)
+            if schedule == "zb-h1":  # held until W, but after I only W's inputs stay
+                assert peak <= claim * one, (rank, schedule, peak, one, claim)
+            else:
+                assert peak == claim * one, (rank, schedule, peak, one, claim)
+        assert got["1f1b"][2] == 2 - rank and got["gpipe"][2] == 4
+        assert got["1f1b"][0] < got["gpipe"][0]
+
+
 def _expect_everywhere(results, message):
     for rank, r in enumerate(results):
         assert r != "no error", f"rank {rank} did not fail"
