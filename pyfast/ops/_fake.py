@@ -2,17 +2,17 @@
 
 Output shapes follow docs/FORMATS.md. topk_select's length is data-dependent (how many |r| >= t,
 capped by `limit`), so it is an unbacked size in [0, limit]. Imported by
-pyfast.ops._backend.cpp_status() once pyfast._C has defined the ops.
+pyfast.ops._backend.cpp_status() once pyfast._C has defined the ops; it imports nothing of
+pyfast at module level (quantize imports _backend: no import circle).
 """
 from __future__ import annotations
 
 import torch
 
-from pyfast.ops.quantize import codes_len
-
 
 @torch.library.register_fake("pyfast::quantize")
 def _quantize(x, kind, block, stochastic, seed):
+    from pyfast.ops.quantize import codes_len  # called at trace time, after ops/ is imported
     n = x.numel()
     return (x.new_empty(codes_len(n, kind), dtype=torch.uint8),
             x.new_empty(-(-n // block), dtype=torch.float32))
