@@ -85,7 +85,31 @@ def _tp_blocks(results: str) -> str:
     return "\n".join(rows)
 
 
-TABLES = {"allreduce_1gbit": _allreduce_1gbit, "tp_blocks": _tp_blocks}  # {{table:NAME}}: a table computed from the JSON
+def _pipeline_2_ranks(results: str) -> str:
+    """pipeline.json's 2-rank large-model run: each schedule's step and its speed-up over one
+    process stepping the same 8 micro-batches on one thread."""
+    run = next(r for r in _load(results, "pipeline")["runs"] if r["world"] == 2 and r["model"] == "large")
+    by = {r["provider"]: r for r in run["rows"]}
+    one = by["1 process, 8 micro-batches, 1 thread"]["median_s"]
+
+    def line(label, names, speedup=True):
+        ms = " / ".join(f"{by[n]['median_s'] * 1e3:.1f}" for n in names)
+        x = " / ".join(f"{by[n]['vs_micro_1t']:.2f}x" for n in names) + " " if speedup else ""
+        return f"| {label} | {ms} | {x}|"
+    return "\n".join([
+        f"| provider | step ms | vs 1 process, 1 thread, 8 micro-batches ({one * 1e3:.1f} ms) |",
+        "|---|---|---|",
+        line("pyfast gpipe / 1f1b / interleaved-1f1b / zb-h1",
+             ["pyfast gpipe", "pyfast 1f1b", "pyfast interleaved-1f1b", "pyfast zb-h1"]),
+        line("torch ScheduleGPipe / 1F1B / Interleaved1F1B / InterleavedZeroBubble",
+             ["torch ScheduleGPipe", "torch Schedule1F1B", "torch ScheduleInterleaved1F1B",
+              "torch ScheduleInterleavedZeroBubble"]),
+        line("1 process, 2 threads, 8 micro-batches / whole batch",
+             ["1 process, 8 micro-batches, 2 threads", "1 process, whole batch, 2 threads"], False)])
+
+
+TABLES = {"allreduce_1gbit": _allreduce_1gbit, "tp_blocks": _tp_blocks,
+          "pipeline_2_ranks": _pipeline_2_ranks}  # {{table:NAME}}: a table computed from the JSON
 
 
 def _machines(results: str, names: list[str]) -> str:
