@@ -108,8 +108,22 @@ def _pipeline_2_ranks(results: str) -> str:
              ["1 process, 8 micro-batches, 2 threads", "1 process, whole batch, 2 threads"], False)])
 
 
+def _dp_semantics(results: str) -> str:
+    """dp_semantics.json and dp_semantics_b.json (two runs) side by side: run 1 / run 2."""
+    a, b = (_load(results, n)["rows"] for n in ("dp_semantics", "dp_semantics_b"))
+    rows = ["| compressor | bare ms | semantics | default (`skip`) | parts timed alone / bare step |",
+            "|---|---|---|---|---|"]
+    for spec in a:
+        def pair(fmt, key, scale=100):
+            return " / ".join(fmt % (scale * r[spec][key]) for r in (a, b))
+        rows.append(f"| {spec} (native engine) | {pair('%.1f', 'bare', 1e3)} | "
+                    f"{pair('%+.1f%%', 'semantics_cost')} | {pair('%+.1f%%', 'default_cost')} | "
+                    f"{pair('%.2f%%', 'parts_cost')} |")
+    return "\n".join(rows)
+
+
 TABLES = {"allreduce_1gbit": _allreduce_1gbit, "tp_blocks": _tp_blocks,
-          "pipeline_2_ranks": _pipeline_2_ranks}  # {{table:NAME}}: a table computed from the JSON
+          "pipeline_2_ranks": _pipeline_2_ranks, "dp_semantics": _dp_semantics}  # {{table:NAME}}: a table computed from the JSON
 
 
 def _machines(results: str, names: list[str]) -> str:
