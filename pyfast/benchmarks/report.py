@@ -122,7 +122,29 @@ def _dp_semantics(results: str) -> str:
     return "\n".join(rows)
 
 
-TABLES = {"allreduce_1gbit": _allreduce_1gbit, "tp_blocks": _tp_blocks,
+def _compress_cpp(results: str) -> str:
+    """compress.json's C++ rows: round trip into a new tensor vs compress + decode into a buffer
+    (`accumulate_s`), each against the copy roof measured in the same run."""
+    res = _load(results, "compress")
+    rows = [f"Copy roof (y.copy_(x), read+write) {res['copy_GBps']:.1f} GB/s; "
+            f"`torch.topk(|x|, 1%)` {res['torch_topk_s'] * 1e3:.0f} ms.", "",
+            "| spec | wire x | rel err | C++ compress + decompress (new tensor) | % of copy | "
+            "compress + decode into buffer | % of copy | vs torch reference |",
+            "|---|---|---|---|---|---|---|---|"]
+    cpp = {r["spec"]: r for r in res["rows"] if r.get("backend") == "cpp"}
+    for spec in ("int8", "int4", "fp8", "sign", "topk:0.01"):
+        r = cpp[spec]
+        into = (f"{(r['compress_s'] + r['accumulate_s']) * 1e3:.1f} ms | "
+                f"{100 * r['buffer_roof_fraction']:.0f}%" if "accumulate_s" in r else "- | -")
+        vs = f"{r['speedup_vs_torch']:.1f}x" + (f" ({r['speedup_vs_torch_topk']:.0f}x torch.topk)"
+                                                if "speedup_vs_torch_topk" in r else "")
+        rows.append(f"| {spec} | {r['wire_ratio']:.1f} | {r['rel_error']:.4f} | "
+                    f"{(r['compress_s'] + r['decompress_s']) * 1e3:.1f} ms | "
+                    f"{100 * r['roof_fraction']:.0f}% | {into} | {vs} |")
+    return "\n".join(rows)
+
+
+TABLES = {"compress_cpp": _compress_cpp, "allreduce_1gbit": _allreduce_1gbit, "tp_blocks": _tp_blocks,
           "pipeline_2_ranks": _pipeline_2_ranks, "dp_semantics": _dp_semantics}  # {{table:NAME}}: a table computed from the JSON
 
 
