@@ -144,7 +144,37 @@ def _compress_cpp(results: str) -> str:
     return "\n".join(rows)
 
 
-TABLES = {"compress_cpp": _compress_cpp, "allreduce_1gbit": _allreduce_1gbit, "tp_blocks": _tp_blocks,
+TRAIN_ROWS = [  # (link, pyfast config, its torch peer, label)
+    ("loopback", "pyfast dp2", "torch DDP", "pyfast dp2 / torch DDP"),
+    ("loopback", "pyfast tp2", "torch DTensor TP", "pyfast tp2 / DTensor TP"),
+    ("loopback", "pyfast pp2", "torch pipelining", "pyfast pp2 (1f1b, 4 mb) / pipelining"),
+    ("1gbit", "pyfast dp2", "torch DDP", "pyfast dp2 / torch DDP"),
+    ("1gbit", "pyfast dp2+int8", "torch DDP+bf16 hook", "pyfast dp2+int8 / DDP+bf16 hook"),
+    ("1gbit", "pyfast tp2", "torch DTensor TP", "pyfast tp2 / DTensor TP"),
+    ("1gbit", "pyfast pp2", "torch pipelining", "pyfast pp2 / pipelining")]
+
+
+def _train(results: str) -> str:
+    """train.json (global batch 8): pyfast's step beside its torch peer's; bold where faster.
+    A pipeline's exposed communication is mostly its bubble."""
+    from pyfast import perf
+    by = {(r["link"], r["config"]): r for r in _load(results, "train")["rows"] if "config" in r}
+    ms = lambda r: f"{perf.stat(r, 'median_s') * 1e3:.0f}"  # noqa: E731
+    rows = ["| link | config (global batch 8) | step ms | vs torch peer | exposed comm ms | MB sent/step |",
+            "|---|---|---|---|---|---|",
+            f"| loopback | 1 process x 1 / x 2 threads | {ms(by[('loopback', '1proc x 1thr')])} / "
+            f"{ms(by[('loopback', '1proc x 2thr')])} | | | |"]
+    for link, mine, peer, label in TRAIN_ROWS:
+        r, p = by[(link, mine)], by[(link, peer)]
+        vs = f"{r['vs_peer']:.2f}x"
+        comm = f"{r['exposed_comm_ms']:.0f}" + (" (bubble)" if "pp" in mine else "")
+        rows.append(f"| {LINK_NAMES[link]} | {label} | {ms(r)} / {ms(p)} | "
+                    f"{f'**{vs}**' if r['vs_peer'] > 1 else vs} | {comm} | "
+                    f"{r['bytes_sent'] / 1e6:.1f} |")
+    return "\n".join(rows)
+
+
+TABLES = {"train": _train, "compress_cpp": _compress_cpp, "allreduce_1gbit": _allreduce_1gbit, "tp_blocks": _tp_blocks,
           "pipeline_2_ranks": _pipeline_2_ranks, "dp_semantics": _dp_semantics}  # {{table:NAME}}: a table computed from the JSON
 
 
