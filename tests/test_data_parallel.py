@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dist_utils import run_ranks
+from dist_utils import RankPool, run_ranks
 
 STEPS, BATCH, DIN = 60, 32, 24
 
@@ -101,10 +101,18 @@ def _all_cases(rank, world):
     return out
 
 
-@pytest.mark.parametrize("world", [2])
-def test_training_matches_reference(world):
+@pytest.fixture(scope="module")
+def pool2():
+    """Two ranks spawned once for the cases that leave their group in step (a spawn costs ~2 s
+    a rank here)."""
+    with RankPool(2) as p:
+        yield p
+
+
+def test_training_matches_reference(pool2):
+    world = pool2.world_size
     ref_model, ref_loss = reference(world)
-    out = run_ranks(_all_cases, world)
+    out = pool2.run(_all_cases)
     for kind, spec, opts in CASES:
         key = (kind, spec, tuple(opts))
         ranks = [o[key] for o in out]
@@ -153,9 +161,9 @@ def _no_sync(rank, world):
     return out
 
 
-def test_no_sync_equals_larger_batch():
-    world = 2
-    out = run_ranks(_no_sync, world)
+def test_no_sync_equals_larger_batch(pool2):
+    world = pool2.world_size
+    out = pool2.run(_no_sync)
     m = model()
     for s in range(3):
         for r in range(world):
@@ -201,8 +209,8 @@ def _bad_inputs(rank, world):
 BAD_CASES = [("int8", "native"), ("int8", "python"), ("topk:0.1", "auto")]
 
 
-def test_bad_inputs_fail_the_same_way_everywhere():
-    out = run_ranks(_bad_inputs, 2)
+def test_bad_inputs_fail_the_same_way_everywhere(pool2):
+    out = pool2.run(_bad_inputs)
     for r in range(2):
         assert "differ across ranks" in out[r]["layout"] and "rank 1" in out[r]["layout"]
         for case in BAD_CASES:
@@ -231,8 +239,8 @@ def _state(rank, world):
     return {"n": len(mem), "same": same, "wrong": wrong}
 
 
-def test_compression_state_round_trip():
-    out = run_ranks(_state, 2)
+def test_compression_state_round_trip(pool2):
+    out = pool2.run(_state)
     assert out[0]["n"] > 0 and out[0]["same"]
     assert "topk:0.1" in out[0]["wrong"] and "int8" in out[0]["wrong"]
 
