@@ -174,7 +174,40 @@ def _train(results: str) -> str:
     return "\n".join(rows)
 
 
-TABLES = {"train": _train, "compress_cpp": _compress_cpp, "allreduce_1gbit": _allreduce_1gbit, "tp_blocks": _tp_blocks,
+DP_TARGETS = {("1gbit", "pyfast:int8"), ("1gbit", "pyfast:topk:0.01"), ("loopback", "pyfast:auto")}
+DP_OMIT = {("loopback", "pyfast:int8@python")}  # in dp.txt
+
+
+def _dp_label(r: dict) -> str:
+    cfg = r["config"]
+    if cfg.endswith("@python"):
+        return cfg[:-len("@python")] + " (python engine)"
+    if cfg.startswith("pyfast:topk"):
+        return f"{cfg} + EF ({r['engine']})"
+    if "auto_choice" in r:
+        c = r["auto_choice"]
+        return f"{cfg} (" + (f"picked {c[0]} x{len(c)}" if len(set(c)) == 1 else ", ".join(c)) + ")"
+    return cfg + (f" ({r['engine']})" if "engine" in r else "")
+
+
+def _dp(results: str) -> str:
+    """dp.json: every config's step beside DDP+fp16's; bold: the rows the targets are about."""
+    from pyfast import perf
+    rows = ["| link | config | step ms | vs DDP+fp16 | compute ms | comm ms | "
+            "step / max(comp, comm) | step / bound |", "|---|---|---|---|---|---|---|---|"]
+    for r in _load(results, "dp")["rows"]:
+        key = (r["link"], r["config"])
+        if key in DP_OMIT or "skipped" in r:
+            continue
+        vs = f"{r['vs_ddp_fp16']:.2f}x"
+        extra = (f" {r['compute'] * 1e3:.0f} | {r['comm'] * 1e3:.0f} | {r['overlap_ratio']:.2f} | "
+                 f"{r['bound_ratio']:.2f} |" if "compute" in r else " | | | |")
+        rows.append(f"| {r['link']} | {_dp_label(r)} | {perf.stat(r, 'median_s') * 1e3:.0f} | "
+                    f"{f'**{vs}**' if key in DP_TARGETS else vs} |{extra}")
+    return "\n".join(rows)
+
+
+TABLES = {"dp": _dp, "train": _train, "compress_cpp": _compress_cpp, "allreduce_1gbit": _allreduce_1gbit, "tp_blocks": _tp_blocks,
           "pipeline_2_ranks": _pipeline_2_ranks, "dp_semantics": _dp_semantics}  # {{table:NAME}}: a table computed from the JSON
 
 
