@@ -45,3 +45,19 @@ def test_tables_are_computed_from_the_json(tmp_path):
     lines = report.render(str(tmp_path), str(tpl)).splitlines()
     assert lines[2:] == ["| 2 | int8 | allgather | 273 | 271 | 99% | 3.94x | 2.00x |",
                          "| 2 | int8 | allgather | 500 | 271 | 99% | 3.94x | 2.00x |"]
+
+
+def test_readme_headline_numbers_are_on_the_page():
+    """Every number in the README's headline table is one docs/benchmarks.md states."""
+    import re
+    root = os.path.dirname(report.OUT)
+    with open(os.path.join(root, "..", "README.md")) as f:
+        readme = f.read()
+    with open(report.OUT) as f:
+        page = f.read()
+    table = readme.split("## Headline numbers", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[2] for line in table.splitlines() if line.startswith("| ")][1:]
+    assert len(rows) >= 5
+    for result in rows:
+        for number in re.findall(r"\d+\.\d+|\d+", result):
+            assert number in page, (number, result)
