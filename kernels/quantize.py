@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pyfast.ops.quantize import FORMATS, codes_len, scales_len
+from pyfast.kernels.formats import FORMATS, codes_len, scales_len
 
 TILE = 4096  # elements per program: 16 per thread at 8 warps; 245 programs per 1M elements
 NUM_WARPS = 8

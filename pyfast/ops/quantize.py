@@ -5,26 +5,14 @@ dispatching entry points. Kernels: kernels/quantize.py (Triton), csrc/quantize.c
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
+# the format table lives in the bottom layer (kernels/formats.py), re-exported here
+from pyfast.kernels.formats import (FORMATS, MAX_BLOCK, MIN_BLOCK, Format,  # noqa: F401
+                                    codes_len, scales_len)
 from pyfast.ops._backend import resolve
 
-
-
-class Format(NamedTuple):
-    id: int             # the kernels' kind number (csrc/format.h's Quant)
-    qmax: float | None  # largest code magnitude; sign has none (its scale is mean |x|)
-    per_byte: int       # elements per code byte
-
-
-# The format table for Python and Triton (kernels/quantize.py); csrc/format.h is the same for
-# C++ and CUDA. Wire image: fp32[scales_len] scales, then uint8[codes_len] codes.
-FORMATS = {"int8": Format(0, 127.0, 1), "int4": Format(1, 7.0, 2), "fp8": Format(2, 448.0, 1),
-           "sign": Format(3, None, 8)}
 KINDS = {kind: f.qmax for kind, f in FORMATS.items()}  # kind -> qmax
-MIN_BLOCK, MAX_BLOCK = 32, 65536  # block sizes: powers of two in this range
 # Default block: 512 elements. Measured on this 2-core machine, 16M-element heavy-tailed
 # gradient (bench/results/block_size.txt): scales cost 0.8% of int8's wire and 1.6% of int4's
 # at 512 against 3.1% / 6.3% at 128, for a relative error 30% higher (int8 0.0163 vs 0.0125;
@@ -32,14 +20,6 @@ MIN_BLOCK, MAX_BLOCK = 32, 65536  # block sizes: powers of two in this range
 # On bandwidth-bound links the wire wins; error feedback absorbs the rest.
 DEFAULT_BLOCK = 512
 _MAGIC = 12582912.0  # 1.5 * 2**23: (y + M) - M rounds fp32 y to nearest-even for |y| < 2**22
-
-
-def codes_len(n: int, kind: str) -> int:
-    return -(-n // FORMATS[kind].per_byte)
-
-
-def scales_len(n: int, block: int) -> int:
-    return -(-n // block)
 
 
 def check_args(x: torch.Tensor, kind: str, block: int) -> None:
