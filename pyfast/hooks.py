@@ -178,5 +178,5 @@ def compression_hook(state: CompressionState,
         flags = torch.tensor([float(p.bad) for p in pending], device=buf.device)
         side = all_reduce(flags, None, state._group, op="sum", async_op=True,
                           name="sideband")
-        side._fut.add_done_callback(lambda _: _complete(state, side, pending))
+        side.future.add_done_callback(lambda _: _complete(state, side, pending))
     return fut

@@ -1,12 +1,14 @@
 """The compressor -> comm contract: the collectives choose from what a compressor declares
 (base.Compressor's algorithm, block, per_tensor, lossy, native_kind, wire_bytes, decode_add,
-base / feedback), never from its type."""
+base / feedback), never from its type; NaN/Inf are a NonFiniteGradient raised where found; one
+Handle for asynchronous work."""
 import pytest
 import torch
 
+import pyfast.comm as comm
 import pyfast.compress as C
 from pyfast.comm import engine as E
-from pyfast.comm.collectives import choose
+from pyfast.comm.collectives import Handle, choose
 from pyfast.compress.base import Compressor, Payload
 
 TABLE = {  # spec: (algorithm, per_tensor, lossy, native_kind, block)
@@ -67,3 +69,48 @@ def test_choose_reads_declarations():
     out = torch.ones(6)
     C.get("topk:0.5").decode_add(C.get("topk:0.5").compress(torch.arange(6.0)), out)
     assert out.tolist() == [1, 1, 1, 4, 5, 6]
+
+
+def test_nonfinite_raised_by_the_compressor():
+    assert comm.NonFiniteGradient is C.NonFiniteGradient
+    assert issubclass(C.NonFiniteGradient, ValueError)
+    x = torch.randn(100)
+    x[3] = float("nan")
+    for spec in ("topk:0.1", "randomk:0.1"):
+        with pytest.raises(C.NonFiniteGradient, match="NaN/Inf"):
+            C.get(spec).compress(x, "a")
+    with pytest.raises(C.NonFiniteGradient):
+        C.wrap(C.get("topk:0.1")).compress(x, "a")
+    with pytest.raises(TypeError):  # other refusals keep their type
+        C.get("topk:0.1").compress(torch.zeros(4, dtype=torch.int32))
+
+
+def test_one_handle():
+    import pyfast.comm.sharded as S
+    import pyfast.parallel.data as D
+    assert isinstance(E.Handle(None, 0, None, "x"), Handle) and not hasattr(D, "_All")
+    assert S.Handle is Handle
+    calls = []
+
+    def join(timeout):
+        calls.append(timeout)
+        return "r", 0.5
+    h = Handle(join, lambda: 0.25)
+    assert h.seconds == 0.25 and not h.is_completed()
+    assert h.wait() == "r" and h.wait() == "r" and calls == [None]
+    assert h.seconds == 0.5 and h.is_completed()
+
+    def boom(timeout):
+        raise RuntimeError("x")
+    bad = Handle(boom)
+    both = Handle.of_all([h, bad])
+    with pytest.raises(RuntimeError):
+        both.wait()
+    with pytest.raises(RuntimeError):
+        bad.wait()  # the same error again, the work is not re-run
+    import math
+    assert math.isnan(bad.seconds)
+    assert Handle.of_all([h, h]).wait() == ["r", "r"]
+    assert Handle.of_all([h, h]).seconds == 1.0
+    f = Handle.on_worker(lambda a: a + 1, 41)
+    assert f.wait(5) == 42 and f.seconds >= 0 and f.is_completed()

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import torch
@@ -38,15 +38,12 @@ import torch.distributed as dist
 import pyfast.compress as C
 from pyfast.comm import pipelined as P
 from pyfast.comm.failure import naming
+from pyfast.compress.base import NonFiniteGradient  # the compressors raise it; re-exported
 
 # Below 256 KB of compressed payload the second compression and the extra round of two-phase
 # cost more than the (W-2)/W bytes they save (latency-bound regime).
 ALLGATHER_MAX_BYTES = 256 * 1024
 OPS = ("sum", "avg")
-
-
-class NonFiniteGradient(ValueError):
-    """NaN/Inf reached a compressed collective; raised identically on every rank."""
 
 
 def _world(group) -> tuple[int, int]:
@@ -141,9 +138,7 @@ def _gather_checked(x: torch.Tensor, c, group, name: str) -> list[torch.Tensor]:
     flag = 0
     try:
         buf = _bytes(c, x, name)
-    except ValueError as e:  # top-k refuses NaN/Inf: tell every rank before anyone raises
-        if "NaN/Inf" not in str(e):
-            raise
+    except NonFiniteGradient:  # top-k refuses NaN/Inf: tell every rank before anyone raises
         buf, flag = torch.empty(0, dtype=torch.uint8, device=x.device), 1
     gathered, flags = _all_gather_var(buf, group, flag)
     if any(flags):
@@ -298,28 +293,74 @@ _HELPERS = SimpleNamespace(decode_add=_decode_add, to_bytes=_bytes, chunks=_chun
                            gather_checked=_gather_checked)
 
 
-class _Handle:
-    """Async result: wait() returns the tensor; `seconds` is how long the reduction itself took
-    on the communication thread (what compressor="auto" measures)."""
+class Handle:
+    """Asynchronous work, whoever runs it (this module's FIFO worker, the native engine, several
+    handles at once): wait() blocks until the work is done and returns its result, or raises its
+    error (the same one at every call); `seconds` is how long the work itself took where it ran
+    (what compressor="auto" measures), NaN while unknown or if it failed.
 
-    def __init__(self):
-        self._fut: Future = Future()
-        self.seconds = float("nan")
+    `join(timeout)` blocks and returns (result, seconds), raising the work's error (a timeout
+    raises TimeoutError and leaves the work pending); `progress()` is `seconds` before join
+    returned, and `done()` whether the work has finished."""
 
-    def _run(self, *args):
-        t0 = time.perf_counter()
-        try:
-            out = _reduce(*args)
-            self.seconds = time.perf_counter() - t0
-            self._fut.set_result(out)
-        except BaseException as e:  # surfaced by wait(), on the caller's thread
-            self._fut.set_exception(e)
+    def __init__(self, join, progress=None, done=None):
+        self._join, self._progress, self._done = join, progress, done
+        self._out: tuple | None = None
+        self._error: BaseException | None = None
 
     def wait(self, timeout: float | None = None):
-        return self._fut.result(timeout)
+        if self._error is not None:
+            raise self._error
+        if self._out is None:
+            try:
+                self._out = self._join(timeout)
+            except TimeoutError:
+                raise
+            except BaseException as e:  # surfaced here, on the caller's thread
+                self._error = e
+                raise
+        return self._out[0]
+
+    @property
+    def seconds(self) -> float:
+        if self._out is not None:
+            return self._out[1]
+        if self._error is None and self._progress is not None:
+            return self._progress()
+        return float("nan")
 
     def is_completed(self) -> bool:
-        return self._fut.done()
+        if self._out is not None or self._error is not None:
+            return True
+        return bool(self._done and self._done())
+
+    @classmethod
+    def on_worker(cls, fn, *args) -> "Handle":
+        """fn(*args) on the FIFO communication thread, timed there."""
+        took: list[float] = []
+
+        def timed():
+            t0 = time.perf_counter()
+            result = fn(*args)
+            took.append(time.perf_counter() - t0)
+            return result
+        fut = _executor().submit(timed)
+        h = cls(lambda timeout: (fut.result(timeout), took[0]),
+                lambda: took[0] if took else float("nan"), fut.done)
+        h.future = fut  # add_done_callback: run something on the worker once it is done
+        return h
+
+    @classmethod
+    def of_all(cls, handles) -> "Handle":
+        """One handle for several: wait() waits for every one (wait_all) and returns their
+        results; `seconds` is their sum (they ran one after another)."""
+        handles = list(handles)
+
+        def join(timeout):
+            wait_all(handles)
+            return [h.wait() for h in handles], sum(h.seconds for h in handles)
+        return cls(join, lambda: sum(h.seconds for h in handles),
+                   lambda: all(h.is_completed() for h in handles))
 
 
 def all_reduce(t: torch.Tensor, compressor=None, group=None, op: str = "sum",
@@ -336,9 +377,7 @@ def all_reduce(t: torch.Tensor, compressor=None, group=None, op: str = "sum",
     check_backend(t.device, group, f"all_reduce of {_label(name, t)}")
     if not async_op:
         return _reduce(t, c, group, op, name, algorithm)
-    h = _Handle()
-    _executor().submit(h._run, t, c, group, op, name, algorithm)
-    return h
+    return Handle.on_worker(_reduce, t, c, group, op, name, algorithm)
 
 
 _EXEC: ThreadPoolExecutor | None = None

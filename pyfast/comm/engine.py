@@ -42,6 +42,7 @@ import torch.distributed as dist
 import pyfast.compress as C
 from pyfast.comm import pipelined as P
 from pyfast.comm.failure import naming, new_group_like
+from pyfast.comm.collectives import Handle as AsyncHandle
 from pyfast.comm.collectives import OPS, _chunks, check_backend, choose, fast_path
 
 
@@ -51,33 +52,18 @@ def _kind(c: C.Compressor) -> str | None:
     return c.native_kind
 
 
-class Handle:
-    """wait() returns the reduced tensor (raises what the worker raised, as a CommError naming
-    `what` if the backend failed); `seconds` is the time the job took on the engine's thread
-    (NaN until it is done)."""
+def Handle(engine, job: int, t: torch.Tensor, what: str) -> AsyncHandle:  # noqa: N802
+    """The handle of an engine job, a collectives.Handle (the one type of asynchronous work;
+    this factory keeps the engine's old constructor): wait() returns t once the job is done
+    (raises what the worker raised, as a CommError naming `what` if the backend failed);
+    `seconds` is the time the job took on the engine's thread (NaN until it is done)."""
 
-    def __init__(self, engine, job: int, t: torch.Tensor, what: str):
-        self._engine, self._job, self._t, self._what = engine, job, t, what
-        self._seconds: float | None = None
-        self._error: BaseException | None = None
-
-    def wait(self) -> torch.Tensor:
-        if self._error is not None:
-            raise self._error
-        if self._seconds is None:
-            try:
-                with naming(self._what):
-                    self._seconds = self._engine.wait(self._job)  # releases the GIL
-            except BaseException as e:
-                self._error = e
-                raise
-        return self._t
-
-    @property
-    def seconds(self) -> float:
-        if self._seconds is not None:
-            return self._seconds
-        return float("nan") if self._error is not None else self._engine.seconds(self._job)
+    def join(timeout):
+        if timeout is not None:
+            raise ValueError("the native engine's handles wait without a timeout")
+        with naming(what):
+            return t, engine.wait(job)  # releases the GIL
+    return AsyncHandle(join, lambda: engine.seconds(job))
 
 
 def private_group(group=None, timeout=None):
@@ -141,14 +127,15 @@ class NativeEngine:
     def supports(compressor) -> bool:
         return _kind(C.get(compressor)) is not None
 
-    def all_gather_into(self, out: torch.Tensor, x: torch.Tensor) -> Handle:
+    def all_gather_into(self, out: torch.Tensor, x: torch.Tensor) -> AsyncHandle:
         """Queue out <- every rank's x in rank order (dist.all_gather_into_tensor): contiguous
         float32 on one device, out.numel() == world * x.numel(). wait() returns out."""
         what = f"all_gather_into of {x.numel()} elements on the native engine"
         self._check(x.device, what)
         return Handle(self._engine, self._engine.submit_all_gather(out, x), out, what)
 
-    def reduce_scatter_into(self, out: torch.Tensor, x: torch.Tensor, op: str = "sum") -> Handle:
+    def reduce_scatter_into(self, out: torch.Tensor, x: torch.Tensor,
+                            op: str = "sum") -> AsyncHandle:
         """Queue out <- part `rank` (of world equal parts) of x_0 + x_1 + ... added in rank order
         in fp32, divided by world for op="avg": contiguous float32 on one device, x.numel() ==
         world * out.numel(). Bitwise independent of the backend's reduction order. wait()
@@ -161,7 +148,7 @@ class NativeEngine:
                       what)
 
     def all_reduce(self, t: torch.Tensor, compressor=None, op: str = "sum", name: str = "",
-                   algorithm: str | None = None) -> Handle:
+                   algorithm: str | None = None) -> AsyncHandle:
         """Queue the reduction of t (contiguous float32, CPU or CUDA) in place; same meaning of the
         arguments as pyfast.comm.all_reduce. t and the compressor's error-feedback memory
         belong to the engine until the handle's wait() returns."""

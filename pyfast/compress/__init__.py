@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from pyfast.compress.base import Compressor, Payload
+from pyfast.compress.base import Compressor, NonFiniteGradient, Payload
 from pyfast.compress.cast import Cast, NoCompression
 from pyfast.compress.feedback import ErrorFeedback, WithFeedback, wrap
 from pyfast.compress.powersgd import PowerSGD
@@ -69,5 +69,5 @@ def get(spec: str | Compressor | None, **options) -> Compressor:
         raise ValueError(f"bad options {options} for {spec!r}: {e}") from None
 
 
-__all__ = ["get", "wrap", "PowerSGD", "Compressor", "Payload", "ErrorFeedback", "WithFeedback",
-           "REGISTRY", "VALID"]
+__all__ = ["get", "wrap", "NonFiniteGradient", "PowerSGD", "Compressor", "Payload",
+           "ErrorFeedback", "WithFeedback", "REGISTRY", "VALID"]

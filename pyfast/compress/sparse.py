@@ -5,8 +5,8 @@ import math
 
 import torch
 
-from pyfast.compress.base import (Compressor, Payload, StepCounter, aligned, check_float, check_out,
-                                  derive_seed, fill, flat)
+from pyfast.compress.base import (Compressor, NonFiniteGradient, Payload, StepCounter, aligned,
+                                  check_float, check_out, derive_seed, fill, flat)
 from pyfast.ops import topk as T
 
 
@@ -29,22 +29,29 @@ class TopK(Compressor):
 
     Bound: the sent entries are exact, the rest 0; no dropped entry is larger in magnitude than
     a sent one; ceil(k/2) <= sent <= floor(3k/2) for k = max(1, round(R n)). NaN/Inf raise
-    ValueError ("NaN/Inf"): kept or dropped, they would vanish into a value or the feedback."""
+    NonFiniteGradient (a ValueError): kept or dropped, they would vanish into a value or the
+    feedback."""
     algorithm, per_tensor = "sparse-allgather", True
 
     def __init__(self, ratio: float):
         self.ratio = ratio
         self.spec = f"topk:{ratio:g}"
 
-    def compress(self, x, name=""):
+    def _select(self, x, ef=None):
         check_float(x, self.spec)
-        values, idx = T.topk(x, self.ratio)
+        T._check(x, ef)  # the arguments' errors first: what topk raises after is NaN/Inf
+        try:
+            # with ef, fused: ef <- (x + ef) - sent, one pass
+            values, idx = T.topk(x, self.ratio, ef)
+        except ValueError as e:  # ops/topk.py says NaN/Inf with a ValueError
+            raise NonFiniteGradient(str(e)) from None
         return Payload({"indices": idx, "values": values}, x.shape, x.dtype, header_bytes=4)
 
+    def compress(self, x, name=""):
+        return self._select(x)
+
     def compress_with_feedback(self, x, ef, name=""):
-        check_float(x, self.spec)
-        values, idx = T.topk(x, self.ratio, ef)  # fused: ef <- (x + ef) - sent, one pass
-        return Payload({"indices": idx, "values": values}, x.shape, x.dtype, header_bytes=4)
+        return self._select(x, ef)
 
     def decompress(self, p, out=None):
         return _scatter(p, p.tensors["indices"], out)
@@ -80,7 +87,7 @@ class RandomK(Compressor):
     ones (about k(1 - R/2) of them): O(k) work instead of a permutation of all n.
 
     Bound: y_i is x_i exactly at the drawn indices, 0 elsewhere. NaN/Inf anywhere raise
-    ValueError ("NaN/Inf"): a random subset would drop them silently."""
+    NonFiniteGradient (a ValueError): a random subset would drop them silently."""
     algorithm = "shared-index"
 
     def __init__(self, ratio: float, seed: int = 0):
@@ -103,7 +110,7 @@ class RandomK(Compressor):
         check_float(x, self.spec)
         # a sum (2.2 ms on 16M) is finite iff... almost: only when it is not, look closer (59 ms)
         if x.numel() and not math.isfinite(float(x.sum())) and not torch.isfinite(x).all():
-            raise ValueError(f"{self.spec}: input has NaN/Inf values (gradient overflow?); "
+            raise NonFiniteGradient(f"{self.spec}: input has NaN/Inf values (gradient overflow?); "
                              "a random subset would drop them silently")
         seed = derive_seed(self.seed, name, self._steps.next(name))
         idx = self.indices(x.numel(), seed, x.device)

@@ -18,7 +18,7 @@ from torch import nn
 import pyfast.compress as C
 from pyfast.comm import NonFiniteGradient, all_reduce
 from pyfast.comm import engine as E
-from pyfast.comm.collectives import all_finite, wait_all
+from pyfast.comm.collectives import Handle, all_finite
 from pyfast.comm.auto import CANDIDATES as AUTO_CANDIDATES, AutoSelector
 from pyfast.comm.buckets import Bucketer
 from pyfast.comm.failure import Breaker, new_group_like
@@ -237,7 +237,7 @@ class DataParallel(nn.Module):
             handles = [all_reduce(bucket.flat[o: o + p.numel()].view(p.shape), c, self._comm,
                                   op="avg", async_op=True, name=f"{bucket.name}.{n}")
                        for p, n, o in zip(bucket.params, bucket.names, bucket.offsets)]
-            return _All(handles)
+            return Handle.of_all(handles)
         return all_reduce(bucket.flat, c, self._comm, op="avg", async_op=True, name=bucket.name)
 
     def close(self) -> None:
@@ -377,14 +377,6 @@ class DataParallel(nn.Module):
                                                    state["step"], list(state["t16"]))
         for s, st in state["state"].items():
             sel.made[s].load_state_dict(st)
-
-
-class _All:
-    def __init__(self, handles):
-        self.handles = handles
-
-    def wait(self):
-        wait_all(self.handles)
 
 
 class DataParallelNaive(nn.Module):
