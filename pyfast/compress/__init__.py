@@ -1,6 +1,6 @@
 """Gradient compressors. `get(spec)` parses a spec; the registry is a dict.
 
-Specs: none, fp16, bf16, fp8, int8, int4, sign, topk:R, randomk:R, powersgd:RANK.
+Specs: none, fp16, bf16, fp8, int8, int4, sign, ternary, topk:R, randomk:R, powersgd:RANK.
 """
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from pyfast.compress.feedback import ErrorFeedback, WithFeedback, wrap
 from pyfast.compress.powersgd import PowerSGD
 from pyfast.compress.quant import Quantizer
 from pyfast.compress.sparse import RandomK, TopK
+from pyfast.compress.ternary import Ternary
 
-VALID = ("none, fp16, bf16, fp8, int8, int4, sign, topk:R, randomk:R, powersgd:RANK "
+VALID = ("none, fp16, bf16, fp8, int8, int4, sign, ternary, topk:R, randomk:R, powersgd:RANK "
          "(R a fraction in (0, 1], RANK an integer >= 1)")
 
 
@@ -42,6 +43,7 @@ REGISTRY = {
     "int8": (False, lambda _, **o: Quantizer("int8", **o)),
     "int4": (False, lambda _, **o: Quantizer("int4", **o)),
     "sign": (False, lambda _, **o: Quantizer("sign", **o)),
+    "ternary": (False, lambda _, **o: Ternary(**o)),
     "topk": (True, lambda a, **o: TopK(_ratio(a), **o)),
     "randomk": (True, lambda a, **o: RandomK(_ratio(a), **o)),
     "powersgd": (True, lambda a, **o: PowerSGD(_rank(a), **o)),
