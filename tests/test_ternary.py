@@ -121,3 +121,11 @@ def test_all_reduce_and_data_parallel_two_ranks():
                     c = C.get("ternary")
                     ref += c.decompress(c.compress(x, f"g{n}")).to(torch.float32)
                 assert torch.equal(got, ref)
+
+
+def test_a_backend_asked_for_without_a_ternary_kernel_raises():
+    from pyfast.ops import ternary
+    from pyfast.ops._backend import BackendUnavailable
+    x = torch.randn(1000)
+    with pytest.raises(BackendUnavailable, match="no Triton kernel"):
+        ternary.encode(x, backend="triton")

@@ -11,9 +11,11 @@ Decode: y = c * s in fp32 (a NaN scale decodes to NaN throughout), rounded once 
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
-from pyfast.ops._backend import _warn_fallback, resolve
+from pyfast.ops._backend import BackendUnavailable, _warn_fallback, resolve
 from pyfast.ops.quantize import uniform_ref
 
 DEFAULT_BLOCK = 512
@@ -61,13 +63,22 @@ def decode_ref(codes: torch.Tensor, scales: torch.Tensor, n: int, block: int,
 
 
 def _backend(device: torch.device, backend: str | None) -> str:
+    """cpp on CPU; the reference elsewhere (no Triton kernel). A backend asked for by name
+    (argument or PYFAST_BACKEND) that has no ternary kernel raises: no silent fallback."""
+    asked = (backend or os.environ.get("PYFAST_BACKEND") or "auto") != "auto"
     b = resolve(device, backend)
+    missing = None
     if b == "cpp" and not torch._C._dispatch_has_kernel_for_dispatch_key(
             "pyfast::ternary_encode", "CPU"):
-        _warn_fallback(device.type, "pyfast._C has no ternary kernel (built before "
-                       "csrc/ternary.cpp: run `make install`)")
+        missing = "pyfast._C has no ternary kernel (built before csrc/ternary.cpp: run `make install`)"
+    elif b == "triton":
+        missing = "ternary has no Triton kernel"
+    if missing and asked:
+        raise BackendUnavailable(f"backend {b!r} was asked for but cannot run ternary: {missing}")
+    if missing:
+        _warn_fallback(device.type, missing)
         return "torch"
-    return "cpp" if b == "cpp" else "torch"  # triton: no ternary kernel, the reference
+    return b
 
 
 def encode(x: torch.Tensor, block: int = DEFAULT_BLOCK, seed: int = 0,
