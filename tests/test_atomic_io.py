@@ -1,6 +1,5 @@
 """Files the package writes appear whole or not at all; temporary directories are removed."""
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -121,11 +120,7 @@ def test_compress_bench_save(tmp_path):
 
 
 def test_epilogue_build_directory_is_removed(monkeypatch):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    try:
-        import epilogue
-    finally:
-        sys.path.pop(0)
+    from pyfast.benchmarks import epilogue
     seen = []
 
     def fake_load_inline(name, src, build_directory, **kw):

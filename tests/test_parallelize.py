@@ -9,7 +9,6 @@ Tolerance fp32 rtol 1e-5, atol 1e-5: the row layers' outputs are partial sums ad
 order than the dense GEMM's (a few ulps), and two blocks of attention, GELU and LayerNorm carry
 that forward and back; atol covers entries near zero.
 """
-import importlib.util
 
 import pytest
 import torch
@@ -24,7 +23,6 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 PLAN = {"layers.*.attn.qkv": "colwise", "layers.*.attn.proj": "rowwise",
         "layers.*.mlp.fc1": "colwise", "layers.*.mlp.fc2": "rowwise"}
 SP_PLAN = {k: v + "_sp" for k, v in PLAN.items()}
-HAVE_VOCAB = importlib.util.find_spec("pyfast.parallel.vocab") is not None
 
 
 class Attention(nn.Module):
@@ -143,11 +141,10 @@ def _worker(rank, world):
     y, _, _ = _run(parallelize(model, alias), x, gy)
     out["alias"] = y
 
-    if HAVE_VOCAB:
-        model, x, gy = _dense(vocab=40)
-        m = parallelize(model, {"wte": "vocab", **PLAN})
-        y, _, _ = _run(m, x, gy)
-        out["vocab"] = (y, _full_grads(m, sp=False))
+    model, x, gy = _dense(vocab=40)
+    m = parallelize(model, {"wte": "vocab", **PLAN})
+    y, _, _ = _run(m, x, gy)
+    out["vocab"] = (y, _full_grads(m, sp=False))
 
     model = _dense()[0]
     odd = nn.Sequential(nn.Linear(D, 2 * world + 1), nn.Linear(2 * world + 1, D))
@@ -204,8 +201,6 @@ def test_aliases(ranks):
         torch.testing.assert_close(o["alias"], model(x).detach(), **TOL)
 
 
-@pytest.mark.skipif(not HAVE_VOCAB, reason="pyfast.parallel.vocab (VocabParallelEmbedding) is "
-                    "not written yet")
 def test_vocab_style(ranks):
     _, res = ranks
     model, x, gy = _dense(vocab=40)
