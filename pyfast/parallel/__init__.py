@@ -1,7 +1,7 @@
-"""Drop-in parallel training modules: mesh (Mesh, the dp x tp x pp groups), data (DataParallel,
-DataParallelNaive), pipeline (Pipeline, schedules, traces) and tensor (ColumnParallelLinear,
+"""Drop-in parallel training modules: mesh (Mesh, the dp x tp x pp groups), data
+(DataParallel), pipeline (Pipeline, schedules, traces) and tensor (ColumnParallelLinear,
 RowParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy, parallelize)."""
-from .data import DataParallel, DataParallelNaive
+from .data import DataParallel
 from .mesh import Mesh
 from .parallelize import parallelize
 from .pipeline import Pipeline, PipelineCommError, PipelineError
@@ -9,7 +9,7 @@ from .tensor import ColumnParallelLinear, RowParallelLinear
 from .trace import save_trace
 from .vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
-__all__ = ["ColumnParallelLinear", "DataParallel", "DataParallelNaive", "Mesh", "Pipeline",
+__all__ = ["ColumnParallelLinear", "DataParallel", "Mesh", "Pipeline",
            "PipelineCommError", "PipelineError",
            "RowParallelLinear", "VocabParallelEmbedding", "parallelize", "save_trace",
            "vocab_parallel_cross_entropy"]

@@ -1,8 +1,5 @@
 """Data parallelism: DataParallel, a drop-in for torch's DistributedDataParallel that reduces
 gradients through a compressor, bucket by bucket, while backward is still running.
-
-DataParallelNaive beside it reduces every gradient after backward, one all_reduce each: it is
-the oracle in tests and the floor in benchmarks.
 """
 from __future__ import annotations
 
@@ -378,20 +375,3 @@ class DataParallel(nn.Module):
         for s, st in state["state"].items():
             sel.made[s].load_state_dict(st)
 
-
-class DataParallelNaive(nn.Module):
-    """After backward, all_reduce every gradient (fp32, average), one call each: the oracle."""
-
-    def __init__(self, module: nn.Module, group=None):
-        super().__init__()
-        self.module, self.group = module, group
-        broadcast_state(module, group)
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    def reduce_gradients(self) -> None:
-        for p in self.module.parameters():
-            if p.grad is not None:
-                dist.all_reduce(p.grad, group=self.group)
-                p.grad /= dist.get_world_size(self.group)
