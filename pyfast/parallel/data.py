@@ -13,9 +13,9 @@ import torch.distributed as dist
 from torch import nn
 
 import pyfast.compress as C
-from pyfast.comm import NonFiniteGradient, all_reduce
+from pyfast.comm import all_reduce
 from pyfast.comm import engine as E
-from pyfast.comm.collectives import Handle, all_finite
+from pyfast.comm.collectives import Handle
 from pyfast.comm.auto import CANDIDATES as AUTO_CANDIDATES, AutoSelector
 from pyfast.comm.buckets import Bucketer
 from pyfast.comm.failure import Breaker, new_group_like
