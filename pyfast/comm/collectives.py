@@ -38,7 +38,7 @@ import torch.distributed as dist
 import pyfast.compress as C
 from pyfast.comm import pipelined as P
 from pyfast.comm.failure import naming
-from pyfast.compress.base import NonFiniteGradient  # the compressors raise it; re-exported
+from pyfast.errors import NonFiniteGradient  # raised where found (ops, compress); re-exported
 
 # Below 256 KB of compressed payload the second compression and the extra round of two-phase
 # cost more than the (W-2)/W bytes they save (latency-bound regime).

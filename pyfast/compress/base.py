@@ -6,11 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-
-class NonFiniteGradient(ValueError):
-    """NaN/Inf in a gradient where they cannot pass: raised by the compressor that finds them
-    (top-k, random-k refuse them), and by the collectives identically on every rank
-    (pyfast.comm.NonFiniteGradient is this class)."""
+from pyfast.errors import NonFiniteGradient  # noqa: F401  (re-exported: pyfast.compress's)
 
 
 @dataclass

@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from pyfast.errors import NonFiniteGradient
 from pyfast.ops._backend import resolve
 
 # 16K sampled magnitudes: at R=0.01 the sample's k-th value lands the count within +-15% of k
@@ -26,7 +27,9 @@ def _check(x: torch.Tensor, ef: torch.Tensor | None) -> None:
     if x.numel() >= 2 ** 31:
         raise ValueError(f"topk indices are int32: {x.numel()} elements is too many")
     if ef is not None:
-        if ef.dtype != torch.float32 or not ef.is_contiguous() or ef.numel() != x.numel():
+        if ef.dtype != torch.float32:
+            raise TypeError(f"error-feedback buffer must be float32, got {ef.dtype}")
+        if not ef.is_contiguous() or ef.numel() != x.numel():
             raise ValueError(f"error-feedback buffer must be contiguous float32[{x.numel()}], "
                              f"got {ef.dtype}[{ef.numel()}]")
         if ef.device != x.device:
@@ -89,7 +92,8 @@ def topk(x: torch.Tensor, ratio: float, ef: torch.Tensor | None = None,
     """About ratio * n largest-magnitude entries of x (+ ef): (values in x.dtype, int32 indices).
 
     With `ef`, the residual x + ef is what is selected from, and ef keeps what was not sent.
-    NaN/Inf in the residual raises ValueError (it would otherwise sit in ef, never sent).
+    NaN/Inf in the residual raises pyfast.errors.NonFiniteGradient, a ValueError (it would
+    otherwise sit in ef, never sent).
     """
     if not 0.0 < ratio <= 1.0:
         raise ValueError(f"topk ratio must be in (0, 1], got {ratio}")
@@ -107,8 +111,8 @@ def topk(x: torch.Tensor, ratio: float, ef: torch.Tensor | None = None,
     for _ in range(MAX_REFINE):
         count, bad = (int(v) for v in topk_count(x, ef, t, backend))
         if bad:
-            raise ValueError(f"topk: input has {bad} NaN/Inf values (gradient overflow?); "
-                             "refusing to hide them in the error-feedback memory")
+            raise NonFiniteGradient(f"topk: input has {bad} NaN/Inf values (gradient overflow?); "
+                                    "refusing to hide them in the error-feedback memory")
         if lo <= count <= hi:
             return topk_select(x, ef, t, hi, backend)
         if count > hi:

@@ -1,0 +1,9 @@
+"""The package's own exception types, at the bottom of the layers (plain Python, importable by
+every layer, from ops/ up): each is raised by the layer that detects the problem, and the layers
+above catch it by type, never by its message."""
+
+
+class NonFiniteGradient(ValueError):
+    """NaN/Inf in a gradient where they cannot pass: raised where they are found (ops.topk's
+    count, random-k's check) and by the collectives identically on every rank. The same class
+    as pyfast.compress.NonFiniteGradient and pyfast.comm.NonFiniteGradient."""
