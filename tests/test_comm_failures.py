@@ -193,7 +193,7 @@ def test_a_silent_rank_raises_after_the_groups_timeout(tmp_path):
 def test_handles_name_the_operation(exc):
     """No process group needed: the engine's handle re-raises a backend error as CommError
     naming the operation."""
-    from pyfast.comm.engine import Handle
+    from pyfast.comm.engine import _job_handle
     from pyfast.comm.failure import CommError
 
     class Failing:
@@ -201,5 +201,5 @@ def test_handles_name_the_operation(exc):
             raise exc
     with pytest.raises(CommError, match=r"^all_reduce of g \(int8, allgather\) on the native "
                                          r"engine failed on rank 0: "):
-        Handle(Failing(), 0, torch.ones(1), "all_reduce of g (int8, allgather) on the native "
-               "engine").wait()
+        _job_handle(Failing(), 0, torch.ones(1), "all_reduce of g (int8, allgather) on the "
+                    "native engine").wait()

@@ -89,7 +89,8 @@ def test_nonfinite_raised_by_the_compressor():
 def test_one_handle():
     import pyfast.comm.sharded as S
     import pyfast.parallel.data as D
-    assert isinstance(E.Handle(None, 0, None, "x"), Handle) and not hasattr(D, "_All")
+    assert isinstance(E._job_handle(None, 0, None, "x"), Handle) and not hasattr(D, "_All")
+    assert E.Handle is Handle  # exactly one thing called Handle
     assert S.Handle is Handle
     calls = []
 

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 import pyfast.compress as C
-from pyfast.comm import pipelined as P
+from pyfast.comm import pipelined
 from pyfast.comm.failure import naming
 from pyfast.errors import NonFiniteGradient  # raised where found (ops, compress); re-exported
 
@@ -254,7 +254,7 @@ def _run(t: torch.Tensor, c, group, op: str, name: str, algo: str, world: int) -
         return t.div_(world) if op == "avg" else t
     elif algo in ("allgather", "sparse-allgather", "two-phase") and fast_path(t):
         flat = t.view(-1)
-        fn = P.two_phase_into if algo == "two-phase" else P.gather_sum_into
+        fn = pipelined.two_phase_into if algo == "two-phase" else pipelined.gather_sum_into
         fn(flat, c, group, name, flat, _HELPERS)
         return t.div_(world) if op == "avg" else t
     else:

@@ -40,10 +40,9 @@ import torch
 import torch.distributed as dist
 
 import pyfast.compress as C
-from pyfast.comm import pipelined as P
+from pyfast.comm import pipelined
 from pyfast.comm.failure import naming, new_group_like
-from pyfast.comm.collectives import Handle as AsyncHandle
-from pyfast.comm.collectives import OPS, _chunks, check_backend, choose, fast_path
+from pyfast.comm.collectives import OPS, Handle, _chunks, check_backend, choose, fast_path
 
 
 def _kind(c: C.Compressor) -> str | None:
@@ -52,18 +51,18 @@ def _kind(c: C.Compressor) -> str | None:
     return c.native_kind
 
 
-def Handle(engine, job: int, t: torch.Tensor, what: str) -> AsyncHandle:  # noqa: N802
-    """The handle of an engine job, a collectives.Handle (the one type of asynchronous work;
-    this factory keeps the engine's old constructor): wait() returns t once the job is done
-    (raises what the worker raised, as a CommError naming `what` if the backend failed);
-    `seconds` is the time the job took on the engine's thread (NaN until it is done)."""
+def _job_handle(engine, job: int, t: torch.Tensor, what: str) -> Handle:
+    """The collectives.Handle of engine job `job` (engine: a pyfast._C.Engine): wait() returns t
+    once the job is done (raises what the worker raised, as a CommError naming `what` if the
+    backend failed); `seconds` is the time the job took on the engine's thread (NaN until it is
+    done)."""
 
     def join(timeout):
         if timeout is not None:
             raise ValueError("the native engine's handles wait without a timeout")
         with naming(what):
             return t, engine.wait(job)  # releases the GIL
-    return AsyncHandle(join, lambda: engine.seconds(job))
+    return Handle(join, lambda: engine.seconds(job))
 
 
 def private_group(group=None, timeout=None):
@@ -127,15 +126,15 @@ class NativeEngine:
     def supports(compressor) -> bool:
         return _kind(C.get(compressor)) is not None
 
-    def all_gather_into(self, out: torch.Tensor, x: torch.Tensor) -> AsyncHandle:
+    def all_gather_into(self, out: torch.Tensor, x: torch.Tensor) -> Handle:
         """Queue out <- every rank's x in rank order (dist.all_gather_into_tensor): contiguous
         float32 on one device, out.numel() == world * x.numel(). wait() returns out."""
         what = f"all_gather_into of {x.numel()} elements on the native engine"
         self._check(x.device, what)
-        return Handle(self._engine, self._engine.submit_all_gather(out, x), out, what)
+        return _job_handle(self._engine, self._engine.submit_all_gather(out, x), out, what)
 
     def reduce_scatter_into(self, out: torch.Tensor, x: torch.Tensor,
-                            op: str = "sum") -> AsyncHandle:
+                            op: str = "sum") -> Handle:
         """Queue out <- part `rank` (of world equal parts) of x_0 + x_1 + ... added in rank order
         in fp32, divided by world for op="avg": contiguous float32 on one device, x.numel() ==
         world * out.numel(). Bitwise independent of the backend's reduction order. wait()
@@ -144,11 +143,11 @@ class NativeEngine:
             raise ValueError(f"op must be one of {OPS}, got {op!r}")
         what = f"reduce_scatter_into of {x.numel()} elements on the native engine"
         self._check(x.device, what)
-        return Handle(self._engine, self._engine.submit_reduce_scatter(out, x, op == "avg"), out,
+        return _job_handle(self._engine, self._engine.submit_reduce_scatter(out, x, op == "avg"), out,
                       what)
 
     def all_reduce(self, t: torch.Tensor, compressor=None, op: str = "sum", name: str = "",
-                   algorithm: str | None = None) -> AsyncHandle:
+                   algorithm: str | None = None) -> Handle:
         """Queue the reduction of t (contiguous float32, CPU or CUDA) in place; same meaning of the
         arguments as pyfast.comm.all_reduce. t and the compressor's error-feedback memory
         belong to the engine until the handle's wait() returns."""
@@ -173,11 +172,11 @@ class NativeEngine:
         # As collectives.py / pipelined.py: pieces aligned to the (inner) quantizer's block, so
         # every quantization block is the unchunked one; the pieces must be the same.
         align = c.align
-        chunk = P.chunk_elems() if fast_path(t) else 0
+        chunk = pipelined.chunk_elems() if fast_path(t) else 0
         ef = self._feedback(c, x, name, algorithm, align, chunk)
         job = self._engine.submit(x, kind, align, algorithm, op == "avg", ef, align, chunk)
         label = name or f"a {x.numel()}-element tensor"
-        return Handle(self._engine, job, t,
+        return _job_handle(self._engine, job, t,
                       f"all_reduce of {label} ({c.spec}, {algorithm}) on the native engine")
 
     def _check(self, device: torch.device, what: str) -> None:

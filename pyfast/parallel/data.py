@@ -14,7 +14,7 @@ from torch import nn
 
 import pyfast.compress as C
 from pyfast.comm import all_reduce
-from pyfast.comm import engine as E
+from pyfast.comm.engine import NativeEngine, status as native_status
 from pyfast.comm.collectives import Handle
 from pyfast.comm.auto import CANDIDATES as AUTO_CANDIDATES, AutoSelector
 from pyfast.comm.buckets import Bucketer
@@ -176,7 +176,7 @@ class DataParallel(nn.Module):
         # Per bucket, so that a per-bucket compressor could mix the two; uniform today (auto's
         # candidates are all dense).
         self.engine_kind = ["native" if native else "python"] * len(self.bucketer.buckets)
-        self._engine = E.NativeEngine.private(group, timeout) if native else None
+        self._engine = NativeEngine.private(group, timeout) if native else None
         self._params = [p for _, p in named]
         self._first = [0]  # side band: bucket i's used flags start at _first[i]
         for b in self.bucketer.buckets:
@@ -195,8 +195,8 @@ class DataParallel(nn.Module):
         """Whether the native engine reduces the buckets; ValueError if it was asked for and
         cannot (no silent fallback)."""
         usable = [C.get(s) for s in AUTO_CANDIDATES] if self.auto else [self.compressor]
-        ok, why = E.status()
-        unsupported = [c.spec for c in usable if not E.NativeEngine.supports(c)]
+        ok, why = native_status()
+        unsupported = [c.spec for c in usable if not NativeEngine.supports(c)]
         if engine == "native" and not ok:
             raise ValueError(f"engine='native' cannot run: {why}; use engine='python' or 'auto'")
         if engine == "native" and unsupported:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import schedules as S
+from . import schedules
 from pyfast.comm.failure import CommError, as_timedelta, new_group_like
 from .p2p import (MAX_MICROBATCHES, MAX_STAGES, Link, PipelineCommError, PipelineError, agree,
                   as_tensors)
@@ -39,10 +39,12 @@ now = time.perf_counter
 # 2 ranks, 1f1b, 10.8 -> 9.6 ms a step against 1; on 8 x Linear(1024) 1, 2 and 4 were within
 # the noise of the shared 2-core machine (AMD EPYC), and 8 was slower (more buffers in flight).
 RECV_LOOKAHEAD = 2
-ACTION_NAMES = {S.F: "forward", S.B: "backward", S.I: "input-gradient backward",
-                S.W: "weight-gradient backward", S.SEND_F: "sending the output",
-                S.SEND_B: "sending the input gradient", S.RECV_F: "posting the input's receive",
-                S.RECV_B: "posting the output gradient's receive"}
+ACTION_NAMES = {schedules.F: "forward", schedules.B: "backward",
+                schedules.I: "input-gradient backward", schedules.W: "weight-gradient backward",
+                schedules.SEND_F: "sending the output",
+                schedules.SEND_B: "sending the input gradient",
+                schedules.RECV_F: "posting the input's receive",
+                schedules.RECV_B: "posting the output gradient's receive"}
 
 
 class Pipeline(nn.Module):
@@ -78,7 +80,7 @@ class Pipeline(nn.Module):
         else:
             rank, p = 0, 1
         v, m, n = virtual_stages, n_microbatches, p * virtual_stages
-        compute = S.compute_actions(schedule, rank, p, m, v)  # raises on a bad name or v
+        compute = schedules.compute_actions(schedule, rank, p, m, v)  # raises on a bad name or v
         if n > MAX_STAGES:
             raise ValueError(f"{n} stages: at most {MAX_STAGES} are supported")
         if n > len(seq):
@@ -107,9 +109,11 @@ class Pipeline(nn.Module):
         if td is not None and p > 1:
             group = new_group_like(group, td)
         if balance == "params":
-            counts = S.partition([sum(t.numel() for t in layer.parameters()) for layer in seq], n)
+            counts = schedules.partition(
+                [sum(t.numel() for t in layer.parameters()) for layer in seq], n)
         elif balance == "time":
-            counts = S.partition(S.layer_times(seq, example[: max(1, len(example) // m)], group), n)
+            counts = schedules.partition(
+                schedules.layer_times(seq, example[: max(1, len(example) // m)], group), n)
         else:
             counts = list(balance)
         bounds = [sum(counts[:s]) for s in range(n + 1)]
@@ -139,8 +143,9 @@ class Pipeline(nn.Module):
         self.n_microbatches, self.schedule, self.loss_fn = m, schedule, loss_fn
         self.group, self.rank, self.world_size = group, rank, p
         self.abandoned: list = []  # a failed step's pending work (agreement), kept alive
-        self.actions = S.lower(compute, self.n_stages, RECV_LOOKAHEAD)
-        self.forward_actions = S.lower(S.forward_only(compute), self.n_stages, RECV_LOOKAHEAD)
+        self.actions = schedules.lower(compute, self.n_stages, RECV_LOOKAHEAD)
+        self.forward_actions = schedules.lower(schedules.forward_only(compute), self.n_stages,
+                                               RECV_LOOKAHEAD)
         self.links = {}
         for s in stages:
             for b in (s - 1, s):
@@ -153,13 +158,14 @@ class Pipeline(nn.Module):
         # 50 us per micro-batch, a loss on Linear(256) layers (AMD EPYC, one thread).
         # Transformer blocks lose: gpt-small, 2 stages of 3 blocks, 1f1b, 4 micro-batches of 2 x
         # 256 tokens, 1555 ms a step split vs 1513 fused (the train job passes False).
-        zb = any(a.kind == S.W for a in compute)
+        zb = any(a.kind == schedules.W for a in compute)
         self._split = {s: zb or (split_backward if split_backward is not None else
                                  any(isinstance(mod, nn.Linear) and mod.weight.numel() >= 1 << 18
                                      for mod in st.modules())) for s, st in stages.items()}
-        self._run_action = {S.F: self._f, S.B: self._b, S.I: self._i, S.W: self._w,
-                            S.SEND_F: self._comm, S.SEND_B: self._comm, S.RECV_F: self._comm,
-                            S.RECV_B: self._comm}
+        self._run_action = {schedules.F: self._f, schedules.B: self._b, schedules.I: self._i,
+                            schedules.W: self._w, schedules.SEND_F: self._comm,
+                            schedules.SEND_B: self._comm, schedules.RECV_F: self._comm,
+                            schedules.RECV_B: self._comm}
 
     # -- public ------------------------------------------------------------------------------
     def step(self, x: torch.Tensor | None = None, target: torch.Tensor | None = None,
@@ -452,16 +458,17 @@ class Pipeline(nn.Module):
     def _comm(self, a):
         """Post a receive (it never blocks: take_* waits) or send a tensor produced earlier."""
         t0, key = now(), (a.stage, a.mb)
-        if a.kind == S.SEND_F:
+        if a.kind == schedules.SEND_F:
             y = self._state[key][2] if self._training else self._state.pop(key)[2]
             self.links[a.stage].send_act(a.mb, y)
-        elif a.kind == S.SEND_B:
+        elif a.kind == schedules.SEND_B:
             self.links[a.stage - 1].send_grad(a.mb, self._gin.pop(key))
-        elif a.kind == S.RECV_F:
+        elif a.kind == schedules.RECV_F:
             self.links[a.stage - 1].post_act(a.mb)
         else:  # RECV_B: before this step's first forward is sent, take_grad posts it
             self.links[a.stage].post_grad(a.mb)
-        self._mark("send" if a.kind in (S.SEND_F, S.SEND_B) else "recv", a, t0, now())
+        self._mark("send" if a.kind in (schedules.SEND_F, schedules.SEND_B) else "recv", a, t0,
+                   now())
 
 
 def _describe(x) -> str:
