@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import pyfast.compress as C
 from pyfast.comm import all_reduce
-from pyfast.comm.collectives import wait_all
+from pyfast.comm.collectives import all_reduce_pieces, wait_all
 from pyfast.comm.failure import Breaker, naming, new_group_like
 from pyfast.comm.guard import FiniteGuard
 
@@ -118,9 +118,8 @@ def _reduce(state, c, name, bucket, buf):
         raise RuntimeError(f"DDP bucket {name}: {buf.numel()} elements but its parameters "
                            f"have {sum(sizes)} (a DDP layout this hook does not know)")
     if c.per_tensor:  # whole tensors: a matrix, a selection
-        return [all_reduce(buf[a:a + n].view(p.shape), c, group, op="avg", async_op=True,
-                           name=f"{name}.{i}")
-                for i, (a, n, p) in enumerate(zip(_starts(sizes), sizes, params))], None
+        pieces = [(i, a, p.shape) for i, (a, p) in enumerate(zip(_starts(sizes), params))]
+        return [all_reduce_pieces(buf, pieces, c, group, op="avg", name=name)], None
     block = c.block
     if block > 1 and len(sizes) > 1:
         flat, offsets = _staged(state, name, buf, sizes, block)

@@ -27,6 +27,7 @@ bucket3 (int8, two-phase) failed on rank 1: ...".
 from __future__ import annotations
 
 
+import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -378,6 +379,20 @@ def all_reduce(t: torch.Tensor, compressor=None, group=None, op: str = "sum",
     if not async_op:
         return _reduce(t, c, group, op, name, algorithm)
     return Handle.on_worker(_reduce, t, c, group, op, name, algorithm)
+
+
+def all_reduce_pieces(flat: torch.Tensor, pieces, compressor=None, group=None, op: str = "sum",
+                      name: str = "") -> Handle:
+    """Reduce each piece of `flat` alone, asynchronously, in order: pieces are (key, offset,
+    shape), the view flat[offset:offset + numel].view(shape) reduced under f"{name}.{key}" (the
+    name its compressor state, error feedback included, is kept under). For compressors that
+    work per tensor (Compressor.per_tensor: a matrix to factor, a selection): no piece's result
+    depends on its neighbours. One handle for all of them (Handle.of_all)."""
+    c = C.get(compressor)
+    return Handle.of_all(
+        all_reduce(flat[o:o + math.prod(shape)].view(shape), c, group, op=op, async_op=True,
+                   name=f"{name}.{key}")
+        for key, o, shape in pieces)
 
 
 _EXEC: ThreadPoolExecutor | None = None

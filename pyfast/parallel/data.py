@@ -15,7 +15,7 @@ from torch import nn
 import pyfast.compress as C
 from pyfast.comm import all_reduce
 from pyfast.comm.engine import NativeEngine, status as native_status
-from pyfast.comm.collectives import Handle
+from pyfast.comm.collectives import all_reduce_pieces
 from pyfast.comm.auto import CANDIDATES as AUTO_CANDIDATES, AutoSelector
 from pyfast.comm.buckets import Bucketer
 from pyfast.comm.failure import Breaker, new_group_like
@@ -230,11 +230,11 @@ class DataParallel(nn.Module):
             c = self.selector.compressor(bucket) if self.selector else self.compressor
         if self.engine_kind[bucket.index] == "native":
             return self._engine.all_reduce(bucket.flat, c, op="avg", name=bucket.name)
-        if c.per_tensor:  # a matrix to factor, a selection: no parameter depends on another
-            handles = [all_reduce(bucket.flat[o: o + p.numel()].view(p.shape), c, self._comm,
-                                  op="avg", async_op=True, name=f"{bucket.name}.{n}")
-                       for p, n, o in zip(bucket.params, bucket.names, bucket.offsets)]
-            return Handle.of_all(handles)
+        if c.per_tensor:  # a matrix to factor, a selection: each parameter alone
+            pieces = [(n, o, p.shape)
+                      for p, n, o in zip(bucket.params, bucket.names, bucket.offsets)]
+            return all_reduce_pieces(bucket.flat, pieces, c, self._comm, op="avg",
+                                     name=bucket.name)
         return all_reduce(bucket.flat, c, self._comm, op="avg", async_op=True, name=bucket.name)
 
     def close(self) -> None:
