@@ -12,10 +12,10 @@ reduce_scatter splits t's flat view into W equal chunks; rank i gets chunk i of 
 all_gather compresses t under `name` and decodes every rank's bytes, the own ones included,
 so every rank holds bit-identical out.
 
-Before any data moves, the ranks check that they agree (shape, dtype, out): a mismatch would
-otherwise hang a collective or pair chunks of different tensors. The check is one all-gather of
-8 bytes: 0.6 ms at W=2 on this 2-core machine (loaded), against 1.6 ms for a whole int8
-reduce_scatter of 4K elements and 18 ms at 4M: it matters only for tiny tensors.
+Before any data moves, the ranks check that they agree (shape, dtype, out; comm.agree): a
+mismatch would otherwise hang a collective or pair chunks of different tensors. The check is one
+all-gather of 8 bytes: 0.6 ms at W=2 on this 2-core machine (loaded), against 1.6 ms for a whole
+int8 reduce_scatter of 4K elements and 18 ms at 4M: it matters only for tiny tensors.
 
 As in collectives.py: every buffer, the digests and counts included, is on t's device; CUDA
 tensors need a group with a CUDA backend other than gloo (check_backend); a backend failure is
@@ -23,12 +23,11 @@ a failure.CommError naming the operation.
 """
 from __future__ import annotations
 
-import hashlib
-
 import torch
 import torch.distributed as dist
 
 import pyfast.compress as C
+from pyfast.comm.agree import agree, rank_by_rank
 from pyfast.comm.collectives import (OPS, Handle, NonFiniteGradient, _all_gather_var, _bytes,
                                      _decode_add, _label, _world, check_backend, choose)
 from pyfast.comm.failure import naming
@@ -37,43 +36,28 @@ FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 SPARSE = ("sparse-allgather", "shared-index")  # choose()'s names for topk and randomk
 
 
-def _own_problem(t, out, want, why: str, world: int):
-    """(exception class, message) for this rank's arguments, or (None, "")."""
+def _own_problem(t, out, want, why: str, world: int) -> Exception | None:
+    """This rank's mistake in the arguments (not raised yet: agree raises it everywhere)."""
     if t.dtype not in FLOATS:
-        return TypeError, f"takes float32, bfloat16 or float16 tensors, got {t.dtype}"
+        return TypeError(f"takes float32, bfloat16 or float16 tensors, got {t.dtype}")
     if out.dtype != t.dtype:
-        return TypeError, f"out is {out.dtype} but t is {t.dtype}: they must match"
+        return TypeError(f"out is {out.dtype} but t is {t.dtype}: they must match")
     if want is None:
-        return ValueError, f"t has {t.numel()} elements, not divisible by the world size {world}"
+        return ValueError(f"t has {t.numel()} elements, not divisible by the world size {world}")
     if out.numel() != want:
-        return ValueError, f"out has {out.numel()} elements, expected {want} ({why})"
+        return ValueError(f"out has {out.numel()} elements, expected {want} ({why})")
     if not out.is_contiguous():
-        return ValueError, "out must be contiguous"
-    return None, ""
+        return ValueError("out must be contiguous")
+    return None
 
 
 def _agree(what: str, name: str, t, out, want, why: str, group) -> None:
-    """Raise the same error on every rank if any rank's arguments are bad or its t differs from
-    rank 0's in shape or dtype. parallel/data.py's check_same_layout pattern (above this layer,
-    so not imported): one all-gather of a digest, objects only to word the error."""
+    """The same error on every rank if any rank's arguments are bad or its t differs from rank
+    0's in shape or dtype (comm.agree: one all-gather of a digest on t's device)."""
     world, _ = _world(group)
-    desc = f"{tuple(t.shape)} {t.dtype}"
-    kind, msg = _own_problem(t, out, want, why, world)
-    digest = hashlib.sha256(f"{desc}|{msg}".encode()).digest()[:8]
-    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], device=t.device)
-    every = mine.new_empty(world)
-    dist.all_gather_single(every, mine, group=group)
-    if not msg and bool((every == mine).all()):
-        return  # equal digests: every rank took this same branch
-    objs = [None] * world
-    dist.all_gather_object(objs, (desc, kind, msg), group=group)
-    label = f"{what}({name!r})" if name else what
-    differ = [r for r, o in enumerate(objs) if o[0] != objs[0][0]]
-    if differ:
-        raise ValueError(f"{label}: tensors differ across ranks: rank 0 has {objs[0][0]}, "
-                         + ", ".join(f"rank {r} has {objs[r][0]}" for r in differ))
-    bad = [r for r, o in enumerate(objs) if o[2]]
-    raise objs[bad[0]][1](f"{label}: {objs[bad[0]][2]} (rank(s) {bad})")
+    agree(f"{tuple(t.shape)} {t.dtype}", _own_problem(t, out, want, why, world), group,
+          what=f"{what}({name!r})" if name else what, device=t.device,
+          differ=lambda descs: "tensors differ across ranks: " + rank_by_rank(descs))
 
 
 def _compress_checked(c, parts, names):

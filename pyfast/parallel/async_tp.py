@@ -23,13 +23,13 @@ function and direction (with a layer's CommGuard: the layer, which it then break
 """
 import datetime
 import warnings
-import zlib
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd import Function
 
+from pyfast.comm.agree import agree
 from pyfast.comm.failure import as_timedelta
 from pyfast.ops.matmul import autocast_linear_args
 from pyfast.parallel.tp_comm import CommGuard, tp_world
@@ -236,16 +236,18 @@ def _prepare(what, x, weight, bias, group, dim, pieces, comm, timeout, guard, na
     timeout = as_timedelta(timeout)
     comm, p = launcher(comm, group, timeout), C10dComm(group, timeout)
     sent = weight.shape[1 if what == "all_gather_linear" else 0]  # features on the wire
-    # on x's device: NCCL sends CUDA tensors only (and a host copy would be a silent round trip)
-    every = torch.tensor([x.numel() // x.shape[-1], sent, zlib.crc32(f"{what}{x.dtype}".encode())],
-                         device=x.device)
-    every = every.repeat(world, 1)  # isend/irecv: 113 us here, all_gather_single 295 us
+
+    def gather(mine):  # the digest by isend/irecv: 113 us here, all_gather_single 295 us
+        every = mine.repeat(world)
+        p._swap([(every[p.rank:p.rank + 1], q) for q in p.peers],
+                [(every[q:q + 1], q) for q in p.peers], TAG + 1)()
+        return every
     with guard("shape check (" + what + ")"):
-        p._swap([(every[p.rank], q) for q in p.peers], [(every[q], q) for q in p.peers],
-                TAG + 1)()
-    if not bool((every == every[p.rank]).all()):
-        raise ValueError(f"{what}: ranks disagree on (rows, features sent, crc of op and dtype):"
-                         f" {every.tolist()} in rank order")
+        # on x's device: NCCL sends CUDA tensors only (a host copy would be a silent round trip)
+        agree([x.numel() // x.shape[-1], sent, what, str(x.dtype)], None, group, what=what,
+              device=x.device, gather=gather,
+              differ=lambda every: "ranks disagree on (rows, features sent, op, dtype): "
+              f"{every} in rank order")
     return dim, comm
 
 

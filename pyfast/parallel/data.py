@@ -4,7 +4,6 @@ gradients through a compressor, bucket by bucket, while backward is still runnin
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import math
 import time
 
@@ -14,6 +13,7 @@ from torch import nn
 
 import pyfast.compress as C
 from pyfast.comm import all_reduce
+from pyfast.comm.agree import agree
 from pyfast.comm.engine import NativeEngine, status as native_status
 from pyfast.comm.collectives import all_reduce_pieces
 from pyfast.comm.auto import CANDIDATES as AUTO_CANDIDATES, AutoSelector
@@ -35,24 +35,18 @@ BUCKET_MB = 4.0
 
 def check_same_layout(params: list[tuple[str, torch.Tensor]], group) -> None:
     """Raise on every rank, naming ranks and tensor, if parameter names/shapes/dtypes differ
-    (instead of hanging in a collective of mismatched sizes). One small all_gather."""
+    (instead of hanging in a collective of mismatched sizes). comm.agree: one small all_gather."""
     lines = [f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in params]
-    digest = hashlib.sha256("\n".join(lines).encode()).digest()[:8]
-    dev = params[0][1].device if params else None
-    mine = torch.tensor([len(lines), int.from_bytes(digest, "little", signed=True)], device=dev)
-    world = dist.get_world_size(group)
-    every = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine, group=group)
-    bad = [r for r, t in enumerate(every) if not torch.equal(t, every[0])]
-    if bad:
-        obj = [None] * world
-        dist.all_gather_object(obj, lines, group=group)
-        first = next(i for i, (a, b) in enumerate(zip(obj[0], obj[bad[0]] + [None] * len(obj[0])))
-                     if a != b)
-        raise ValueError(f"parameters differ across ranks: rank 0 has {len(obj[0])} tensors, "
-                         f"rank {bad[0]} has {len(obj[bad[0]])}; first difference at #{first}: "
-                         f"rank 0 {obj[0][first] if first < len(obj[0]) else None!r} vs rank "
-                         f"{bad[0]} {obj[bad[0]][first] if first < len(obj[bad[0]]) else None!r}")
+
+    def differ(every: list) -> str:
+        bad = next(r for r, x in enumerate(every) if x != every[0])
+        a, b, n = every[0], every[bad], max(len(every[0]), len(every[bad]))
+        a, b = a + [None] * (n - len(a)), b + [None] * (n - len(b))  # one may be the other's prefix
+        first = next(i for i in range(n) if a[i] != b[i])
+        return (f"parameters differ across ranks: rank 0 has {len(every[0])} tensors, rank {bad} "
+                f"has {len(every[bad])}; first difference at #{first}: rank 0 {a[first]!r} vs "
+                f"rank {bad} {b[first]!r}")
+    agree(lines, None, group, device=params[0][1].device if params else None, differ=differ)
 
 
 def broadcast_state(module: nn.Module, group) -> None:

@@ -368,19 +368,3 @@ class Link:
                 w.wait()
         self.sends, self.act_sends = [], {}
 
-
-def agree(group, p: int, config: tuple, problem: str | None):
-    """Raise on every rank if any rank has a problem or the ranks disagree: a check that one
-    rank skipped would leave the others waiting on it."""
-    if p == 1:
-        seen = [(config, problem)]
-    else:
-        seen = [None] * p
-        dist.all_gather_object(seen, (config, problem), group=group)
-    for r, (c, prob) in enumerate(seen):
-        if prob:
-            raise ValueError(prob)
-        if c != seen[0][0]:
-            raise ValueError(f"ranks disagree on the pipeline: rank 0 has (schedule, n_microbatches, "
-                             f"virtual_stages, balance, layers, timeout, pipelines built) = "
-                             f"{seen[0][0]}, rank {r} has {c}")

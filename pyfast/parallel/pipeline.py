@@ -26,8 +26,9 @@ import torch.distributed as dist
 from torch import nn
 
 from . import schedules
+from pyfast.comm.agree import agree, rank_by_rank
 from pyfast.comm.failure import CommError, as_timedelta, new_group_like
-from .p2p import (MAX_MICROBATCHES, MAX_STAGES, Link, PipelineCommError, PipelineError, agree,
+from .p2p import (MAX_MICROBATCHES, MAX_STAGES, Link, PipelineCommError, PipelineError,
                   as_tensors)
 from .trace import Recorder
 from .zero_bubble import input_grad, weight_grad
@@ -73,7 +74,7 @@ class Pipeline(nn.Module):
             raise ValueError(f"n_microbatches must be an int in [1, {MAX_MICROBATCHES - 1}], "
                              f"got {n_microbatches!r}")
         if dist.is_available() and dist.is_initialized():
-            group = group or dist.group.WORLD
+            group = group if group is not None else dist.group.WORLD
             rank, p = dist.get_rank(group), dist.get_world_size(group)
         elif group is not None:
             raise ValueError("a group was given but torch.distributed is not initialised")
@@ -105,7 +106,11 @@ class Pipeline(nn.Module):
                        f"rank {rank} has none")
         td = as_timedelta(timeout)  # TypeError/ValueError before any collective
         spec = list(balance) if isinstance(balance, (list, tuple)) else balance
-        agree(group, p, (schedule, m, v, spec, len(seq), td and td.total_seconds(), _built), problem)
+        # a check that one rank skipped would leave the others waiting on it
+        agree((schedule, m, v, spec, len(seq), td and td.total_seconds(), _built),
+              ValueError(problem) if problem else None, group,
+              differ=lambda seen: "ranks disagree on the pipeline (schedule, n_microbatches, "
+              "virtual_stages, balance, layers, timeout, pipelines built): " + rank_by_rank(seen))
         if td is not None and p > 1:
             group = new_group_like(group, td)
         if balance == "params":
