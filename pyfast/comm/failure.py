@@ -39,7 +39,7 @@ def as_timedelta(timeout) -> datetime.timedelta | None:
 
 def group_timeout(group=None) -> datetime.timedelta | None:
     """The timeout `group` (None: the default group) was made with, if the backend says."""
-    pg = group or dist.group.WORLD
+    pg = group if group is not None else dist.group.WORLD
     for dev in ("cpu", "cuda"):  # cpu-literal: backends are registered per device type
         try:
             return pg._get_backend(torch.device(dev)).options._timeout

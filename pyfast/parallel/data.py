@@ -33,7 +33,7 @@ ENGINES = ("auto", "native", "python")
 BUCKET_MB = 4.0
 
 
-def check_same_layout(params: list[tuple[str, torch.Tensor]], group) -> None:
+def check_same_layout(params: list[tuple[str, torch.Tensor]], group=None) -> None:
     """Raise on every rank, naming ranks and tensor, if parameter names/shapes/dtypes differ
     (instead of hanging in a collective of mismatched sizes). comm.agree: one small all_gather."""
     lines = [f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in params]
@@ -49,20 +49,19 @@ def check_same_layout(params: list[tuple[str, torch.Tensor]], group) -> None:
     agree(lines, None, group, device=params[0][1].device if params else None, differ=differ)
 
 
-def broadcast_state(module: nn.Module, group) -> None:
+def broadcast_state(module: nn.Module, group=None) -> None:
     broadcast_coalesced(list(module.parameters()) + list(module.buffers()), group)
 
 
-def broadcast_coalesced(tensors: list[torch.Tensor], group) -> None:
+def broadcast_coalesced(tensors: list[torch.Tensor], group=None) -> None:
     """Group rank 0's values into every rank's tensors: one broadcast per (device, dtype)."""
-    src = dist.get_global_rank(group, 0) if group is not None else 0
     kinds: dict = {}
     for t in tensors:
         kinds.setdefault((t.device, t.dtype), []).append(t)
     with torch.no_grad():
         for ts in kinds.values():
             flat = torch.cat([t.detach().reshape(-1) for t in ts])
-            dist.broadcast(flat, src, group=group)
+            dist.broadcast(flat, group=group, group_src=0)
             for t, part in zip(ts, flat.split([t.numel() for t in ts])):
                 t.copy_(part.view(t.shape))
 

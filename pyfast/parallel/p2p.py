@@ -178,9 +178,8 @@ class Link:
 
     def __init__(self, group, uid: int, stage: int, src: int, dst: int, me: int, m: int):
         self.group, self.uid, self.stage, self.m = group, uid, stage, m
-        self.src, self.dst = src, dst  # group ranks
+        self.src, self.dst = src, dst  # ranks in `group` (None: the default group)
         self.sender, self.receiver, self.local = src == me, dst == me, src == dst
-        self._glob = {r: dist.get_global_rank(group, r) for r in {src, dst}} if group else {}
         self.sends: list = []
         self.act_sends: dict = {}  # mb -> (work, tensor): released when the gradient returns
         self.abandoned: list = []  # a failed step's pending transfers: their buffers stay alive
@@ -215,7 +214,8 @@ class Link:
     def _isend(self, t, kind, mb):
         peer = self.dst if kind in (ACT, ACT_HEADER) else self.src
         with naming(f"Pipeline: sending {self._what(kind, mb)} to rank {peer}"):
-            w = dist.isend(t, self._glob[peer], self.group, tag(self.uid, kind, self.stage, mb))
+            w = dist.isend(t, group=self.group, tag=tag(self.uid, kind, self.stage, mb),
+                           group_dst=peer)
         if kind == ACT and self.training:
             self.act_sends[mb] = (w, t)
         else:
@@ -224,7 +224,8 @@ class Link:
     def _irecv(self, buf, kind, mb):
         peer = self.src if kind in (ACT, ACT_HEADER) else self.dst
         with naming(f"Pipeline: receiving {self._what(kind, mb)} from rank {peer}"):
-            work = dist.irecv(buf, self._glob[peer], self.group, tag(self.uid, kind, self.stage, mb))
+            work = dist.irecv(buf, group=self.group, tag=tag(self.uid, kind, self.stage, mb),
+                              group_src=peer)
         return work, buf, kind, mb
 
     def _wait(self, pending) -> torch.Tensor:
