@@ -155,7 +155,7 @@ def _errors(rank, world):
         try:
             fn()
             out[name] = "no error"
-        except (ValueError, NotImplementedError) as e:
+        except (ValueError, TypeError, NotImplementedError) as e:
             out[name] = f"{type(e).__name__}: {e}"
     return out
 
@@ -206,6 +206,8 @@ def test_bad_inputs_fail_fast(pool):
         assert "chunks must be an int >= 1" in msg["chunks0"]
         assert "weight (8, 6) torch.float32 is not [out, 7] torch.float32" in msg["features"]
         assert "weight (8, 6) torch.bfloat16 is not [out, 6] torch.float32" in msg["wdtype"]
+        assert msg["wdtype"].startswith("TypeError") and msg["bdtype"].startswith("TypeError")
+        assert all(msg[k].startswith("ValueError") for k in ("rows", "features", "bias", "ranks"))
         assert "bias (7,) torch.float32 is not [8] torch.float32" in msg["bias"]
         assert "bias (8,) torch.float64 is not [8] torch.float32" in msg["bdtype"]
         assert "x, dim ((5, 6), -1) needs a sequence dim" in msg["dim"]

@@ -153,7 +153,7 @@ def _tied_and_dtypes(rank, world):
     try:
         DataParallel(nn.Linear(3, 3).double(), None)
         out["fp64"] = "no error"
-    except ValueError as e:
+    except TypeError as e:  # a wrong dtype is a TypeError
         out["fp64"] = str(e)
     return out
 

@@ -226,7 +226,7 @@ def test_engine_refuses_cuda_tensors_without_a_cuda_build():
     with pytest.raises(RuntimeError, match="pyfast._C was built without CUDA"):
         check_device(torch.device("cuda", 0))  # a device object needs no GPU
     check_device(torch.device("cpu"))
-    with pytest.raises(TypeError, match="CPU and CUDA"):
+    with pytest.raises(ValueError, match="CPU and CUDA"):  # a wrong device is a wrong value
         check_device(torch.device("meta"))
     for key, msg in run_ranks(_refuses_cuda, 1)[0].items():
         assert msg.startswith("pyfast._C was built without CUDA") and "cuda:0" in msg, \

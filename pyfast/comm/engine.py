@@ -83,7 +83,7 @@ def check_device(device: torch.device) -> None:
                            "--no-build-isolation -e .) where torch is a CUDA build and nvcc "
                            "exists, or use pyfast.comm.all_reduce")
     if device.type not in ("cpu", "cuda"):  # cpu-literal: the device types _C.Engine runs
-        raise TypeError(f"the native engine takes CPU and CUDA tensors, got one on {device}")
+        raise ValueError(f"the native engine takes CPU and CUDA tensors, got one on {device}")
 
 
 def status() -> tuple[bool, str]:
@@ -159,9 +159,10 @@ class NativeEngine:
             raise ValueError(f"the native engine does not run {c!r} (dense, deterministic "
                              "compressors only); use pyfast.comm.all_reduce")
         self._check(t.device, "the native engine's all_reduce")
-        if t.dtype != torch.float32 or not t.is_contiguous():
-            raise TypeError(f"the native engine reduces contiguous float32 tensors, got "
-                            f"{t.dtype} on {t.device} (contiguous: {t.is_contiguous()})")
+        if t.dtype != torch.float32 or not t.is_contiguous():  # wrong dtype: TypeError
+            raise (TypeError if t.dtype != torch.float32 else ValueError)(
+                f"the native engine reduces contiguous float32 tensors, got {t.dtype} on "
+                f"{t.device} (contiguous: {t.is_contiguous()})")
         x = t.view(-1)
         auto = choose(c, x.numel(), self.world)
         if algorithm is None:

@@ -221,12 +221,15 @@ def _prepare(what, x, weight, bias, group, dim, pieces, comm, timeout, guard, na
     world, dim, shapes = tp_world(group)[0], dim % max(x.dim(), 1), (tuple(x.shape), dim)
     if x.dim() < 2 or dim == x.dim() - 1:
         raise ValueError(f"{what}: x, dim {shapes} needs a sequence dim apart from the features")
-    if weight.dim() != 2 or weight.shape[1] != x.shape[-1] or weight.dtype != x.dtype:
-        raise ValueError(f"{what}: weight {tuple(weight.shape)} {weight.dtype} is not [out, "
-                         f"{x.shape[-1]}] {x.dtype} like x")
-    if bias is not None and (tuple(bias.shape) != (weight.shape[0],) or bias.dtype != x.dtype):
-        raise ValueError(f"{what}: bias {tuple(bias.shape)} {bias.dtype} is not "
-                         f"[{len(weight)}] {x.dtype}")
+    shape_ok = weight.dim() == 2 and weight.shape[1] == x.shape[-1]
+    if not shape_ok or weight.dtype != x.dtype:  # a wrong shape: ValueError, dtype: TypeError
+        raise (TypeError if shape_ok else ValueError)(
+            f"{what}: weight {tuple(weight.shape)} {weight.dtype} is not [out, {x.shape[-1]}] "
+            f"{x.dtype} like x")
+    shape_ok = bias is None or tuple(bias.shape) == (weight.shape[0],)
+    if not shape_ok or (bias is not None and bias.dtype != x.dtype):
+        raise (TypeError if shape_ok else ValueError)(
+            f"{what}: bias {tuple(bias.shape)} {bias.dtype} is not [{len(weight)}] {x.dtype}")
     if type(pieces) is not int or pieces < 1:  # named as the caller named it
         raise ValueError(f"{what}: {name} must be an int >= 1, got {pieces!r}")
     if what == "linear_reduce_scatter" and x.shape[dim] % world:

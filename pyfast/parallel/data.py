@@ -69,9 +69,9 @@ def broadcast_coalesced(tensors: list[torch.Tensor], group=None) -> None:
 def _check_params(named) -> None:
     for n, p in named:
         if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"DataParallel reduces float32, bfloat16 and float16 parameters; "
-                             f"{n!r} is {p.dtype} (never rounded silently: keep it out of the "
-                             "wrapped module or convert it)")
+            raise TypeError(f"DataParallel reduces float32, bfloat16 and float16 parameters; "
+                            f"{n!r} is {p.dtype} (never rounded silently: keep it out of the "
+                            "wrapped module or convert it)")
     devices = {p.device for _, p in named}
     if len(devices) > 1:
         raise ValueError(f"DataParallel needs every parameter on one device, got "
