@@ -55,16 +55,16 @@ class Bucketer:
         self.launch_fn, self.enabled, self.align = launch, enabled, align
         self.buckets: list[Bucket] = []
         first = min(FIRST_BUCKET_MB if first_mb is None else first_mb, bucket_mb)
-        group: list = []
+        members: list = []
         size = 0
         for name, p in reversed(list(named_params)):
-            group.append((name, p))
+            members.append((name, p))
             size += -(-p.numel() // align) * align * 4  # reduced in fp32
             if size >= (first if not self.buckets else bucket_mb) * 2 ** 20:
-                self._add(group)
-                group, size = [], 0
-        if group:
-            self._add(group)
+                self._add(members)
+                members, size = [], 0
+        if members:
+            self._add(members)
         self.where = {}
         self._hooks = []
         for b in self.buckets:
@@ -76,9 +76,9 @@ class Bucketer:
         self._next = 0
         self._queued = False
 
-    def _add(self, group) -> None:
+    def _add(self, members) -> None:
         offsets, gaps, off = [], [], 0
-        for _, p in group:
+        for _, p in members:
             offsets.append(off)
             end = off + p.numel()
             off = -(-end // self.align) * self.align
@@ -86,9 +86,9 @@ class Bucketer:
                 gaps.append((end, off))
         if gaps and gaps[-1][1] == off:  # no padding after the last parameter
             off = gaps.pop()[0]
-        dev = group[0][1].device
-        self.buckets.append(Bucket(len(self.buckets), [p for _, p in group],
-                                   [n for n, _ in group], offsets,
+        dev = members[0][1].device
+        self.buckets.append(Bucket(len(self.buckets), [p for _, p in members],
+                                   [n for n, _ in members], offsets,
                                    torch.zeros(off, dtype=torch.float32, device=dev), gaps=gaps))
 
     def arm(self, on_finish) -> None:
