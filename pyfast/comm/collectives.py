@@ -223,14 +223,21 @@ def choose(c: C.Compressor, numel: int, world: int) -> str:
     raise TypeError(f"no collective algorithm for compressor {c!r} (its algorithm: {algo!r})")
 
 
-def _reduce(t: torch.Tensor, c, group, op: str, name: str, algo: str | None) -> torch.Tensor:
-    world, _ = _world(group)
-    auto = choose(c, t.numel(), world)
+def algorithm_for(c: C.Compressor, numel: int, world: int, algo: str | None = None) -> str:
+    """choose(c, numel, world), or the caller's `algo` if c can run it (the dense compressors
+    run either of "two-phase" and "allgather"); ValueError otherwise."""
+    auto = choose(c, numel, world)
     if algo is None:
-        algo = auto
-    elif algo != auto and not {algo, auto} <= {"two-phase", "allgather"}:
+        return auto
+    if algo != auto and not {algo, auto} <= {"two-phase", "allgather"}:
         raise ValueError(f"{c.spec} cannot use algorithm {algo!r} (it uses {auto!r}; the dense "
                          "quantizers and casts choose between 'two-phase' and 'allgather')")
+    return algo
+
+
+def _reduce(t: torch.Tensor, c, group, op: str, name: str, algo: str | None) -> torch.Tensor:
+    world, _ = _world(group)
+    algo = algorithm_for(c, t.numel(), world, algo)
     with naming(f"all_reduce of {_label(name, t)} ({c.spec}, {algo})"):
         return _run(t, c, group, op, name, algo, world)
 

@@ -42,7 +42,8 @@ import torch.distributed as dist
 import pyfast.compress as C
 from pyfast.comm import pipelined
 from pyfast.comm.failure import naming, new_group_like
-from pyfast.comm.collectives import OPS, Handle, _chunks, check_backend, choose, fast_path
+from pyfast.comm.collectives import (OPS, Handle, _chunks, algorithm_for, check_backend,
+                                     fast_path)
 
 
 def _kind(c: C.Compressor) -> str | None:
@@ -164,12 +165,7 @@ class NativeEngine:
                 f"the native engine reduces contiguous float32 tensors, got {t.dtype} on "
                 f"{t.device} (contiguous: {t.is_contiguous()})")
         x = t.view(-1)
-        auto = choose(c, x.numel(), self.world)
-        if algorithm is None:
-            algorithm = auto
-        elif algorithm != auto and not {algorithm, auto} <= {"two-phase", "allgather"}:
-            raise ValueError(f"{c.spec} cannot use algorithm {algorithm!r} (it uses {auto!r}; the "
-                             "dense quantizers and casts choose between 'two-phase' and 'allgather')")
+        algorithm = algorithm_for(c, x.numel(), self.world, algorithm)
         # As collectives.py / pipelined.py: pieces aligned to the (inner) quantizer's block, so
         # every quantization block is the unchunked one; the pieces must be the same.
         align = c.align
