@@ -318,6 +318,6 @@ def test_trace_files_are_written_atomically(tmp_path, monkeypatch):
     import matplotlib.figure
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", png_fails)
     with pytest.raises(OSError, match="disk full"):
-        trace.plot([trace.last().events], str(tmp_path / "t.png"))
+        trace.plot([[("forward", "F0 s0", 0.0, 1e-3)]], str(tmp_path / "t.png"))
     assert {p: open(tmp_path / p, "rb").read() for p in ("t.json", "t.png")} == before
     assert sorted(os.listdir(tmp_path)) == ["t.json", "t.png"]

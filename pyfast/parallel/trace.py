@@ -59,10 +59,6 @@ class Recorder:
         self.peak_activation_bytes = max(self.peak_activation_bytes, self.live)
 
 
-def last() -> Recorder | None:
-    return _last
-
-
 def chrome_events(per_rank: list[list[tuple]]) -> list[dict]:
     t0 = min((e[2] for evs in per_rank for e in evs), default=0.0)
     out = []
