@@ -18,6 +18,7 @@ BENCHMARKS = {
     "epilogue": "a fused C++ bias+GELU epilogue vs torch's GEMM + GELU on CPU",
     "pipeline": "pipeline schedules vs torch.distributed.pipelining",
     "train": "the training job's tokens/s per mesh vs one process and torch-native",
+    "zero": "ZeRO stages 1/2/3 vs torch DDP, ZeroRedundancyOptimizer and FSDP2: step, memory",
     "report": "write docs/benchmarks.md from bench/results/ (no benchmark is run)",
 }
 
