@@ -1,5 +1,5 @@
 """Triton matmul with a fused epilogue, act(a @ b + bias), for the sharded GEMMs (forward and
-backward) of pyfast.ops.matmul.linear_act.
+backward) of pyfast.ops.linear.linear_act.
 
 A program owns a (BM, BN) tile of c, walks K in BK steps with tl.dot into an fp32 accumulator,
 then adds the bias, optionally stores the pre-activation (the GELU backward needs it), applies

@@ -1,5 +1,5 @@
 """Does a fused C++ bias+GELU epilogue pay on CPU next to torch's GEMM (MKL)? Decides the CPU path
-of pyfast.ops.matmul.linear_act. Writes bench/results/epilogue.{txt,json}.
+of pyfast.ops.linear.linear_act. Writes bench/results/epilogue.{txt,json}.
 
     pyfast bench epilogue [--repeats 21] [--out bench/results/epilogue]
 

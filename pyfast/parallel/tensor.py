@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pyfast.comm.failure import Breaker, new_group_like
-from pyfast.ops.matmul import autocast_linear_args, gemm_backend, linear_act
+from pyfast.ops.linear import autocast_linear_args, gemm_backend, linear_act
 
 from .async_tp import all_gather_linear, linear_reduce_scatter
 from .tp_comm import (CommGuard, copy_to_tp_region, gather_from_sequence_parallel_region,
@@ -58,7 +58,7 @@ OVERLAP_MIN_BYTES = 1 << 20
 def _linear(x, weight, bias=None):
     """The local GEMM (autocast already resolved): pyfast's Triton matmul with the fused bias
     epilogue on CUDA where its dtypes hold; else torch's F.linear (cuBLAS; MKL on CPU, which a
-    fused C++ epilogue did not beat, pyfast/ops/matmul.py)."""
+    fused C++ epilogue did not beat, pyfast/ops/linear.py)."""
     b_dtype = bias.dtype if bias is not None else None
     if gemm_backend(x.device, x.dtype, weight.dtype, b_dtype) == "triton":
         return linear_act(x, weight, bias)

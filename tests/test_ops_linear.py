@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import backend_params
-from pyfast.ops import matmul as MM
+from pyfast.ops import linear
 from pyfast.ops import status
 
 TRITON_OK, WHY = status("triton", torch.device("cpu"))
@@ -66,8 +66,8 @@ def assert_all_close(got, ref, dtype, x, w, b, dy):
 def test_triton_matches_reference(xshape, out, act, dtype):
     x, w, b = inputs(xshape, out, dtype)
     dy = torch.randn(*xshape[:-1], out).to(dtype)
-    got = run(MM.linear_act, x, w, b, act, dy, backend="triton")
-    assert_all_close(got, run(MM.linear_act_ref, x, w, b, act, dy), dtype, x, w, b, dy)
+    got = run(linear.linear_act, x, w, b, act, dy, backend="triton")
+    assert_all_close(got, run(linear.linear_act_ref, x, w, b, act, dy), dtype, x, w, b, dy)
 
 
 @needs_triton
@@ -75,8 +75,8 @@ def test_triton_matches_reference(xshape, out, act, dtype):
 def test_triton_without_bias(act):
     x, w, _ = inputs((9, 40), 23, torch.float32)
     dy = torch.randn(9, 23)
-    got = run(MM.linear_act, x, w, None, act, dy, backend="triton")
-    assert_all_close(got, run(MM.linear_act_ref, x, w, None, act, dy), torch.float32,
+    got = run(linear.linear_act, x, w, None, act, dy, backend="triton")
+    assert_all_close(got, run(linear.linear_act_ref, x, w, None, act, dy), torch.float32,
                      x, w, None, dy)
 
 
@@ -89,8 +89,8 @@ def test_triton_transposed_operands(dtype):
     b = torch.randn(37).to(dtype)
     dy = torch.randn(37, 19).to(dtype).t()
     assert not (x.is_contiguous() or w.is_contiguous() or dy.is_contiguous())
-    got = run(MM.linear_act, x, w, b, "gelu", dy, backend="triton")
-    assert_all_close(got, run(MM.linear_act_ref, x, w, b, "gelu", dy), dtype, x, w, b, dy)
+    got = run(linear.linear_act, x, w, b, "gelu", dy, backend="triton")
+    assert_all_close(got, run(linear.linear_act_ref, x, w, b, "gelu", dy), dtype, x, w, b, dy)
 
 
 @needs_triton
@@ -99,13 +99,13 @@ def test_triton_partial_grads_and_empty_batch():
     x, w, b = inputs((6, 20), 18, torch.float32)
     dy = torch.randn(6, 18)
     bl = b.clone().requires_grad_()
-    MM.linear_act(x, w, bl, "gelu_tanh", backend="triton").backward(dy)
+    linear.linear_act(x, w, bl, "gelu_tanh", backend="triton").backward(dy)
     ref = bl.grad.clone()
     bl.grad = None
-    MM.linear_act_ref(x, w, bl, "gelu_tanh").backward(dy)
+    linear.linear_act_ref(x, w, bl, "gelu_tanh").backward(dy)
     torch.testing.assert_close(ref, bl.grad, rtol=1e-4, atol=1e-4)
     x0 = torch.randn(0, 20)
-    got = run(MM.linear_act, x0, w, b, "gelu", torch.randn(0, 18), backend="triton")
+    got = run(linear.linear_act, x0, w, b, "gelu", torch.randn(0, 18), backend="triton")
     assert got[0].shape == (0, 18)
     assert torch.equal(got[2], torch.zeros_like(w)) and torch.equal(got[3], torch.zeros_like(b))
 
@@ -125,10 +125,10 @@ def graph(y):
 def test_env_var_selects_triton(monkeypatch):
     x, w, b = inputs((4, 16), 16, torch.float32)
     monkeypatch.setenv("PYFAST_BACKEND", "triton")
-    y = MM.linear_act(x.requires_grad_(), w, b, "gelu")
+    y = linear.linear_act(x.requires_grad_(), w, b, "gelu")
     assert "_LinearActTritonBackward" in graph(y)
     monkeypatch.delenv("PYFAST_BACKEND")
-    y = MM.linear_act(x, w, b, "gelu")  # automatic choice on CPU: torch's GEMM + epilogue
+    y = linear.linear_act(x, w, b, "gelu")  # automatic choice on CPU: torch's GEMM + epilogue
     names = graph(y)
     assert {"AddmmBackward0", "GeluBackward0"} <= names and "_LinearActTritonBackward" not in names
 
@@ -149,8 +149,8 @@ def test_cpu_path_is_the_reference(backend, act):
     dy = torch.randn(3, 5, 40)
     if backend == "triton":
         pytest.skip("compared with tolerances above")
-    got = run(MM.linear_act, x, w, b, act, dy, backend=backend)
-    for g, r in zip(got, run(MM.linear_act_ref, x, w, b, act, dy)):
+    got = run(linear.linear_act, x, w, b, act, dy, backend=backend)
+    for g, r in zip(got, run(linear.linear_act_ref, x, w, b, act, dy)):
         assert torch.equal(g, r)
     assert_all_close(got, run(linear_then_gelu, x, w, b, act, dy), torch.float32, x, w, b, dy)
 
@@ -159,15 +159,15 @@ def test_cpu_path_is_the_reference(backend, act):
 def test_bad_inputs(backend):
     x, w, b = inputs((4, 16), 8, torch.float32)
     with pytest.raises(ValueError, match=r"\(4, 15\).*\(8, 16\)"):
-        MM.linear_act(x[:, :15], w, b, backend=backend)
+        linear.linear_act(x[:, :15], w, b, backend=backend)
     with pytest.raises(ValueError, match=r"\(7,\).*\[8\]"):
-        MM.linear_act(x, w, b[:7], backend=backend)
+        linear.linear_act(x, w, b[:7], backend=backend)
     with pytest.raises(ValueError, match="valid: None, 'gelu', 'gelu_tanh'"):
-        MM.linear_act(x, w, b, "relu", backend=backend)
+        linear.linear_act(x, w, b, "relu", backend=backend)
     with pytest.raises(TypeError, match="x torch.float32, weight torch.bfloat16"):
-        MM.linear_act(x, w.bfloat16(), b, backend=backend)
+        linear.linear_act(x, w.bfloat16(), b, backend=backend)
     with pytest.raises(TypeError, match="float64"):
-        MM.linear_act(x.double(), w.double(), b.double(), backend=backend)
+        linear.linear_act(x.double(), w.double(), b.double(), backend=backend)
 
 
 @pytest.mark.parametrize("backend", backend_params() + ["torch"])
@@ -179,7 +179,7 @@ def test_autocast_computes_what_f_linear_computes(backend):
     x, w, b = inputs((2, 7, 33), 18, torch.float32)
     dy = torch.randn(2, 7, 18)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        got = run(MM.linear_act, x, w, b, "gelu", dy, backend=backend)
+        got = run(linear.linear_act, x, w, b, "gelu", dy, backend=backend)
         ref = run(lambda x, w, b, act: F.gelu(F.linear(x, w, b)), x, w, b, "gelu", dy)
     dtypes = [torch.bfloat16] + [torch.float32] * 3
     assert [t.dtype for t in got] == [t.dtype for t in ref] == dtypes
@@ -213,10 +213,10 @@ def test_gemm_backend_uses_triton_only_where_its_dtypes_hold(monkeypatch, device
         monkeypatch.delenv("PYFAST_BACKEND", raising=False)
     else:
         monkeypatch.setenv("PYFAST_BACKEND", forced)
-    assert MM.gemm_backend(torch.device(device), xd, wd, bd) == want
+    assert linear.gemm_backend(torch.device(device), xd, wd, bd) == want
     if forced == "triton":
-        with pytest.raises(MM.BackendUnavailable, match="float64"):
-            MM.gemm_backend(torch.device(device), torch.float64, torch.float64)
+        with pytest.raises(linear.BackendUnavailable, match="float64"):
+            linear.gemm_backend(torch.device(device), torch.float64, torch.float64)
 
 
 def test_tp_layers_take_the_gemm_that_gemm_backend_picks(monkeypatch):
