@@ -31,7 +31,7 @@ from torch.autograd import Function
 
 from pyfast.comm.agree import agree
 from pyfast.comm.failure import as_timedelta
-from pyfast.ops.matmul import autocast_linear_args
+from pyfast.ops.linear import autocast_linear_args
 from pyfast.parallel.tp_comm import CommGuard, tp_world
 
 # MKL sgemm (2024.2, AVX-512) gives a row the same bits in any GEMM of >= 4 rows, not of 1-3 (8e-5
