@@ -8,8 +8,9 @@ from .pipeline import Pipeline, PipelineCommError, PipelineError
 from .tensor import ColumnParallelLinear, RowParallelLinear
 from .trace import save_trace
 from .vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
+from .zero import ZeroOptimizer, zero
 
 __all__ = ["ColumnParallelLinear", "DataParallel", "Mesh", "Pipeline",
            "PipelineCommError", "PipelineError",
            "RowParallelLinear", "VocabParallelEmbedding", "parallelize", "save_trace",
-           "vocab_parallel_cross_entropy"]
+           "vocab_parallel_cross_entropy", "ZeroOptimizer", "zero"]

@@ -1,4 +1,118 @@
-"""ZeRO-1/2/3 sharded data parallelism (issue 12). layout: the sharding contract."""
-from .layout import Layout, ParamShard, Unit, bucket_groups, shard_range, shard_size
+"""ZeRO-1/2/3: sharded data parallelism whose reduce-scatter (and stage 3's parameter
+all-gather) go through pyfast's compressors (issue 12).
 
-__all__ = ["Layout", "ParamShard", "Unit", "bucket_groups", "shard_range", "shard_size"]
+    model, opt = pyfast.parallel.zero(module, torch.optim.AdamW, stage=2, lr=1e-3)
+    loss = model(x).sum(); loss.backward(); opt.step(); opt.zero_grad()
+
+- layout.py: the sharding contract (which rank owns which elements, where they sit in the
+  flat buffers); the checkpoint code reads it.
+- model.py: ZeroModel, the wrapper, and the gradient reduce-scatter of stages 1/2.
+- optimizer.py: ZeroOptimizer, a torch optimizer on this rank's fp32 master shards.
+- stage3.py: parameters sharded between forwards, gathered per unit (FSDP2's scheme).
+- checkpoint.py: torch.distributed.checkpoint save/load (another engineer's file).
+
+Memory per rank between steps, fp32 parameters, psi = parameter count, N ranks (measured in
+tests/test_zero.py): DataParallel 16 psi bytes (params, grads, two Adam moments); stages 1 and 2:
+4 psi (full params) + 4 psi / N (gradient shards) + 8 psi / N (state shards), the fp32 master
+shard being a view of the parameter itself (16-bit parameters keep a separate fp32 master:
++ 4 psi / N); stage 2 differs from stage 1 in the peak during backward (full gradients of the
+units not yet reduced instead of all of them). Stage 3: 16 psi / N (master, gradient and state
+shards) + the largest gathered unit.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import pyfast.compress as C
+from pyfast.comm.agree import agree
+from pyfast.parallel.data import BUCKET_MB, broadcast_state, check_same_layout
+
+from .layout import Layout, ParamShard, Unit, bucket_groups, shard_range, shard_size
+from .model import ZeroModel
+from .optimizer import PER_ELEMENT, ZeroOptimizer, check_optimizer
+
+STAGES = (1, 2, 3)
+PARAM_COMPRESSORS = (None, "none", "bf16", "fp16", "int8", "fp8")
+
+
+def _check_params(named) -> None:
+    for n, p in named:
+        if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise TypeError(f"zero shards float32, bfloat16 and float16 parameters; {n!r} is "
+                            f"{p.dtype} (fp64 and complex would be rounded by the fp32 buffers: "
+                            "keep it out of the wrapped module, freeze it, or convert it)")
+    devices = {p.device for _, p in named}
+    if len(devices) > 1:
+        raise ValueError(f"zero needs every parameter on one device, got "
+                         f"{sorted(map(str, devices))}")
+
+
+def _grad_compressor(spec, error_feedback: bool):
+    if spec == "auto":
+        raise ValueError("compressor='auto' is DataParallel's per-bucket choice; zero takes one "
+                         "compressor for every unit (e.g. 'int8')")
+    c = C.get(spec)
+    if c.algorithm == "powersgd":
+        raise ValueError(f"compressor={c.spec!r}: the gradient reduce-scatter cannot use "
+                         "powersgd (its factors need the whole matrix, each rank reduces a "
+                         "shard of it); use a dense or sparse compressor such as 'int8'")
+    return C.wrap(c, error_feedback)
+
+
+def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_compressor=None,
+         group=None, bucket_mb: float | None = None, error_feedback: bool = True, units=None,
+         **optim_kwargs):
+    """(model, opt): `module` wrapped for ZeRO stage 1, 2 or 3 over `group` (None: the default
+    group), and a ZeroOptimizer running optim_cls(**optim_kwargs) on this rank's shards.
+    optim_kwargs may hold params= (param groups, as optim_cls's first argument: lists of the
+    module's parameters, or dicts with per-group options). Collective: every rank of the group
+    calls it with the same module structure. Rank 0's parameters and buffers are broadcast.
+
+    compressor: the gradient reduce-scatter's (a spec or Compressor; lossy ones get error
+    feedback unless error_feedback=False). param_compressor: stage 3's parameter all-gather
+    (None, "bf16", "fp16", "int8", "fp8"; the master shard stays fp32). bucket_mb: the size of
+    stage 1/2 units (default DataParallel's 4 MB). units: stage 3's wrapped modules."""
+    if not dist.is_initialized():
+        raise RuntimeError("zero needs torch.distributed initialized "
+                           "(torchrun + dist.init_process_group)")
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+    check_optimizer(optim_cls)
+    if bucket_mb is not None and bucket_mb <= 0:
+        raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
+    if param_compressor is not None and stage != 3:
+        raise ValueError(f"param_compressor={param_compressor!r} compresses stage 3's parameter "
+                         f"all-gather; stage {stage} gathers the updated parameters exactly")
+    if param_compressor not in PARAM_COMPRESSORS:
+        raise ValueError(f"param_compressor={param_compressor!r}: one of {PARAM_COMPRESSORS}")
+    if units is not None and stage != 3:
+        raise ValueError(f"units= chooses stage 3's gathered modules; stage {stage} buckets "
+                         "by bucket_mb")
+    c = _grad_compressor(compressor, error_feedback)
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    _check_params(named)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    align = c.block if c.spec != "none" else 1
+    check_same_layout(named, group)
+    broadcast_state(module, group)
+    if stage == 3:
+        from .stage3 import Stage3Model, unit_groups
+        groups, mods = unit_groups(module, named, units)
+        layout = Layout(groups, world, rank, align, modules=mods)
+    else:
+        layout = Layout(bucket_groups(named, bucket_mb or BUCKET_MB, world, align),
+                        world, rank, align)
+    agree([f"stage {stage}", c.spec, str(param_compressor)] + layout.describe(), None, group,
+          what="zero", device=named[0][1].device if named else None)
+    if stage == 3:
+        model = Stage3Model(module, layout, c, group, named, param_compressor)
+    else:
+        model = ZeroModel(module, layout, stage, c, group, named)
+    opt = ZeroOptimizer(model, optim_cls, **optim_kwargs)
+    return model, opt
+
+
+__all__ = ["zero", "ZeroModel", "ZeroOptimizer", "PER_ELEMENT", "Layout", "ParamShard", "Unit",
+           "bucket_groups", "shard_range", "shard_size"]

@@ -1,0 +1,213 @@
+"""ZeroModel: the wrapped module of pyfast.parallel.zero, and the gradient reduction of stages
+1 and 2 (stage 3's gathers are in stage3.py).
+
+Gradients are averaged by a reduce-scatter of each unit's buffer (pyfast.parallel.zero.layout):
+rank r receives the average of its shards, the fp32 .grad of its master shards. Every rank
+launches the units in unit order (strictly, as pyfast.comm.buckets does), so the collectives
+pair up whatever order backward finishes gradients in.
+
+- stage 1: backward leaves full gradients in param.grad (no hook, no communication); step()
+  reduce-scatters every unit, then frees param.grad.
+- stage 2: a post-accumulate-grad hook counts each unit's gradients; the moment a unit is
+  complete (and every earlier one launched) its gradients are copied into a fresh buffer, the
+  full param.grad freed, and an asynchronous reduce-scatter launched (comm.reduce_scatter on
+  all_reduce's FIFO worker) while backward goes on. An autograd final callback launches what is
+  left (unused parameters: zeros) and waits, so when loss.backward() returns the master shards
+  hold their gradients, as after a DDP backward.
+
+Unused parameters, as DataParallel (DDP with find_unused_parameters=True): a parameter no rank
+produced a gradient for keeps a None master gradient, so the inner optimizer skips it (AdamW
+then does not decay it, exactly as one process or DataParallel); one used on some ranks only is
+averaged with zeros from the others. Which were used travels in a side band: one exact fp32
+all-reduce of one flag per parameter after the units.
+
+Buffers: at every forward with autograd on (outside no_sync), group rank 0's buffers are
+broadcast to the others first, as DDP's broadcast_buffers=True and DataParallel.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pyfast.comm import all_gather, all_reduce, reduce_scatter
+from pyfast.parallel.data import broadcast_coalesced
+
+
+class ZeroModel(nn.Module):
+    """The module handed back by pyfast.parallel.zero(): forward runs the wrapped module;
+    state_dict() keys carry DDP's "module." prefix (as DataParallel's). no_sync() accumulates
+    gradients locally (full .grad) until the next synced backward, as DDP's."""
+
+    def __init__(self, module: nn.Module, layout, stage: int, compressor, group, named):
+        super().__init__()
+        self.module, self.layout, self.stage = module, layout, stage
+        self.compressor, self.group = compressor, group
+        self.world, self.rank = layout.world, layout.rank
+        self._params = [p for _, p in named]
+        self._names = {id(p): n for n, p in named}
+        # the side band's index of each parameter
+        self._flag = {id(p): i for i, p in enumerate(p for u in layout.units for p in u.params)}
+        # Per unit, per parameter: this rank's fp32 master shard. Stages 1/2 with an fp32
+        # parameter: a view of the parameter itself (its elements [start, start+length) are
+        # contiguous in the flat view), so no fp32 copy is kept twice: 4 psi + 12 psi / N. A
+        # 16-bit parameter (and every parameter under stage 3, whose data is freed) gets its own.
+        self.masters: list[list[torch.Tensor]] = []
+        with torch.no_grad():
+            for u in layout.units:
+                self.masters.append([self._master(p, sh) for p, sh in zip(u.params, u.shards)])
+        self._sync = True
+        self._armed = False
+        self._dirty = False  # a forward under no_sync since the last reduction (same on all ranks)
+        self._used = torch.zeros(len(self._flag))
+        self._pending: list[int] = []
+        self._next = 0
+        self._queued = False
+        self._inflight: list = []  # (unit, out, handle)
+        self._hooks = []
+        if stage == 2:
+            for p in self._params:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+
+    def _master(self, p, sh) -> torch.Tensor:
+        piece = p.detach().reshape(-1)[sh.start:sh.start + sh.length]
+        if self.stage < 3 and p.dtype == torch.float32 and p.is_contiguous():
+            return piece
+        return piece.to(torch.float32).clone()
+
+    def master(self, p: torch.Tensor) -> torch.Tensor:
+        u, i = self.layout.of(p)
+        return self.masters[u.index][i]
+
+    def name_of(self, p: torch.Tensor) -> str:
+        return self._names[id(p)]
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, *args, **kwargs):
+        if torch.is_grad_enabled() and not self._sync:
+            self._dirty = True  # gradients accumulate outside a reduction: step() reduces them
+        if torch.is_grad_enabled() and self._sync:
+            bufs = list(self.module.buffers())
+            if bufs:
+                broadcast_coalesced(bufs, self.group)
+            if self.stage == 2:
+                self._arm()
+        elif self.stage == 2:
+            self._armed = False
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally in param.grad (full size, as DDP); the first backward
+        after the block reduces the sum. Stage 1 always accumulates until step()."""
+        old, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = old
+
+    # ------------------------------------------------------------------ stage 2
+    def _arm(self) -> None:
+        self._armed, self._next, self._queued = True, 0, False
+        self._pending = [len(u.params) for u in self.layout.units]
+
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        if not self._armed:
+            return
+        if not self._queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._final)
+            self._queued = True
+        u, _ = self.layout.of(p)
+        self._pending[u.index] -= 1
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        units = self.layout.units
+        while self._next < len(units) and self._pending[self._next] == 0:
+            self._launch(units[self._next])
+            self._next += 1
+
+    def _final(self) -> None:
+        """Autograd final callback: launch the units left (unused parameters), then wait."""
+        self._armed, self._dirty = False, False
+        self._pending = [0] * len(self.layout.units)
+        self._launch_ready()
+        self.finish()
+
+    def _launch(self, u) -> None:
+        """Copy unit u's gradients into a fresh buffer, free them, start its reduce-scatter."""
+        buf = u.new_buffer(self._device)
+        with torch.no_grad():
+            for i, p in enumerate(u.params):
+                if p.grad is not None:
+                    self._used[self._flag[id(p)]] = 1.0
+                u.copy_in(buf, i, p.grad)
+                p.grad = None
+        out = torch.empty(u.S, dtype=torch.float32, device=buf.device)
+        h = reduce_scatter(out, buf, self.compressor, self.group, op="avg",
+                           async_op=self.stage >= 2, name=u.name)
+        self._inflight.append((u, out, h if self.stage >= 2 else None))
+
+    @property
+    def _device(self):
+        return self._params[0].device if self._params else None
+
+    def finish(self) -> None:
+        """Wait for every launched reduce-scatter (all of them, even after one failed: one
+        still running would interleave with the caller's next collective), agree on which
+        parameters were used (side band), and add each reduced shard to its master's .grad."""
+        errors = []
+        for _, _, h in self._inflight:
+            if h is not None:
+                try:
+                    h.wait()
+                except BaseException as e:  # noqa: BLE001
+                    errors.append(e)
+        inflight, self._inflight = self._inflight, []
+        if errors:
+            raise errors[0]
+        if not inflight:
+            return
+        all_reduce(self._used, None, self.group, op="sum")
+        used = self._used.tolist()
+        self._used.zero_()
+        for u, out, _ in inflight:
+            for i, p in enumerate(u.params):
+                if used[self._flag[id(p)]] == 0:
+                    continue
+                m = self.masters[u.index][i]
+                g = u.shard_view(out, i)
+                if m.grad is None:
+                    m.grad = g
+                else:
+                    m.grad.add_(g)
+
+    def reduce_gradients(self) -> None:
+        """Reduce what the parameters' .grad hold now (stage 1 at step(); stage 2 after a
+        backward under no_sync, or one that did not go through forward)."""
+        self._armed, self._dirty = False, False
+        for u in self.layout.units:
+            self._launch(u)
+        self.finish()
+
+    # ------------------------------------------------------------------ step's other half
+    def gather_params(self) -> None:
+        """Stages 1/2: every rank's updated master shards into every rank's parameters, one
+        exact all-gather per unit: bit-identical replicas (every rank copies the same bytes)."""
+        with torch.no_grad():
+            for u, masters in zip(self.layout.units, self.masters):
+                full = u.new_buffer(self._device)
+                seg = torch.zeros(u.S, dtype=torch.float32, device=full.device)
+                for i, m in enumerate(masters):
+                    u.shard_view(seg, i).copy_(m)
+                all_gather(full, seg, None, self.group, name=u.name)
+                for i, p in enumerate(u.params):
+                    u.copy_out(full, i, p.data)
+
+    def close(self) -> None:
+        """Remove the gradient hooks (the wrapped module stays usable on its own)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

@@ -1,0 +1,153 @@
+"""ZeroOptimizer: a torch optimizer stepping this rank's fp32 master shards.
+
+The inner optimizer (optim_cls(groups, **kwargs)) is built on the master shards (one 1-D fp32
+tensor per parameter, exactly its `length` elements, layout.ParamShard), with the user's
+param_groups mirrored: each parameter replaced by its shard, per-group options kept. Its
+param_groups, state and defaults are this object's, so LR schedulers, state_dict() and
+load_state_dict() work unchanged and opt.state holds this rank's shard of the state, keyed by
+the master shards (as any torch optimizer keys its state by its own tensors).
+
+A shard-local step is the full step only if the update of each element depends on that
+element's gradient and state alone: PER_ELEMENT lists the torch optimizers that are (weight
+decay, momentum, Adam's moments, Adagrad's sums are all per element). LBFGS (a line search over
+the whole vector), Adafactor (factored row/column second moments) and SparseAdam (sparse
+gradients) are not; anything else, subclasses of the listed ones included, is refused rather
+than guessed about.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pyfast.comm import all_reduce
+
+PER_ELEMENT = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+               torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
+               torch.optim.ASGD, torch.optim.Rprop)
+
+
+def check_optimizer(optim_cls) -> None:
+    if optim_cls not in PER_ELEMENT:
+        name = getattr(optim_cls, "__name__", repr(optim_cls))
+        raise ValueError(
+            f"optim_cls={name} is not supported by zero: each rank steps its own shard of every "
+            "parameter, which equals the full step only for an update that works element by "
+            "element; supported: " + ", ".join(c.__name__ for c in PER_ELEMENT) + " (LBFGS, "
+            "Adafactor, SparseAdam and other non-per-element optimizers are refused)")
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """See the module docstring. step(closure=None): finish the gradient reduction (stage 1:
+    reduce-scatter now; stage 2: already done by backward), step the shards, then stage 1/2
+    all-gather them into every rank's parameters (bit-identical replicas); stage 3 keeps the
+    parameters sharded. zero_grad(set_to_none=True) clears the master shards' and the
+    parameters' gradients. clip_grad_norm_(max_norm) clips by the global norm (one
+    all-reduce), since no rank holds a full gradient under stage 2/3."""
+
+    def __init__(self, model, optim_cls, params=None, **kwargs):
+        check_optimizer(optim_cls)
+        self.model = model
+        self.layout = model.layout
+        if params is None:
+            params = [p for p in model.module.parameters() if p.requires_grad]
+        groups = list(params)
+        if groups and not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        trainable = {id(p) for p in model._params}
+        names = {id(p): n for n, p in model.module.named_parameters()}
+        mirrored = []
+        for g in groups:
+            ps = g["params"]
+            ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
+            for p in ps:
+                if id(p) not in trainable:
+                    what = names.get(id(p))
+                    raise ValueError(
+                        f"params: {what!r} is frozen (requires_grad=False)" if what else
+                        "params: a tensor that is not a parameter of the wrapped module")
+            mirrored.append({**g, "params": [model.master(p) for p in ps]})
+        self.shards = {sh.name: model.masters[u.index][i]
+                       for u in self.layout.units for i, sh in enumerate(u.shards)}
+        self.inner = optim_cls(mirrored, **kwargs)
+        self._reduced = False
+        # torch.optim.Optimizer's hooks and step patching; param_groups/state/defaults are the
+        # inner optimizer's (properties below), re-added here group by group.
+        torch.optim.Optimizer.__init__(self, list(self.inner.param_groups), self.inner.defaults)
+
+    # the inner optimizer's, so schedulers and state dicts see one set of groups
+    param_groups = property(lambda self: self.inner.param_groups,
+                            lambda self, v: setattr(self.inner, "param_groups", v))
+    state = property(lambda self: self.inner.state, lambda self, v: setattr(self.inner, "state", v))
+    defaults = property(lambda self: self.inner.defaults,
+                        lambda self, v: setattr(self.inner, "defaults", v))
+
+    def _reduce(self) -> None:
+        if self._reduced:
+            return
+        m = self.model
+        if m.stage == 1 or m._dirty:
+            m.reduce_gradients()
+        else:
+            m.finish()
+        if m.stage == 1:
+            for p in m._params:
+                p.grad = None
+        self._reduced = True
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ over the whole (sharded) gradient: the total norm
+        (returned) from one all-reduce of the shards' sum of squares (max for inf), then every
+        shard scaled by max_norm / (total + 1e-6) if that is below 1, as torch does."""
+        self._reduce()
+        grads = [m.grad for ms in self.model.masters for m in ms if m.grad is not None]
+        norm_type = float(norm_type)
+        if norm_type == math.inf:
+            local = torch.stack([g.abs().max() for g in grads if g.numel()]).max() \
+                if any(g.numel() for g in grads) else torch.zeros(())
+            t = local.reshape(1).clone()
+            import torch.distributed as dist
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.model.group)
+            total = t[0]
+        elif norm_type == 2.0:
+            t = torch.zeros(1)
+            for g in grads:
+                t += g.pow(2).sum()
+            all_reduce(t, None, self.model.group, op="sum")
+            total = t[0].sqrt()
+        else:
+            raise ValueError(f"clip_grad_norm_: norm_type 2 or inf, got {norm_type}")
+        coef = max_norm / (total + 1e-6)
+        if coef < 1:
+            for g in grads:
+                g.mul_(coef)
+        return total
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._reduce()
+        self.inner.step()
+        self._reduced = False
+        if self.model.stage < 3:
+            self.model.gather_params()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for ms in self.model.masters:
+            for m in ms:
+                if m.grad is not None:
+                    if set_to_none:
+                        m.grad = None
+                    else:
+                        m.grad.zero_()
+        for p in self.model._params:
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
