@@ -1,0 +1,315 @@
+"""Checkpoints of a zero() model and its ZeroOptimizer through torch.distributed.checkpoint
+(DCP): sharded (each rank writes its own shards), loadable at another world size or stage, and
+a full (unsharded) state dict for export.
+
+    save(path, model, opt)                  # dcp.save(get_state_dict(model, opt), ...)
+    load(path, model, opt)                  # any world size, any stage
+    sd = get_state_dict(model, opt); dcp.load(sd, checkpoint_id=path); set_state_dict(model, opt, sd)
+    full = full_state_dict(model, opt)      # plain tensors in the parameters' shapes
+
+The state dict mirrors torch.distributed.checkpoint.state_dict.get_state_dict's, keyed by the
+wrapped module's FQNs (no "module." prefix):
+
+    {"model": {fqn: tensor},                      # parameters and buffers
+     "optim": {"state": {fqn: {"exp_avg": ..., "step": ...}},
+               "param_groups": [{"lr": ..., ..., "params": [fqn, ...]}]}}
+
+- model, stages 1/2: the module's own tensors, plain and replicated (DCP writes them once).
+  Stage 3: each trainable parameter as a DTensor of its flattened shape (n,) with Shard(0) on
+  a 1-D DeviceMesh of the group, whose local tensor is this rank's fp32 master shard. A
+  Shard(0) of the parameter's own shape would split rows, which is the flat split only when
+  ceil(rows / W) * row = ceil(n / W): not at every world size, and a checkpoint's shapes must
+  not depend on the world that wrote it. Buffers and frozen parameters: plain.
+- optim: each per-element state tensor (exp_avg, exp_avg_sq, momentum_buffer, ...) as a DTensor
+  of shape (n,) with Shard(0), local = this rank's shard (opt.state's own tensor); scalars
+  (step) plain. Layout (pyfast.parallel.zero.layout): rank r owns flat elements
+  [r*s, min((r+1)*s, n)), s = ceil(n/W), which is exactly DTensor's (torch.chunk's) Shard(0)
+  split, uneven last shards and empty ones included, so DCP reshards by itself.
+
+load() builds what it reads from the checkpoint's metadata (a fresh optimizer has no state to
+load into, and a parameter no rank ever used has none in the checkpoint) and accepts either
+form of a parameter (a stage 1/2 checkpoint in a stage 3 model and back): a tensor of the
+parameter's shape is read whole and sliced, one of shape (n,) as this rank's shard.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.distributed as dist
+
+_MESHES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _mesh(model):
+    """The 1-D DeviceMesh of the model's group (cached per model)."""
+    mesh = _MESHES.get(model)
+    if mesh is None:
+        from torch.distributed.device_mesh import DeviceMesh
+        group = model.group if model.group is not None else dist.group.WORLD
+        device = next((p.device.type for p in model.module.parameters()), "cpu")
+        mesh = _MESHES[model] = DeviceMesh.from_group(group, device_type=device)
+    return mesh
+
+
+def _dtensor(model, local: torch.Tensor, n: int):
+    from torch.distributed.tensor import DTensor, Shard
+    return DTensor.from_local(local, _mesh(model), [Shard(0)], run_check=False,
+                              shape=torch.Size([n]), stride=(1,))
+
+
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+    return isinstance(t, DTensor)
+
+
+def _names(model) -> dict:
+    """FQN -> the layout's name of the same parameter (a tied parameter's every name maps to its
+    first one), for the trainable parameters; FQN -> None for frozen parameters and buffers."""
+    layout = model.layout
+    first = {}
+    for name, p in model.module.named_parameters(remove_duplicate=False):
+        if name in layout.params:
+            first[id(p)] = name
+    out = {}
+    for name, p in model.module.named_parameters(remove_duplicate=False):
+        out[name] = first.get(id(p))
+    for name, _ in model.module.named_buffers(remove_duplicate=False):
+        out[name] = None
+    return out
+
+
+def _tensors(model) -> dict:
+    """FQN -> the module's own parameter or buffer (detached: shares its storage)."""
+    m = model.module
+    got = {n: p.detach() for n, p in m.named_parameters(remove_duplicate=False)}
+    got.update({n: b.detach() for n, b in m.named_buffers(remove_duplicate=False)})
+    return got
+
+
+def _fqn_of_shard(opt) -> dict:
+    return {id(t): fqn for fqn, t in opt.shards.items()}
+
+
+def _model_state(model, opt) -> dict:
+    own = _tensors(model)
+    out = {}
+    for fqn, first in _names(model).items():
+        if first is not None and model.stage == 3:
+            out[fqn] = _dtensor(model, opt.shards[first], model.layout.params[first].n)
+        else:
+            out[fqn] = own[fqn]
+    return out
+
+
+def _param_groups(opt) -> list:
+    names = _fqn_of_shard(opt)
+    return [{**{k: v for k, v in g.items() if k != "params"},
+             "params": [names[id(p)] for p in g["params"]]} for g in opt.param_groups]
+
+
+def _optim_state(model, opt) -> dict:
+    state = {}
+    for fqn, shard in opt.shards.items():
+        st = opt.state.get(shard)
+        if not st:
+            continue
+        n = model.layout.params[fqn].n
+        entry = {}
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                if v.shape != shard.shape:
+                    raise ValueError(
+                        f"optimizer state {fqn}.{k} has shape {tuple(v.shape)}, not the shard's "
+                        f"{tuple(shard.shape)}: only per-element state (or scalars) can be "
+                        "sharded")
+                entry[k] = _dtensor(model, v, n)
+            else:
+                entry[k] = v
+        state[fqn] = entry
+    return state
+
+
+def get_state_dict(model, opt) -> dict:
+    """{"model": ..., "optim": ...} of a zero() model and its optimizer (module docstring):
+    this rank's shards as DTensors, the rest plain. Tensors are the live ones (no copy), so
+    dcp.load into it fills the model and optimizer in place; call set_state_dict after."""
+    return {"model": _model_state(model, opt),
+            "optim": {"state": _optim_state(model, opt), "param_groups": _param_groups(opt)}}
+
+
+def _local(v) -> torch.Tensor:
+    return v.to_local() if _is_dtensor(v) else v
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype
+
+
+@torch.no_grad()
+def set_state_dict(model, opt, state: dict) -> None:
+    """Install a state dict of get_state_dict's form (loaded by dcp.load, or full_state_dict's
+    at any world size): every rank calls it (stages 1/2 end in the all-gather that rebuilds the
+    replicated parameters from the master shards). Missing or unexpected keys are errors."""
+    model_sd, optim_sd = state["model"], state["optim"]
+    names, own = _names(model), _tensors(model)
+    missing, unexpected = sorted(set(names) - set(model_sd)), sorted(set(model_sd) - set(names))
+    if missing or unexpected:
+        raise KeyError(f"model state: missing {missing}, unexpected {unexpected}")
+    for fqn, first in names.items():
+        v = model_sd[fqn]
+        if first is None:  # buffer or frozen parameter: whole everywhere
+            if not _same(own[fqn], v):
+                own[fqn].copy_(v)
+            continue
+        sh, master = model.layout.params[first], opt.shards[first]
+        if _is_dtensor(v):
+            local = v.to_local()
+            if local.numel() != sh.length:
+                raise ValueError(f"{fqn}: the checkpoint's shard has {local.numel()} elements, "
+                                 f"this rank owns {sh.length} (load() reshards; a DTensor "
+                                 "state dict must come from this world size)")
+        else:
+            if v.numel() != sh.n:
+                raise ValueError(f"{fqn}: {v.numel()} elements, the parameter has {sh.n}")
+            local = v.reshape(-1)[sh.start:sh.start + sh.length]
+        if not _same(master, local):
+            master.copy_(local)
+    _set_optim(model, opt, optim_sd)
+    _refresh(model)
+
+
+def _set_optim(model, opt, optim_sd: dict) -> None:
+    """Through the inner optimizer's own load_state_dict (integer keys, its param order)."""
+    inner = opt.inner
+    names = _fqn_of_shard(opt)
+    order = [names[id(p)] for g in inner.param_groups for p in g["params"]]
+    index = {fqn: i for i, fqn in enumerate(order)}
+    saved = optim_sd["param_groups"]
+    if [g["params"] for g in saved] != [[names[id(p)] for p in g["params"]]
+                                        for g in inner.param_groups]:
+        raise ValueError("optimizer state: the checkpoint's param_groups list other parameters "
+                         "(by FQN) than this optimizer's")
+    state = {}
+    for fqn, entry in optim_sd["state"].items():
+        if fqn not in index:
+            raise KeyError(f"optimizer state for {fqn!r}, which this optimizer does not step")
+        sh = model.layout.params[fqn]
+        st = {}
+        for k, v in entry.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                local = _local(v)
+                if not _is_dtensor(v):  # a full tensor (full_state_dict's): this rank's piece
+                    local = v.reshape(-1)[sh.start:sh.start + sh.length]
+                if local.numel() != sh.length:
+                    raise ValueError(f"optimizer state {fqn}.{k}: {local.numel()} elements, "
+                                     f"this rank's shard has {sh.length}")
+                st[k] = local.clone()
+            else:
+                st[k] = v.clone() if isinstance(v, torch.Tensor) else v
+        state[index[fqn]] = st
+    groups = [{**g, "params": [index[f] for f in g["params"]]} for g in saved]
+    inner.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _refresh(model) -> None:
+    """The parameters from the (new) master shards: stages 1/2 all-gather them into the
+    replicated parameters; stage 3 drops whatever it derived from the old shards."""
+    if model.stage < 3:
+        model.gather_params()
+    else:
+        refresh = getattr(model, "masters_changed", None)
+        if refresh is not None:
+            refresh()
+
+
+def _key(*path) -> str:
+    return ".".join(path)
+
+
+def _target(model, opt, metadata) -> dict:
+    """What load() reads into, from the checkpoint's metadata: the model's tensors in the form
+    the checkpoint holds them, the optimizer state the checkpoint has (nothing more)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    md = metadata.state_dict_metadata
+    names, own = _names(model), _tensors(model)
+    model_sd = {}
+    for fqn, first in names.items():
+        k = _key("model", fqn)
+        if k not in md:
+            raise KeyError(f"the checkpoint has no {k!r}")
+        size = tuple(md[k].size)
+        if first is None:
+            model_sd[fqn] = own[fqn]
+            continue
+        sh = model.layout.params[first]
+        if size == sh.shape and (model.stage < 3 or len(size) != 1):
+            # whole (a stage 1/2 checkpoint): into the replicated parameter, or a temporary
+            model_sd[fqn] = own[fqn] if model.stage < 3 else \
+                torch.empty(size, dtype=md[k].properties.dtype)
+        elif size == (sh.n,):
+            model_sd[fqn] = _dtensor(model, opt.shards[first], sh.n)
+        else:
+            raise ValueError(f"{k}: the checkpoint holds shape {size}, the parameter is "
+                             f"{sh.shape} ({sh.n} elements)")
+    state = {}
+    for fqn, shard in opt.shards.items():
+        prefix = _key("optim", "state", fqn) + "."
+        sh = model.layout.params[fqn]
+        for k, m in md.items():
+            if not k.startswith(prefix) or "." in k[len(prefix):]:
+                continue
+            if not isinstance(m, TensorStorageMetadata):
+                raise ValueError(f"{k}: a non-tensor optimizer state value is not supported")
+            entry = state.setdefault(fqn, {})
+            name = k[len(prefix):]
+            if len(m.size) == 0:
+                entry[name] = torch.zeros((), dtype=m.properties.dtype)
+            elif tuple(m.size) == (sh.n,):
+                entry[name] = _dtensor(model, torch.zeros(sh.length, dtype=m.properties.dtype), sh.n)
+            else:
+                raise ValueError(f"{k}: shape {tuple(m.size)}, expected ({sh.n},)")
+    return {"model": model_sd, "optim": {"state": state, "param_groups": _param_groups(opt)}}
+
+
+def save(checkpoint_id, model, opt) -> None:
+    """dcp.save of get_state_dict(model, opt): every rank writes its own shards (collective)."""
+    import torch.distributed.checkpoint as dcp
+    dcp.save(get_state_dict(model, opt), checkpoint_id=checkpoint_id,
+             process_group=model.group)
+
+
+def load(checkpoint_id, model, opt) -> None:
+    """Load a checkpoint written by save() at any world size and stage (collective)."""
+    import torch.distributed.checkpoint as dcp
+    md = dcp.FileSystemReader(checkpoint_id).read_metadata()
+    target = _target(model, opt, md)
+    dcp.load(target, checkpoint_id=checkpoint_id, process_group=model.group)
+    set_state_dict(model, opt, target)
+
+
+@torch.no_grad()
+def full_state_dict(model, opt, rank0_only: bool = False) -> dict:
+    """get_state_dict's form with every tensor whole and in its parameter's shape (optimizer
+    state too), for export or a one-process run: collective (the shards are all-gathered).
+    rank0_only: the other ranks return {}."""
+    sd = get_state_dict(model, opt)
+    shapes = {fqn: sh.shape for fqn, sh in model.layout.params.items()}
+    names = _names(model)
+
+    def whole(v, shape):
+        return v.full_tensor().reshape(shape) if _is_dtensor(v) else v.detach().clone()
+
+    out_model = {fqn: whole(v, shapes[names[fqn]] if names[fqn] else v.shape)
+                 for fqn, v in sd["model"].items()}
+    out_state = {fqn: {k: whole(v, shapes[fqn]) if isinstance(v, torch.Tensor) and v.dim() > 0
+                       else (v.clone() if isinstance(v, torch.Tensor) else v)
+                       for k, v in entry.items()}
+                 for fqn, entry in sd["optim"]["state"].items()}
+    if rank0_only and dist.get_rank(model.group) != 0:
+        return {}
+    return {"model": out_model,
+            "optim": {"state": out_state, "param_groups": sd["optim"]["param_groups"]}}
+
+
+__all__ = ["get_state_dict", "set_state_dict", "full_state_dict", "save", "load"]
