@@ -11,7 +11,7 @@ from conftest import NUMEL
 from pyfast import perf
 from pyfast.benchmarks.compress import KERNEL_SPECS, SPECS, gradient
 from pyfast.ops import status
-from pyfast.ops import topk as T
+from pyfast.ops import topk
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ def test_copy_roof(benchmark, x):
 
 
 def test_torch_topk(benchmark, x):
-    k = T.target(x.numel(), 0.01)[0]
+    k = topk.target(x.numel(), 0.01)[0]
     v, _ = benchmark(lambda: torch.topk(x.view(-1).abs(), k))
     assert v.numel() == k
 

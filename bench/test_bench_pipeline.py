@@ -14,10 +14,11 @@ import os
 import pytest
 import torch.nn.functional as F
 
-from pyfast.benchmarks import pipeline as P
+from pyfast.benchmarks import pipeline
 
-SIZES = {**P.MODELS, "small": (64, 16)}
-PROVIDERS = [f"pyfast {s}" for s in P.SCHEDULES] + [f"torch {c}" for c, _ in P.TORCH.values()]
+SIZES = {**pipeline.MODELS, "small": (64, 16)}
+PROVIDERS = ([f"pyfast {s}" for s in pipeline.SCHEDULES]
+             + [f"torch {c}" for c, _ in pipeline.TORCH.values()])
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,7 @@ def size(request):
 
 @pytest.fixture(scope="module")
 def ranks(size):
-    r = P.Ranks(2)
+    r = pipeline.Ranks(2)
     try:
         assert sorted(r.call("_setup", *size)[0]) == sorted(PROVIDERS)
         yield r
@@ -42,7 +43,7 @@ def test_pipeline_step(benchmark, ranks, size, provider):
     r.call("_round", [provider])  # first step: shapes are exchanged
     out = benchmark.pedantic(lambda: r.call("_round", [provider]), rounds=5, warmup_rounds=1)
     slowest = max(rank[provider][0] for rank in out)
-    benchmark.extra_info.update(ranks=2, width=size[0], batch=size[1], microbatches=P.M,
+    benchmark.extra_info.update(ranks=2, width=size[0], batch=size[1], microbatches=pipeline.M,
                                 step_s_slowest_rank=slowest)
     got = sum(rank[provider] for rank in r.call("_grad_sq", [provider]))
     assert got == pytest.approx(reference_grad_sq(*size), rel=1e-4), provider
@@ -50,7 +51,7 @@ def test_pipeline_step(benchmark, ranks, size, provider):
 
 def reference_grad_sq(width, rows):
     """The same step in one process, in the same micro-batches: the gradients' squared norm."""
-    seq, (x, t) = P.model(width), P.batch(width, rows)
-    for xc, tc in zip(x.chunk(P.M), t.chunk(P.M)):
-        (F.mse_loss(seq(xc), tc) / P.M).backward()
+    seq, (x, t) = pipeline.model(width), pipeline.batch(width, rows)
+    for xc, tc in zip(x.chunk(pipeline.M), t.chunk(pipeline.M)):
+        (F.mse_loss(seq(xc), tc) / pipeline.M).backward()
     return float(sum(p.grad.double().pow(2).sum() for p in seq.parameters()))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import backend_params
-from pyfast.ops import quantize as Q
+from pyfast.ops import quantize
 
 SIZES = [1, 1023, 1025, 1_000_003]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -43,14 +43,14 @@ def test_quantize_matches_reference(backend, kind, n, dtype):
     if too_slow(backend, n, dtype):
         pytest.skip("interpreter: million-element case only for float32")
     x = sample(n, dtype)
-    codes, scales = Q.quantize(x, kind, backend=backend)
-    rc, rs = Q.quantize_ref(x, kind)
-    assert codes.dtype == torch.uint8 and codes.numel() == Q.codes_len(n, kind)
+    codes, scales = quantize.quantize(x, kind, backend=backend)
+    rc, rs = quantize.quantize_ref(x, kind)
+    assert codes.dtype == torch.uint8 and codes.numel() == quantize.codes_len(n, kind)
     assert torch.equal(codes, rc), f"{(codes != rc).sum()} of {rc.numel()} codes differ"
     assert_scales(kind, scales, rs)
     for out_dtype in (torch.float32, dtype):
-        y = Q.dequantize(codes, scales, n, kind, dtype=out_dtype, backend=backend)
-        ry = Q.dequantize_ref(codes, scales, n, kind, dtype=out_dtype)
+        y = quantize.dequantize(codes, scales, n, kind, dtype=out_dtype, backend=backend)
+        ry = quantize.dequantize_ref(codes, scales, n, kind, dtype=out_dtype)
         assert y.dtype == out_dtype and y.shape == (n,)
         assert torch.equal(y, ry)
 
@@ -60,10 +60,10 @@ def test_quantize_matches_reference(backend, kind, n, dtype):
 @pytest.mark.parametrize("kind", KINDS)
 def test_dequantize_accumulate(backend, kind, n):
     x = sample(n, torch.float32)
-    codes, scales = Q.quantize_ref(x, kind)
+    codes, scales = quantize.quantize_ref(x, kind)
     out = torch.randn(n)
-    ref = out + Q.dequantize_ref(codes, scales, n, kind)
-    Q.dequantize_accumulate_(out, codes, scales, kind, backend=backend)
+    ref = out + quantize.dequantize_ref(codes, scales, n, kind)
+    quantize.dequantize_accumulate_(out, codes, scales, kind, backend=backend)
     assert torch.equal(out, ref)  # one fp32 add of the same two numbers
 
 
@@ -73,10 +73,10 @@ def test_dequantize_accumulate(backend, kind, n):
 def test_stochastic_matches_reference(backend, kind, dtype):
     # the counter-based hash makes stochastic codes reproducible across backends too
     x = sample(3001, dtype)
-    codes, scales = Q.quantize(x, kind, stochastic=True, seed=1234, backend=backend)
-    rc, rs = Q.quantize_ref(x, kind, stochastic=True, seed=1234)
+    codes, scales = quantize.quantize(x, kind, stochastic=True, seed=1234, backend=backend)
+    rc, rs = quantize.quantize_ref(x, kind, stochastic=True, seed=1234)
     assert torch.equal(codes, rc) and torch.equal(scales, rs)
-    other, _ = Q.quantize(x, kind, stochastic=True, seed=1235, backend=backend)
+    other, _ = quantize.quantize(x, kind, stochastic=True, seed=1235, backend=backend)
     assert not torch.equal(codes, other), "the seed must change the rounding"
 
 
@@ -85,13 +85,14 @@ def test_stochastic_rounding_is_unbiased(kind):
     # mean of 400 seeded decodes -> x; each decode's error is at most one step (scale for
     # int*, 1/8 relative for fp8), so the mean's error shrinks like 1/sqrt(400) = 0.05 step
     x = sample(2048, torch.float32)
-    codes, scales = Q.quantize(x, kind)
-    step = scales.repeat_interleave(Q.DEFAULT_BLOCK)[:2048]
+    codes, scales = quantize.quantize(x, kind)
+    step = scales.repeat_interleave(quantize.DEFAULT_BLOCK)[:2048]
     if kind == "fp8":
         step = x.abs() / 8 + step * 2 ** -9
-    mean = torch.stack([Q.dequantize(*Q.quantize(x, kind, stochastic=True, seed=s), 2048, kind)
+    mean = torch.stack([quantize.dequantize(*quantize.quantize(x, kind, stochastic=True, seed=s),
+                                            2048, kind)
                         for s in range(400)]).mean(0)
-    rn = Q.dequantize(codes, scales, 2048, kind)
+    rn = quantize.dequantize(codes, scales, 2048, kind)
     assert ((mean - x).abs() / step).mean() < 0.06
     assert ((rn - x).abs() / step).mean() > 0.1  # while a single rounding is off by more
 
@@ -100,18 +101,18 @@ def test_stochastic_rounding_is_unbiased(kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_edge_inputs(backend, kind):
     empty = torch.empty(0)
-    codes, scales = Q.quantize(empty, kind, backend=backend)
+    codes, scales = quantize.quantize(empty, kind, backend=backend)
     assert codes.numel() == 0 and scales.numel() == 0
-    assert Q.dequantize(codes, scales, 0, kind, backend=backend).numel() == 0
+    assert quantize.dequantize(codes, scales, 0, kind, backend=backend).numel() == 0
     zeros = torch.zeros(1500, dtype=torch.bfloat16)
-    codes, scales = Q.quantize(zeros, kind, backend=backend)
-    y = Q.dequantize(codes, scales, 1500, kind, backend=backend)
+    codes, scales = quantize.quantize(zeros, kind, backend=backend)
+    y = quantize.dequantize(codes, scales, 1500, kind, backend=backend)
     assert torch.equal(scales, torch.zeros(3)) and torch.equal(y, torch.zeros(1500))
     base = sample(4096, torch.float32).view(64, 64)
     nc = base.t()[:, ::2]  # not contiguous
     assert not nc.is_contiguous()
-    c1, s1 = Q.quantize(nc, kind, backend=backend)
-    c2, s2 = Q.quantize_ref(nc.contiguous(), kind)
+    c1, s1 = quantize.quantize(nc, kind, backend=backend)
+    c2, s2 = quantize.quantize_ref(nc.contiguous(), kind)
     assert torch.equal(c1, c2)
 
 
@@ -121,8 +122,8 @@ def test_edge_inputs(backend, kind):
 def test_nonfinite_input_decodes_to_nan(backend, kind, bad):
     x = sample(2000, torch.float32)
     x[700] = bad  # block 1 of [0, 512), [512, 1024), ...
-    codes, scales = Q.quantize(x, kind, backend=backend)
-    y = Q.dequantize(codes, scales, 2000, kind, backend=backend)
+    codes, scales = quantize.quantize(x, kind, backend=backend)
+    y = quantize.dequantize(codes, scales, 2000, kind, backend=backend)
     assert y[512:1024].isnan().all(), "a non-finite block must decode to NaN, not numbers"
     assert torch.isfinite(y[:512]).all() and torch.isfinite(y[1024:]).all()
 
@@ -130,13 +131,13 @@ def test_nonfinite_input_decodes_to_nan(backend, kind, bad):
 def test_bad_arguments():
     x = torch.randn(100)
     with pytest.raises(ValueError, match="kind"):
-        Q.quantize(x, "int3")
+        quantize.quantize(x, "int3")
     with pytest.raises(ValueError, match="power of two"):
-        Q.quantize(x, "int8", block=100)
+        quantize.quantize(x, "int8", block=100)
     with pytest.raises(TypeError, match="float64"):
-        Q.quantize(x.double(), "int8")
-    codes, scales = Q.quantize_ref(x, "int4")
+        quantize.quantize(x.double(), "int8")
+    codes, scales = quantize.quantize_ref(x, "int4")
     with pytest.raises(ValueError, match="uint8"):
-        Q.dequantize(codes[:-1], scales, 100, "int4")
+        quantize.dequantize(codes[:-1], scales, 100, "int4")
     with pytest.raises(ValueError, match="stochastic"):
-        Q.quantize(x, "sign", stochastic=True)
+        quantize.quantize(x, "sign", stochastic=True)

@@ -285,7 +285,7 @@ def held_activations(rank, world):
     import gc
 
     from pyfast.parallel import Pipeline
-    from pyfast.parallel import schedules as S
+    from pyfast.parallel import schedules
     m, rows = 4, 8
     out = {}
     for schedule in ("gpipe", "1f1b", "zb-h1"):
@@ -303,8 +303,8 @@ def held_activations(rank, world):
             gc.collect()
             peaks.append(saved.peak)
             left = saved.live  # reported, not asserted here: a rank must not fail alone
-        out[schedule] = (peaks[1], peaks[0], S.held(S.compute_actions(schedule, rank, world, m)),
-                         left)
+        counted = schedules.held(schedules.compute_actions(schedule, rank, world, m))
+        out[schedule] = (peaks[1], peaks[0], counted, left)
     return out
 
 

@@ -7,19 +7,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from pyfast.parallel import Pipeline
-from pyfast.parallel import schedules as S
+from pyfast.parallel import schedules
 from pyfast.parallel.p2p import (failed_message, pack, pack_header, read_failure, spec_of, unpack,
                                  unpack_header)
 from pyfast.parallel.zero_bubble import _linear_weight_grad, input_grad, weight_grad
 from pyfast.parallel.schedules import partition
 
-CASES = [(name, p, m, v) for name in S.SCHEDULES for p in (1, 2, 3, 4) for m in (1, 2, 3, 4, 8, 12)
+CASES = [(name, p, m, v) for name in schedules.SCHEDULES for p in (1, 2, 3, 4)
+         for m in (1, 2, 3, 4, 8, 12)
          for v in ((2, 3) if name == "interleaved-1f1b" else (1,))
          if not (name == "interleaved-1f1b" and m % max(1, m // p))]
 
 
 def orders(name, p, m, v):
-    return [S.compute_actions(name, r, p, m, v) for r in range(p)]
+    return [schedules.compute_actions(name, r, p, m, v) for r in range(p)]
 
 
 @pytest.mark.parametrize("name,p,m,v", CASES)
@@ -30,19 +31,20 @@ def test_every_microbatch_once_in_dependency_order(name, p, m, v):
         assert len(pos) == len(acts), "an action repeats"
         for s in range(rank, p * v, p):
             for k in range(m):
-                f = pos.pop((S.F, k, s))
-                if (S.B, k, s) in pos:
-                    assert f < pos.pop((S.B, k, s))
+                f = pos.pop((schedules.F, k, s))
+                if (schedules.B, k, s) in pos:
+                    assert f < pos.pop((schedules.B, k, s))
                 else:
-                    i, w = pos.pop((S.I, k, s)), pos.pop((S.W, k, s))
+                    i, w = pos.pop((schedules.I, k, s)), pos.pop((schedules.W, k, s))
                     assert f < i < w
         assert not pos, f"unexpected actions {pos}"
 
 
 @pytest.mark.parametrize("name,p,m,v", CASES)
 def test_no_deadlock_and_bubble(name, p, m, v):
-    res = S.simulate(orders(name, p, m, v), p * v,
-                     cost={S.F: 1 / v, S.B: 2 / v, S.I: 1 / v, S.W: 1 / v})
+    res = schedules.simulate(orders(name, p, m, v), p * v,
+                             cost={schedules.F: 1 / v, schedules.B: 2 / v, schedules.I: 1 / v,
+                                   schedules.W: 1 / v})
     formula = (p - 1) / (m + p - 1)
     if name in ("gpipe", "1f1b"):
         assert res["bubble"] == pytest.approx(formula)
@@ -53,16 +55,16 @@ def test_no_deadlock_and_bubble(name, p, m, v):
 @pytest.mark.parametrize("p,m", [(2, 8), (4, 8), (4, 16), (3, 5)])
 def test_memory_bounds(p, m):
     for r in range(p):
-        assert S.held(S.one_f_one_b(r, p, m)) == min(p - r, m)  # at most p in flight
-        assert S.held(S.zb_h1(r, p, m)) <= p                    # 1F1B's peak, as the paper says
-        assert S.held(S.gpipe(r, p, m)) == m
+        assert schedules.held(schedules.one_f_one_b(r, p, m)) == min(p - r, m)  # at most p in flight
+        assert schedules.held(schedules.zb_h1(r, p, m)) <= p  # 1F1B's peak, as the paper says
+        assert schedules.held(schedules.gpipe(r, p, m)) == m
 
 
 def test_zero_bubble_cuts_the_bubble_to_a_third():
     # Qi et al. 2023: 1F1B idles (p-1)(F+B+W); ZB-H1 (p-1)(F+B-W), with F = B = W
     for p, m in [(2, 8), (4, 8), (4, 24)]:
-        one = S.simulate(orders("1f1b", p, m, 1), p)
-        zb = S.simulate(orders("zb-h1", p, m, 1), p)
+        one = schedules.simulate(orders("1f1b", p, m, 1), p)
+        zb = schedules.simulate(orders("zb-h1", p, m, 1), p)
         assert one["end"] - 3 * m == 3 * (p - 1)
         assert zb["end"] - 3 * m == pytest.approx(p - 1)
 
@@ -70,34 +72,35 @@ def test_zero_bubble_cuts_the_bubble_to_a_third():
 @pytest.mark.parametrize("name,p,m,v", CASES)
 def test_lowered_transfers_pair_up(name, p, m, v):
     n = p * v
-    lowered = [S.lower(acts, n) for acts in orders(name, p, m, v)]
+    lowered = [schedules.lower(acts, n) for acts in orders(name, p, m, v)]
     sends, recvs = set(), set()
     for acts in lowered:
         seen = set()
         for a in acts:
-            if a.kind in (S.SEND_F, S.SEND_B):
-                producer = S.F if a.kind == S.SEND_F else None
+            if a.kind in (schedules.SEND_F, schedules.SEND_B):
+                producer = schedules.F if a.kind == schedules.SEND_F else None
                 assert (producer, a.mb, a.stage) in seen or any(
-                    (k, a.mb, a.stage) in seen for k in (S.B, S.I)), f"{a} before its producer"
-                sends.add((a.kind[-1], a.mb, a.stage + (1 if a.kind == S.SEND_F else -1)))
-            elif a.kind in (S.RECV_F, S.RECV_B):
+                    (k, a.mb, a.stage) in seen
+                    for k in (schedules.B, schedules.I)), f"{a} before its producer"
+                sends.add((a.kind[-1], a.mb, a.stage + (1 if a.kind == schedules.SEND_F else -1)))
+            elif a.kind in (schedules.RECV_F, schedules.RECV_B):
                 recvs.add((a.kind[-1], a.mb, a.stage))
             seen.add((a.kind, a.mb, a.stage))
         for i, a in enumerate(acts):  # each receive is posted before the action that consumes it
-            if a.kind == S.F and a.stage > 0:
-                assert S.Action(S.RECV_F, a.mb, a.stage) in acts[:i]
-            if a.kind in (S.B, S.I) and a.stage < n - 1:
-                assert S.Action(S.RECV_B, a.mb, a.stage) in acts[:i]
+            if a.kind == schedules.F and a.stage > 0:
+                assert schedules.Action(schedules.RECV_F, a.mb, a.stage) in acts[:i]
+            if a.kind in (schedules.B, schedules.I) and a.stage < n - 1:
+                assert schedules.Action(schedules.RECV_B, a.mb, a.stage) in acts[:i]
     assert sends == recvs
 
 
 def test_bad_schedule_arguments():
     with pytest.raises(ValueError, match="unknown schedule"):
-        S.compute_actions("pipedream", 0, 2, 4)
+        schedules.compute_actions("pipedream", 0, 2, 4)
     with pytest.raises(ValueError, match="virtual_stages=2 needs"):
-        S.compute_actions("1f1b", 0, 2, 4, 2)
+        schedules.compute_actions("1f1b", 0, 2, 4, 2)
     with pytest.raises(ValueError, match="divisible"):
-        S.compute_actions("interleaved-1f1b", 0, 4, 9, 2)
+        schedules.compute_actions("interleaved-1f1b", 0, 4, 9, 2)
 
 
 def test_partition():
@@ -172,7 +175,7 @@ def _model():
                          nn.LayerNorm(16), nn.Linear(16, 4))
 
 
-@pytest.mark.parametrize("schedule", list(S.SCHEDULES))
+@pytest.mark.parametrize("schedule", list(schedules.SCHEDULES))
 def test_one_rank_equals_dense(schedule):
     x, t = torch.randn(12, 10), torch.randn(12, 4)
     ref = _model()
@@ -245,7 +248,7 @@ def tuple_loss(y, t):
     return F.mse_loss(y, t)
 
 
-@pytest.mark.parametrize("schedule", list(S.SCHEDULES))
+@pytest.mark.parametrize("schedule", list(schedules.SCHEDULES))
 @pytest.mark.parametrize("tuple_out", [False, True])
 def test_one_rank_tuple_stages_equal_dense(schedule, tuple_out):
     x, t = torch.randn(12, 10), torch.randn(12, 4)

@@ -23,7 +23,7 @@ def _globals(world):
 def _worker(rank, world):
     import torch.distributed as dist
 
-    from pyfast.parallel import tp_comm as T
+    from pyfast.parallel import tp_comm
     xs, gy = _globals(world)
     out = {}
 
@@ -33,21 +33,22 @@ def _worker(rank, world):
         y.backward(g if g.shape == y.shape else g[tuple(slice(0, s) for s in y.shape)])
         return y.detach(), x.grad
 
-    out["copy"] = run(lambda x: T.copy_to_tp_region(x), xs[rank], xs[rank] * 2)
-    out["reduce"] = run(lambda x: T.reduce_from_tp_region(x), xs[rank], gy)
-    out["scatter"] = run(lambda x: T.scatter_to_tp_region(x, dim=-1), xs[0],
+    out["copy"] = run(lambda x: tp_comm.copy_to_tp_region(x), xs[rank], xs[rank] * 2)
+    out["reduce"] = run(lambda x: tp_comm.reduce_from_tp_region(x), xs[rank], gy)
+    out["scatter"] = run(lambda x: tp_comm.scatter_to_tp_region(x, dim=-1), xs[0],
                          xs[rank].chunk(world, -1)[rank])
-    out["gather"] = run(lambda x: T.gather_from_tp_region(x.chunk(world, -1)[rank] * 1, dim=-1),
-                        xs[0], gy)
+    out["gather"] = run(
+        lambda x: tp_comm.gather_from_tp_region(x.chunk(world, -1)[rank] * 1, dim=-1), xs[0], gy)
     for d in (0, 2):
         out[f"sp_gather{d}"] = run(
-            lambda x: T.gather_from_sequence_parallel_region(x.chunk(world, d)[rank] * 1, dim=d),
+            lambda x: tp_comm.gather_from_sequence_parallel_region(x.chunk(world, d)[rank] * 1,
+                                                                   dim=d),
             xs[0], xs[rank])
         out[f"sp_rs{d}"] = run(
-            lambda x: T.reduce_scatter_to_sequence_parallel_region(x, dim=d), xs[rank],
+            lambda x: tp_comm.reduce_scatter_to_sequence_parallel_region(x, dim=d), xs[rank],
             gy.chunk(world, d)[rank].contiguous())
     try:
-        T.scatter_to_tp_region(torch.randn(3, 5), dim=-1)
+        tp_comm.scatter_to_tp_region(torch.randn(3, 5), dim=-1)
     except ValueError as e:
         out["err"] = str(e)
     dist.barrier()

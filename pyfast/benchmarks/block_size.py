@@ -7,7 +7,7 @@ import sys
 
 from pyfast import perf
 from pyfast.benchmarks.compress import gradient
-from pyfast.ops import quantize as Q
+from pyfast.ops import quantize
 
 BLOCKS = [64, 128, 256, 512, 1024, 2048, 4096]
 KINDS = ("int8", "int4", "fp8", "sign")
@@ -18,10 +18,11 @@ def run(numel: int = 1 << 24, repeats: int = 5) -> dict:
     rows = []
     for kind in KINDS:
         for b in BLOCKS:
-            codes, scales = Q.quantize(x, kind, b)
-            y = Q.dequantize(codes, scales, numel, kind, b)
+            codes, scales = quantize.quantize(x, kind, b)
+            y = quantize.dequantize(codes, scales, numel, kind, b)
             s = perf.summary(perf.times(
-                lambda: Q.dequantize(*Q.quantize(x, kind, b), numel, kind, b), repeats))
+                lambda: quantize.dequantize(*quantize.quantize(x, kind, b), numel, kind, b),
+                repeats))
             rows.append({"kind": kind, "block": b, "rel_err": float((y - x).norm() / x.norm()),
                          "wire_ratio": numel * 4 / (codes.numel() + 4 * scales.numel()), **s})
     return {"machine": perf.machine(), "numel": numel, "repeats": repeats, "rows": rows}

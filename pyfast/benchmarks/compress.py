@@ -20,7 +20,7 @@ import pyfast
 import pyfast.compress as C
 from pyfast import perf
 from pyfast.ops import status
-from pyfast.ops import topk as T
+from pyfast.ops import topk
 
 SPECS = ["none", "fp16", "bf16", "fp8", "int8", "int4", "sign", "topk:0.01", "randomk:0.01",
          "powersgd:4"]
@@ -81,7 +81,7 @@ def run(numel: int = 1 << 24, specs=SPECS, repeats: int = 5) -> dict:
             r["into_speedup"] = td / into_s
             r["into_roof_fraction"] = moved / (tc + into_s) / roof
             rows.append(r)
-    k = T.target(numel, 0.01)[0]
+    k = topk.target(numel, 0.01)[0]
     t_topk, _, _ = perf.median_time(lambda: torch.topk(x.view(-1).abs(), k), repeats)
     for r in rows:
         if r["spec"] == "topk:0.01" and "compress_s" in r:

@@ -5,7 +5,7 @@ import torch
 
 from pyfast.compress.base import (Compressor, Payload, StepCounter, check_float, check_out,
                                   derive_seed, fill, flat)
-from pyfast.ops import quantize as Q
+from pyfast.ops import quantize
 
 
 class Quantizer(Compressor):
@@ -27,10 +27,11 @@ class Quantizer(Compressor):
     """
     algorithm = "dense"
 
-    def __init__(self, kind: str, block: int = Q.DEFAULT_BLOCK, stochastic: bool = False,
+    def __init__(self, kind: str, block: int = quantize.DEFAULT_BLOCK, stochastic: bool = False,
                  seed: int = 0):
-        if kind not in Q.KINDS:
-            raise ValueError(f"unknown quantization kind {kind!r}; valid: {', '.join(Q.KINDS)}")
+        if kind not in quantize.KINDS:
+            raise ValueError(f"unknown quantization kind {kind!r}; "
+                             f"valid: {', '.join(quantize.KINDS)}")
         if stochastic and kind == "sign":
             raise ValueError("sign has no stochastic rounding")
         self.kind, self.block, self.stochastic, self.seed = kind, block, stochastic, seed
@@ -42,30 +43,32 @@ class Quantizer(Compressor):
     def compress(self, x, name=""):
         check_float(x, self.spec)
         seed = derive_seed(self.seed, name, self._steps.next(name)) if self.stochastic else 0
-        codes, scales = Q.quantize(x, self.kind, self.block, self.stochastic, seed)
+        codes, scales = quantize.quantize(x, self.kind, self.block, self.stochastic, seed)
         # scales first: fp32 views of the wire buffer stay 4-byte aligned
         return Payload({"scales": scales, "codes": codes}, x.shape, x.dtype)
 
     def decompress(self, p, out=None):
         t = p.tensors
         if out is None:
-            y = Q.dequantize(t["codes"], t["scales"], p.numel, self.kind, self.block, p.dtype)
+            y = quantize.dequantize(t["codes"], t["scales"], p.numel, self.kind, self.block,
+                                    p.dtype)
             return y.view(p.shape)
         check_out(p, out)
         into = flat(out)
         if into is None:  # no flat view of out: decode, then copy
             return fill(out, self.decompress(p))
-        Q.dequantize(t["codes"], t["scales"], p.numel, self.kind, self.block, p.dtype, out=into)
+        quantize.dequantize(t["codes"], t["scales"], p.numel, self.kind, self.block, p.dtype,
+                            out=into)
         return out
 
     def layout(self, numel):
         return [("scales", torch.float32, -(-numel // self.block)),
-                ("codes", torch.uint8, Q.codes_len(numel, self.kind))]
+                ("codes", torch.uint8, quantize.codes_len(numel, self.kind))]
 
     def decode_add(self, p, out: torch.Tensor) -> torch.Tensor:
         """out (contiguous fp32, p's numel) += decompress(p), without a temporary."""
         t = p.tensors
-        return Q.dequantize_accumulate_(out.view(-1), t["codes"], t["scales"], self.kind,
+        return quantize.dequantize_accumulate_(out.view(-1), t["codes"], t["scales"], self.kind,
                                         self.block)
 
     def state_dict(self):

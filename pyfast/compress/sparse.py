@@ -7,7 +7,7 @@ import torch
 
 from pyfast.compress.base import (Compressor, NonFiniteGradient, Payload, StepCounter, aligned,
                                   check_float, check_out, derive_seed, fill, flat)
-from pyfast.ops import topk as T
+from pyfast.ops import topk
 
 
 def _scatter(p: Payload, idx: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -39,10 +39,10 @@ class TopK(Compressor):
 
     def _select(self, x, ef=None):
         check_float(x, self.spec)
-        T._check(x, ef)  # the arguments' errors first: what topk raises after is NaN/Inf
+        topk._check(x, ef)  # the arguments' errors first: what topk raises after is NaN/Inf
         try:
             # with ef, fused: ef <- (x + ef) - sent, one pass
-            values, idx = T.topk(x, self.ratio, ef)
+            values, idx = topk.topk(x, self.ratio, ef)
         except ValueError as e:  # ops/topk.py says NaN/Inf with a ValueError
             raise NonFiniteGradient(str(e)) from None
         return Payload({"indices": idx, "values": values}, x.shape, x.dtype, header_bytes=4)
@@ -96,7 +96,7 @@ class RandomK(Compressor):
         self._steps = StepCounter()
 
     def indices(self, n: int, seed: int, device) -> torch.Tensor:
-        k, _, _ = T.target(n, self.ratio)
+        k, _, _ = topk.target(n, self.ratio)
         # drawn by a CPU generator whatever the device: the same indices on every rank and
         # device type (CUDA's generator draws other numbers); k indices, ~R of the tensor
         g = torch.Generator(device="cpu").manual_seed(seed)

@@ -15,14 +15,14 @@ import torch
 
 from pyfast.compress.base import (Compressor, Payload, StepCounter, check_float, check_out,
                                   derive_seed, fill)
-from pyfast.ops import ternary as T
+from pyfast.ops import ternary
 
 
 class Ternary(Compressor):
     algorithm, deterministic = "dense", False
 
-    def __init__(self, block: int = T.DEFAULT_BLOCK, seed: int = 0):
-        T.check_block(block)
+    def __init__(self, block: int = ternary.DEFAULT_BLOCK, seed: int = 0):
+        ternary.check_block(block)
         self.block, self.seed = block, seed
         self.spec = "ternary"
         self._steps = StepCounter()
@@ -30,19 +30,19 @@ class Ternary(Compressor):
     def compress(self, x, name=""):
         check_float(x, self.spec)
         seed = derive_seed(self.seed, name, self._steps.next(name))
-        codes, scales = T.encode(x, self.block, seed)
+        codes, scales = ternary.encode(x, self.block, seed)
         return Payload({"scales": scales, "codes": codes}, x.shape, x.dtype)  # scales: aligned
 
     def decompress(self, p, out=None):
         t = p.tensors
-        y = T.decode(t["codes"], t["scales"], p.numel, self.block, p.dtype)
+        y = ternary.decode(t["codes"], t["scales"], p.numel, self.block, p.dtype)
         if out is not None:
             check_out(p, out)
         return fill(out, y.view(p.shape) if out is None else y)
 
     def layout(self, numel):
         return [("scales", torch.float32, -(-numel // self.block)),
-                ("codes", torch.uint8, T.codes_len(numel))]
+                ("codes", torch.uint8, ternary.codes_len(numel))]
 
     def state_dict(self):
         return self._steps.state_dict()
