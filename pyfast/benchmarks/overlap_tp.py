@@ -10,7 +10,7 @@ alike, slowest rank per repeat (ranks leave a barrier together), medians:
   matmul            F.linear on the gathered x
   sequential        both, back to back (the non-overlapped path itself)
   c10d all-gather only   async_tp's isend/irecv transfer of the shard, no matmul
-  <comm> c=<k>      async_tp.all_gather_linear(comm=<comm>, chunks=k); comm "c10d" (isend /
+  <comm> c=<k>      async_tp.all_gather_linear(comm=<comm>, pieces=k); comm "c10d" (isend /
                     irecv, the default), "collective" (async all_gather), "engine" (native
                     engine's thread, when it has all-gather jobs)
 hidden = (t_allgather + t_matmul - t_overlapped) / t_allgather; target >= 0.7 on loopback and
@@ -38,7 +38,7 @@ from pyfast._io import atomic_write_text
 from pyfast.benchmarks import netns
 
 ROWS, K, N = 512, 1024, 1024  # x shard per rank, in features, out features
-CHUNKS = (1, 2, 4, 8, 16)
+PIECES = (1, 2, 4, 8, 16)
 TARGET, TARGET_LINKS = 0.7, ("loopback", "1gbit")
 NOISY = 1.2  # matmul q90/q10 above this: other tenants' load moved the medians (hidden either way)
 
@@ -68,9 +68,8 @@ def _worker() -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from pyfast.comm import engine as E
-    from pyfast.parallel import async_tp as A
-    from pyfast.parallel import tp_comm as T
+    from pyfast.comm import engine
+    from pyfast.parallel import async_tp, tp_comm
     job = json.loads(os.environ["PYFAST_OVERLAP_TP"])
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=job["pg_timeout"]))
@@ -78,24 +77,24 @@ def _worker() -> None:
     g = torch.Generator().manual_seed(rank)
     x, w = torch.randn(ROWS, K, generator=g), torch.randn(N, K, generator=g)
     xf, wr = torch.randn(world * ROWS, K, generator=g), torch.randn(N, K, generator=g)
-    full = T._gather(x, 0, None)
+    full = tp_comm._gather(x, 0, None)
     comms = {"c10d": "c10d", "collective": CollectiveComm(None)}
-    engine = None
-    if hasattr(E.NativeEngine, "all_gather_into") and E.status()[0]:
-        engine = comms["engine"] = E.NativeEngine.private()
-    ag = {"all-gather": lambda: T._gather(x, 0, None), "matmul": lambda: F.linear(full, w),
-          "sequential": lambda: F.linear(T._gather(x, 0, None), w)}
+    native = None
+    if hasattr(engine.NativeEngine, "all_gather_into") and engine.status()[0]:
+        native = comms["engine"] = engine.NativeEngine.private()
+    ag = {"all-gather": lambda: tp_comm._gather(x, 0, None), "matmul": lambda: F.linear(full, w),
+          "sequential": lambda: F.linear(tp_comm._gather(x, 0, None), w)}
     buf = list(torch.empty(world, ROWS, K).unbind(0))
-    ag["c10d all-gather only"] = lambda: A.launcher("c10d", None).all_gather(buf, x)()
-    rs = {"reduce-scatter": lambda: T._reduce_scatter(full, 0, None),
+    ag["c10d all-gather only"] = lambda: async_tp.launcher("c10d", None).all_gather(buf, x)()
+    rs = {"reduce-scatter": lambda: tp_comm._reduce_scatter(full, 0, None),
           "matmul": lambda: F.linear(xf, wr),
-          "sequential": lambda: T._reduce_scatter(F.linear(xf, wr), 0, None)}
+          "sequential": lambda: tp_comm._reduce_scatter(F.linear(xf, wr), 0, None)}
     for name, comm in comms.items():
-        for c in job["chunks"]:
-            ag[f"{name} c={c}"] = lambda comm=comm, c=c: A.all_gather_linear(x, w, chunks=c,
-                                                                           comm=comm)
-            rs[f"{name} c={c}"] = lambda comm=comm, c=c: A.linear_reduce_scatter(
-                xf, wr, chunks=c, comm=comm)
+        for c in job["pieces"]:
+            ag[f"{name} c={c}"] = lambda comm=comm, c=c: async_tp.all_gather_linear(
+                x, w, pieces=c, comm=comm)
+            rs[f"{name} c={c}"] = lambda comm=comm, c=c: async_tp.linear_reduce_scatter(
+                xf, wr, pieces=c, comm=comm)
     rows = []
     for op, cases in (("all_gather_linear", ag), ("linear_reduce_scatter", rs)):
         ref = cases["sequential"]()
@@ -117,8 +116,8 @@ def _worker() -> None:
             per = sorted(max(ts) for ts in zip(*(e[k] for e in every)))
             rows.append({"op": op, "case": k, **perf.summary(per),
                          "min_s": per[0], "cpu_s": statistics.median(cpu[k]), "mismatch": k in bad})
-    if engine is not None:
-        engine.close()
+    if native is not None:
+        native.close()
     if rank == 0:
         atomic_write_text(job["out"], json.dumps(rows))
     dist.destroy_process_group()
@@ -139,12 +138,12 @@ def _derive(rows, link):
     return rows
 
 
-def run(links=TARGET_LINKS, repeats: int = 15, warmup: int = 2, chunks=CHUNKS,
+def run(links=TARGET_LINKS, repeats: int = 15, warmup: int = 2, pieces=PIECES,
         timeout: float = 1800, note: str = "") -> dict:
     rows, load = [], [os.getloadavg()[0]]
     for link in links:
         with tempfile.TemporaryDirectory() as d:
-            job = {"repeats": repeats, "warmup": warmup, "chunks": list(chunks),
+            job = {"repeats": repeats, "warmup": warmup, "pieces": list(pieces),
                    "pg_timeout": timeout, "out": os.path.join(d, "r.json")}
             try:
                 netns.run_ranks(["-c", "from pyfast.benchmarks.overlap_tp import _worker; "
@@ -229,19 +228,20 @@ def main(argv=None) -> int:
     p.add_argument("--link", default=",".join(TARGET_LINKS),
                    help="comma-separated: loopback or a tc rate like 1gbit")
     p.add_argument("--repeats", type=int, default=15)
-    p.add_argument("--chunks", default=",".join(map(str, CHUNKS)))
+    p.add_argument("--pieces", default=",".join(map(str, PIECES)),
+                   help="comma-separated counts of pieces the overlapped calls split into")
     p.add_argument("--note", default="", help="recorded with the results (e.g. 'under load')")
     p.add_argument("--out", default="", help="write OUT.json and OUT.txt")
     a = p.parse_args(argv)
     try:
         links = a.link.split(",")
         [netns.rate_bps(k) for k in links]
-        chunks = [int(c) for c in a.chunks.split(",")]
+        pieces = [int(c) for c in a.pieces.split(",")]
     except ValueError as e:
         p.error(str(e))
-    if a.repeats < 7 or min(chunks) < 1:
-        p.error("--repeats must be >= 7 (medians), --chunks >= 1")
-    return perf.finish(run(links, a.repeats, chunks=chunks, note=a.note), table, a.out)
+    if a.repeats < 7 or min(pieces) < 1:
+        p.error("--repeats must be >= 7 (medians), --pieces >= 1")
+    return perf.finish(run(links, a.repeats, pieces=pieces, note=a.note), table, a.out)
 
 
 if __name__ == "__main__":

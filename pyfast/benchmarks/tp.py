@@ -147,7 +147,7 @@ def _pyfast(hidden, mlp, x, gy, rank, world, seq: bool, overlap: bool = False) -
     if seq:
         x, gy = x.chunk(world, 0)[rank], gy.chunk(world, 0)[rank]
     case = Case(m, x, gy, seq=seq, shards={"0.weight": 0, "0.bias": 0, "2.weight": 1})
-    case.info = f"{m[0].chunks} pieces" if overlap else ""
+    case.info = f"{m[0].pieces} pieces" if overlap else ""
     return case
 
 

@@ -194,7 +194,7 @@ class _ParallelLinear(nn.Module):
         return self.pieces
 
     @property
-    def chunks(self) -> int:  # the old name of pieces (tests and `pyfast bench tp` read it)
+    def chunks(self) -> int:  # the old name of pieces (tests/test_tensor_parallel.py reads it)
         return self.pieces
 
     def extra_repr(self) -> str:
