@@ -5,7 +5,7 @@ tracing. Runs the CPU kernels of pyfast._C, so it is skipped when the extension 
 import pytest
 import torch
 
-from pyfast.ops import quantize as Q
+from pyfast.ops import quantize
 from pyfast.ops import status
 
 ok, why = status("cpp", torch.device("cpu"))
@@ -40,14 +40,14 @@ def test_opcheck_quantize(kind, n, dtype):
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("kind", KINDS)
 def test_opcheck_dequantize(kind, n, dtype):
-    codes, scales = Q.quantize_ref(sample(n, torch.float32), kind, 512)
+    codes, scales = quantize.quantize_ref(sample(n, torch.float32), kind, 512)
     torch.library.opcheck(ops().dequantize.default, (codes, scales, n, kind, 512, dtype))
 
 
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("kind", KINDS)
 def test_opcheck_dequantize_accumulate(kind, n):
-    codes, scales = Q.quantize_ref(sample(n, torch.float32), kind, 512)
+    codes, scales = quantize.quantize_ref(sample(n, torch.float32), kind, 512)
     out = torch.randn(n)
     torch.library.opcheck(ops().dequantize_accumulate_.default, (out, codes, scales, kind, 512))
 
@@ -62,3 +62,15 @@ def test_opcheck_topk(n, dtype, with_ef):
     torch.library.opcheck(ops().topk_count.default, (x, ef, t))
     limit = max(1, n // 20)  # below the ~n/10 count for n > 1: the cap is exercised
     torch.library.opcheck(ops().topk_select.default, (x, ef, t, limit))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", SIZES)
+def test_opcheck_ternary(n, dtype):
+    if not hasattr(ops(), "ternary_encode"):
+        pytest.skip("pyfast._C was built before csrc/ternary.cpp: run `make install`")
+    x = sample(n, dtype)
+    block = 64 if n < 1000 else 512
+    torch.library.opcheck(ops().ternary_encode.default, (x, block, 7))
+    codes, scales = ops().ternary_encode(x, block, 7)
+    torch.library.opcheck(ops().ternary_decode.default, (codes, scales, n, block, dtype))

@@ -27,11 +27,11 @@ def cpp_status() -> tuple[bool, str]:
         import pyfast._C  # noqa: F401  (registers torch.ops.pyfast.*)
     except ImportError as e:  # not built, or built against another torch
         return False, f"the C++ extension pyfast._C is not importable ({e}); run `make install`"
-    import pyfast.ops._fake  # noqa: F401  (shapes for torch.compile; needs the ops defined)
     missing = [op for op in OPS if not torch._C._dispatch_has_kernel_for_dispatch_key(
         f"pyfast::{op}", "CPU")]
     if missing:
         return False, f"pyfast._C has no CPU kernel for {', '.join(missing)} (stale build?)"
+    import pyfast.ops._fake  # noqa: F401  (shapes for torch.compile; needs the ops defined)
     return True, ""
 
 

@@ -1,18 +1,21 @@
-"""Fake (meta) implementations of the torch.ops.pyfast.* kernels, for torch.compile / export.
+"""Fake (meta) implementations of the torch.ops.pyfast.* kernels, for torch.compile / export:
+the Python side of the schemas in csrc/module.cpp and csrc/ternary.cpp, one per op.
 
 Output shapes follow docs/FORMATS.md. topk_select's length is data-dependent (how many |r| >= t,
-capped by `limit`), so it is an unbacked size in [0, limit]. Imported by
-pyfast.ops._backend.cpp_status() once pyfast._C has defined the ops; it imports nothing of
-pyfast at module level (quantize imports _backend: no import circle).
+capped by `limit`), so it is an unbacked size in [0, limit]. torch.library.register_fake needs
+the op defined, so pyfast.ops._backend.cpp_status() imports this module right after pyfast._C.
+It imports nothing of pyfast.ops (only the format table below it, pyfast.kernels.formats): the
+op modules import _backend, so an import of one of them from here would close a circle.
 """
 from __future__ import annotations
 
 import torch
 
+from pyfast.kernels.formats import codes_len
+
 
 @torch.library.register_fake("pyfast::quantize")
 def _quantize(x, kind, block, stochastic, seed):
-    from pyfast.ops.quantize import codes_len  # called at trace time, after ops/ is imported
     n = x.numel()
     return (x.new_empty(codes_len(n, kind), dtype=torch.uint8),
             x.new_empty(-(-n // block), dtype=torch.float32))
@@ -39,3 +42,19 @@ def _topk_select(x, ef, threshold, limit):
     cap = max(0, min(limit, n)) if isinstance(limit, int) and isinstance(n, int) else None
     m = torch.library.get_ctx().new_dynamic_size(max=cap)
     return x.new_empty(m), x.new_empty(m, dtype=torch.int32)
+
+
+def _ternary_encode(x, block, seed):
+    n = x.numel()
+    return (x.new_empty(-(-n // 4), dtype=torch.uint8),  # four 2-bit codes a byte
+            x.new_empty(-(-n // block), dtype=torch.float32))
+
+
+def _ternary_decode(codes, scales, n, block, dtype):
+    return codes.new_empty(n, dtype=dtype)
+
+
+# a pyfast._C built before csrc/ternary.cpp lacks these ops (ops/ternary.py then says so)
+if hasattr(torch.ops.pyfast, "ternary_encode"):
+    torch.library.register_fake("pyfast::ternary_encode", _ternary_encode)
+    torch.library.register_fake("pyfast::ternary_decode", _ternary_decode)
