@@ -21,6 +21,8 @@ shards) + the largest gathered unit.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -94,7 +96,9 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     _check_params(named)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    align = c.block if c.spec != "none" else 1
+    # every block of either compressor codes one parameter's elements only (layout.py)
+    pc = C.get(param_compressor)
+    align = math.lcm(c.block if c.spec != "none" else 1, pc.block if pc.spec != "none" else 1)
     check_same_layout(named, group)
     broadcast_state(module, group)
     if stage == 3:

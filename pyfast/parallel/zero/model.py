@@ -67,7 +67,7 @@ class ZeroModel(nn.Module):
         self._queued = False
         self._inflight: list = []  # (unit, out, handle)
         self._hooks = []
-        if stage == 2:
+        if stage >= 2:
             for p in self._params:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
 
@@ -92,9 +92,9 @@ class ZeroModel(nn.Module):
             bufs = list(self.module.buffers())
             if bufs:
                 broadcast_coalesced(bufs, self.group)
-            if self.stage == 2:
+            if self.stage >= 2:
                 self._arm()
-        elif self.stage == 2:
+        elif self.stage >= 2:
             self._armed = False
         return self.module(*args, **kwargs)
 
@@ -137,7 +137,17 @@ class ZeroModel(nn.Module):
         self.finish()
 
     def _launch(self, u) -> None:
-        """Copy unit u's gradients into a fresh buffer, free them, start its reduce-scatter."""
+        """Start unit u's reduce-scatter (its gradients packed now unless they already are)."""
+        buf = u.extra.pop("packed", None)
+        if buf is None:
+            buf = self._pack(u)
+        out = torch.empty(u.S, dtype=torch.float32, device=buf.device)
+        h = reduce_scatter(out, buf, self.compressor, self.group, op="avg",
+                           async_op=self.stage >= 2, name=u.name)
+        self._inflight.append((u, out, h if self.stage >= 2 else None))
+
+    def _pack(self, u) -> torch.Tensor:
+        """Unit u's gradients in a fresh buffer (zeros for None), the full .grad freed."""
         buf = u.new_buffer(self._device)
         with torch.no_grad():
             for i, p in enumerate(u.params):
@@ -145,10 +155,7 @@ class ZeroModel(nn.Module):
                     self._used[self._flag[id(p)]] = 1.0
                 u.copy_in(buf, i, p.grad)
                 p.grad = None
-        out = torch.empty(u.S, dtype=torch.float32, device=buf.device)
-        h = reduce_scatter(out, buf, self.compressor, self.group, op="avg",
-                           async_op=self.stage >= 2, name=u.name)
-        self._inflight.append((u, out, h if self.stage >= 2 else None))
+        return buf
 
     @property
     def _device(self):
@@ -170,7 +177,8 @@ class ZeroModel(nn.Module):
             raise errors[0]
         if not inflight:
             return
-        all_reduce(self._used, None, self.group, op="sum")
+        # on the collectives' FIFO worker, like everything else: stage 3 may have a gather queued
+        all_reduce(self._used, None, self.group, op="sum", async_op=True).wait()
         used = self._used.tolist()
         self._used.zero_()
         for u, out, _ in inflight:
@@ -202,7 +210,7 @@ class ZeroModel(nn.Module):
                 seg = torch.zeros(u.S, dtype=torch.float32, device=full.device)
                 for i, m in enumerate(masters):
                     u.shard_view(seg, i).copy_(m)
-                all_gather(full, seg, None, self.group, name=u.name)
+                all_gather(full, seg, None, self.group, async_op=True, name=u.name).wait()
                 for i, p in enumerate(u.params):
                     u.copy_out(full, i, p.data)
 

@@ -1,0 +1,220 @@
+"""ZeRO stage 3: parameters sharded between uses, gathered per unit (FSDP2's scheme; read
+torch/distributed/fsdp/_fully_shard/ for theirs).
+
+Units: one per wrapped module (`units=`: module classes or module instances; default: every
+module inside an nn.ModuleList, or, if there is none, every child of a root nn.Sequential --
+pyfast's GPT is [Embed, Block..., Head]) and the root for the parameters left. A parameter
+reached through two units (a tied embedding/head) belongs to their deepest common wrapped
+ancestor: the root for GPT's tied weights. Unit order (the order the reduce-scatters are
+launched in, on every rank): wrapped modules in reverse registration order, the root last.
+
+Between steps every parameter's .data is a 0-element tensor (the nn.Parameter objects and their
+FQNs are kept, so optimizers, state_dict keys and hooks still find them); this rank's fp32
+master shards hold the values.
+- forward pre-hook of a unit: wait for its prefetched all-gather or gather it now, and give each
+  parameter a full tensor copied out of the gathered buffer; then start the all-gather of the
+  next unit in the forward order recorded on the first forward (prefetch). Forward post-hook:
+  free the unit's parameters (the root's stay until the end of backward).
+- backward: a hook on the unit's forward outputs re-gathers the unit before autograd runs its
+  backward; when the last gradient of the unit is accumulated (post-accumulate-grad hooks) the
+  gradients are packed into the unit's buffer, the parameters freed, and the reduce-scatter
+  launched in unit order (as stage 2).
+- param_compressor ("bf16", "fp16", "int8", "fp8", or None: exact fp32): each rank compresses
+  its fp32 master segment once per gather and every rank decodes the same bytes, its own
+  included, so the gathered parameters are bit-identical everywhere; no error feedback (the
+  master stays exact, each step's gather quantizes it afresh).
+
+Every collective (gathers, reduce-scatters, the side band) goes through comm's FIFO worker, so
+the ranks issue them in the same order. Limits (as FSDP2's): a parameter used outside its
+unit's forward (called directly, or by another module's forward) finds a 0-element tensor and
+fails with torch's shape error; wrap the module that uses it, or leave it to the root.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+import pyfast.compress as C
+from pyfast.comm import all_gather
+
+from .model import ZeroModel
+
+
+def _wrapped(module: nn.Module, units) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every wrapped module (not the root), in registration order."""
+    named = list(module.named_modules())
+    if units is not None:
+        classes = tuple(u for u in units if isinstance(u, type))
+        ids = {id(u) for u in units if isinstance(u, nn.Module)}
+        for u in units:
+            if not isinstance(u, (type, nn.Module)):
+                raise TypeError(f"units=: module classes or submodules, got {type(u).__name__}")
+        found = [(n, m) for n, m in named if n and (id(m) in ids or isinstance(m, classes))]
+        missing = ids - {id(m) for _, m in found}
+        if missing:
+            raise ValueError(f"units=: {len(missing)} module(s) are not submodules of the module")
+        return found
+    found = [(f"{n}.{c}" if n else c, ch) for n, m in named if isinstance(m, nn.ModuleList)
+             for c, ch in m.named_children()]
+    if not found and isinstance(module, nn.Sequential):
+        found = list(module.named_children())
+    return found
+
+
+def unit_groups(module: nn.Module, named: list, units) -> tuple[list, list]:
+    """Stage 3's (groups of (FQN, parameter), their modules): one per wrapped module that
+    owns parameters, in reverse registration order, then the root (None) with the rest."""
+    wrapped = _wrapped(module, units)
+    prefixes = [n + "." for n, _ in wrapped]
+    trainable = {id(p) for _, p in named}
+    owner: dict[int, str] = {}  # parameter -> the deepest wrapped prefix common to all paths
+    for path, p in module.named_parameters(remove_duplicate=False):
+        if id(p) not in trainable:
+            continue
+        mine = max((pre for pre in prefixes if path.startswith(pre)), key=len, default="")
+        if id(p) not in owner:
+            owner[id(p)] = mine
+        else:  # reached twice: the deepest wrapped prefix of both
+            a, b = owner[id(p)], mine
+            owner[id(p)] = max((pre for pre in prefixes + [""]
+                                if a.startswith(pre) and b.startswith(pre)), key=len)
+    groups, mods = [], []
+    for (n, m), pre in reversed(list(zip(wrapped, prefixes))):
+        members = [(fqn, p) for fqn, p in reversed(named) if owner[id(p)] == pre]
+        if members:
+            groups.append(members)
+            mods.append(m)
+    rest = [(fqn, p) for fqn, p in reversed(named) if owner[id(p)] == ""]
+    if rest:
+        groups.append(rest)
+        mods.append(None)
+    return groups, mods
+
+
+class Stage3Model(ZeroModel):
+    """ZeroModel with parameters sharded between uses (module docstring)."""
+
+    def __init__(self, module, layout, compressor, group, named, param_compressor=None):
+        super().__init__(module, layout, 3, compressor, group, named)
+        self.param_compressor = C.get(param_compressor)
+        self._order: list[int] = []   # forward order of the units, recorded on the first forward
+        self._recorded = False
+        self._gathering: dict[int, tuple] = {}  # unit -> (handle, full buffer): a prefetch
+        self._gathered = [False] * len(layout.units)
+        self._root = [u for u in layout.units if u.module is None]
+        for u in layout.units:
+            if u.module is not None:
+                self._hooks.append(u.module.register_forward_pre_hook(self._pre(u)))
+                self._hooks.append(u.module.register_forward_hook(self._post(u)))
+        self.free_all()
+
+    # ------------------------------------------------------------------ gathering
+    def _start_gather(self, u):
+        seg = torch.zeros(u.S, dtype=torch.float32, device=self._device)
+        for i, m in enumerate(self.masters[u.index]):
+            u.shard_view(seg, i).copy_(m)
+        full = u.new_buffer(self._device)
+        return all_gather(full, seg, self.param_compressor, self.group, async_op=True,
+                          name=u.name), full
+
+    def gather(self, u) -> None:
+        """Unit u's parameters full (from its prefetch if one is in flight)."""
+        if self._gathered[u.index]:
+            return
+        h, full = self._gathering.pop(u.index, None) or self._start_gather(u)
+        h.wait()
+        with torch.no_grad():
+            for i, p in enumerate(u.params):
+                t = torch.empty(u.shards[i].shape, dtype=p.dtype, device=full.device)
+                u.copy_out(full, i, t)
+                p.data = t
+        self._gathered[u.index] = True
+
+    def prefetch(self, u) -> None:
+        if not self._gathered[u.index] and u.index not in self._gathering:
+            self._gathering[u.index] = self._start_gather(u)
+
+    def free(self, u) -> None:
+        for p in u.params:
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self._gathered[u.index] = False
+
+    def free_all(self) -> None:
+        """Every parameter back to 0 elements (and any prefetch waited for and dropped)."""
+        for h, _ in self._gathering.values():
+            h.wait()
+        self._gathering.clear()
+        for u in self.layout.units:
+            self.free(u)
+
+    def _next_in_order(self, u, step: int):
+        if u.index not in self._order:
+            return None
+        j = self._order.index(u.index) + step
+        return self.layout.units[self._order[j]] if 0 <= j < len(self._order) else None
+
+    def _pre(self, u):
+        def hook(module, args):
+            if not self._recorded:
+                self._order.append(u.index)
+            self.gather(u)
+            nxt = self._next_in_order(u, 1)
+            if nxt is not None:
+                self.prefetch(nxt)
+        return hook
+
+    def _post(self, u):
+        def hook(module, args, output):
+            self.free(u)
+            if torch.is_grad_enabled():
+                tensors = [t for t in tree_flatten(output)[0]
+                           if isinstance(t, torch.Tensor) and t.requires_grad]
+                for t in tensors:
+                    t.register_hook(self._before_backward(u))
+            return output
+        return hook
+
+    def _before_backward(self, u):
+        def hook(grad):
+            self.gather(u)
+            prev = self._next_in_order(u, -1)  # backward runs the forward order backwards
+            if prev is not None and self._armed:
+                self.prefetch(prev)
+            return grad
+        return hook
+
+    # ------------------------------------------------------------------ forward / backward
+    def forward(self, *args, **kwargs):
+        for u in self._root:
+            self.gather(u)
+        try:
+            out = super().forward(*args, **kwargs)
+        finally:
+            self._recorded = True
+        if not torch.is_grad_enabled():
+            self.free_all()
+        return out
+
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        if self._armed:
+            u, _ = self.layout.of(p)
+            if self._pending[u.index] == 1 and u.module is not None:
+                # the unit's last gradient: pack it and free the parameters now, launch in order
+                self._pending[u.index] = 0
+                u.extra["packed"] = self._pack(u)
+                self.free(u)
+                if not self._queued:
+                    torch.autograd.Variable._execution_engine.queue_callback(self._final)
+                    self._queued = True
+                self._launch_ready()
+                return
+        super()._grad_ready(p)
+
+    def _final(self) -> None:
+        super()._final()
+        self.free_all()
+
+    def reduce_gradients(self) -> None:
+        super().reduce_gradients()
+        self.free_all()
