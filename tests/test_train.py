@@ -21,6 +21,7 @@ BASE = ["--model", "gpt-tiny", "--steps", "3", "--batch", "8", "--seq", "32", "-
 FP32 = {  # name: (nproc, flags)
     "1proc": (1, []),
     "dp2": (2, ["--dp", "2"]),
+    "dp2-zero2": (2, ["--dp", "2", "--zero", "2"]),
     "tp2-accum2-actckpt": (2, ["--tp", "2", "--grad-accum", "2", "--activation-checkpointing"]),
     "pp2-1f1b": (2, ["--pp", "2", "--schedule", "1f1b"]),
     "dp2xtp2": (4, ["--dp", "2", "--tp", "2"]),
@@ -160,6 +161,18 @@ def test_resume_is_bit_exact_with_int8_error_feedback_and_survives_a_crash_mid_c
     assert "resumed from" in ok(train(crash, 2, flags + ["--resume"])).stdout
     got = [json.dumps(r["loss"]) for r in records(crash)]
     assert got == want  # byte for byte, steps 3-4 recomputed from step-2's state
+
+
+@pytest.mark.dist
+def test_zero_resume_is_bit_exact(runs, tmp_path):
+    """--zero 2 restarts from its sharded step-2 checkpoint (pyfast.parallel.zero.checkpoint)
+    and recomputes step 3 byte for byte."""
+    src = tmp_path / "zero2"
+    shutil.copytree(runs["dp2-zero2"], src)
+    shutil.rmtree(src / "checkpoints" / "step-3")
+    assert "resumed from" in ok(train(src, 2, FP32["dp2-zero2"][1] + ["--resume"])).stdout
+    got, want = ([json.dumps(r["loss"]) for r in records(d)] for d in (src, runs["dp2-zero2"]))
+    assert got == want
 
 
 @pytest.mark.dist

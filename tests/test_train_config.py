@@ -38,6 +38,16 @@ def fake_checkpoint(out, step, **key):
     (["--compress", "int8"], "--compress int8 compresses the data-parallel gradient reduction, "
                              "but --dp is 1"),
     (["--pp", "2", "--tie-embeddings"], "--tie-embeddings with --pp > 1"),
+    (["--zero", "2"], "--zero 2 shards over the data-parallel ranks, but --dp is 1"),
+    (["--dp", "2", "--zero", "2", "--param-compress", "int8"],
+     "--param-compress int8 compresses stage 3's parameter all-gather: it needs --zero 3 "
+     "(got --zero 2)"),
+    (["--param-compress", "bf16"], "--param-compress bf16 compresses stage 3's parameter "
+                                   "all-gather: it needs --zero 3 (got --zero 0)"),
+    (["--dp", "2", "--zero", "3", "--param-compress", "int3"], "--param-compress 'int3': one of"),
+    (["--dp", "2", "--zero", "2", "--compress", "powersgd:4"],
+     "--compress powersgd:4 with --zero 2: the gradient reduce-scatter takes one fixed"),
+    (["--dp", "2", "--pp", "2", "--zero", "1", "--nproc", "4"], "--zero 1 with --tp 1 --pp 2"),
     (["--steps", "0"], "--steps must be >= 1"),
     (["--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint"),
 ])

@@ -27,6 +27,8 @@ class TrainConfig:
     tp: int = 1
     pp: int = 1
     compress: str = "none"
+    zero: int = 0                   # ZeRO stage 1-3 over dp instead of DataParallel; 0: off
+    param_compress: str = "none"    # --zero 3: the parameter all-gather's compressor
     schedule: str = "1f1b"
     micro_batches: int = 0          # 0: 1 without pipeline, 2 x pp with one
     grad_accum: int = 1
@@ -93,6 +95,13 @@ def parser() -> argparse.ArgumentParser:
     a("--pp", type=int, default=d.pp)
     a("--compress", default=d.compress, help="gradient compressor spec over dp (int8, topk:0.01, "
       "..., auto); error feedback for lossy ones")
+    a("--zero", type=int, default=d.zero, choices=(0, 1, 2, 3),
+      help="shard over dp with pyfast.parallel.zero: 1 optimizer state, 2 + gradients, "
+           "3 + parameters (default 0: DataParallel); --compress compresses its gradient "
+           "reduce-scatter")
+    a("--param-compress", default=d.param_compress,
+      help="--zero 3: compressor of the parameter all-gather (bf16, fp16, int8, fp8; the "
+           "fp32 master shards stay exact)")
     a("--schedule", default=d.schedule, choices=SCHEDULES)
     a("--micro-batches", type=int, default=d.micro_batches,
       help="pieces per accumulation step (pipelined when pp > 1); default 1, or 2 x pp")
@@ -156,8 +165,38 @@ def check(cfg: TrainConfig, world: int, model: bool = True) -> None:
     if cfg.compress not in ("none", "") and cfg.dp == 1:
         raise ConfigError(f"--compress {cfg.compress} compresses the data-parallel gradient "
                           "reduction, but --dp is 1 (nothing to reduce)")
+    check_zero(cfg)
     if model:
         check_model(cfg)
+
+
+def check_zero(cfg: TrainConfig) -> None:
+    """--zero / --param-compress against the other flags (zero()'s own rules, told by flag)."""
+    if cfg.param_compress not in ("none", "") and cfg.zero != 3:
+        raise ConfigError(f"--param-compress {cfg.param_compress} compresses stage 3's parameter "
+                          f"all-gather: it needs --zero 3 (got --zero {cfg.zero})")
+    if not cfg.zero:
+        return
+    if cfg.zero not in (1, 2, 3):
+        raise ConfigError(f"--zero must be 1, 2 or 3 (0: off), got {cfg.zero}")
+    if cfg.dp == 1:
+        raise ConfigError(f"--zero {cfg.zero} shards over the data-parallel ranks, but --dp is 1 "
+                          "(nothing to shard over)")
+    if cfg.tp > 1 or cfg.pp > 1:
+        raise ConfigError(f"--zero {cfg.zero} with --tp {cfg.tp} --pp {cfg.pp}: the job shards "
+                          "only a data-parallel mesh (--tp 1 --pp 1) for now")
+    if cfg.precision == "fp16":
+        raise ConfigError(f"--zero {cfg.zero} with --precision fp16: GradScaler unscales the "
+                          "gradients of the parameters, which zero keeps as shards; use bf16")
+    import pyfast.compress as C
+    from pyfast.parallel.zero import PARAM_COMPRESSORS
+    if cfg.compress == "auto" or C.get(cfg.compress).algorithm == "powersgd":
+        raise ConfigError(f"--compress {cfg.compress} with --zero {cfg.zero}: the gradient "
+                          "reduce-scatter takes one fixed compressor that works on a shard "
+                          "(e.g. int8), not auto or powersgd")
+    if cfg.param_compress not in PARAM_COMPRESSORS:
+        raise ConfigError(f"--param-compress {cfg.param_compress!r}: one of "
+                          f"{', '.join(c for c in PARAM_COMPRESSORS if c)}")
 
 
 def build_model(cfg: TrainConfig, vocab_size: int, device=None):

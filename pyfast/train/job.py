@@ -5,6 +5,7 @@ modules exactly as a user would compose them:
     parallelize(model, model.tp_plan(), group=tp)    tensor parallelism (tp > 1)
     Pipeline.from_sequential(model, ..., group=pp)   pipeline stages (pp > 1)
     DataParallel(module, compressor, group=dp)       gradient reduction (dp > 1)
+    zero(module, AdamW, stage, compressor, group=dp) or sharded data parallelism (--zero 1|2|3)
 
 Gradients are reduced over dp once per optimizer step: without a pipeline, the last piece's
 backward reduces (overlapped, DDP-style) and the earlier pieces run under no_sync(); with a
@@ -23,9 +24,11 @@ import torch.nn.functional as F
 from pyfast import models
 from pyfast.data import Batches, load_corpus
 from pyfast.parallel import DataParallel, Mesh, Pipeline, parallelize, vocab_parallel_cross_entropy
+from pyfast.parallel.zero import checkpoint as zck
+from pyfast.parallel.zero import zero
 
 from . import checkpoint as ck
-from .config import TrainConfig, build_model, check_model
+from .config import ConfigError, TrainConfig, build_model, check_model
 from .telemetry import bytes_written
 
 now = time.perf_counter
@@ -87,13 +90,22 @@ class Job:
                                                  virtual_stages=cfg.virtual_stages,
                                                  split_backward=False)
         module = self.pipe if self.pipe is not None else model
-        self.dp = None
-        if cfg.dp > 1:  # the job checks NaN/Inf itself, once, over the whole mesh
-            self.dp = DataParallel(module, compressor=cfg.compress, group=mesh.dp_group,
-                                   check_finite=False)
-        self.net = self.dp if self.dp is not None else module
         self.named = [(n, p) for n, p in model.named_parameters() if not p.is_meta]
         self.params = [p for _, p in self.named]
+        decay = [p for p in self.params if p.dim() >= 2]
+        rest = [p for p in self.params if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+                  {"params": rest, "weight_decay": 0.0}]
+        self.dp = self.zero = None
+        if cfg.zero:  # config.check_zero: dp > 1, no tp/pp
+            self.zero, self.opt = zero(
+                module, torch.optim.AdamW, stage=cfg.zero, compressor=cfg.compress,
+                param_compressor=None if cfg.param_compress == "none" else cfg.param_compress,
+                group=mesh.dp_group, params=groups, lr=cfg.lr, betas=(0.9, 0.95))
+        elif cfg.dp > 1:  # the job checks NaN/Inf itself, once, over the whole mesh
+            self.dp = DataParallel(module, compressor=cfg.compress, group=mesh.dp_group,
+                                   check_finite=False)
+        self.net = self.dp or self.zero or module
         # the global gradient norm counts each element once: tp-replicated tensors (LayerNorm,
         # row-parallel biases) on tp rank 0 only, and everything on dp rank 0 only
         self.counted = torch.tensor([mesh.dp_rank == 0 and (mesh.tp_rank == 0 or
@@ -101,11 +113,8 @@ class Job:
                                     dtype=torch.bool, device=device)
         # one rank per dp replica and tp group holds the loss: a last stage, tp rank 0
         self.owns_loss = mesh.is_last_stage and mesh.tp_rank == 0
-        decay = [p for p in self.params if p.dim() >= 2]
-        rest = [p for p in self.params if p.dim() < 2]
-        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                                      {"params": rest, "weight_decay": 0.0}],
-                                     lr=cfg.lr, betas=(0.9, 0.95))
+        if self.zero is None:
+            self.opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg))
         self.scaler = torch.amp.GradScaler(device.type) if cfg.precision == "fp16" else None
         self.batches = Batches(self.corpus.train, cfg.batch, cfg.seq, cfg.seed,
@@ -145,7 +154,8 @@ class Job:
         total = self.scalar(0.0)
         for i, (x, y) in enumerate(zip(xs, ys)):
             last = i == len(xs) - 1  # the DDP pattern: only the last backward reduces
-            sync = contextlib.nullcontext() if self.dp is None or last else self.dp.no_sync()
+            wrapper = self.dp or self.zero
+            sync = contextlib.nullcontext() if wrapper is None or last else wrapper.no_sync()
             with sync:
                 loss = self.loss_fn(self.net(x), y)
                 loss.backward()
@@ -174,13 +184,16 @@ class Job:
         scale = self.scaler.get_scale() if self.scaler is not None else 1.0
         if self.scaler is not None:
             self.scaler.unscale_(self.opt)
-        have = [i for i, p in enumerate(self.params) if p.grad is not None]
-        grads = [self.params[i].grad for i in have]
-        # one fused pass (torch._foreach_norm, as clip_grad_norm_), squares summed in fp64
-        norms = torch.stack(torch._foreach_norm(grads)).double() if grads else \
-            torch.zeros(0, dtype=torch.float64, device=self.device)
-        sq = (norms[self.counted[have]] ** 2).sum()
-        bad = float(not bool(torch.isfinite(norms).all()))
+        if self.zero is not None:
+            sq, bad = self._zero_norm()
+        else:
+            have = [i for i, p in enumerate(self.params) if p.grad is not None]
+            grads = [self.params[i].grad for i in have]
+            # one fused pass (torch._foreach_norm, as clip_grad_norm_), squares summed in fp64
+            norms = torch.stack(torch._foreach_norm(grads)).double() if grads else \
+                torch.zeros(0, dtype=torch.float64, device=self.device)
+            sq = (norms[self.counted[have]] ** 2).sum()
+            bad = float(not bool(torch.isfinite(norms).all()))
         contrib = local / scale / cfg.dp if self.owns_loss else self.scalar(0.0)
         sent = bytes_written() - w0
         tc = now()
@@ -197,8 +210,8 @@ class Job:
             skipped = self._skip(step)
         else:
             self.skips = 0
-            if cfg.clip > 0 and gnorm > cfg.clip:  # torch's clip_grad_norm_ rule, global norm
-                torch._foreach_mul_(grads, cfg.clip / (gnorm + 1e-6))
+            if cfg.clip > 0 and gnorm > cfg.clip and self.zero is None:
+                torch._foreach_mul_(grads, cfg.clip / (gnorm + 1e-6))  # torch's rule, global norm
             if self.scaler is not None:
                 self.scaler.step(self.opt)
                 self.scaler.update()
@@ -214,6 +227,16 @@ class Job:
         if self.scaler is not None:
             rec.update(loss_scale=scale, skipped=skipped)
         return rec
+
+    def _zero_norm(self) -> tuple[torch.Tensor, float]:
+        """(this rank's share of the squared global gradient norm, NaN/Inf flag) under zero:
+        ZeroOptimizer.clip_grad_norm_ all-reduces the shards' squares and clips with torch's
+        rule (max_norm / (norm + 1e-6) when below 1); a NaN norm scales nothing, and the step
+        stops before the update as without zero."""
+        clip = self.cfg.clip if self.cfg.clip > 0 else math.inf
+        norm = float(self.opt.clip_grad_norm_(clip))
+        share = norm * norm if self.mesh.dp_rank == 0 else 0.0
+        return self.scalar(share), float(not math.isfinite(norm))
 
     def _skip(self, step: int) -> bool:
         """fp16 overflow somewhere in the mesh: every rank skips this update and backs off the
@@ -246,7 +269,8 @@ class Job:
                 x, y = val.next()
                 for xk, yk in zip(x.chunk(cfg.grad_accum), y.chunk(cfg.grad_accum)):
                     if self.pipe is None:
-                        total += self.loss_fn(self.model(xk.to(self.device)), yk.to(self.device))
+                        fwd = self.zero if self.zero is not None else self.model  # stage 3 gathers
+                        total += self.loss_fn(fwd(xk.to(self.device)), yk.to(self.device))
                     else:
                         out = self.pipe(xk.to(self.device))
                         if out is not None:
@@ -262,16 +286,11 @@ class Job:
     def state(self, full: bool) -> dict:
         """What a checkpoint holds. full=False leaves out the per-rank part (RNG states and
         compression / error-feedback memory), which only means something on the same mesh."""
-        tp_mesh = self.mesh.device_mesh["tp"] if self.cfg.tp > 1 else None
-        model = {n: ck.shard(p.detach(), p, tp_mesh) for n, p in self.named}
-        optim = {}
-        for n, p in self.named:
-            st = self.opt.state[p]
-            if not st:  # before the first step: the tensors a step would make, to load into
-                st.update(step=torch.zeros((), dtype=torch.float32),
-                          exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
-            optim[n] = {"step": st["step"], "exp_avg": ck.shard(st["exp_avg"], p, tp_mesh),
-                        "exp_avg_sq": ck.shard(st["exp_avg_sq"], p, tp_mesh)}
+        if self.zero is not None:  # flat shards by FQN: pyfast.parallel.zero.checkpoint
+            zsd = zck.get_state_dict(self.zero, self.opt)
+            model, optim = zsd["model"], zsd["optim"]
+        else:
+            model, optim = self._dense_state()
         train = {"sched": self.sched.state_dict(), "data": self.batches.state_dict(),
                  "lrs": [g["lr"] for g in self.opt.param_groups], "skips": self.skips,
                  "scaler": self.scaler.state_dict() if self.scaler is not None else None}
@@ -282,11 +301,26 @@ class Job:
             state[f"rank{dist.get_rank()}"] = ck.blob(mine)
         return state
 
+    def _dense_state(self) -> tuple[dict, dict]:
+        """Whole tensors by FQN (DTensors over the tp sub-mesh for tp shards)."""
+        tp_mesh = self.mesh.device_mesh["tp"] if self.cfg.tp > 1 else None
+        model = {n: ck.shard(p.detach(), p, tp_mesh) for n, p in self.named}
+        optim = {}
+        for n, p in self.named:
+            st = self.opt.state[p]
+            if not st:  # before the first step: the tensors a step would make, to load into
+                st.update(step=torch.zeros((), dtype=torch.float32),
+                          exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+            optim[n] = {"step": st["step"], "exp_avg": ck.shard(st["exp_avg"], p, tp_mesh),
+                        "exp_avg_sq": ck.shard(st["exp_avg_sq"], p, tp_mesh)}
+        return model, optim
+
     def meta(self) -> dict:
         c = self.cfg
         return {"model_key": c.model_key(), "vocab_size": self.corpus.vocab_size,
                 "mesh": {"dp": c.dp, "tp": c.tp, "pp": c.pp}, "compress": c.compress,
-                "precision": c.precision, "batch": c.batch, "n_params": self.n_params}
+                "precision": c.precision, "batch": c.batch, "n_params": self.n_params,
+                "zero": c.zero, "param_compress": c.param_compress}
 
     def save(self, out, step: int, fault=None):
         return ck.save(self.state(full=True), out, step, self.meta(), fault)
@@ -297,8 +331,18 @@ class Job:
         meta = ck.read_meta(path)
         same = {k: meta[k] for k in ("mesh", "compress", "precision")} == \
             {k: self.meta()[k] for k in ("mesh", "compress", "precision")}
+        saved_zero = meta.get("zero", 0)
+        if bool(saved_zero) != bool(self.cfg.zero):
+            raise ConfigError(f"--resume: {path} was written with --zero {saved_zero}, this run "
+                              f"has --zero {self.cfg.zero}: ZeRO checkpoints hold flat shards "
+                              "by FQN, the others whole tensors; resume with zero on or off "
+                              "as saved (any --zero stage and --dp load a ZeRO checkpoint)")
         state = self.state(full=same)
+        if self.zero is not None:  # what the checkpoint holds, in this world's shards
+            state.update(zck.load_target(path, self.zero, self.opt))
         ck.load(state, path)
+        if self.zero is not None:
+            zck.set_state_dict(self.zero, self.opt, state)
         train = ck.unblob(state["train"])
         self.sched.load_state_dict(train["sched"])
         for g, lr in zip(self.opt.param_groups, train["lrs"]):
@@ -317,3 +361,5 @@ class Job:
     def close(self) -> None:
         if self.dp is not None:
             self.dp.close()
+        if self.zero is not None:
+            self.zero.close()

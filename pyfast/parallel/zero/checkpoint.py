@@ -227,11 +227,14 @@ def _key(*path) -> str:
     return ".".join(path)
 
 
-def _target(model, opt, metadata) -> dict:
-    """What load() reads into, from the checkpoint's metadata: the model's tensors in the form
-    the checkpoint holds them, the optimizer state the checkpoint has (nothing more)."""
+def load_target(checkpoint_id, model, opt) -> dict:
+    """What load() reads into (dcp.load, then set_state_dict), from the checkpoint's metadata:
+    the model's tensors in the form the checkpoint holds them, the optimizer state the
+    checkpoint has (nothing more), this rank's shards of this world size. For callers that add
+    entries of their own to the same dcp.load (the training job's)."""
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    md = metadata.state_dict_metadata
+    md = dcp.FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
     names, own = _names(model), _tensors(model)
     model_sd = {}
     for fqn, first in names.items():
@@ -282,8 +285,7 @@ def save(checkpoint_id, model, opt) -> None:
 def load(checkpoint_id, model, opt) -> None:
     """Load a checkpoint written by save() at any world size and stage (collective)."""
     import torch.distributed.checkpoint as dcp
-    md = dcp.FileSystemReader(checkpoint_id).read_metadata()
-    target = _target(model, opt, md)
+    target = load_target(checkpoint_id, model, opt)
     dcp.load(target, checkpoint_id=checkpoint_id, process_group=model.group)
     set_state_dict(model, opt, target)
 
@@ -312,4 +314,4 @@ def full_state_dict(model, opt, rank0_only: bool = False) -> dict:
             "optim": {"state": out_state, "param_groups": sd["optim"]["param_groups"]}}
 
 
-__all__ = ["get_state_dict", "set_state_dict", "full_state_dict", "save", "load"]
+__all__ = ["get_state_dict", "set_state_dict", "full_state_dict", "save", "load", "load_target"]
