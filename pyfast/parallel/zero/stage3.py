@@ -148,6 +148,11 @@ class Stage3Model(ZeroModel):
         for u in self.layout.units:
             self.free(u)
 
+    def masters_changed(self) -> None:
+        """The master shards were replaced (a checkpoint load): drop what was gathered from the
+        old ones; the next forward gathers the new."""
+        self.free_all()
+
     def _next_in_order(self, u, step: int):
         if u.index not in self._order:
             return None
