@@ -526,3 +526,43 @@ def test_param_groups_scheduler_and_sharded_state(pool2):
             # opt.state holds this rank's shard: torch.chunk's piece of each flat parameter
             assert shapes == {i: (len(torch.arange(n).chunk(world)[r]),)
                               for i, n in enumerate(sizes)}
+
+
+# ---------------------------------------------------------------------------- stage 2 overlap, stage 3 misuse
+class Outside(nn.Module):
+    """Calls a child of a stage-3 unit directly: its parameters are not gathered then."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(37, 37), nn.Tanh())
+        self.out = nn.Linear(37, 37)
+
+    def forward(self, x):
+        return self.out(self.block[0](x))  # skips self.block.forward
+
+
+def _overlap_and_misuse(rank, world):
+    from pyfast.parallel import zero
+    torch.manual_seed(0)
+    model, opt = zero(MLP(), torch.optim.AdamW, stage=2, bucket_mb=0.01, lr=LR)
+    during = []
+    launch = model._launch
+    model._launch = lambda u: (during.append(model._armed), launch(u))
+    x, y = _data("mlp", world, 0)
+    _loss("mlp", model, x[rank], y[rank]).backward()
+    opt.step()
+    try:
+        m3, _ = zero(Outside(), torch.optim.AdamW, stage=3, units=[nn.Sequential])
+        m3(torch.randn(2, 37))
+        misuse = "no error"
+    except RuntimeError as e:
+        misuse = str(e)
+    return len(model.layout.units), during, misuse
+
+
+def test_stage2_reduces_during_backward_and_stage3_names_a_parameter_used_outside(pool2):
+    for units, during, misuse in pool2.run(_overlap_and_misuse):
+        assert units >= 2
+        # launched by the gradient hooks while autograd ran (armed), not all at the end
+        assert len(during) == units and during[0] and sum(during) >= units - 1, during
+        assert "parameter 'block.0.weight' is sharded here" in misuse, misuse

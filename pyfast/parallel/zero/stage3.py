@@ -25,9 +25,13 @@ master shards hold the values.
   master stays exact, each step's gather quantizes it afresh).
 
 Every collective (gathers, reduce-scatters, the side band) goes through comm's FIFO worker, so
-the ranks issue them in the same order. Limits (as FSDP2's): a parameter used outside its
-unit's forward (called directly, or by another module's forward) finds a 0-element tensor and
-fails with torch's shape error; wrap the module that uses it, or leave it to the root.
+the ranks issue them in the same order. Limits (as FSDP2's): a parameter is full only inside its
+unit's forward and backward. A module that owns parameters and runs outside its unit's forward
+(a unit's child called directly by the parent) raises a RuntimeError naming the parameter and
+the unit (a forward pre-hook on every such module checks); a parameter read without a module
+call (F.linear(x, other.weight) in another unit) finds a 0-element tensor and fails with
+torch's shape error. This cannot be seen at construction (it depends on what forward does):
+wrap the module that uses it, or leave the parameter to the root.
 """
 from __future__ import annotations
 
@@ -107,7 +111,28 @@ class Stage3Model(ZeroModel):
             if u.module is not None:
                 self._hooks.append(u.module.register_forward_pre_hook(self._pre(u)))
                 self._hooks.append(u.module.register_forward_hook(self._post(u)))
+        # every module that owns parameters checks they are gathered before its forward runs:
+        # one called outside its unit's forward gets this error instead of a shape mismatch
+        names = {id(m): n for n, m in module.named_modules()}
+        for m in module.modules():
+            own = [(n, p) for n, p in m.named_parameters(recurse=False) if id(p) in self._flag]
+            if own:
+                self._hooks.append(m.register_forward_pre_hook(self._check(names[id(m)], own)))
         self.free_all()
+
+    def _check(self, mname: str, own: list):
+        def hook(module, args):
+            for n, p in own:
+                if p.numel() == 0 and self.layout.of(p)[0].shards[self.layout.of(p)[1]].n:
+                    u = self.layout.of(p)[0]
+                    where = "the root" if u.module is None else \
+                        f"unit {u.index} ({type(u.module).__name__})"
+                    fqn = f"{mname}.{n}" if mname else n
+                    raise RuntimeError(
+                        f"zero stage 3: parameter {fqn!r} is sharded here: module {mname!r} ran "
+                        f"outside the forward of {where}, which gathers it. Call it through that "
+                        "unit's forward, or make it (or an ancestor that calls it) a unit: units=")
+        return hook
 
     # ------------------------------------------------------------------ gathering
     def _start_gather(self, u):
