@@ -85,6 +85,22 @@ def backend(name: str | None):
             os.environ["PYFAST_BACKEND"] = old
 
 
+def columns(table, names, left=(), **kw):
+    """Add the columns `names` to a rich Table: labels (those in `left`) left-justified,
+    numbers right-justified; `kw` goes to every add_column. Returns the table."""
+    for name in names:
+        table.add_column(name, justify="left" if name in left else "right", **kw)
+    return table
+
+
+def rich_table(title: str, result: dict, names, left=(), **kw):
+    """The table of a benchmark's result: `title`, then a line naming the machine and the
+    date the result was measured on, and the columns `names` (columns())."""
+    from rich.table import Table
+    return columns(Table(title=f"{title}\n{result['machine']}; {result['date']}"), names, left,
+                   **kw)
+
+
 def show(result: dict, table, width: int = 160, file=None) -> None:
     """Print table(result): a rich Table or plain text."""
     from rich.console import Console

@@ -174,8 +174,7 @@ def table(result: dict):
                     f"{result['ranks']}; {result['date']}")
     cols = ("W", "link", "spec", "algorithm", "payload MB/rank", "wire MB (all)", "lo MB",
             "ms", "q10-q90 ms", "floor ms", "% floor", "vs fp32", "vs fp16")
-    for col in cols:
-        t.add_column(col, justify="left" if col in ("link", "spec", "algorithm") else "right")
+    perf.columns(t, cols, left=("link", "spec", "algorithm"))
     prev, skipped = None, []
     for r in result["rows"]:
         if "skipped" in r:

@@ -99,9 +99,9 @@ def table(result: dict):
                     f"{result['machine']}" + (f" (load {load[0]:.1f}-{load[1]:.1f})" if load else "")
                     + f"; copy roof {result['copy_GBps']:.1f} GB/s (read+write); "
                     f"torch.topk(|x|, 1%) {result['torch_topk_s'] * 1e3:.1f} ms")
-    for col in ("spec", "backend", "wire x", "rel err", "compress ms", "decompress ms", "GB/s",
-                "% roof", "into ms", "into x", "% roof (into)", "vs torch"):
-        t.add_column(col, justify="left" if col in ("spec", "backend") else "right")
+    perf.columns(t, ("spec", "backend", "wire x", "rel err", "compress ms", "decompress ms",
+                     "GB/s", "% roof", "into ms", "into x", "% roof (into)", "vs torch"),
+                 left=("spec", "backend"))
     skipped = {}
     for r in result["rows"]:
         if "skipped" in r:

@@ -185,9 +185,8 @@ def table(result: dict):
     t = Table(title=f"data-parallel training step, 2 ranks x 1 thread, {result['model']}, batch "
                     f"{result['batch']}/rank, median of {result['steps']} steps after "
                     f"{result['warmup']}\n{result['machine']}")
-    for col in ("link", "config", "step ms", "vs DDP+fp16", "loss", "compute ms", "comm ms",
-                "step/max(comp,comm)", "bound ms", "step/bound"):
-        t.add_column(col, justify="left" if col in ("link", "config") else "right")
+    perf.columns(t, ("link", "config", "step ms", "vs DDP+fp16", "loss", "compute ms", "comm ms",
+                     "step/max(comp,comm)", "bound ms", "step/bound"), left=("link", "config"))
     for r in result["rows"]:
         if "skipped" in r:
             t.add_row(r["link"], "-", f"skipped: {r['skipped']}")
@@ -204,7 +203,6 @@ def table(result: dict):
 
 
 def main(argv=None) -> int:
-    from rich.console import Console
     p = argparse.ArgumentParser(prog="pyfast bench dp", description=__doc__)
     p.add_argument("--link", default="1gbit,loopback")
     p.add_argument("--configs", default=",".join(CONFIGS))
@@ -217,10 +215,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     res = run(a.link.split(","), a.configs.split(","), a.batch, a.steps, a.warmup,
               bucket_mb=a.bucket_mb)
-    Console(width=170).print(table(res))
-    if a.out:
-        perf.save_result(res, a.out, table, width=170)
-    return 0
+    return perf.finish(res, table, a.out, width=170)
 
 
 if __name__ == "__main__":

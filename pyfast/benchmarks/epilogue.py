@@ -225,9 +225,8 @@ def table(result: dict):
                     f"median of {result['repeats']} round-robin repeats (q10-q90)\n"
                     f"{result['machine']}, 1-min load average {result['load'][0]:.1f} at start, "
                     f"{result['load'][1]:.1f} at end")
-    for col in ("shape (M x K -> N)", "variant", "ms", "q10-q90 ms", "epilogue ms",
-                "epilogue % of variant"):
-        t.add_column(col, justify="left" if col in ("shape (M x K -> N)", "variant") else "right")
+    perf.columns(t, ("shape (M x K -> N)", "variant", "ms", "q10-q90 ms", "epilogue ms",
+                     "epilogue % of variant"), left=("shape (M x K -> N)", "variant"))
     for r in result["rows"]:
         ep = "epilogue_s" in r and r["variant"] != "mm (GEMM floor)"
         med, q10, q90 = (perf.stat(r, k) for k in perf.KEYS)  # also results before median_s

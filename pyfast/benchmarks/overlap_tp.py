@@ -198,9 +198,8 @@ def table(result: dict):
     t = Table(title=f"async TP: x [{ROWS}, {K}] per rank, weight [{N}, {K}], fp32, median of "
                     f"{result['repeats']}, slowest rank\n{result['machine']}; {result['ranks']}; "
                     f"{result['date']}; load {', '.join(f'{v:.1f}' for v in result['load_1min'])}")
-    for col in ("link", "op", "case", "ms", "q10-q90 ms", "cpu ms (rank 0)", "hidden",
-                "min ms", "hidden (mins)"):
-        t.add_column(col, justify="left" if col in ("link", "op", "case") else "right")
+    perf.columns(t, ("link", "op", "case", "ms", "q10-q90 ms", "cpu ms (rank 0)", "hidden",
+                     "min ms", "hidden (mins)"), left=("link", "op", "case"))
     prev, skipped = None, []
     for r in result["rows"]:
         if "skipped" in r:

@@ -379,16 +379,12 @@ def targets(result: dict) -> list[dict]:
 
 
 def table(result: dict):
-    from rich.table import Table
-    t = Table(title=f"tensor-parallel MLP block x -> Linear(h, m) -> GELU -> Linear(m, h), "
-                    f"forward + backward, {result['world']} ranks x 1 thread; median of "
-                    f"{result['repeats']} samples after {result['warmup']} warm-up steps, "
-                    f"slowest rank\n"
-                    f"{result['machine']}; {result['date']}")
-    for col in ("link", "block", "variant", "step ms", "q10-q90", "vs 1 thread", "vs DTensor",
-                "lo MB/step", "floor ms"):
-        t.add_column(col, justify="left" if col in ("link", "block", "variant") else "right",
-                     no_wrap=True)
+    t = perf.rich_table(
+        "tensor-parallel MLP block x -> Linear(h, m) -> GELU -> Linear(m, h), forward + backward, "
+        f"{result['world']} ranks x 1 thread; median of {result['repeats']} samples after "
+        f"{result['warmup']} warm-up steps, slowest rank", result,
+        ("link", "block", "variant", "step ms", "q10-q90", "vs 1 thread", "vs DTensor",
+         "lo MB/step", "floor ms"), left=("link", "block", "variant"), no_wrap=True)
     skipped = []
     for b in result["blocks"]:
         if "skipped" in b:
@@ -429,7 +425,6 @@ def table(result: dict):
 
 
 def main(argv=None) -> int:
-    from rich.console import Console
     p = argparse.ArgumentParser(prog="pyfast bench tp", description=__doc__.split("\n")[0])
     p.add_argument("--link", default="all", help="loopback, 10gbit, 1gbit or all (default), "
                                                  "or comma-separated tc rates")
@@ -458,11 +453,7 @@ def main(argv=None) -> int:
         p.error("--repeats must be >= 1, --warmup and --steps >= 0")
     res = run(links, shapes, variants, a.repeats, a.warmup, a.steps, a.pin, a.timeout)
     res["note"] = a.note
-    Console(width=170).print(table(res))
-    if a.out:
-        perf.save_result(res, a.out, table, width=170)
-        print(f"wrote {a.out}.json and {a.out}.txt")
-    return 0
+    return perf.finish(res, table, a.out, width=170)
 
 
 if __name__ == "__main__":

@@ -358,14 +358,14 @@ def table(result: dict):
     from rich.console import Group
     from rich.markup import escape
     from rich.table import Table
-    t = Table(title=f"training step (pyfast.train Job vs torch-native), {result['model']} seq "
-                    f"{result['seq']}, global batch {result['batch']}, fp32, 1 thread/rank, "
-                    f"median of {result['steps']} steps after {result['warmup']} (slowest rank)"
-                    f"\n{result['machine']}, {result['date']}, 1-min load avg "
-                    f"{result['load_avg'][0]:.2f} before, {result['load_avg'][1]:.2f} after")
-    for col in ("link", "config", "step ms", "tokens/s", "vs peer", "loss@1 - dense",
-                "compute ms", "exposed comm ms", "MB sent", "floor ms"):
-        t.add_column(col, justify="left" if col in ("link", "config") else "right")
+    load = result["load_avg"]
+    t = perf.rich_table(
+        f"training step (pyfast.train Job vs torch-native), {result['model']} seq {result['seq']}, "
+        f"global batch {result['batch']}, fp32, 1 thread/rank, median of {result['steps']} steps "
+        f"after {result['warmup']} (slowest rank); 1-min load avg {load[0]:.2f} before, "
+        f"{load[1]:.2f} after", result,
+        ("link", "config", "step ms", "tokens/s", "vs peer", "loss@1 - dense", "compute ms",
+         "exposed comm ms", "MB sent", "floor ms"), left=("link", "config"))
     notes = []
     for r in result["rows"]:
         if "skipped" in r or "error" in r:
@@ -389,7 +389,6 @@ def table(result: dict):
 
 
 def main(argv=None) -> int:
-    from rich.console import Console
     p = argparse.ArgumentParser(prog="pyfast bench train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--link", default="loopback,1gbit")
@@ -405,10 +404,7 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"unknown configs {sorted(unknown)}; known: {', '.join(CONFIGS)}")
     res = run(a.link.split(","), a.configs.split(","), a.batch, a.steps, a.warmup, a.model, a.seq)
-    Console(width=170).print(table(res))
-    if a.out:
-        perf.save_result(res, a.out, table, width=170)
-    return 0
+    return perf.finish(res, table, a.out, width=170)
 
 
 if __name__ == "__main__":
