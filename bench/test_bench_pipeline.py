@@ -29,23 +29,21 @@ def size(request):
 
 @pytest.fixture(scope="module")
 def ranks(size):
-    r = pipeline.Ranks(2)
-    try:
-        assert sorted(r.call("_setup", *size)[0]) == sorted(PROVIDERS)
-        yield r
-    finally:
-        r.close()
+    with pipeline.ranks(2) as launch:
+        assert sorted(launch.call(pipeline._setup, *size)[0]) == sorted(PROVIDERS)
+        yield launch
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_pipeline_step(benchmark, ranks, size, provider):
     r = ranks
-    r.call("_round", [provider])  # first step: shapes are exchanged
-    out = benchmark.pedantic(lambda: r.call("_round", [provider]), rounds=5, warmup_rounds=1)
+    r.call(pipeline._round, [provider])  # first step: shapes are exchanged
+    out = benchmark.pedantic(lambda: r.call(pipeline._round, [provider]), rounds=5,
+                             warmup_rounds=1)
     slowest = max(rank[provider][0] for rank in out)
     benchmark.extra_info.update(ranks=2, width=size[0], batch=size[1], microbatches=pipeline.M,
                                 step_s_slowest_rank=slowest)
-    got = sum(rank[provider] for rank in r.call("_grad_sq", [provider]))
+    got = sum(rank[provider] for rank in r.call(pipeline._grad_sq, [provider]))
     assert got == pytest.approx(reference_grad_sq(*size), rel=1e-4), provider
 
 

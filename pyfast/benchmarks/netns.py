@@ -5,6 +5,7 @@ namespace whose loopback is rate-limited by `tc ... tbf`.
     run(["python", "x.py"], link="1gbit")         # one command inside a fresh namespace
     run_ranks(["-m", "mod"], world=2, link="1gbit")  # torchrun-style env, 127.0.0.1
     with ranks(["-m", "mod"], 2, only=[1]) as launch: ...   # rank 0 in this process
+    with pool(2) as p: p.call(fn, *args)          # live ranks that run functions on request
 
 Both directions of every connection cross the one qdisc on lo, so a link moves at most `rate`
 bits/s in total: the floor of a collective is (bytes sent by all ranks) / rate. Only loopback
@@ -15,7 +16,10 @@ says why: callers skip, never silently fall back to plain loopback.
 from __future__ import annotations
 
 import contextlib
+import datetime
+import importlib
 import os
+import pickle
 import re
 import secrets
 import shutil
@@ -23,6 +27,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 LINKS = ("loopback", "10gbit", "1gbit")  # "loopback": no namespace; else any tc rate string
@@ -177,11 +182,14 @@ def run(cmd: list[str], link: str = "loopback", timeout: float = 600, env=None,
 
 class Launch:
     """Rank processes started by ranks(): `store` is the rendezvous (None inside a namespace),
-    init_process_group(rank) joins them from this process, wait() returns when all exit and raises with each failed rank's stderr tail."""
+    init_process_group(rank) joins them from this process, wait() returns when all exit and
+    raises with each failed rank's stderr tail, call() runs a function on ranks started by
+    pool()."""
 
     def __init__(self, procs, logs, ranks, world, timeout, what, store):
         self.procs, self._logs, self._ranks, self.world = procs, logs, ranks, world
         self._timeout, self._what, self.store = timeout, what, store
+        self._calls = 0
 
     def init_process_group(self, rank: int, timeout: float) -> None:
         """Join the launched ranks' default group as `rank` from this process (plain loopback)."""
@@ -204,6 +212,52 @@ class Launch:
                     log.seek(0)
                     tails.append(f"rank {r} (exit {code}):\n{log.read()[-3000:]}")
             raise RuntimeError(f"ranks failed, exit codes {list(codes.values())}\n" + "\n".join(tails))
+
+    def call(self, fn, *args, timeout: float | None = None) -> list:
+        """fn(*args) on every rank of a pool(), each rank's result in rank order. `fn` is a
+        module-level function of an importable module (the ranks import it by name). A call
+        that raised on some rank raises RuntimeError here with each such rank's error; a rank
+        that died raises wait()'s error (every failed rank's stderr tail); both leave the pool
+        unusable, as does a timeout (TimeoutError)."""
+        i, self._calls = self._calls, self._calls + 1
+        self._post(i, (fn.__module__, fn.__qualname__, args))
+        keys = [f"{CALLS}/{i}/{r}" for r in self._ranks]
+        limit = self._timeout if timeout is None else timeout
+        done = threading.Event()
+        watch = threading.Thread(target=self._answer_for_the_dead, args=(i, done), daemon=True)
+        watch.start()
+        try:  # one blocking wait: no polling, no CPU taken from the ranks
+            self.store.wait(keys, datetime.timedelta(seconds=limit))
+        except RuntimeError:  # DistStoreError
+            raise TimeoutError(f"{fn.__qualname__}: ranks did not answer within {limit:.0f} s; "
+                               f"answered: {[k for k in keys if self.store.check([k])]}") from None
+        finally:
+            done.set()
+            watch.join()
+        out = [pickle.loads(self.store.get(k)) for k in keys]
+        if any(ok is None for ok, _ in out):
+            self.wait()  # a rank died: raises with the stderr tails
+        errors = [value for ok, value in out if not ok]
+        if errors:
+            raise RuntimeError(f"{fn.__qualname__}:\n" + "\n".join(errors))
+        return [value for _, value in out]
+
+    def _answer_for_the_dead(self, i: int, done: threading.Event) -> None:
+        """While call i waits: once a rank has exited (a served rank exits only at the end),
+        every rank yet to answer is answered (None, None), so the wait ends at once (the others
+        may be stuck in a collective with the dead one). Its own store client: the waiting one
+        is busy."""
+        while not done.wait(0.2):
+            if any(p.poll() is not None for p in self.procs):
+                import torch.distributed as dist
+                store = dist.TCPStore("127.0.0.1", self.store.port, is_master=False)
+                for r in self._ranks:
+                    if not store.check([f"{CALLS}/{i}/{r}"]):
+                        store.set(f"{CALLS}/{i}/{r}", pickle.dumps((None, None)))
+                return
+
+    def _post(self, i: int, job) -> None:
+        self.store.set(f"{CALLS}/{i}", pickle.dumps(job))
 
 
 @contextlib.contextmanager
@@ -244,6 +298,48 @@ def ranks(py_argv: list[str], world: int, link: str = "loopback", timeout: float
             _kill(procs)
             for log in logs:
                 log.close()
+
+
+CALLS = "pyfast-calls"  # store keys of Launch.call: CALLS/<i> the job, CALLS/<i>/<rank> the answers
+
+
+def serve(timeout: float) -> None:
+    """The rank side of pool(): join the default group (env://, as every launched rank does),
+    then run the jobs Launch.call posts on the launcher's store, one after another, answering
+    (True, result) or (False, "rank r: <error>") and serving on after an error, until the job
+    None. The process group is this rank's own to use (dist.get_rank(), collectives)."""
+    import traceback
+
+    import torch.distributed as dist
+    td = datetime.timedelta(seconds=timeout)
+    dist.init_process_group("gloo", timeout=td)
+    rank = dist.get_rank()
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=td)
+    i = 0
+    while (job := pickle.loads(store.get(f"{CALLS}/{i}"))) is not None:
+        module, name, args = job
+        try:
+            answer = (True, getattr(importlib.import_module(module), name)(*args))
+        except Exception as e:  # noqa: BLE001  (the launcher raises it; this rank serves on)
+            answer = (False, f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
+        store.set(f"{CALLS}/{i}/{rank}", pickle.dumps(answer))
+        i += 1
+    dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def pool(world: int, timeout: float = 600, env: dict | None = None):
+    """`world` live ranks on plain loopback (ranks() running serve()) that run functions on
+    request: yields the Launch, whose call(fn, *args) runs fn on every rank. At the end of the
+    block the ranks are told to stop and waited for (an error names each failed rank)."""
+    argv = ["-c", f"from pyfast.benchmarks.netns import serve; serve({float(timeout)!r})"]
+    with ranks(argv, world, "loopback", timeout, env) as launch:
+        try:
+            yield launch
+        finally:
+            launch._post(launch._calls, None)
+        launch.wait()
 
 
 def run_ranks(py_argv: list[str], world: int, link: str = "loopback", timeout: float = 600,

@@ -16,9 +16,9 @@ also report the bubble, 1 - sum(compute) / (p x step), the scheduling overhead p
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
-import multiprocessing as mp
 import os
 import statistics
 import time
@@ -31,6 +31,7 @@ from torch import nn
 import pyfast
 from pyfast import perf
 from pyfast._io import atomic_open, atomic_write_text
+from pyfast.benchmarks import netns
 
 MODELS = {"large": (1024, 256), "tiny": (256, 32)}
 SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zb-h1": 1}  # name: virtual stages
@@ -76,27 +77,18 @@ def _pin(rank: int):
         os.sched_setaffinity(int(tid), cores)
 
 
-def _rank_loop(rank, world, port, pin, inbox, outbox):
+def _start(pin: bool):
     torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))
-    if pin:
-        _pin(rank)
-    while (job := inbox.get()) is not None:
-        name, args = job
-        try:
-            outbox.put((rank, globals()[name](rank, world, *args)))
-        except Exception as e:  # noqa: BLE001  (report to the parent, keep serving)
-            outbox.put((rank, RuntimeError(f"rank {rank}: {type(e).__name__}: {e}")))
-    dist.destroy_process_group()
+    if pin:  # after the process group exists: gloo's I/O thread is pinned too
+        _pin(dist.get_rank())
 
 
-def _setup(rank, world, width, rows):
+def _setup(width, rows):
     from torch.distributed import pipelining as tp
 
     from pyfast.parallel import Pipeline
     from pyfast.parallel.schedules import partition
+    rank, world = dist.get_rank(), dist.get_world_size()
     _local.clear()
     x, t = batch(width, rows)
     _batch[:] = [x, t]
@@ -126,7 +118,7 @@ def _setup(rank, world, width, rows):
     return list(_local)
 
 
-def _round(rank, world, names):
+def _round(names):
     """One step of each provider, in turn; per provider (seconds, pyfast stats or None)."""
     out = {}
     for name in names:
@@ -139,15 +131,16 @@ def _round(rank, world, names):
     return out
 
 
-def _grad_sq(rank, world, names):
+def _grad_sq(names):
     """Per provider, the squared norm of this rank's parameter gradients from its last step:
     summed over ranks, the whole model's, to compare with single_process(micro=True)'s."""
     return {n: float(sum(p.grad.double().pow(2).sum() for p in _local[n][0].parameters()
                          if p.grad is not None)) for n in names}
 
 
-def _traced(rank, world, name, path):
+def _traced(name, path):
     from pyfast.parallel import save_trace
+    rank, world = dist.get_rank(), dist.get_world_size()
     pipe, _ = _local["pyfast " + name]
     first, last = rank == 0, rank == world - 1
     x, t = _batch
@@ -158,35 +151,13 @@ def _traced(rank, world, name, path):
     return pipe.last_stats["peak_activation_bytes"], written
 
 
-class Ranks:
-    """p rank processes in one gloo group that run named functions of this module on request."""
-
-    def __init__(self, world: int, pin: bool = True):
-        ctx = mp.get_context("spawn")
-        self.world = world
-        self._store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False)
-        self._out, self._ins = ctx.Queue(), [ctx.Queue() for _ in range(world)]
-        self._procs = [ctx.Process(target=_rank_loop, daemon=True, args=(
-            r, world, self._store.port, pin, self._ins[r], self._out)) for r in range(world)]
-        for p in self._procs:
-            p.start()
-
-    def call(self, name: str, *args, timeout: float = 600) -> list:
-        for q in self._ins:
-            q.put((name, args))
-        got = dict(self._out.get(timeout=timeout) for _ in range(self.world))
-        for r in range(self.world):
-            if isinstance(got[r], Exception):
-                raise got[r]
-        return [got[r] for r in range(self.world)]
-
-    def close(self):
-        for q in self._ins:
-            q.put(None)
-        for p in self._procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+@contextlib.contextmanager
+def ranks(world: int, pin: bool = True, timeout: float = 600):
+    """`world` live rank processes in one gloo group (netns.pool) that run this module's rank
+    functions on request: `with ranks(2) as launch: launch.call(_setup, width, rows)`."""
+    with netns.pool(world, timeout) as launch:
+        launch.call(_start, pin)
+        yield launch
 
 
 # -- the driver (parent process) ---------------------------------------------------------------
@@ -196,27 +167,26 @@ def run(worlds=(2, 4), models=("large", "tiny"), repeats: int = 7, pin: bool = T
     of the first model at the first world size as PREFIX.json / PREFIX.png."""
     runs, load = [], [os.getloadavg()[0]]
     for world in worlds:
-        ranks = Ranks(world, pin)
-        try:
+        with ranks(world, pin) as launch:
             for mname in models:
                 width, rows = MODELS[mname]
                 load0 = os.getloadavg()[0]  # other jobs on the machine, for the record
-                names = ranks.call("_setup", width, rows)[0]
+                names = launch.call(_setup, width, rows)[0]
                 singles = {f"1 process, {k}, {th} thread{'s' * (th > 1)}":
                            single_process(width, rows, th, micro)
                            for k, micro in (("whole batch", False), ("8 micro-batches", True))
                            for th in (1, 2)}
                 times = {n: [] for n in [*singles, *names]}
                 stats = {n: [] for n in names}
-                ranks.call("_round", names)  # warm-up: first-step shape exchange, allocator
+                launch.call(_round, names)  # warm-up: first-step shape exchange, allocator
                 for f in singles.values():
                     f()
                 for rep in range(repeats):
-                    for n, f in singles.items():  # the ranks wait on their queues meanwhile
+                    for n, f in singles.items():  # the ranks wait for their next call meanwhile
                         t0 = time.perf_counter()
                         f()
                         times[n].append(time.perf_counter() - t0)
-                    per_rank = ranks.call("_round", names)
+                    per_rank = launch.call(_round, names)
                     for n in names:
                         times[n].append(max(r[n][0] for r in per_rank))
                         stats[n].append([r[n][1] for r in per_rank])
@@ -226,9 +196,8 @@ def run(worlds=(2, 4), models=("large", "tiny"), repeats: int = 7, pin: bool = T
                     if n.startswith("pyfast"):
                         sched = n.split()[1]
                         row.update(_pyfast_metrics(stats[n], world, SCHEDULES[sched]))
-                        peaks = ranks.call("_traced", sched,
-                                           f"{trace}.json" if trace and not runs and mname == models[0]
-                                           and sched == "1f1b" else None)
+                        traced = trace and not runs and mname == models[0] and sched == "1f1b"
+                        peaks = launch.call(_traced, sched, f"{trace}.json" if traced else None)
                         row["peak_activation_bytes"] = max(p for p, _ in peaks)
                     rows_out.append(row)
                 base = {k: next(r["median_s"] for r in rows_out
@@ -240,8 +209,6 @@ def run(worlds=(2, 4), models=("large", "tiny"), repeats: int = 7, pin: bool = T
                 runs.append({"world": world, "model": mname, "width": width, "batch": rows,
                              "load_average": [load0, os.getloadavg()[0]], "rows": rows_out})
                 log(f"done: {world} ranks, {mname}")
-        finally:
-            ranks.close()
     load.append(os.getloadavg()[0])
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the ranks' setting, for the machine line
@@ -309,10 +276,10 @@ def table(result: dict):
     t = Table(title=f"pipeline step, 8 x (Linear(w) + ReLU), MSE, {result['n_microbatches']} "
                     f"micro-batches; median of {result['repeats']}\n{result['machine']}; "
                     f"ranks {'pinned one per core' if result['pinned'] else 'unpinned'}")
-    for col in ("ranks", "model", "provider", "step ms", "q10-q90", "vs 1 process whole, 1 thread",
-                "vs 1 process 8 mb, 1 thread", "bubble (formula)", "overhead/action",
-                "peak activations"):
-        t.add_column(col, justify="left" if col in ("model", "provider") else "right", no_wrap=True)
+    perf.columns(t, ("ranks", "model", "provider", "step ms", "q10-q90",
+                     "vs 1 process whole, 1 thread", "vs 1 process 8 mb, 1 thread",
+                     "bubble (formula)", "overhead/action", "peak activations"),
+                 left=("model", "provider"), no_wrap=True)
     t.caption = "targets: " + "; ".join(
         f"{x['target']} {x['measured']} ({x['goal']}: {'met' if x['met'] else 'missed'})"
         for x in result["targets"])
