@@ -566,3 +566,39 @@ def test_stage2_reduces_during_backward_and_stage3_names_a_parameter_used_outsid
         # launched by the gradient hooks while autograd ran (armed), not all at the end
         assert len(during) == units and during[0] and sum(during) >= units - 1, during
         assert "parameter 'block.0.weight' is sharded here" in misuse, misuse
+
+
+def _broken(rank, world):
+    from pyfast.parallel.zero import model as zm  # pyfast.parallel.zero is also the function
+    from pyfast.comm import CommError
+    from pyfast.parallel import zero
+    model, opt = zero(MLP(), torch.optim.AdamW, stage=2, lr=LR)
+    x = torch.randn(2, 37)
+
+    class Dead:
+        def wait(self):
+            raise RuntimeError("peer gone")  # what a dead peer's collective raises
+
+    real, zm.reduce_scatter = zm.reduce_scatter, lambda *a, **k: Dead()
+    try:
+        try:
+            model(x).sum().backward()
+            first = "no error"
+        except RuntimeError as e:
+            first = str(e)
+    finally:
+        zm.reduce_scatter = real
+    out = []
+    for call in (lambda: model(x), opt.step):
+        try:
+            call()
+            out.append("no error")
+        except CommError as e:
+            out.append(str(e))
+    return first, out
+
+
+def test_a_failed_reduce_scatter_breaks_the_model(pool2):
+    for first, later in pool2.run(_broken):
+        assert "peer gone" in first
+        assert len(later) == 2 and all("broken by an earlier failure" in m for m in later), later

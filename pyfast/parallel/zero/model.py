@@ -23,6 +23,11 @@ all-reduce of one flag per parameter after the units.
 
 Buffers: at every forward with autograd on (outside no_sync), group rank 0's buffers are
 broadcast to the others first, as DDP's broadcast_buffers=True and DataParallel.
+
+A failed collective (a dead peer, the group's timeout) raises CommError naming the operation and
+breaks the model (pyfast.comm.failure.Breaker, as DataParallel): every later forward and step
+raises, since the ranks may be a collective apart. Bad input (ValueError/TypeError, raised the
+same way on every rank) does not break it.
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pyfast.comm import all_gather, all_reduce, reduce_scatter
+from pyfast.comm.failure import Breaker
 from pyfast.parallel.data import broadcast_coalesced
 
 
@@ -58,6 +64,7 @@ class ZeroModel(nn.Module):
         with torch.no_grad():
             for u in layout.units:
                 self.masters.append([self._master(p, sh) for p, sh in zip(u.params, u.shards)])
+        self._breaker = Breaker("this zero model")
         self._sync = True
         self._armed = False
         self._dirty = False  # a forward under no_sync since the last reduction (same on all ranks)
@@ -86,6 +93,7 @@ class ZeroModel(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args, **kwargs):
+        self._breaker.check()
         if torch.is_grad_enabled() and not self._sync:
             self._dirty = True  # gradients accumulate outside a reduction: step() reduces them
         if torch.is_grad_enabled() and self._sync:
@@ -165,6 +173,10 @@ class ZeroModel(nn.Module):
         """Wait for every launched reduce-scatter (all of them, even after one failed: one
         still running would interleave with the caller's next collective), agree on which
         parameters were used (side band), and add each reduced shard to its master's .grad."""
+        with self._breaker.guard("zero gradient reduce-scatter"):
+            self._finish()
+
+    def _finish(self) -> None:
         errors = []
         for _, _, h in self._inflight:
             if h is not None:
@@ -204,7 +216,8 @@ class ZeroModel(nn.Module):
     def gather_params(self) -> None:
         """Stages 1/2: every rank's updated master shards into every rank's parameters, one
         exact all-gather per unit: bit-identical replicas (every rank copies the same bytes)."""
-        with torch.no_grad():
+        self._breaker.check()
+        with torch.no_grad(), self._breaker.guard("zero parameter all-gather"):
             for u, masters in zip(self.layout.units, self.masters):
                 full = u.new_buffer(self._device)
                 seg = torch.zeros(u.S, dtype=torch.float32, device=full.device)

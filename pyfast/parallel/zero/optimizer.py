@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 
 from pyfast.comm import all_reduce
 
@@ -83,6 +84,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                         lambda self, v: setattr(self.inner, "defaults", v))
 
     def _reduce(self) -> None:
+        self.model._breaker.check()
         if self._reduced:
             return
         m = self.model
@@ -107,8 +109,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             local = torch.stack([g.abs().max() for g in grads if g.numel()]).max() \
                 if any(g.numel() for g in grads) else torch.zeros(())
             t = local.reshape(1).clone()
-            import torch.distributed as dist
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.model.group)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.model.group)  # nothing in flight
             total = t[0]
         elif norm_type == 2.0:
             t = torch.zeros(1)

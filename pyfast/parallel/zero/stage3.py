@@ -148,7 +148,8 @@ class Stage3Model(ZeroModel):
         if self._gathered[u.index]:
             return
         h, full = self._gathering.pop(u.index, None) or self._start_gather(u)
-        h.wait()
+        with self._breaker.guard(f"zero stage 3 all-gather of {u.name}"):
+            h.wait()
         with torch.no_grad():
             for i, p in enumerate(u.params):
                 t = torch.empty(u.shards[i].shape, dtype=p.dtype, device=full.device)
