@@ -222,12 +222,12 @@ def test_gemm_backend_uses_triton_only_where_its_dtypes_hold(monkeypatch, device
 def test_tp_layers_take_the_gemm_that_gemm_backend_picks(monkeypatch):
     """ColumnParallelLinear's local GEMM follows gemm_backend: linear_act (Triton) when it
     says so, torch's F.linear otherwise."""
-    from pyfast.parallel import tensor as TP
+    from pyfast.parallel import tensor
     calls = []
-    monkeypatch.setattr(TP, "linear_act", lambda x, w, b: calls.append("triton") or x @ w.t())
+    monkeypatch.setattr(tensor, "linear_act", lambda x, w, b: calls.append("triton") or x @ w.t())
     x, w = torch.randn(3, 4), torch.randn(5, 4)
-    monkeypatch.setattr(TP, "gemm_backend", lambda *a: "triton")
-    TP._linear(x, w)
-    monkeypatch.setattr(TP, "gemm_backend", lambda *a: "torch")
-    TP._linear(x, w)
+    monkeypatch.setattr(tensor, "gemm_backend", lambda *a: "triton")
+    tensor._linear(x, w)
+    monkeypatch.setattr(tensor, "gemm_backend", lambda *a: "torch")
+    tensor._linear(x, w)
     assert calls == ["triton"]
