@@ -18,6 +18,15 @@ shard being a view of the parameter itself (16-bit parameters keep a separate fp
 + 4 psi / N); stage 2 differs from stage 1 in the peak during backward (full gradients of the
 units not yet reduced instead of all of them). Stage 3: 16 psi / N (master, gradient and state
 shards) + the largest gathered unit.
+
+Notes: `pyfast.parallel.zero` is the function (the issue's interface); reach the submodules with
+`from pyfast.parallel.zero import layout` (an `import pyfast.parallel.zero.layout as x`
+resolves the attribute, the function). Under stage 3, model.state_dict() holds the 0-element
+parameters of between-steps: save and load through zero's checkpoint module. topk/randomk are
+accepted for the reduce-scatter, but select within each rank's segment (all the unit's
+parameters) rather than per parameter as DataParallel does. Not done yet: the native C++
+engine (every collective runs on comm's Python FIFO worker), a `timeout=` (the group's own
+applies), DataParallel's check that trainable parameters did not change after wrapping.
 """
 from __future__ import annotations
 
@@ -94,6 +103,8 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
                          "by bucket_mb")
     c = _grad_compressor(compressor, error_feedback)
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    if not named:
+        raise ValueError("zero: the module has no parameter with requires_grad=True to shard")
     _check_params(named)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     # every block of either compressor codes one parameter's elements only (layout.py)

@@ -75,6 +75,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # torch.optim.Optimizer's hooks and step patching; param_groups/state/defaults are the
         # inner optimizer's (properties below), re-added here group by group.
         torch.optim.Optimizer.__init__(self, list(self.inner.param_groups), self.inner.defaults)
+        self._built = True
+
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_built", False):  # torch's __init__ re-adds the mirrored groups
+            raise NotImplementedError(
+                "ZeroOptimizer.add_param_group: the shards are laid out when zero() wraps the "
+                "module; pass every group as params= to zero()")
+        super().add_param_group(param_group)
 
     # the inner optimizer's, so schedulers and state dicts see one set of groups
     param_groups = property(lambda self: self.inner.param_groups,
