@@ -457,6 +457,9 @@ def _bad_inputs(rank, world):
         "units": err(lambda: zero(MLP(), adam, stage=3, units=["fc1"])),
         "frozen_in_group": err(lambda: zero(tied, adam, params=[tied.scale])),
         "foreign_in_group": err(lambda: zero(MLP(), adam, params=[Tied().scale])),
+        # collective checks: every rank raises the same error
+        "ranks_differ": err(lambda: zero(MLP(), adam, stage=1 + rank)),
+        "models_differ": err(lambda: zero(MLP() if rank == 0 else Tied(), adam)),
     }
 
 
@@ -473,6 +476,11 @@ def test_bad_inputs_fail_at_construction_naming_the_problem(pool2):
               "param_spec": ("ValueError", "param_compressor='topk:0.1'"),
               "stage": ("ValueError", "stage must be one of"),
               "units": ("TypeError", "units=")}
+    assert got["ranks_differ"] == ("ValueError", "zero: ranks differ in their options or layout "
+                                   "(stage, compressors, bucket_mb, units): rank 0 has 'stage 1', "
+                                   "rank 1 has 'stage 2'")
+    assert got["models_differ"][0] == "ValueError" and \
+        "parameters differ across ranks" in got["models_differ"][1]
     for key, (kind, text) in expect.items():
         assert got[key][0] == kind and text in got[key][1], (key, got[key])
     assert "element by element" in got["lbfgs"][1]

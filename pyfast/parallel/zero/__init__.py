@@ -17,7 +17,8 @@ tests/test_zero.py): DataParallel 16 psi bytes (params, grads, two Adam moments)
 shard being a view of the parameter itself (16-bit parameters keep a separate fp32 master:
 + 4 psi / N); stage 2 differs from stage 1 in the peak during backward (full gradients of the
 units not yet reduced instead of all of them). Stage 3: 16 psi / N (master, gradient and state
-shards) + the largest gathered unit.
+shards) between steps; while a unit runs, + its gathered parameters and the prefetched next one
+(the issue's "+ the largest gathered module", at most twice that with the prefetch).
 
 Notes: `pyfast.parallel.zero` is the function (the issue's interface); reach the submodules with
 `from pyfast.parallel.zero import layout` (an `import pyfast.parallel.zero.layout as x`
@@ -58,6 +59,16 @@ def _check_params(named) -> None:
     if len(devices) > 1:
         raise ValueError(f"zero needs every parameter on one device, got "
                          f"{sorted(map(str, devices))}")
+
+
+def _first_difference(every: list) -> str:
+    """The options or layouts of two ranks, at their first difference (not the whole list)."""
+    bad = next(r for r, x in enumerate(every) if x != every[0])
+    a, b = every[0], every[bad]
+    i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    at = lambda xs: xs[i] if i < len(xs) else "nothing"  # noqa: E731
+    return (f"ranks differ in their options or layout (stage, compressors, bucket_mb, units): "
+            f"rank 0 has {at(a)!r}, rank {bad} has {at(b)!r}")
 
 
 def _grad_compressor(spec, error_feedback: bool):
@@ -119,8 +130,9 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
     else:
         layout = Layout(bucket_groups(named, bucket_mb or BUCKET_MB, world, align),
                         world, rank, align)
-    agree([f"stage {stage}", c.spec, str(param_compressor)] + layout.describe(), None, group,
-          what="zero", device=named[0][1].device if named else None)
+    agree([f"stage {stage}", f"compressor {c.spec}", f"param_compressor {param_compressor}"]
+          + layout.describe(), None, group, what="zero", device=named[0][1].device,
+          differ=_first_difference)
     if stage == 3:
         model = Stage3Model(module, layout, c, group, named, param_compressor)
     else:
