@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import json
 import os
 import statistics
 import time
@@ -30,7 +29,6 @@ from torch import nn
 
 import pyfast
 from pyfast import perf
-from pyfast._io import atomic_open, atomic_write_text
 from pyfast.benchmarks import netns
 
 MODELS = {"large": (1024, 256), "tiny": (256, 32)}
@@ -285,6 +283,8 @@ def table(result: dict):
         for x in result["targets"])
     t.caption += ("\nload: the machine's 1-minute load average at the start and end of each block "
                   "(2.0 = both cores busy before this benchmark adds its own work)")
+    if result.get("note"):
+        t.caption += f"\nnote: {result['note']}"
     for run_ in result["runs"]:
         for i, r in enumerate(run_["rows"]):
             bub = f"{r['bubble']:.3f} ({r['bubble_formula']:.3f})" if "bubble" in r else ""
@@ -302,21 +302,14 @@ def table(result: dict):
 
 
 def save(result: dict, out: str, note: str = "") -> None:
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    atomic_write_text(out + ".json", json.dumps({**result, "note": note}, indent=1))
-    from rich.console import Console
-    with atomic_open(out + ".txt") as f:
-        console = Console(file=f, width=230)
-        console.print(table(result))
-        if note:
-            console.print(note)
+    """OUT.json and OUT.txt (the table, `note` under it), atomically (perf.save_result)."""
+    perf.save_result({**result, "note": note}, out, table, width=230)
 
 
 def main(argv=None) -> int:
     """`pyfast bench pipeline [--world 2,4] [--model large,tiny] [--repeats N] [--out P]`."""
     import argparse
 
-    from rich.console import Console
     p = argparse.ArgumentParser(prog="pyfast bench pipeline", description=__doc__.split("\n")[0])
     p.add_argument("--world", default="2,4")
     p.add_argument("--model", default="large,tiny")
@@ -333,7 +326,4 @@ def main(argv=None) -> int:
     if min(worlds) < 2 or a.repeats < 1:
         p.error("--world must be >= 2 and --repeats >= 1")
     res = run(worlds, tuple(a.model.split(",")), a.repeats, not a.no_pin, a.trace or None)
-    Console(width=230).print(table(res))
-    if a.out:
-        save(res, a.out, a.note)
-    return 0
+    return perf.finish({**res, "note": a.note}, table, a.out, width=230)
