@@ -262,7 +262,14 @@ def _memory(rank, world):
     dp.close()
     for stage in (1, 2, 3):
         torch.manual_seed(0)
-        model, opt = zero(Wide(), torch.optim.AdamW, stage=stage, lr=LR)
+        wide = Wide()
+        grads = [0]  # peak bytes of full gradients alive during backward
+        for p in wide.parameters():  # before zero()'s hooks: sees each gradient before it goes
+            p.register_post_accumulate_grad_hook(lambda _: grads.__setitem__(0, max(
+                grads[0], _storages([q.grad for q in wide.parameters()]))))
+        # stage 2: two units of one layer each (0.5 MB), so one is reduced before the other
+        model, opt = zero(wide, torch.optim.AdamW, stage=stage, lr=LR,
+                          bucket_mb=0.5 if stage == 2 else None)
         peak = [0]
         if stage == 3:
             def look(*_):
@@ -276,7 +283,8 @@ def _memory(rank, world):
             opt.step()
         masters = [m for ms in model.masters for m in ms]
         out[stage] = (_storages(list(model.module.parameters()) + masters
-                                + [m.grad for m in masters] + _state_tensors(opt)), peak[0])
+                                + [m.grad for m in masters] + _state_tensors(opt)), peak[0],
+                      grads[0])
         model.close()
     return out
 
@@ -292,6 +300,8 @@ def _check_memory(res, world):
             assert r[stage][0] == pytest.approx(model[stage], rel=0.10), (stage, r[stage], model)
         # stage 3 while a unit runs: its parameters and at most the next unit's prefetch
         assert largest <= r[3][1] <= 2 * largest, r[3][1]
+        # stage 1 holds every full gradient at the end of backward; stage 2 one unit's at most
+        assert r[1][2] == 4 * psi and r[2][2] == largest, (r[1][2], r[2][2])
     return {k: (v if k == "dp" else v[0]) / psi for k, v in res[0].items()}
 
 
