@@ -208,8 +208,9 @@ class ZeroModel(nn.Module):
         """Reduce what the parameters' .grad hold now (stage 1 at step(); stage 2 after a
         backward under no_sync, or one that did not go through forward)."""
         self._armed, self._dirty = False, False
-        for u in self.layout.units:
-            self._launch(u)
+        with self._breaker.guard("zero gradient reduce-scatter"):  # stage 1's run here
+            for u in self.layout.units:
+                self._launch(u)
         self.finish()
 
     # ------------------------------------------------------------------ step's other half
