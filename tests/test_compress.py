@@ -160,8 +160,10 @@ def test_error_feedback_state_dict():
     assert torch.equal(ef.compress(x2, "a").tensors["codes"], ef2.compress(x2, "a").tensors["codes"])
     with pytest.raises(ValueError, match="3000 elements"):
         ef.compress(grad(10), "a")
-    with pytest.raises(ValueError, match="float32"):
+    with pytest.raises(TypeError, match="float32"):
         ef2.load_state_dict({"memory": {"a": torch.zeros(3, dtype=torch.int32)}})
+    with pytest.raises(ValueError, match="1-D float32"):
+        ef2.load_state_dict({"memory": {"a": torch.zeros(3, 2)}})
 
 
 @pytest.mark.parametrize("spec", SPECS)
@@ -228,7 +230,7 @@ def test_decompress_into_out(spec, dtype):
                                                 else torch.int32)), "bitwise (signs of zeros)"
     assert bucket[:100].isnan().all() and bucket[100 + x.numel():].isnan().all()
     other = torch.float16 if dtype != torch.float16 else torch.float32
-    with pytest.raises(ValueError, match=f"{dtype}.*2145 elements"):
+    with pytest.raises(TypeError, match=f"{dtype}.*2145 elements"):
         c.decompress(p, out=torch.empty(2145, dtype=other))
     with pytest.raises(ValueError, match="2145 elements"):
         c.decompress(p, out=torch.empty(2146, dtype=dtype))

@@ -139,5 +139,14 @@ def test_bad_arguments():
     codes, scales = quantize.quantize_ref(x, "int4")
     with pytest.raises(ValueError, match="uint8"):
         quantize.dequantize(codes[:-1], scales, 100, "int4")
+    with pytest.raises(TypeError, match="codes .* must be uint8"):  # a dtype: TypeError
+        quantize.dequantize(codes.to(torch.int8), scales, 100, "int4")
+    with pytest.raises(TypeError, match="scales .* must be float32"):
+        quantize.dequantize(codes, scales.half(), 100, "int4")
+    with pytest.raises(TypeError, match="float32"):
+        quantize.dequantize_accumulate_(torch.zeros(100, dtype=torch.float16), codes, scales,
+                                        "int4")
+    with pytest.raises(ValueError, match="non-contiguous"):
+        quantize.dequantize_accumulate_(torch.zeros(200)[::2], codes, scales, "int4")
     with pytest.raises(ValueError, match="stochastic"):
         quantize.quantize(x, "sign", stochastic=True)

@@ -154,7 +154,7 @@ def check_out(p: Payload, out: torch.Tensor) -> None:
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"decompress: out must be a tensor, got {type(out).__name__}")
     if out.dtype != p.dtype or out.numel() != p.numel:
-        raise ValueError(f"decompress: out must be {p.dtype} with {p.numel} elements (shape "
+        raise (TypeError if out.dtype != p.dtype else ValueError)(f"decompress: out must be {p.dtype} with {p.numel} elements (shape "
                          f"{tuple(p.shape)} or a view with as many), got {out.dtype} of shape "
                          f"{tuple(out.shape)}")
     dev = p.device or out.device

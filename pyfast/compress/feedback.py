@@ -42,7 +42,7 @@ class ErrorFeedback:
             raise ValueError(f"not an ErrorFeedback state: keys {sorted(state)}")
         for k, v in state["memory"].items():
             if v.dtype != torch.float32 or v.dim() != 1:
-                raise ValueError(f"error feedback {k!r} must be a 1-D float32 tensor, got "
+                raise (TypeError if v.dtype != torch.float32 else ValueError)(f"error feedback {k!r} must be a 1-D float32 tensor, got "
                                  f"{v.dtype} of shape {tuple(v.shape)}")
         self.memory = {k: v.clone() for k, v in state["memory"].items()}
 

@@ -165,12 +165,13 @@ def dequantize_accumulate_ref_(out: torch.Tensor, codes: torch.Tensor, scales: t
 def _check_codes(codes, scales, n, kind, block):
     if kind not in KINDS:
         raise ValueError(f"unknown quantization kind {kind!r}; valid: {', '.join(KINDS)}")
-    if codes.dtype != torch.uint8 or codes.numel() != codes_len(n, kind):
-        raise ValueError(f"{kind} codes for {n} elements must be uint8[{codes_len(n, kind)}], "
-                         f"got {codes.dtype}[{codes.numel()}]")
-    if scales.dtype != torch.float32 or scales.numel() != scales_len(n, block):
-        raise ValueError(f"scales for {n} elements in blocks of {block} must be "
-                         f"float32[{scales_len(n, block)}], got {scales.dtype}[{scales.numel()}]")
+    for what, t, dtype, want in (("codes", codes, torch.uint8, codes_len(n, kind)),
+                                 ("scales", scales, torch.float32, scales_len(n, block))):
+        if t.dtype != dtype or t.numel() != want:  # a wrong dtype is a TypeError, a size not
+            kind_of = TypeError if t.dtype != dtype else ValueError
+            raise kind_of(f"{kind} {what} for {n} elements in blocks of {block} must be "
+                          f"{str(dtype).removeprefix('torch.')}[{want}], got "
+                          f"{t.dtype}[{t.numel()}]")
 
 
 def quantize(x: torch.Tensor, kind: str, block: int = DEFAULT_BLOCK, stochastic: bool = False,
@@ -201,7 +202,7 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, n: int, kind: str,
     if out is not None:
         if out.dtype != dtype or out.numel() != n or not out.is_contiguous() \
                 or out.device != codes.device:
-            raise ValueError(f"dequantize: out must be contiguous {dtype}[{n}] on {codes.device}, "
+            raise (TypeError if out.dtype != dtype else ValueError)(f"dequantize: out must be contiguous {dtype}[{n}] on {codes.device}, "
                              f"got {'' if out.is_contiguous() else 'non-contiguous '}"
                              f"{out.dtype}[{out.numel()}] on {out.device}")
         out = out.view(-1)
@@ -224,8 +225,10 @@ def dequantize_accumulate_(out: torch.Tensor, codes: torch.Tensor, scales: torch
                            kind: str, block: int = DEFAULT_BLOCK,
                            backend: str | None = None) -> torch.Tensor:
     """out += dequantize(codes, scales); out is a contiguous fp32 buffer."""
-    if out.dtype != torch.float32 or not out.is_contiguous():
-        raise ValueError(f"accumulate buffer must be contiguous float32, got {out.dtype}")
+    if out.dtype != torch.float32:
+        raise TypeError(f"accumulate buffer must be contiguous float32, got {out.dtype}")
+    if not out.is_contiguous():
+        raise ValueError("accumulate buffer must be contiguous float32, got a non-contiguous one")
     _check_codes(codes, scales, out.numel(), kind, block)
     b = resolve(out.device, backend)
     if b == "cpp":

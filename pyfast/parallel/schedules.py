@@ -65,7 +65,7 @@ def layer_times(seq: nn.Sequential, example: torch.Tensor, group=None, repeats: 
         times.append(sorted(runs)[repeats // 2])
         h = out.detach()
     t = torch.tensor(times, dtype=torch.float64, device=example.device)
-    if group is not None and dist.get_world_size(group) > 1:
+    if dist.is_initialized() and dist.get_world_size(group) > 1:  # None: the default group
         dist.all_reduce(t, group=group)
     return t.tolist()
 
