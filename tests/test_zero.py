@@ -575,11 +575,25 @@ def _overlap_and_misuse(rank, world):
         misuse = "no error"
     except RuntimeError as e:
         misuse = str(e)
-    return len(model.layout.units), during, misuse
+    formats = {}
+    for spec in ("bf16", "fp16", "fp8"):  # every parameter format gathers identical replicas
+        torch.manual_seed(0)
+        m, o = zero(MLP(), torch.optim.AdamW, stage=3, units=[nn.Linear], param_compressor=spec)
+        _loss("mlp", m, x[rank], y[rank]).backward()
+        o.step()
+        formats[spec] = _params(m)
+    return len(model.layout.units), during, misuse, formats
 
 
 def test_stage2_reduces_during_backward_and_stage3_names_a_parameter_used_outside(pool2):
-    for units, during, misuse in pool2.run(_overlap_and_misuse):
+    out = pool2.run(_overlap_and_misuse)
+    torch.manual_seed(0)
+    exact = MLP()
+    for spec, params in out[0][3].items():
+        for k, v in params.items():
+            assert torch.equal(v, out[1][3][spec][k]), (spec, k)
+            assert (v - exact.state_dict()[k]).abs().max() < 0.05  # decoded, not garbage
+    for units, during, misuse, _ in out:
         assert units >= 2
         # launched by the gradient hooks while autograd ran (armed), not all at the end
         assert len(during) == units and during[0] and sum(during) >= units - 1, during
