@@ -22,7 +22,6 @@ some features that the 1e-8 parameter differences of step 1 came back as 2.5e-6 
 """
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch

@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from pyfast.comm import all_gather, all_reduce, reduce_scatter
@@ -219,14 +218,25 @@ class ZeroModel(nn.Module):
         exact all-gather per unit: bit-identical replicas (every rank copies the same bytes)."""
         self._breaker.check()
         with torch.no_grad(), self._breaker.guard("zero parameter all-gather"):
-            for u, masters in zip(self.layout.units, self.masters):
-                full = u.new_buffer(self._device)
-                seg = torch.zeros(u.S, dtype=torch.float32, device=full.device)
-                for i, m in enumerate(masters):
-                    u.shard_view(seg, i).copy_(m)
-                all_gather(full, seg, None, self.group, async_op=True, name=u.name).wait()
-                for i, p in enumerate(u.params):
-                    u.copy_out(full, i, p.data)
+            # two units in flight: unit i+1 travels while unit i is copied into the parameters
+            # (one full buffer more than one at a time, never all of them)
+            prev = None
+            for u in self.layout.units + [None]:
+                cur = None if u is None else (u, *self._start_gather(u, None))
+                if prev is not None:
+                    pu, h, full = prev
+                    h.wait()
+                    for i, p in enumerate(pu.params):
+                        pu.copy_out(full, i, p.data)
+                prev = cur
+
+    def _start_gather(self, u, compressor):
+        """Start the all-gather of unit u's master shards: (handle, the full buffer)."""
+        seg = torch.zeros(u.S, dtype=torch.float32, device=self._device)
+        for i, m in enumerate(self.masters[u.index]):
+            u.shard_view(seg, i).copy_(m)
+        full = u.new_buffer(self._device)
+        return all_gather(full, seg, compressor, self.group, async_op=True, name=u.name), full
 
     def close(self) -> None:
         """Remove the gradient hooks (the wrapped module stays usable on its own)."""

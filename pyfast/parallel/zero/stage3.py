@@ -40,7 +40,6 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 import pyfast.compress as C
-from pyfast.comm import all_gather
 
 from .model import ZeroModel
 
@@ -135,19 +134,12 @@ class Stage3Model(ZeroModel):
         return hook
 
     # ------------------------------------------------------------------ gathering
-    def _start_gather(self, u):
-        seg = torch.zeros(u.S, dtype=torch.float32, device=self._device)
-        for i, m in enumerate(self.masters[u.index]):
-            u.shard_view(seg, i).copy_(m)
-        full = u.new_buffer(self._device)
-        return all_gather(full, seg, self.param_compressor, self.group, async_op=True,
-                          name=u.name), full
-
     def gather(self, u) -> None:
         """Unit u's parameters full (from its prefetch if one is in flight)."""
         if self._gathered[u.index]:
             return
-        h, full = self._gathering.pop(u.index, None) or self._start_gather(u)
+        h, full = self._gathering.pop(u.index, None) or \
+            self._start_gather(u, self.param_compressor)
         with self._breaker.guard(f"zero stage 3 all-gather of {u.name}"):
             h.wait()
         with torch.no_grad():
@@ -159,7 +151,7 @@ class Stage3Model(ZeroModel):
 
     def prefetch(self, u) -> None:
         if not self._gathered[u.index] and u.index not in self._gathering:
-            self._gathering[u.index] = self._start_gather(u)
+            self._gathering[u.index] = self._start_gather(u, self.param_compressor)
 
     def free(self, u) -> None:
         for p in u.params:
