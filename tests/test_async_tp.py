@@ -55,8 +55,8 @@ def _compare(ours, ref):
 def _cases(rank, world, comms):
     import torch.nn.functional as F
 
-    from pyfast.parallel import async_tp as A
-    from pyfast.parallel import tp_comm as T
+    from pyfast.parallel import async_tp
+    from pyfast.parallel import tp_comm
     g = torch.Generator().manual_seed(1000 + rank)  # different data on every rank
     res = {}
     for (rows, k, n, mid, dim), dtype, bias in [(s, d, b) for s in SHAPES for d in DTYPES
@@ -72,11 +72,11 @@ def _cases(rank, world, comms):
             gy = torch.randn(ys, generator=g).to(dtype)
             if kind == "agl":
                 ref = _run(lambda x, w, b: F.linear(
-                    T.gather_from_sequence_parallel_region(x, dim=dim), w, b), x, w, b, gy)
+                    tp_comm.gather_from_sequence_parallel_region(x, dim=dim), w, b), x, w, b, gy)
             else:
-                ref = _run(lambda x, w, b: T.reduce_scatter_to_sequence_parallel_region(
+                ref = _run(lambda x, w, b: tp_comm.reduce_scatter_to_sequence_parallel_region(
                     F.linear(x, w), dim=dim) + (0 if b is None else b), x, w, b, gy)
-            fn = A.all_gather_linear if kind == "agl" else A.linear_reduce_scatter
+            fn = async_tp.all_gather_linear if kind == "agl" else async_tp.linear_reduce_scatter
             for name, comm in comms.items():
                 if name == "engine" and dtype != torch.float32:
                     continue
@@ -106,26 +106,26 @@ def _subgroups(rank, world):
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from pyfast.parallel import async_tp as A
-    from pyfast.parallel import tp_comm as T
+    from pyfast.parallel import async_tp
+    from pyfast.parallel import tp_comm
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     tp = groups[rank // 2]
     g = torch.Generator().manual_seed(rank)
     x, xf, w, b = (torch.randn(9, 33, generator=g), torch.randn(18, 33, generator=g),
                    torch.randn(65, 33, generator=g), torch.randn(65, generator=g))
     gy, gz = torch.randn(18, 65, generator=g), torch.randn(9, 65, generator=g)
-    agl = _run(lambda x, w, b: A.all_gather_linear(x, w, b, tp, chunks=2), x, w, b, gy)
-    ref = _run(lambda x, w, b: F.linear(T.gather_from_sequence_parallel_region(x, tp), w, b),
+    agl = _run(lambda x, w, b: async_tp.all_gather_linear(x, w, b, tp, chunks=2), x, w, b, gy)
+    ref = _run(lambda x, w, b: F.linear(tp_comm.gather_from_sequence_parallel_region(x, tp), w, b),
                x, w, b, gy)
-    lrs = _run(lambda x, w, b: A.linear_reduce_scatter(x, w, b, tp, chunks=2), xf, w, b, gz)
-    lref = _run(lambda x, w, b: T.reduce_scatter_to_sequence_parallel_region(
+    lrs = _run(lambda x, w, b: async_tp.linear_reduce_scatter(x, w, b, tp, chunks=2), xf, w, b, gz)
+    lref = _run(lambda x, w, b: tp_comm.reduce_scatter_to_sequence_parallel_region(
         F.linear(x, w), tp) + b, xf, w, b, gz)
     wrong = "no engine"
     if _engine_ok():  # an engine on all 4 ranks cannot serve a group of 2
         from pyfast.comm.engine import NativeEngine
         engine = NativeEngine.private()
         try:
-            A.all_gather_linear(x, w, group=tp, comm=engine)
+            async_tp.all_gather_linear(x, w, group=tp, comm=engine)
         except ValueError as e:
             wrong = str(e)
         engine.close()
@@ -133,21 +133,21 @@ def _subgroups(rank, world):
 
 
 def _errors(rank, world):
-    from pyfast.parallel import async_tp as A
+    from pyfast.parallel import async_tp
     w = torch.randn(8, 6)
     bad = {
-        "rows": lambda: A.linear_reduce_scatter(torch.randn(world * 3 + 1, 6), w),
-        "chunks0": lambda: A.all_gather_linear(torch.randn(5, 6), w, chunks=0),
-        "features": lambda: A.all_gather_linear(torch.randn(5, 7), w),
-        "bias": lambda: A.all_gather_linear(torch.randn(5, 6), w, torch.randn(7)),
-        "wdtype": lambda: A.all_gather_linear(torch.randn(5, 6), w.bfloat16()),
-        "bdtype": lambda: A.linear_reduce_scatter(torch.randn(4, 6), w, torch.randn(8).double()),
-        "dim": lambda: A.all_gather_linear(torch.randn(5, 6), w, dim=-1),
-        "vector": lambda: A.all_gather_linear(torch.randn(6), w),
-        "comm": lambda: A.all_gather_linear(torch.randn(5, 6), w, comm="nccl"),
-        "engine": lambda: A.all_gather_linear(torch.randn(5, 6), w, comm="engine"),
-        "ranks": lambda: A.all_gather_linear(torch.randn(4 + rank, 6), w),
-        "dtypes": lambda: A.linear_reduce_scatter(torch.randn(4, 6).to(DTYPES[rank % 2]),
+        "rows": lambda: async_tp.linear_reduce_scatter(torch.randn(world * 3 + 1, 6), w),
+        "chunks0": lambda: async_tp.all_gather_linear(torch.randn(5, 6), w, chunks=0),
+        "features": lambda: async_tp.all_gather_linear(torch.randn(5, 7), w),
+        "bias": lambda: async_tp.all_gather_linear(torch.randn(5, 6), w, torch.randn(7)),
+        "wdtype": lambda: async_tp.all_gather_linear(torch.randn(5, 6), w.bfloat16()),
+        "bdtype": lambda: async_tp.linear_reduce_scatter(torch.randn(4, 6), w, torch.randn(8).double()),
+        "dim": lambda: async_tp.all_gather_linear(torch.randn(5, 6), w, dim=-1),
+        "vector": lambda: async_tp.all_gather_linear(torch.randn(6), w),
+        "comm": lambda: async_tp.all_gather_linear(torch.randn(5, 6), w, comm="nccl"),
+        "engine": lambda: async_tp.all_gather_linear(torch.randn(5, 6), w, comm="engine"),
+        "ranks": lambda: async_tp.all_gather_linear(torch.randn(4 + rank, 6), w),
+        "dtypes": lambda: async_tp.linear_reduce_scatter(torch.randn(4, 6).to(DTYPES[rank % 2]),
                                                   w.to(DTYPES[rank % 2])),
     }
     out = {}
@@ -161,8 +161,8 @@ def _errors(rank, world):
 
 
 def _engine_ok() -> bool:
-    from pyfast.comm import engine as E
-    return hasattr(E.NativeEngine, "all_gather_into") and E.status()[0]
+    from pyfast.comm import engine
+    return hasattr(engine.NativeEngine, "all_gather_into") and engine.status()[0]
 
 
 @pytest.fixture(scope="module", params=[2, 4])

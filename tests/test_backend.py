@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from pyfast.ops import BackendUnavailable, resolve, status
-from pyfast.ops import quantize as Q
+from pyfast.ops import quantize
 
 
 def test_forced_unknown_backend(monkeypatch):
     monkeypatch.setenv("PYFAST_BACKEND", "cuda-magic")
     with pytest.raises(ValueError, match="valid: auto, torch, cpp, triton"):
-        Q.quantize(torch.randn(10), "int8")
+        quantize.quantize(torch.randn(10), "int8")
 
 
 def test_forced_triton_without_interpreter_says_why(monkeypatch):
@@ -54,14 +54,14 @@ def test_cpp_missing_is_an_error_when_forced():
     code = """
 import sys, warnings, torch
 sys.modules['pyfast._C'] = None   # import of pyfast._C now raises ImportError
-from pyfast.ops import quantize as Q, BackendUnavailable
+from pyfast.ops import quantize, BackendUnavailable
 try:
-    Q.quantize(torch.randn(8), 'int8', backend='cpp'); print('NO ERROR')
+    quantize.quantize(torch.randn(8), 'int8', backend='cpp'); print('NO ERROR')
 except BackendUnavailable as e:
     print('raised:', e)
 with warnings.catch_warnings(record=True) as w:
     warnings.simplefilter('always')
-    Q.quantize(torch.randn(8), 'int8')
+    quantize.quantize(torch.randn(8), 'int8')
     print('warned:', any('torch reference' in str(x.message) for x in w))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

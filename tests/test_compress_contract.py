@@ -7,7 +7,7 @@ import torch
 
 import pyfast.comm as comm
 import pyfast.compress as C
-from pyfast.comm import engine as E
+from pyfast.comm import engine
 from pyfast.comm.collectives import Handle, choose
 from pyfast.compress.base import Compressor, Payload
 
@@ -60,9 +60,9 @@ def test_choose_reads_declarations():
     c = Halves()
     assert c.wire_bytes(1000) == 2000 and c.align == 8
     assert choose(c, 1000, 2) == "allgather" and choose(c, 10 ** 7, 4) == "two-phase"
-    assert E._kind(c) is None  # no native_kind declared: only the Python path
+    assert engine._kind(c) is None  # no native_kind declared: only the Python path
     c.native_kind = "fp16"
-    assert E.NativeEngine.supports(c)
+    assert engine.NativeEngine.supports(c)
     c.algorithm = "nonsense"
     with pytest.raises(TypeError, match="no collective algorithm"):
         choose(c, 10, 2)
@@ -87,11 +87,11 @@ def test_nonfinite_raised_by_the_compressor():
 
 
 def test_one_handle():
-    import pyfast.comm.sharded as S
-    import pyfast.parallel.data as D
-    assert isinstance(E._job_handle(None, 0, None, "x"), Handle) and not hasattr(D, "_All")
-    assert E.Handle is Handle  # exactly one thing called Handle
-    assert S.Handle is Handle
+    from pyfast.comm import sharded
+    from pyfast.parallel import data
+    assert isinstance(engine._job_handle(None, 0, None, "x"), Handle) and not hasattr(data, "_All")
+    assert engine.Handle is Handle  # exactly one thing called Handle
+    assert sharded.Handle is Handle
     calls = []
 
     def join(timeout):

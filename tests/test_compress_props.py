@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import pyfast.compress as C
 from pyfast import perf
 from pyfast.ops import status
-from pyfast.ops import topk as T
+from pyfast.ops import topk
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 KERNEL_SPECS = ["int8", "int4", "fp8", "sign", "topk:0.1"]  # the ones that run ops' backends
@@ -158,7 +158,7 @@ def check(spec, c, x, p, y):
         assert torch.equal(yd[sent], xd[sent]), f"{spec}: sent values are exact"
         assert (yd[~sent] == 0).all()
         if kind == "topk" and xd.numel():
-            k, lo, hi = T.target(xd.numel(), float(spec.split(":")[1]))
+            k, lo, hi = topk.target(xd.numel(), float(spec.split(":")[1]))
             assert lo <= int(sent.sum()) <= hi
             if (~sent).any():
                 assert xd[sent].abs().min() >= xd[~sent].abs().max(), f"{spec}: the largest"

@@ -8,7 +8,7 @@ import torch
 
 from conftest import backend_params
 from pyfast.errors import NonFiniteGradient
-from pyfast.ops import topk as T
+from pyfast.ops import topk
 
 SIZES = [1, 1023, 1025, 1_000_003]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -31,12 +31,12 @@ def test_count_and_select_match_reference(backend, n, dtype, with_ef):
     x = grad(n, dtype)
     ef = torch.randn(n) * 0.1 if with_ef else None
     t = float(x.float().abs().quantile(0.9)) if n > 1 else 0.5
-    got = T.topk_count(x, ef, t, backend=backend)
-    assert torch.equal(got, T.topk_count_ref(x, ef, t))
+    got = topk.topk_count(x, ef, t, backend=backend)
+    assert torch.equal(got, topk.topk_count_ref(x, ef, t))
     limit = max(1, int(got[0]) - 3)  # the cap must cut the selection in index order
     ef2 = ef.clone() if with_ef else None
-    v, i = T.topk_select(x, ef, t, limit, backend=backend)
-    rv, ri = T.topk_select_ref(x, ef2, t, limit)
+    v, i = topk.topk_select(x, ef, t, limit, backend=backend)
+    rv, ri = topk.topk_select_ref(x, ef2, t, limit)
     assert i.dtype == torch.int32 and v.dtype == dtype
     assert torch.equal(i, ri) and torch.equal(v, rv)
     if with_ef:
@@ -51,8 +51,8 @@ def test_topk_count_in_band_and_nothing_lost(backend, ratio, heavy):
     x = grad(n, torch.float32, heavy)
     ef = torch.randn(n) * 0.5
     total = x + ef
-    v, i = T.topk(x, ratio, ef, backend=backend)
-    k, lo, hi = T.target(n, ratio)
+    v, i = topk.topk(x, ratio, ef, backend=backend)
+    k, lo, hi = topk.target(n, ratio)
     assert lo <= v.numel() <= hi, f"kept {v.numel()}, want [{lo}, {hi}] around {k}"
     assert torch.equal(i, i.sort().values) and i.unique().numel() == i.numel()
     assert torch.equal(v, total[i.long()])  # kept values are exact
@@ -70,16 +70,16 @@ def test_topk_backends_agree_end_to_end(backend):
     x = grad(50_021, torch.bfloat16, heavy=True)
     e1, e2 = torch.randn(50_021), None
     e2 = e1.clone()
-    v, i = T.topk(x, 0.01, e1, backend=backend)
-    rv, ri = T.topk(x, 0.01, e2, backend="torch")
+    v, i = topk.topk(x, 0.01, e1, backend=backend)
+    rv, ri = topk.topk(x, 0.01, e2, backend="torch")
     assert torch.equal(i, ri) and torch.equal(v, rv) and torch.equal(e1, e2)
 
 
 @pytest.mark.parametrize("backend", backend_params() + ["torch"])
 def test_topk_ties_and_zeros(backend):
     for x in (torch.zeros(5000), torch.ones(5000), torch.tensor([3.0])):
-        v, i = T.topk(x, 0.01, backend=backend)
-        k, lo, hi = T.target(x.numel(), 0.01)
+        v, i = topk.topk(x, 0.01, backend=backend)
+        k, lo, hi = topk.target(x.numel(), 0.01)
         assert lo <= v.numel() <= hi
         assert torch.equal(v, x[i.long()])
 
@@ -90,15 +90,15 @@ def test_topk_rejects_nonfinite(backend, bad):
     x = torch.randn(4000)
     x[1234] = bad
     with pytest.raises(NonFiniteGradient, match="NaN/Inf"):  # its own type, a ValueError
-        T.topk(x, 0.01, torch.zeros(4000), backend=backend)
+        topk.topk(x, 0.01, torch.zeros(4000), backend=backend)
 
 
 def test_topk_bad_arguments():
     x = torch.randn(100)
     for r in (0.0, -0.1, 1.5):
         with pytest.raises(ValueError, match="ratio"):
-            T.topk(x, r)
+            topk.topk(x, r)
     with pytest.raises(TypeError, match="float32"):  # a wrong dtype is a TypeError
-        T.topk(x, 0.1, torch.zeros(100, dtype=torch.float16))
+        topk.topk(x, 0.1, torch.zeros(100, dtype=torch.float16))
     with pytest.raises(ValueError, match=r"float32\[100\]"):
-        T.topk(x, 0.1, torch.zeros(99))
+        topk.topk(x, 0.1, torch.zeros(99))

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from hypothesis import given, settings, strategies as st
 
 import pyfast.compress as C
-from pyfast.ops import ternary as T
+from pyfast.ops import ternary
 from pyfast.ops._backend import cpp_status
 from dist_utils import run_ranks
 
@@ -25,23 +25,23 @@ def test_kernel_equals_reference(n, block, seed, dt, out):
     x = (torch.randn(n) * 3).to(dt)
     if n > 8:
         x[1], x[2] = 0.0, -0.0
-    codes, scales = T.encode(x, block, seed, backend="cpp")
-    rc, rs = T.encode_ref(x, block, seed)
+    codes, scales = ternary.encode(x, block, seed, backend="cpp")
+    rc, rs = ternary.encode_ref(x, block, seed)
     assert torch.equal(codes, rc) and torch.equal(scales, rs)
     assert codes.numel() == -(-n // 4) and scales.numel() == -(-n // block)
-    assert torch.equal(T.decode(codes, scales, n, block, out, backend="cpp"),
-                       T.decode_ref(codes, scales, n, block, out))
+    assert torch.equal(ternary.decode(codes, scales, n, block, out, backend="cpp"),
+                       ternary.decode_ref(codes, scales, n, block, out))
 
 
 @needs_cpp
 def test_kernel_large_parallel_and_nonfinite():
     x = torch.randn(300_001)  # above the serial threshold: the OpenMP loop
     x[5], x[200_000] = float("nan"), float("inf")
-    codes, scales = T.encode(x, 512, 7, backend="cpp")
-    rc, rs = T.encode_ref(x, 512, 7)
+    codes, scales = ternary.encode(x, 512, 7, backend="cpp")
+    rc, rs = ternary.encode_ref(x, 512, 7)
     assert torch.equal(codes, rc) and torch.equal(scales.isnan(), rs.isnan())
     assert torch.equal(scales.nan_to_num(), rs.nan_to_num())
-    y = T.decode(codes, scales, x.numel(), 512, torch.float32, backend="cpp")
+    y = ternary.decode(codes, scales, x.numel(), 512, torch.float32, backend="cpp")
     bad = torch.zeros(x.numel(), dtype=torch.bool)
     bad[:512] = True
     bad[200_000 // 512 * 512: 200_000 // 512 * 512 + 512] = True
@@ -51,7 +51,7 @@ def test_kernel_large_parallel_and_nonfinite():
 def test_compressor_bound_unbiased_and_wire():
     c = C.get("ternary")
     assert c.spec == "ternary" and c.algorithm == "dense" and c.lossy and not c.deterministic
-    assert c.native_kind is None and c.block == T.DEFAULT_BLOCK
+    assert c.native_kind is None and c.block == ternary.DEFAULT_BLOCK
     x = torch.randn(5000)
     p = c.compress(x, "w")
     assert p.nbytes == c.wire_bytes(5000) == 4 * math.ceil(5000 / 512) + math.ceil(5000 / 4)
@@ -124,7 +124,6 @@ def test_all_reduce_and_data_parallel_two_ranks():
 
 
 def test_a_backend_asked_for_without_a_ternary_kernel_raises():
-    from pyfast.ops import ternary
     from pyfast.ops._backend import BackendUnavailable
     x = torch.randn(1000)
     with pytest.raises(BackendUnavailable, match="no Triton kernel"):
