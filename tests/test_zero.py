@@ -574,6 +574,12 @@ def _overlap_and_misuse(rank, world):
         misuse = "no error"
     except RuntimeError as e:
         misuse = str(e)
+    model.module.fc1.bias.requires_grad_(False)
+    try:
+        model(x[rank])
+        frozen = "no error"
+    except RuntimeError as e:
+        frozen = str(e)
     formats = {}
     for spec in ("bf16", "fp16", "fp8"):  # every parameter format gathers identical replicas
         torch.manual_seed(0)
@@ -581,7 +587,7 @@ def _overlap_and_misuse(rank, world):
         _loss("mlp", m, x[rank], y[rank]).backward()
         o.step()
         formats[spec] = _params(m)
-    return len(model.layout.units), during, misuse, formats
+    return len(model.layout.units), during, misuse, formats, frozen
 
 
 def test_stage2_reduces_during_backward_and_stage3_names_a_parameter_used_outside(pool2):
@@ -592,7 +598,8 @@ def test_stage2_reduces_during_backward_and_stage3_names_a_parameter_used_outsid
         for k, v in params.items():
             assert torch.equal(v, out[1][3][spec][k]), (spec, k)
             assert (v - exact.state_dict()[k]).abs().max() < 0.05  # decoded, not garbage
-    for units, during, misuse, _ in out:
+    for units, during, misuse, _, frozen in out:
+        assert "removed or frozen: ['fc1.bias']" in frozen, frozen
         assert units >= 2
         # launched by the gradient hooks while autograd ran (armed), not all at the end
         assert len(during) == units and during[0] and sum(during) >= units - 1, during

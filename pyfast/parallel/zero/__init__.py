@@ -27,7 +27,7 @@ parameters of between-steps: save and load through zero's checkpoint module. top
 accepted for the reduce-scatter, but select within each rank's segment (all the unit's
 parameters) rather than per parameter as DataParallel does. Not done yet: the native C++
 engine (every collective runs on comm's Python FIFO worker), a `timeout=` (the group's own
-applies), DataParallel's check that trainable parameters did not change after wrapping.
+applies).
 """
 from __future__ import annotations
 

@@ -91,8 +91,23 @@ class ZeroModel(nn.Module):
         return self._names[id(p)]
 
     # ------------------------------------------------------------------ forward
+    def _check_params(self) -> None:
+        """The shards were laid out for these trainable parameters: freezing, unfreezing or
+        replacing one later would desynchronize layouts silently (DataParallel checks alike)."""
+        now = [p for p in self.module.parameters() if p.requires_grad]
+        if len(now) == len(self._params) and all(a is b for a, b in zip(now, self._params)):
+            return
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        was, new = {id(p) for p in self._params}, {id(p) for p in now}
+        added = [names[id(p)] for p in now if id(p) not in was]
+        gone = [self._names[id(p)] for p in self._params if id(p) not in new]
+        raise RuntimeError(f"the wrapped module's trainable parameters changed after zero() "
+                           f"(added or unfrozen: {added or 'none'}; removed or frozen: "
+                           f"{gone or 'none'}): wrap it again")
+
     def forward(self, *args, **kwargs):
         self._breaker.check()
+        self._check_params()
         if torch.is_grad_enabled() and not self._sync:
             self._dirty = True  # gradients accumulate outside a reduction: step() reduces them
         if torch.is_grad_enabled() and self._sync:
