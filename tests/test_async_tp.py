@@ -81,7 +81,7 @@ def _cases(rank, world, comms):
                 if name == "engine" and dtype != torch.float32:
                     continue
                 for c in CHUNKS:
-                    ours = _run(lambda x, w, b: fn(x, w, b, dim=dim, chunks=c, comm=comm),
+                    ours = _run(lambda x, w, b: fn(x, w, b, dim=dim, pieces=c, comm=comm),
                                 x, w, b, gy)
                     res[(kind, rows, k, n, mid, dim, str(dtype), bias, name, c)] = \
                         _compare(ours, ref)
@@ -114,10 +114,17 @@ def _subgroups(rank, world):
     x, xf, w, b = (torch.randn(9, 33, generator=g), torch.randn(18, 33, generator=g),
                    torch.randn(65, 33, generator=g), torch.randn(65, generator=g))
     gy, gz = torch.randn(18, 65, generator=g), torch.randn(9, 65, generator=g)
-    agl = _run(lambda x, w, b: async_tp.all_gather_linear(x, w, b, tp, chunks=2), x, w, b, gy)
+    agl = _run(lambda x, w, b: async_tp.all_gather_linear(x, w, b, tp, pieces=2), x, w, b, gy)
+    lrs = _run(lambda x, w, b: async_tp.linear_reduce_scatter(x, w, b, tp, pieces=2), xf, w, b, gz)
+    import warnings
+    with warnings.catch_warnings(record=True) as seen:  # the deprecated name still works
+        warnings.simplefilter("always")
+        old = _run(lambda x, w, b: async_tp.all_gather_linear(x, w, b, tp, chunks=2), x, w, b, gy)
+    agl = agl + [o if any(issubclass(m.category, DeprecationWarning) for m in seen) else None
+                 for o in old]
     ref = _run(lambda x, w, b: F.linear(tp_comm.gather_from_sequence_parallel_region(x, tp), w, b),
                x, w, b, gy)
-    lrs = _run(lambda x, w, b: async_tp.linear_reduce_scatter(x, w, b, tp, chunks=2), xf, w, b, gz)
+    ref = ref + ref  # for pieces= and the deprecated chunks=
     lref = _run(lambda x, w, b: tp_comm.reduce_scatter_to_sequence_parallel_region(
         F.linear(x, w), tp) + b, xf, w, b, gz)
     wrong = "no engine"
@@ -129,7 +136,7 @@ def _subgroups(rank, world):
         except ValueError as e:
             wrong = str(e)
         engine.close()
-    return [torch.equal(a, r) for a, r in zip(agl + lrs, ref + lref)], wrong
+    return [a is not None and torch.equal(a, r) for a, r in zip(agl + lrs, ref + lref)], wrong
 
 
 def _errors(rank, world):
@@ -137,6 +144,7 @@ def _errors(rank, world):
     w = torch.randn(8, 6)
     bad = {
         "rows": lambda: async_tp.linear_reduce_scatter(torch.randn(world * 3 + 1, 6), w),
+        "pieces0": lambda: async_tp.all_gather_linear(torch.randn(5, 6), w, pieces=0),
         "chunks0": lambda: async_tp.all_gather_linear(torch.randn(5, 6), w, chunks=0),
         "features": lambda: async_tp.all_gather_linear(torch.randn(5, 7), w),
         "bias": lambda: async_tp.all_gather_linear(torch.randn(5, 6), w, torch.randn(7)),
@@ -203,7 +211,8 @@ def test_bad_inputs_fail_fast(pool):
     for msg in pool.run(_errors):
         assert f"x, dim (({3 * world + 1}, 6), 0) not divisible by the tensor-parallel size" \
             in msg["rows"]
-        assert "chunks must be an int >= 1" in msg["chunks0"]
+        assert "pieces must be an int >= 1" in msg["pieces0"]
+        assert "chunks must be an int >= 1" in msg["chunks0"]  # the deprecated name, named
         assert "weight (8, 6) torch.float32 is not [out, 7] torch.float32" in msg["features"]
         assert "weight (8, 6) torch.bfloat16 is not [out, 6] torch.float32" in msg["wdtype"]
         assert msg["wdtype"].startswith("TypeError") and msg["bdtype"].startswith("TypeError")

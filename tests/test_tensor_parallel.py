@@ -107,7 +107,7 @@ def _worker(rank, world):
             out["pair", layer, dim, ov] = (y.detach(), xi.grad, m.weight.grad, m.bias.grad)
 
     auto = ColumnParallelLinear(*COL, sequence_parallel=True, overlap=True)
-    out["pieces"] = (auto._pieces(1000), auto._pieces(1 << 20), auto.chunks)
+    out["pieces"] = (auto._pieces(1000), auto._pieces(1 << 20), auto.pieces)
 
     torch.manual_seed(11)
     c = ColumnParallelLinear(*COL)
@@ -358,9 +358,9 @@ def _meta_worker(rank, world):
             "vocab_ce": lambda: vocab_parallel_cross_entropy(emb(ids) @ w.t(), ids),
             "col_async": lambda: col_async(x),
             "row_async": lambda: row_async(h),
-            "agl": lambda: all_gather_linear(torch.randn(4, 5, device=cpu), w, chunks=2),
+            "agl": lambda: all_gather_linear(torch.randn(4, 5, device=cpu), w, pieces=2),
             "lrs": lambda: linear_reduce_scatter(torch.randn(4 * world, 5, device=cpu), w,
-                                                 chunks=2),
+                                                 pieces=2),
         }
 
     def run(meta: bool):

@@ -193,10 +193,6 @@ class _ParallelLinear(nn.Module):
             return 0
         return self.pieces
 
-    @property
-    def chunks(self) -> int:  # the old name of pieces (tests/test_tensor_parallel.py reads it)
-        return self.pieces
-
     def extra_repr(self) -> str:
         s = (f"in_features={self.in_features}, out_features={self.out_features}, "
              f"tp={self.tp_size}, bias={self.bias is not None}")
