@@ -24,6 +24,24 @@ from dataclasses import dataclass, field
 import torch
 
 
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_params(named, who: str) -> None:
+    """The parameters a flat fp32 buffer can serve: float32, bfloat16 or float16 (widened
+    exactly; fp64 and complex would be rounded silently), all on one device. `who` names the
+    wrapper in the error (DataParallel, zero)."""
+    for n, p in named:
+        if p.dtype not in FLOATS:
+            raise TypeError(f"{who} reduces float32, bfloat16 and float16 parameters; {n!r} is "
+                            f"{p.dtype} (never rounded silently: keep it out of the wrapped "
+                            "module, freeze it, or convert it)")
+    devices = {p.device for _, p in named}
+    if len(devices) > 1:
+        raise ValueError(f"{who} needs every parameter on one device, got "
+                         f"{sorted(map(str, devices))}")
+
+
 @dataclass
 class Bucket:
     index: int

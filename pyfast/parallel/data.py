@@ -17,7 +17,7 @@ from pyfast.comm.agree import agree
 from pyfast.comm.engine import NativeEngine, status as native_status
 from pyfast.comm.collectives import all_reduce_pieces
 from pyfast.comm.auto import CANDIDATES as AUTO_CANDIDATES, AutoSelector
-from pyfast.comm.buckets import Bucketer
+from pyfast.comm.buckets import Bucketer, check_params
 from pyfast.comm.failure import Breaker, new_group_like
 from pyfast.comm.guard import FiniteGuard
 
@@ -64,18 +64,6 @@ def broadcast_coalesced(tensors: list[torch.Tensor], group=None) -> None:
             dist.broadcast(flat, group=group, group_src=0)
             for t, part in zip(ts, flat.split([t.numel() for t in ts])):
                 t.copy_(part.view(t.shape))
-
-
-def _check_params(named) -> None:
-    for n, p in named:
-        if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise TypeError(f"DataParallel reduces float32, bfloat16 and float16 parameters; "
-                            f"{n!r} is {p.dtype} (never rounded silently: keep it out of the "
-                            "wrapped module or convert it)")
-    devices = {p.device for _, p in named}
-    if len(devices) > 1:
-        raise ValueError(f"DataParallel needs every parameter on one device, got "
-                         f"{sorted(map(str, devices))}")
 
 
 class DataParallel(nn.Module):
@@ -153,7 +141,7 @@ class DataParallel(nn.Module):
         base = C.get("fp16" if self.auto else compressor)
         self.compressor = C.wrap(base, error_feedback)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        _check_params(named)
+        check_params(named, "DataParallel")
         self._guard = FiniteGuard(check_finite, self._compressors)
         self.check_finite = self._guard.mode
         native = self._native(engine)  # before any collective or hook: a refusal leaves no trace

@@ -39,6 +39,7 @@ from torch import nn
 
 import pyfast.compress as C
 from pyfast.comm.agree import agree
+from pyfast.comm.buckets import check_params
 from pyfast.parallel.data import BUCKET_MB, broadcast_state, check_same_layout
 
 from .layout import Layout, ParamShard, Unit, bucket_groups, shard_range, shard_size
@@ -47,18 +48,6 @@ from .optimizer import PER_ELEMENT, ZeroOptimizer, check_optimizer
 
 STAGES = (1, 2, 3)
 PARAM_COMPRESSORS = (None, "none", "bf16", "fp16", "int8", "fp8")
-
-
-def _check_params(named) -> None:
-    for n, p in named:
-        if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise TypeError(f"zero shards float32, bfloat16 and float16 parameters; {n!r} is "
-                            f"{p.dtype} (fp64 and complex would be rounded by the fp32 buffers: "
-                            "keep it out of the wrapped module, freeze it, or convert it)")
-    devices = {p.device for _, p in named}
-    if len(devices) > 1:
-        raise ValueError(f"zero needs every parameter on one device, got "
-                         f"{sorted(map(str, devices))}")
 
 
 def _first_difference(every: list) -> str:
@@ -116,7 +105,7 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     if not named:
         raise ValueError("zero: the module has no parameter with requires_grad=True to shard")
-    _check_params(named)
+    check_params(named, "zero")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     # every block of either compressor codes one parameter's elements only (layout.py)
     pc = C.get(param_compressor)
