@@ -1,5 +1,5 @@
 """ZeRO-1/2/3: sharded data parallelism whose reduce-scatter (and stage 3's parameter
-all-gather) go through pyfast's compressors (issue 12).
+all-gather) go through pyfast's compressors. User guide: docs/zero.md.
 
     model, opt = pyfast.parallel.zero(module, torch.optim.AdamW, stage=2, lr=1e-3)
     loss = model(x).sum(); loss.backward(); opt.step(); opt.zero_grad()
@@ -9,7 +9,7 @@ all-gather) go through pyfast's compressors (issue 12).
 - model.py: ZeroModel, the wrapper, and the gradient reduce-scatter of stages 1/2.
 - optimizer.py: ZeroOptimizer, a torch optimizer on this rank's fp32 master shards.
 - stage3.py: parameters sharded between forwards, gathered per unit (FSDP2's scheme).
-- checkpoint.py: torch.distributed.checkpoint save/load (another engineer's file).
+- checkpoint.py: torch.distributed.checkpoint save/load, any world size; the full state dict.
 
 Memory per rank between steps, fp32 parameters, psi = parameter count, N ranks (measured in
 tests/test_zero.py): DataParallel 16 psi bytes (params, grads, two Adam moments); stages 1 and 2:
