@@ -8,6 +8,7 @@ Saved at world 2 after 3 AdamW steps, then
   shard), and at world 1 (rank 0 alone in a group of its own) into another stage (1, 2 -> 3:
   whole tensors read as shards; 3 -> 2: shards into replicated parameters): full_state_dict is
   the saved full state, bit for bit (resharding only moves bytes);
+- bf16 parameters at stage 2 resume bit-identically (their fp32 master shards are saved);
 - full_state_dict at the save equals one process running torch AdamW on the whole batch, within
   fp32 rounding of the different gradient summation (each rank averages half the batch).
 """
@@ -43,16 +44,17 @@ def _batch(step: int):
     return torch.randn(GLOBAL_BATCH, 7, generator=g), torch.randn(GLOBAL_BATCH, 5, generator=g)
 
 
-def _build(stage: int, seed: int, group=None):
+def _build(stage: int, seed: int, group=None, dtype=torch.float32):
     from pyfast.parallel.zero import zero
     torch.manual_seed(seed)
-    return zero(Net(), torch.optim.AdamW, stage=stage, group=group, **OPT)
+    return zero(Net().to(dtype), torch.optim.AdamW, stage=stage, group=group, **OPT)
 
 
 def _train(model, opt, first: int, n: int, rank: int, world: int) -> None:
     per = GLOBAL_BATCH // world
+    dtype = next(model.parameters()).dtype
     for step in range(first, first + n):
-        x, y = _batch(step)
+        x, y = (t.to(dtype) for t in _batch(step))
         x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
@@ -81,6 +83,18 @@ def _save_and_resume(rank, world, root):
         ck.set_state_dict(model2, opt2, sd)
         out[stage] = {"saved": saved, "straight": straight, "resumed": resumed,
                       "in_place": ck.full_state_dict(model2, opt2)}
+    # bf16 parameters: stage 2's fp32 master shards are tensors of their own, saved beside
+    # the optimizer state; a resume from the rounded parameters alone would not be identical
+    path = f"{root}/bf16"
+    model, opt = _build(2, 0, dtype=torch.bfloat16)
+    _train(model, opt, 0, STEPS, rank, world)
+    ck.save(path, model, opt)
+    _train(model, opt, STEPS, MORE, rank, world)
+    model2, opt2 = _build(2, 1, dtype=torch.bfloat16)
+    ck.load(path, model2, opt2)
+    _train(model2, opt2, STEPS, MORE, rank, world)
+    out["bf16"] = {"straight": ck.full_state_dict(model, opt),
+                   "resumed": ck.full_state_dict(model2, opt2)}
     return out
 
 
@@ -147,6 +161,17 @@ def test_resume_at_same_world_is_bit_identical(saved, stage):
         assert not torch.equal(r["saved"]["model"]["fc1.weight"],
                                r["straight"]["model"]["fc1.weight"])  # the steps did something
     _assert_same(out[0][stage]["saved"], out[1][stage]["saved"], "ranks agree")
+
+
+def test_bf16_parameters_resume_from_their_fp32_masters(saved):
+    _, out = saved
+    r = out[0]["bf16"]
+    _assert_same(r["resumed"], r["straight"], "bf16 stage 2 resumed")
+    assert r["straight"]["model"]["fc1.weight"].dtype == torch.bfloat16
+    master = r["straight"]["optim"]["state"]["fc1.weight"]["fp32_master"]
+    assert master.dtype == torch.float32
+    assert torch.equal(master.bfloat16(), r["straight"]["model"]["fc1.weight"])
+    assert not torch.equal(master, master.bfloat16().float())  # more than the rounded value
 
 
 def test_reshard_to_4_ranks_and_to_1(saved):

@@ -24,7 +24,9 @@ wrapped module's FQNs (no "module." prefix):
   of shape (n,) with Shard(0), local = this rank's shard (opt.state's own tensor); scalars
   (step) plain. Layout (pyfast.parallel.zero.layout): rank r owns flat elements
   [r*s, min((r+1)*s, n)), s = ceil(n/W), which is exactly DTensor's (torch.chunk's) Shard(0)
-  split, uneven last shards and empty ones included, so DCP reshards by itself.
+  split, uneven last shards and empty ones included, so DCP reshards by itself. Stages 1/2
+  with bf16/fp16 parameters add "fp32_master" (same form) to each parameter's state: their
+  master shards are tensors of their own, and the model state holds only the rounded values.
 
 load() builds what it reads from the checkpoint's metadata (a fresh optimizer has no state to
 load into, and a parameter no rank ever used has none in the checkpoint) and accepts either
@@ -39,6 +41,9 @@ import torch
 import torch.distributed as dist
 
 _MESHES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# the optimizer state's key for a stage 1/2 fp32 master shard that is not a view of its
+# parameter (bf16/fp16 parameters): without it a resume would restart from the rounded values
+MASTER = "fp32_master"
 
 
 def _mesh(model):
@@ -108,10 +113,21 @@ def _param_groups(opt) -> list:
              "params": [names[id(p)] for p in g["params"]]} for g in opt.param_groups]
 
 
+def _own_master(model, fqn: str, master: torch.Tensor) -> bool:
+    """Whether a stage 1/2 master shard is a tensor of its own (a bf16/fp16 parameter's fp32
+    master), not a view of the parameter that the model state already holds."""
+    if model.stage == 3:
+        return False  # the model state is the masters
+    p = _tensors(model)[fqn]
+    return master.untyped_storage().data_ptr() != p.untyped_storage().data_ptr()
+
+
 def _optim_state(model, opt) -> dict:
     state = {}
     for fqn, shard in opt.shards.items():
-        st = opt.state.get(shard)
+        st = dict(opt.state.get(shard) or {})
+        if _own_master(model, fqn, shard):
+            st[MASTER] = shard
         if not st:
             continue
         n = model.layout.params[fqn].n
@@ -138,10 +154,6 @@ def get_state_dict(model, opt) -> dict:
             "optim": {"state": _optim_state(model, opt), "param_groups": _param_groups(opt)}}
 
 
-def _local(v) -> torch.Tensor:
-    return v.to_local() if _is_dtensor(v) else v
-
-
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype
 
@@ -153,6 +165,10 @@ def set_state_dict(model, opt, state: dict) -> None:
     replicated parameters from the master shards). Missing or unexpected keys are errors."""
     model_sd, optim_sd = state["model"], state["optim"]
     names, own = _names(model), _tensors(model)
+    # fp32 masters first: loaded in place they may be the very shards the model state's
+    # (rounded) parameters are about to be copied into
+    masters = {fqn: _piece(model, fqn, entry[MASTER]).clone()
+               for fqn, entry in optim_sd["state"].items() if MASTER in entry}
     missing, unexpected = sorted(set(names) - set(model_sd)), sorted(set(model_sd) - set(names))
     if missing or unexpected:
         raise KeyError(f"model state: missing {missing}, unexpected {unexpected}")
@@ -163,20 +179,27 @@ def set_state_dict(model, opt, state: dict) -> None:
                 own[fqn].copy_(v)
             continue
         sh, master = model.layout.params[first], opt.shards[first]
-        if _is_dtensor(v):
-            local = v.to_local()
-            if local.numel() != sh.length:
-                raise ValueError(f"{fqn}: the checkpoint's shard has {local.numel()} elements, "
-                                 f"this rank owns {sh.length} (load() reshards; a DTensor "
-                                 "state dict must come from this world size)")
-        else:
-            if v.numel() != sh.n:
-                raise ValueError(f"{fqn}: {v.numel()} elements, the parameter has {sh.n}")
-            local = v.reshape(-1)[sh.start:sh.start + sh.length]
+        if not _is_dtensor(v) and v.numel() != sh.n:
+            raise ValueError(f"{fqn}: {v.numel()} elements, the parameter has {sh.n}")
+        local = _piece(model, first, v)
         if not _same(master, local):
             master.copy_(local)
+    for fqn, m in masters.items():
+        opt.shards[fqn].copy_(m)
     _set_optim(model, opt, optim_sd)
     _refresh(model)
+
+
+def _piece(model, fqn: str, v) -> torch.Tensor:
+    """This rank's shard of parameter fqn's per-element value v: a DTensor's local tensor, or
+    the [start, start+length) slice of a whole (full_state_dict) tensor."""
+    sh = model.layout.params[fqn]
+    local = v.to_local() if _is_dtensor(v) else v.reshape(-1)[sh.start:sh.start + sh.length]
+    if local.numel() != sh.length:
+        raise ValueError(f"{fqn}: {local.numel()} elements, this rank's shard has {sh.length} "
+                         "(a DTensor state dict must come from this world size; load() "
+                         "reshards a checkpoint)")
+    return local
 
 
 def _set_optim(model, opt, optim_sd: dict) -> None:
@@ -194,20 +217,16 @@ def _set_optim(model, opt, optim_sd: dict) -> None:
     for fqn, entry in optim_sd["state"].items():
         if fqn not in index:
             raise KeyError(f"optimizer state for {fqn!r}, which this optimizer does not step")
-        sh = model.layout.params[fqn]
         st = {}
         for k, v in entry.items():
+            if k == MASTER:  # set_state_dict installed it
+                continue
             if isinstance(v, torch.Tensor) and v.dim() > 0:
-                local = _local(v)
-                if not _is_dtensor(v):  # a full tensor (full_state_dict's): this rank's piece
-                    local = v.reshape(-1)[sh.start:sh.start + sh.length]
-                if local.numel() != sh.length:
-                    raise ValueError(f"optimizer state {fqn}.{k}: {local.numel()} elements, "
-                                     f"this rank's shard has {sh.length}")
-                st[k] = local.clone()
+                st[k] = _piece(model, fqn, v).clone()
             else:
                 st[k] = v.clone() if isinstance(v, torch.Tensor) else v
-        state[index[fqn]] = st
+        if st:
+            state[index[fqn]] = st
     groups = [{**g, "params": [index[f] for f in g["params"]]} for g in saved]
     inner.load_state_dict({"state": state, "param_groups": groups})
 
