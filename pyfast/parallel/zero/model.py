@@ -67,7 +67,7 @@ class ZeroModel(nn.Module):
         self._sync = True
         self._armed = False
         self._dirty = False  # a forward under no_sync since the last reduction (same on all ranks)
-        self._used = torch.zeros(len(self._flag))
+        self._used = torch.zeros(len(self._flag), device=self._device)  # the side band
         self._pending: list[int] = []
         self._next = 0
         self._queued = False
