@@ -207,7 +207,47 @@ def _dp(results: str) -> str:
     return "\n".join(rows)
 
 
-TABLES = {"dp": _dp, "train": _train, "compress_cpp": _compress_cpp, "allreduce_1gbit": _allreduce_1gbit, "tp_blocks": _tp_blocks,
+ZERO_RUNS = ("zero", "zero_b")
+ZERO_TARGETS = {("loopback", "pyfast zero2"), ("loopback", "pyfast zero3"),
+                ("1gbit", "pyfast zero3 int8+int8p")}
+
+
+def _zero(results: str) -> str:
+    """zero.json and zero_b.json (two runs) side by side, run 1 / run 2: each provider's step
+    and its ratio to FSDP2 per link, then its memory per rank; bold: the ratios the targets are
+    about (uncompressed stages 2 and 3 on loopback, stage 3 int8+int8 at 1 Gbit/s)."""
+    runs = [r for r in (_load(results, n) for n in ZERO_RUNS) if r]
+
+    def each(rows, fmt, key, scale=1.0):
+        return " / ".join(fmt % (r[key] * scale) for r in rows if r.get(key) is not None)
+
+    steps: dict = {}
+    mems: dict = {}
+    for run in runs:
+        for r in run["rows"]:
+            if "skipped" not in r:
+                steps.setdefault((r["link"], r["config"]), []).append(r)
+        for r in run["memory"]:
+            mems.setdefault(r["config"], []).append(r)
+    out = ["| link | config | step ms | vs FSDP2 | MB on the link a step | link floor ms |",
+           "|---|---|---|---|---|---|"]
+    for (link, cfg), rows in steps.items():
+        vs = each(rows, "%.2fx", "vs_fsdp2")
+        out.append(f"| {LINK_NAMES.get(link, link)} | {cfg} | {each(rows, '%.0f', 'median_s', 1e3)}"
+                   f" | {f'**{vs}**' if (link, cfg) in ZERO_TARGETS else vs} | "
+                   f"{each(rows, '%.0f', 'link_bytes', 1e-6)} | "
+                   f"{each(rows, '%.0f', 'floor_s', 1e3)} |")
+    out += ["", "| config | state MB | fp32 ZeRO model MB | state / model | RSS between steps MB "
+                "| peak in a step MB | peak vs FSDP2 |", "|---|---|---|---|---|---|---|"]
+    for cfg, rows in mems.items():
+        out.append(f"| {cfg} | {each(rows, '%.0f', 'state', 1e-6)} | "
+                   f"{rows[0]['model_bytes'] / 1e6:.0f} | {each(rows, '%.2f', 'state_vs_model')} | "
+                   f"{each(rows, '%.0f', 'rss', 1e-6)} | {each(rows, '%.0f', 'peak', 1e-6)} | "
+                   f"{each(rows, '%.2fx', 'peak_vs_fsdp2')} |")
+    return "\n".join(out)
+
+
+TABLES = {"dp": _dp, "zero": _zero, "train": _train, "compress_cpp": _compress_cpp, "allreduce_1gbit": _allreduce_1gbit, "tp_blocks": _tp_blocks,
           "pipeline_2_ranks": _pipeline_2_ranks, "dp_semantics": _dp_semantics}  # {{table:NAME}}: a table computed from the JSON
 
 

@@ -341,14 +341,12 @@ def run(links=("loopback", "1gbit"), configs=CONFIGS, batch: int = 2, seq: int =
 
 def table(result: dict):
     from rich.console import Group
-    from rich.table import Table
-    head = (f"2 ranks x 1 thread, {result['model']}, AdamW, batch {result['batch']} x "
-            f"{result['seq']} tokens/rank\n{result['machine']}")
-    t = Table(title=f"ZeRO training step: median of {result['steps']} steps after "
-                    f"{result['warmup']}, slowest rank, round robin; {head}")
-    for col in ("link", "config", "step ms", "q10-q90 ms", "vs FSDP2", "MB on link/step",
-                "floor ms", "loss0 - DDP's"):
-        t.add_column(col, justify="left" if col in ("link", "config") else "right")
+    setup = (f"2 ranks x 1 thread, {result['model']}, AdamW, batch {result['batch']} x "
+             f"{result['seq']} tokens/rank")
+    t = perf.rich_table(f"ZeRO training step, median of {result['steps']} steps after "
+                        f"{result['warmup']}, slowest rank, round robin; {setup}", result,
+                        ("link", "config", "step ms", "q10-q90 ms", "vs FSDP2",
+                         "MB on link/step", "floor ms", "loss0 - DDP's"), left=("link", "config"))
     for r in result["rows"]:
         if "skipped" in r:
             t.add_row(r["link"], "-", f"skipped: {r['skipped']}")
@@ -359,11 +357,11 @@ def table(result: dict):
                   f"{r['link_bytes'] / 1e6:.0f}" if "link_bytes" in r else "",
                   f"{r['floor_s'] * 1e3:.0f}" if "floor_s" in r else "",
                   f"{r['loss0_diff']:.1e}" if "loss0_diff" in r else "")
-    m = Table(title="ZeRO memory per rank (max over ranks), MB; state after backward, before "
-                    "opt.step(); rss/peak above the RSS before the model was built")
-    for col in ("config", "params", "grads", "optimizer", "state", "ZeRO model", "state/model",
-                "rss between steps", "peak in step", "peak vs FSDP2"):
-        m.add_column(col, justify="left" if col == "config" else "right")
+    m = perf.rich_table("ZeRO memory per rank (max over ranks), MB: state after backward, before "
+                        "opt.step(); rss and peak above the RSS before the model was built",
+                        result, ("config", "params", "grads", "optimizer", "state", "ZeRO model",
+                                 "state/model", "rss between steps", "peak in step",
+                                 "peak vs FSDP2"), left=("config",))
     mb = lambda v: f"{v / 1e6:.0f}"  # noqa: E731
     for r in result["memory"]:
         m.add_row(r["config"], mb(r["params"]), mb(r["grads"]), mb(r["optimizer"]),
