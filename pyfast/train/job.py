@@ -296,10 +296,18 @@ class Job:
                  "scaler": self.scaler.state_dict() if self.scaler is not None else None}
         state = {"model": model, "optim": optim, "train": ck.blob(train)}
         if full:
-            mine = {"rng": torch.get_rng_state(),
-                    "comm": self.dp.compression_state_dict() if self.dp is not None else None}
+            mine = {"rng": torch.get_rng_state(), "comm": self._compression_state()}
             state[f"rank{dist.get_rank()}"] = ck.blob(mine)
         return state
+
+    def _compression_state(self) -> dict | None:
+        """This rank's error-feedback memory (DataParallel's, or zero's gradient compressor's)."""
+        if self.dp is not None:
+            return self.dp.compression_state_dict()
+        if self.zero is not None:
+            c = self.zero.compressor
+            return {"spec": c.spec, "state": c.state_dict()}
+        return None
 
     def _dense_state(self) -> tuple[dict, dict]:
         """Whole tensors by FQN (DTensors over the tp sub-mesh for tp shards)."""
@@ -329,8 +337,8 @@ class Job:
         """Restore from a checkpoint directory: (its step, whether the per-rank state was
         restored too, i.e. the mesh, precision and compressor are the ones it was saved with)."""
         meta = ck.read_meta(path)
-        same = {k: meta[k] for k in ("mesh", "compress", "precision")} == \
-            {k: self.meta()[k] for k in ("mesh", "compress", "precision")}
+        keys = ("mesh", "compress", "precision", "zero")  # zero: its stage lays out the units
+        same = {k: meta.get(k, 0) for k in keys} == {k: self.meta()[k] for k in keys}
         saved_zero = meta.get("zero", 0)
         if bool(saved_zero) != bool(self.cfg.zero):
             raise ConfigError(f"--resume: {path} was written with --zero {saved_zero}, this run "
@@ -356,6 +364,8 @@ class Job:
             torch.set_rng_state(mine["rng"])
             if self.dp is not None and mine["comm"] is not None:
                 self.dp.load_compression_state_dict(mine["comm"])
+            if self.zero is not None and mine["comm"] is not None:
+                self.zero.compressor.load_state_dict(mine["comm"]["state"])
         return meta["step"], same
 
     def close(self) -> None:

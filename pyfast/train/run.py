@@ -78,9 +78,9 @@ def main(cfg: TrainConfig) -> int:
         start, note = 0, "fresh start"
         if found is not None:
             start, same = job.load(found[1])
-            note = f"resumed from {found[1]}" + ("" if same else " (another mesh, compressor or "
-                                                 "precision: per-rank RNG and compression state "
-                                                 "not restored)")
+            note = f"resumed from {found[1]}" + ("" if same else " (another mesh, compressor, "
+                                                 "precision or --zero stage: per-rank RNG and "
+                                                 "compression state not restored)")
         if rank == 0:
             print(f"pyfast train: {cfg.model} ({job.n_params / 1e6:.2f}M parameters), "
                   f"{job.mesh}, {cfg.precision}, compress {cfg.compress}; "
