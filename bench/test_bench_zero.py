@@ -1,4 +1,7 @@
 """`pyfast bench zero` runs end to end on a tiny GPT (one step per phase): it cannot rot."""
+import io
+
+from pyfast import perf
 from pyfast.benchmarks import zero
 
 TINY = dict(n_layer=1, n_head=2, d_model=32)
@@ -16,3 +19,6 @@ def test_zero_bench_runs():
     assert mem["torch DDP"]["state"] == mem["torch DDP"]["model_bytes"] + 4 * n_tensors
     assert mem["torch FSDP2"]["state"] < mem["torch DDP"]["state"]
     assert res["rows"][2]["loss0_diff"] < zero.TOL_PARAM_COMPRESSED
+    text = io.StringIO()
+    perf.show(res, zero.table, file=text)
+    assert "pyfast zero3 int8+int8p" in text.getvalue() and "peak in step" in text.getvalue()
