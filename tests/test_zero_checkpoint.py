@@ -7,7 +7,8 @@ Saved at world 2 after 3 AdamW steps, then
 - loaded at world 4 into the same stage (a parameter of 5 elements leaves rank 3 an empty
   shard), and at world 1 (rank 0 alone in a group of its own) into another stage (1, 2 -> 3:
   whole tensors read as shards; 3 -> 2: shards into replicated parameters): full_state_dict is
-  the saved full state, bit for bit (resharding only moves bytes);
+  the saved full state, bit for bit (resharding only moves bytes), as is a full_state_dict
+  of world 2 given to set_state_dict at world 4;
 - bf16 parameters at stage 2 resume bit-identically (their fp32 master shards are saved);
 - full_state_dict at the save equals one process running torch AdamW on the whole batch, within
   fp32 rounding of the different gradient summation (each rank averages half the batch).
@@ -98,9 +99,10 @@ def _save_and_resume(rank, world, root):
     return out
 
 
-def _reload(rank, world, root):
+def _reload(rank, world, root, full):
     """World 4 (every rank, the same stage as saved), then world 1 (rank 0 alone in a group of
-    its own, another stage): rank 0's full state dicts, {} elsewhere (rank0_only)."""
+    its own, another stage): rank 0's full state dicts, {} elsewhere (rank0_only). Also at
+    world 4: set_state_dict from the full (exported) state dicts of world 2, `full`."""
     import torch.distributed as dist
 
     from pyfast.parallel.zero import checkpoint as ck
@@ -114,6 +116,10 @@ def _reload(rank, world, root):
                 ck.load(f"{root}/stage{saved_stage}", model, opt)
                 got = ck.full_state_dict(model, opt, rank0_only=True)
             out[(world_, saved_stage)] = got
+    for stage in STAGES:
+        model, opt = _build(stage, 3)
+        ck.set_state_dict(model, opt, full[stage])
+        out[("full", stage)] = ck.full_state_dict(model, opt, rank0_only=True)
     return out
 
 
@@ -176,7 +182,10 @@ def test_bf16_parameters_resume_from_their_fp32_masters(saved):
 
 def test_reshard_to_4_ranks_and_to_1(saved):
     root, out = saved
-    got = run_ranks(_reload, 4, root, timeout=180)
+    got = run_ranks(_reload, 4, root, {s: out[0][s]["saved"] for s in STAGES}, timeout=180)
+    for stage in STAGES:
+        _assert_same(got[0][("full", stage)], out[0][stage]["saved"],
+                     f"stage {stage}: world 2's full state dict set at world 4")
     for world, stage_of in ((4, SAME_STAGE), (1, OTHER_STAGE)):
         for stage in STAGES:
             _assert_same(got[0][(world, stage)], out[0][stage]["saved"],
