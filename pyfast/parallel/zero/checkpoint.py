@@ -113,20 +113,19 @@ def _param_groups(opt) -> list:
              "params": [names[id(p)] for p in g["params"]]} for g in opt.param_groups]
 
 
-def _own_master(model, fqn: str, master: torch.Tensor) -> bool:
+def _own_master(model, param: torch.Tensor, master: torch.Tensor) -> bool:
     """Whether a stage 1/2 master shard is a tensor of its own (a bf16/fp16 parameter's fp32
     master), not a view of the parameter that the model state already holds."""
     if model.stage == 3:
         return False  # the model state is the masters
-    p = _tensors(model)[fqn]
-    return master.untyped_storage().data_ptr() != p.untyped_storage().data_ptr()
+    return master.untyped_storage().data_ptr() != param.untyped_storage().data_ptr()
 
 
 def _optim_state(model, opt) -> dict:
-    state = {}
+    state, own = {}, _tensors(model)
     for fqn, shard in opt.shards.items():
         st = dict(opt.state.get(shard) or {})
-        if _own_master(model, fqn, shard):
+        if _own_master(model, own[fqn], shard):
             st[MASTER] = shard
         if not st:
             continue
