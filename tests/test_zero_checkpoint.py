@@ -84,6 +84,16 @@ def _save_and_resume(rank, world, root):
         ck.set_state_dict(model2, opt2, sd)
         out[stage] = {"saved": saved, "straight": straight, "resumed": resumed,
                       "in_place": ck.full_state_dict(model2, opt2)}
+        if stage < 3:  # torch's own per-rank state dicts (same world): opt.state_dict() holds
+            # this rank's shards; stage 3's model.state_dict() holds 0-element parameters
+            model3, opt3 = _build(stage, seed=1)
+            ck.load(path, model3, opt3)  # back to the saved step, then the plain torch route
+            model4, opt4 = _build(stage, seed=2)
+            model4.load_state_dict(model3.state_dict())
+            opt4.load_state_dict(opt3.state_dict())
+            assert len(opt4.state) == len(opt3.state) > 0, "load_state_dict loaded no state"
+            _train(model4, opt4, STEPS, MORE, rank, world)
+            out[stage]["torch_sd"] = ck.full_state_dict(model4, opt4)
     # bf16 parameters: stage 2's fp32 master shards are tensors of their own, saved beside
     # the optimizer state; a resume from the rounded parameters alone would not be identical
     path = f"{root}/bf16"
@@ -164,6 +174,8 @@ def test_resume_at_same_world_is_bit_identical(saved, stage):
         r = out[rank][stage]
         _assert_same(r["resumed"], r["straight"], f"rank {rank} stage {stage} resumed")
         _assert_same(r["in_place"], r["saved"], f"rank {rank} stage {stage} in place")
+        if stage < 3:
+            _assert_same(r["torch_sd"], r["straight"], f"rank {rank} stage {stage} torch sd")
         assert not torch.equal(r["saved"]["model"]["fc1.weight"],
                                r["straight"]["model"]["fc1.weight"])  # the steps did something
     _assert_same(out[0][stage]["saved"], out[1][stage]["saved"], "ranks agree")

@@ -91,6 +91,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
     defaults = property(lambda self: self.inner.defaults,
                         lambda self, v: setattr(self.inner, "defaults", v))
 
+    def __setstate__(self, state: dict) -> None:
+        """torch's load_state_dict ends in __setstate__({"state", "param_groups"}), which would
+        write them into this object's __dict__, hidden behind the properties: they go to the
+        inner optimizer instead (without this, load_state_dict loaded nothing, silently)."""
+        state = dict(state)
+        if "inner" in self.__dict__:
+            for key in ("state", "param_groups", "defaults"):
+                if key in state:
+                    setattr(self.inner, key, state.pop(key))
+        super().__setstate__(state)
+
     def _reduce(self) -> None:
         self.model._breaker.check()
         if self._reduced:
