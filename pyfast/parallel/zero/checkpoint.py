@@ -52,7 +52,7 @@ def _mesh(model):
     if mesh is None:
         from torch.distributed.device_mesh import DeviceMesh
         group = model.group if model.group is not None else dist.group.WORLD
-        device = next((p.device.type for p in model.module.parameters()), "cpu")
+        device = model._params[0].device.type  # zero() refuses a module without trainable ones
         mesh = _MESHES[model] = DeviceMesh.from_group(group, device_type=device)
     return mesh
 
