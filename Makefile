@@ -60,6 +60,7 @@ bench: $(STAMP)
 	$(BIN)/pyfast bench train --batch 2 --out bench/results/train_b2
 	$(BIN)/pyfast bench epilogue --out bench/results/epilogue
 	$(BIN)/pyfast bench block_size --out bench/results/block_size
+	$(BIN)/pyfast bench zero --out bench/results/zero
 	$(BIN)/pyfast bench report
 
 # Compile every CUDA source to an object file with this machine's nvcc against torch's
