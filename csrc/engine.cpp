@@ -29,7 +29,9 @@ namespace {
 const std::pair<std::string_view, Kind> kKinds[] = {
     {"none", Kind::None}, {"fp16", Kind::Fp16}, {"bf16", Kind::Bf16}, {"int8", Kind::Int8},
     {"int4", Kind::Int4}, {"fp8", Kind::Fp8},   {"sign", Kind::Sign}};
-enum class Algo { Native, TwoPhase, AllGather, Gather, ReduceScatter };  // last two: fp32 only
+// Gather / ReduceScatter: all_gather / reduce_scatter jobs, fp32 or through a codec;
+// BackendReduceScatter: the backend's own fp32 reduce-scatter (comm.reduce_scatter's "none").
+enum class Algo { Native, TwoPhase, AllGather, Gather, ReduceScatter, BackendReduceScatter };
 const std::pair<std::string_view, Algo> kAlgos[] = {
     {"native", Algo::Native}, {"two-phase", Algo::TwoPhase}, {"allgather", Algo::AllGather}};
 
@@ -78,11 +80,43 @@ at::Tensor bytes(int64_t len, const at::Tensor& like) {  // on like's device
   return at::empty({len}, like.options().dtype(at::kByte));
 }
 
+// slot (a send slot, at least c.bytes(x.numel()) bytes) = x's wire image through the
+// error-feedback memory ef (if defined), the rest of the slot zeroed.
+void pack(const Codec& c, const at::Tensor& x, const at::Tensor& ef, const at::Tensor& slot) {
+  const int64_t b = c.bytes(x.numel());
+  c.compress(x, ef, slot.narrow(0, 0, b));
+  slot.narrow(0, b, slot.numel() - b).zero_();
+}
+
+// A send buffer of x's parts [p, q), each packed (through ef(i)) into a slot of
+// round8(c.bytes(q - p)) bytes, in order; `slots` gets the slot sizes.
+template <class Ef>
+at::Tensor pack_parts(const Codec& c, const at::Tensor& x,
+                      const std::vector<std::pair<int64_t, int64_t>>& parts, Ef ef,
+                      std::vector<int64_t>& slots) {
+  int64_t total = 0;
+  for (auto [p, q] : parts) slots.push_back(round8(c.bytes(q - p))), total += slots.back();
+  at::Tensor send = bytes(total, x);
+  for (size_t i = 0, off = 0; i < parts.size(); off += slots[i], ++i) {
+    const auto [p, q] = parts[i];
+    pack(c, x.narrow(0, p, q - p), ef(i), send.narrow(0, off, slots[i]));
+  }
+  return send;
+}
+
+// out = the sum in rank order, in fp32 from zero, of the W wire images of out.numel() elements
+// that start every `slot` bytes in recv (0 + -0 is +0: no copy of rank 0's).
+void sum_slots(const Codec& c, const at::Tensor& recv, int64_t slot, int64_t W,
+               const at::Tensor& out) {
+  out.zero_();
+  for (int64_t r = 0; r < W; ++r) c.decode_add(recv.narrow(0, r * slot, c.bytes(out.numel())), out);
+}
+
 }  // namespace
 
 struct Engine::Job {
   int64_t id;
-  at::Tensor t;   // reduced in place; the output of Gather / ReduceScatter
+  at::Tensor t;   // reduced in place; the output of Gather / (Backend)ReduceScatter
   at::Tensor in;  // the input of Gather / ReduceScatter
   Codec codec;
   Algo algo;
@@ -157,26 +191,57 @@ at::Tensor flat_float(const at::Tensor& t, const char* what, const at::Tensor& l
 }
 }  // namespace
 
-int64_t Engine::submit_all_gather(const at::Tensor& out, const at::Tensor& in) {
+namespace {
+// kind's codec, and ef checked: empty, or `count` fp32 memories of `each` elements on t's device.
+Codec sharded_codec(const std::string& kind, int64_t block, const std::vector<at::Tensor>& ef,
+                    size_t count, int64_t each, const at::Tensor& t, const char* what) {
+  Codec c{lookup(kKinds, kind, "compression kind"), kind, block};
+  TORCH_CHECK(block >= 1, "pyfast engine: block must be >= 1, got ", block);
+  TORCH_CHECK(ef.empty() || c.kind != Kind::None, "pyfast engine: ", what,
+              " without compression takes no error-feedback buffers, got ", ef.size());
+  TORCH_CHECK(ef.empty() || ef.size() == count, "pyfast engine: ", what, " on this many ranks ",
+              "needs ", count, " error-feedback buffers (one per compressed piece), got ",
+              ef.size());
+  for (size_t i = 0; i < ef.size(); ++i) {
+    check_float(ef[i], "an error-feedback buffer", t);
+    TORCH_CHECK(ef[i].numel() == each, "pyfast engine: error-feedback buffer ", i, " of ", what,
+                " holds ", ef[i].numel(), " elements, its piece has ", each);
+  }
+  return c;
+}
+}  // namespace
+
+int64_t Engine::submit_all_gather(const at::Tensor& out, const at::Tensor& in,
+                                  const std::string& kind, int64_t block,
+                                  std::vector<at::Tensor> ef) {
   auto j = std::make_shared<Job>();
   j->t = flat_float(out, "all_gather's output");
   j->in = flat_float(in, "all_gather's input", out);
   TORCH_CHECK(j->t.numel() == world_ * j->in.numel(), "pyfast engine: all_gather of ",
               j->in.numel(), " elements on ", world_, " ranks needs an output of ",
               world_ * j->in.numel(), " elements, got ", j->t.numel());
-  j->algo = Algo::Gather, j->avg = false;
-  return enqueue(std::move(j), c10::str("all_gather, ", in.numel(), " elements"));
+  j->codec = sharded_codec(kind, block, ef, 1, j->in.numel(), j->t, "all_gather");
+  j->algo = Algo::Gather, j->avg = false, j->ef = std::move(ef);
+  return enqueue(std::move(j), c10::str("all_gather, ", kind, ", ", in.numel(), " elements"));
 }
 
-int64_t Engine::submit_reduce_scatter(const at::Tensor& out, const at::Tensor& in, bool avg) {
+int64_t Engine::submit_reduce_scatter(const at::Tensor& out, const at::Tensor& in, bool avg,
+                                      const std::string& kind, int64_t block,
+                                      std::vector<at::Tensor> ef, const std::string& algorithm) {
   auto j = std::make_shared<Job>();
   j->t = flat_float(out, "reduce_scatter's output");
   j->in = flat_float(in, "reduce_scatter's input", out);
   TORCH_CHECK(j->in.numel() == world_ * j->t.numel(), "pyfast engine: reduce_scatter into ",
               j->t.numel(), " elements on ", world_, " ranks needs an input of ",
               world_ * j->t.numel(), " elements, got ", j->in.numel());
-  j->algo = Algo::ReduceScatter, j->avg = avg;
-  return enqueue(std::move(j), c10::str("reduce_scatter, ", in.numel(), " elements"));
+  j->codec = sharded_codec(kind, block, ef, world_, j->t.numel(), j->t, "reduce_scatter");
+  TORCH_CHECK(algorithm == "rank-order" || (algorithm == "backend" && j->codec.kind == Kind::None),
+              "pyfast engine: reduce_scatter's algorithm is 'rank-order', or 'backend' for kind ",
+              "'none' only; got '", algorithm, "' with kind '", kind, "'");
+  j->algo = algorithm == "backend" ? Algo::BackendReduceScatter : Algo::ReduceScatter;
+  j->avg = avg, j->ef = std::move(ef);
+  return enqueue(std::move(j), c10::str("reduce_scatter, ", kind, ", ", algorithm, ", ",
+                                        in.numel(), " elements"));
 }
 
 int64_t Engine::enqueue(std::shared_ptr<Job> j, const std::string& what) {
@@ -276,14 +341,11 @@ void Engine::run(Job& j) {
   } else if (j.algo == Algo::AllGather) {
     gather_sum(j);
   } else if (j.algo == Algo::Gather) {
-    pg_->all_gather_single(j.t, j.in)->wait();
+    gather(j);
   } else if (j.algo == Algo::ReduceScatter) {
-    at::Tensor recv = at::empty_like(j.in);  // part `rank` of every rank's input, rank order
-    std::vector<int64_t> equal;              // empty splits: W equal parts
-    pg_->all_to_all_single(recv, j.in, equal, equal)->wait();
-    const int64_t n = j.t.numel();
-    j.t.copy_(recv.narrow(0, 0, n));
-    for (int64_t r = 1; r < world_; ++r) j.t.add_(recv.narrow(0, r * n, n));
+    reduce_scatter(j);
+  } else if (j.algo == Algo::BackendReduceScatter) {
+    pg_->reduce_scatter_single(j.t, j.in)->wait();
   } else {
     two_phase(j);
   }
@@ -298,17 +360,13 @@ void Engine::gather_sum(Job& j) {
   std::deque<Flight> flying;
   auto finish = [&](Flight& f) {
     f.work->wait();
-    at::Tensor out = j.t.narrow(0, f.a, f.len);
-    out.zero_();
-    for (int64_t r = 0; r < world_; ++r) c.decode_add(f.recv.narrow(0, r * f.slot, c.bytes(f.len)), out);
+    sum_slots(c, f.recv, f.slot, world_, j.t.narrow(0, f.a, f.len));
   };
   size_t e = 0;
   for (auto [a, b] : pieces(j.algo, j.t.numel(), j.align, j.chunk, world_)) {
     Flight f{a, b - a, round8(c.bytes(b - a))};
     f.send = bytes(f.slot, j.t), f.recv = bytes(f.slot * world_, j.t);
-    c.compress(j.t.narrow(0, a, f.len), j.ef.empty() ? at::Tensor() : j.ef[e++],
-               f.send.narrow(0, 0, c.bytes(f.len)));
-    f.send.narrow(0, c.bytes(f.len), f.slot - c.bytes(f.len)).zero_();
+    pack(c, j.t.narrow(0, a, f.len), j.ef.empty() ? at::Tensor() : j.ef[e++], f.send);
     f.work = pg_->all_gather_single(f.recv, f.send);
     flying.push_back(std::move(f));
     if (flying.size() > 2) {  // two in flight: the link never idles (pipelined.py)
@@ -338,13 +396,11 @@ void Engine::two_phase(Job& j) {
   auto reduce_gather = [&](Stage s) {
     s.work->wait();
     const auto [p, q] = s.parts[rank_];
-    at::Tensor acc = at::zeros({q - p}, j.t.options());
-    for (int64_t r = 0; r < W; ++r)
-      c.decode_add(s.recv.narrow(0, r * s.slots[rank_], c.bytes(q - p)), acc);
+    at::Tensor acc = at::empty({q - p}, j.t.options());
+    sum_slots(c, s.recv, s.slots[rank_], W, acc);
     const int64_t big = s.slots[0];  // part 0 is the longest: every part's sum fits
     s.send = bytes(big, j.t), s.recv = bytes(big * W, j.t);
-    c.compress(acc, ef(s.ef + W), s.send.narrow(0, 0, c.bytes(q - p)));
-    s.send.narrow(0, c.bytes(q - p), big - c.bytes(q - p)).zero_();
+    pack(c, acc, ef(s.ef + W), s.send);
     s.work = pg_->all_gather_single(s.recv, s.send);
     stage_b.push_back(std::move(s));
   };
@@ -359,14 +415,8 @@ void Engine::two_phase(Job& j) {
   for (auto [a, b] : pieces(j.algo, j.t.numel(), j.align, j.chunk, W)) {
     Stage s{a, chunks(b - a, W, j.align)};
     s.ef = e, e += W + 1;
-    int64_t total = 0;
-    for (auto [p, q] : s.parts) s.slots.push_back(round8(c.bytes(q - p))), total += s.slots.back();
-    s.send = bytes(total, j.t);
-    for (int64_t i = 0, off = 0; i < W; off += s.slots[i], ++i) {
-      const auto [p, q] = s.parts[i];
-      c.compress(j.t.narrow(0, a + p, q - p), ef(s.ef + i), s.send.narrow(0, off, c.bytes(q - p)));
-      s.send.narrow(0, off + c.bytes(q - p), s.slots[i] - c.bytes(q - p)).zero_();
-    }
+    s.send = pack_parts(c, j.t.narrow(0, a, b - a), s.parts,
+                        [&](size_t i) { return ef(s.ef + i); }, s.slots);
     std::vector<int64_t> recv_splits(W, s.slots[rank_]);
     s.recv = bytes(s.slots[rank_] * W, j.t);
     s.work = pg_->all_to_all_single(s.recv, s.send, recv_splits, s.slots);
@@ -376,6 +426,54 @@ void Engine::two_phase(Job& j) {
   }
   for (; !stage_a.empty(); stage_a.pop_front()) reduce_gather(std::move(stage_a.front()));
   for (; !stage_b.empty(); stage_b.pop_front()) decode(stage_b.front());
+}
+
+}  // namespace pyfast
+
+namespace pyfast {
+
+// sharded.py's all_gather: every rank's input, compressed once (through the one memory) and
+// decoded by every rank, its own included, into its place in t. "none": the backend's gather.
+void Engine::gather(Job& j) {
+  const Codec& c = j.codec;
+  if (c.kind == Kind::None) {
+    pg_->all_gather_single(j.t, j.in)->wait();
+    return;
+  }
+  const int64_t n = j.in.numel();
+  if (n == 0) return;  // as the reference: nothing moves
+  const int64_t slot = round8(c.bytes(n));
+  at::Tensor send = bytes(slot, j.t), recv = bytes(slot * world_, j.t);
+  pack(c, j.in, j.ef.empty() ? at::Tensor() : j.ef[0], send);
+  pg_->all_gather_single(recv, send)->wait();
+  for (int64_t r = 0; r < world_; ++r)
+    c.decode(recv.narrow(0, r * slot, c.bytes(n)), j.t.narrow(0, r * n, n));
+}
+
+// sharded.py's reduce_scatter (two-phase's first phase): in's W equal parts compressed (part
+// i through memory i), all-to-all, and t = the W received parts decoded and summed in rank
+// order in fp32 from zero. "none": the same all-to-all of fp32 parts summed in rank order (so
+// the bits do not depend on the backend's reduction order).
+void Engine::reduce_scatter(Job& j) {
+  const Codec& c = j.codec;
+  const int64_t n = j.t.numel();
+  std::vector<int64_t> equal;  // empty splits: W equal parts
+  if (c.kind == Kind::None) {
+    at::Tensor recv = at::empty_like(j.in);  // part `rank` of every rank's input, rank order
+    pg_->all_to_all_single(recv, j.in, equal, equal)->wait();
+    j.t.copy_(recv.narrow(0, 0, n));
+    for (int64_t r = 1; r < world_; ++r) j.t.add_(recv.narrow(0, r * n, n));
+    return;
+  }
+  if (n == 0) return;  // as the reference: nothing moves
+  std::vector<std::pair<int64_t, int64_t>> parts;
+  for (int64_t r = 0; r < world_; ++r) parts.emplace_back(r * n, (r + 1) * n);
+  std::vector<int64_t> slots;  // all equal
+  at::Tensor send = pack_parts(
+      c, j.in, parts, [&](size_t i) { return j.ef.empty() ? at::Tensor() : j.ef[i]; }, slots);
+  at::Tensor recv = bytes(slots[0] * world_, j.t);
+  pg_->all_to_all_single(recv, send, equal, equal)->wait();
+  sum_slots(c, recv, slots[0], world_, j.t);
 }
 
 }  // namespace pyfast

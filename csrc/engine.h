@@ -1,5 +1,5 @@
-// The overlap engine: compressed all-reduce jobs (and uncompressed fp32 all-gather /
-// reduce-scatter jobs) run first-in first-out on one worker thread over a c10d ProcessGroup
+// The overlap engine: compressed all-reduce, all-gather and reduce-scatter jobs (and fp32
+// all-gather / reduce-scatter ones) run first-in first-out on one worker thread over a c10d ProcessGroup
 // (gloo on CPU), so the caller keeps computing (backward, the next matmul) meanwhile.
 // On CUDA tensors (only in the CUDA build, PYFAST_WITH_CUDA) the same thread issues the same
 // algorithm onto a side stream, ordered after the caller's stream by events (NCCL):
@@ -68,14 +68,27 @@ class Engine {
   int64_t submit(const at::Tensor& t, const std::string& kind, int64_t block,
                  const std::string& algorithm, bool avg, std::vector<at::Tensor> ef,
                  int64_t align, int64_t chunk);
-  // Uncompressed fp32 jobs on the same FIFO (tensor-parallel overlap: the next chunk's
-  // collective runs here while the caller multiplies). Contiguous float32 tensors, any shape.
-  // out (W * in.numel() elements) = every rank's `in`, in rank order (all_gather_into_tensor).
-  int64_t submit_all_gather(const at::Tensor& out, const at::Tensor& in);
-  // out (in.numel() / W elements) = part `rank` of the sum over ranks of `in`, added in rank
-  // order (in_0 + in_1 + ...), divided by W if avg: an all-to-all of the parts, then the sum here,
-  // so the bits do not depend on the backend's reduction order.
-  int64_t submit_reduce_scatter(const at::Tensor& out, const at::Tensor& in, bool avg);
+  // All-gather / reduce-scatter jobs on the same FIFO (tensor-parallel overlap: the next
+  // chunk's collective runs here while the caller multiplies; ZeRO's gradient reduce-scatter
+  // and parameter all-gather). Contiguous float32 tensors, any shape. kind (none|fp16|bf16|
+  // int8|int4|fp8|sign) and block: the codec, as submit's; ef: empty (no error feedback) or
+  // the fp32 memories, one per compressed piece (kind none: none). Bitwise as
+  // pyfast/comm/sharded.py's all_gather / reduce_scatter (8-byte padded slots on the wire).
+  // out (W * in.numel() elements) = every rank's `in`, in rank order (all_gather_into_tensor);
+  // compressed: each rank's `in` coded once (ef: 1 memory of in.numel()), every rank decodes
+  // every rank's bytes, its own included.
+  int64_t submit_all_gather(const at::Tensor& out, const at::Tensor& in,
+                            const std::string& kind = "none", int64_t block = 1,
+                            std::vector<at::Tensor> ef = {});
+  // out (in.numel() / W elements) = part `rank` of the sum over ranks of `in`, divided by W if
+  // avg. algorithm "rank-order": an all-to-all of the W parts (compressed: part i through
+  // memory i, ef: W memories of out.numel()), then decoded and added here in rank order from
+  // zero in fp32, so the bits do not depend on the backend's reduction order; "backend" (kind
+  // none only): the ProcessGroup's own reduce_scatter_single (comm.reduce_scatter's).
+  int64_t submit_reduce_scatter(const at::Tensor& out, const at::Tensor& in, bool avg,
+                                const std::string& kind = "none", int64_t block = 1,
+                                std::vector<at::Tensor> ef = {},
+                                const std::string& algorithm = "rank-order");
   // Block until job `id` is done; rethrows what the worker raised. Returns seconds() and
   // forgets the job (a second wait(id) is an error). CUDA: "done" means issued; the caller's
   // current stream then waits on the job's side-stream event, the host does not.
@@ -98,6 +111,8 @@ class Engine {
   void run(Job& j);
   void gather_sum(Job& j);
   void two_phase(Job& j);
+  void gather(Job& j);
+  void reduce_scatter(Job& j);
   std::unique_ptr<DeviceJob> device_job(const Job& j);  // mu_ held
 
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;

@@ -35,7 +35,7 @@ PYBIND11_MODULE(_C, m) {
   using pyfast::Engine;
   using nogil = py::call_guard<py::gil_scoped_release>;
   py::class_<Engine, std::unique_ptr<Engine, ReleaseGilDelete>> engine(m, "Engine",
-      "Compressed all-reduce and fp32 all-gather / reduce-scatter jobs, first-in first-out "
+      "Compressed all-reduce, all-gather and reduce-scatter jobs, first-in first-out "
       "on one worker thread over a "
       "ProcessGroup (pyfast/comm/engine.py is the Python face). CUDA tensors (cuda_enabled "
       "builds only) run on a side stream ordered by events.");
@@ -44,9 +44,11 @@ PYBIND11_MODULE(_C, m) {
            py::arg("block"), py::arg("algorithm"), py::arg("avg"), py::arg("ef"),
            py::arg("align"), py::arg("chunk"))
       .def("submit_all_gather", &Engine::submit_all_gather, nogil(), py::arg("out"),
-           py::arg("input"))
+           py::arg("input"), py::arg("kind") = "none", py::arg("block") = 1,
+           py::arg("ef") = std::vector<at::Tensor>{})
       .def("submit_reduce_scatter", &Engine::submit_reduce_scatter, nogil(), py::arg("out"),
-           py::arg("input"), py::arg("avg"))
+           py::arg("input"), py::arg("avg"), py::arg("kind") = "none", py::arg("block") = 1,
+           py::arg("ef") = std::vector<at::Tensor>{}, py::arg("algorithm") = "rank-order")
       .def("wait", &Engine::wait, nogil(), py::arg("id"))
       .def("seconds", &Engine::seconds, nogil(), py::arg("id"))
       .def("shutdown", &Engine::shutdown, nogil(),

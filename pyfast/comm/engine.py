@@ -17,7 +17,9 @@ dist.destroy_process_group.
 
 It also runs uncompressed fp32 all_gather / reduce_scatter on the same thread
 (all_gather_into, reduce_scatter_into): tensor-parallel overlap runs the next chunk's
-collective here while the caller multiplies.
+collective here while the caller multiplies. And reduce_scatter / all_gather through the same
+dense compressors, bitwise as pyfast.comm.reduce_scatter / all_gather (sharded.py) with the
+error-feedback memory under its names: ZeRO's gradient reduce-scatter and parameter gathers.
 
 CUDA tensors need a CUDA build of pyfast._C (setup.py with a CUDA torch and nvcc;
 _C.Engine.cuda_enabled). Then the thread issues each job onto a side stream that waits for the
@@ -146,6 +148,67 @@ class NativeEngine:
         self._check(x.device, what)
         return _job_handle(self._engine, self._engine.submit_reduce_scatter(out, x, op == "avg"), out,
                       what)
+
+    def reduce_scatter(self, out: torch.Tensor, t: torch.Tensor, compressor=None,
+                       op: str = "sum", name: str = "") -> Handle:
+        """Queue pyfast.comm.reduce_scatter(out, t, compressor, op=op, name=name) on the engine,
+        bit for bit: out <- chunk `rank` of the sum (or average) over ranks of t's flat view cut
+        into W equal chunks. compressor "none": the backend's reduce-scatter, as
+        comm.reduce_scatter's; the dense ones: chunk i compressed under f"{name}.{i}" (its
+        error-feedback memory keyed so), all-to-all, decoded and summed in rank order in fp32.
+        t and out: contiguous float32 on one device, t.numel() == world * out.numel(). t, out and
+        the memories belong to the engine until the handle's wait() returns out."""
+        if op not in OPS:
+            raise ValueError(f"op must be one of {OPS}, got {op!r}")
+        c, kind = self._codec(compressor, "reduce_scatter", "pyfast.comm.reduce_scatter")
+        what = f"reduce_scatter of {name or f'a {t.numel()}-element tensor'} ({c.spec}) on " \
+               "the native engine"
+        x, y = self._flat(t, "t", what), self._flat(out, "out", what)
+        if x.numel() != self.world * y.numel():
+            raise ValueError(f"{what}: t has {x.numel()} elements, out {y.numel()}: t must have "
+                             f"world ({self.world}) x out.numel() elements")
+        per, fb = y.numel(), c.feedback
+        ef = [] if kind == "none" or fb is None or per == 0 else \
+            [fb._buffer(x[i * per:(i + 1) * per], f"{name}.{i}") for i in range(self.world)]
+        job = self._engine.submit_reduce_scatter(
+            y, x, op == "avg", kind, c.align, ef, "backend" if kind == "none" else "rank-order")
+        return _job_handle(self._engine, job, out, what)
+
+    def all_gather(self, out: torch.Tensor, t: torch.Tensor, compressor=None,
+                   name: str = "") -> Handle:
+        """Queue pyfast.comm.all_gather(out, t, compressor, name=name) on the engine, bit for bit:
+        out <- every rank's t in rank order; compressed, each rank codes its t once under `name`
+        (its error-feedback memory, if any) and every rank decodes every rank's bytes, its own
+        included, so out is bit-identical everywhere. Contiguous float32 on one device,
+        out.numel() == world * t.numel(). wait() returns out."""
+        c, kind = self._codec(compressor, "all_gather", "pyfast.comm.all_gather")
+        what = f"all_gather of {name or f'a {t.numel()}-element tensor'} ({c.spec}) on the " \
+               "native engine"
+        x, y = self._flat(t, "t", what), self._flat(out, "out", what)
+        if y.numel() != self.world * x.numel():
+            raise ValueError(f"{what}: t has {x.numel()} elements, out {y.numel()}: out must "
+                             f"have world ({self.world}) x t.numel() elements")
+        fb = c.feedback
+        ef = [] if kind == "none" or fb is None or x.numel() == 0 else [fb._buffer(x, name)]
+        job = self._engine.submit_all_gather(y, x, kind, c.align, ef)
+        return _job_handle(self._engine, job, out, what)
+
+    def _codec(self, compressor, op: str, python: str):
+        c = C.get(compressor)
+        kind = _kind(c)
+        if kind is None:
+            raise ValueError(f"the native engine's {op} does not run {c.spec} (dense, "
+                             "deterministic compressors only: none, fp16, bf16, int8, int4, fp8, "
+                             f"sign); use {python}")
+        return c, kind
+
+    def _flat(self, t: torch.Tensor, arg: str, what: str) -> torch.Tensor:
+        self._check(t.device, what)
+        if t.dtype != torch.float32 or not t.is_contiguous():  # wrong dtype: TypeError
+            raise (TypeError if t.dtype != torch.float32 else ValueError)(
+                f"{what}: {arg} must be contiguous float32, got {t.dtype} on {t.device} "
+                f"(contiguous: {t.is_contiguous()})")
+        return t.view(-1)
 
     def all_reduce(self, t: torch.Tensor, compressor=None, op: str = "sum", name: str = "",
                    algorithm: str | None = None) -> Handle:
