@@ -606,18 +606,22 @@ def test_stage2_reduces_during_backward_and_stage3_names_a_parameter_used_outsid
         assert "parameter 'block.0.weight' is sharded here" in misuse, misuse
 
 
-def _broken(rank, world):
+def _broken(rank, world, engine):
     from pyfast.parallel.zero import model as zm  # pyfast.parallel.zero is also the function
     from pyfast.comm import CommError
     from pyfast.parallel import zero
-    model, opt = zero(MLP(), torch.optim.AdamW, stage=2, lr=LR)
+    model, opt = zero(MLP(), torch.optim.AdamW, stage=2, lr=LR, engine=engine)
     x = torch.randn(2, 37)
 
     class Dead:
         def wait(self):
             raise RuntimeError("peer gone")  # what a dead peer's collective raises
 
-    real, zm.reduce_scatter = zm.reduce_scatter, lambda *a, **k: Dead()
+    dead = lambda *a, **k: Dead()  # noqa: E731
+    real, zm.reduce_scatter = zm.reduce_scatter, dead
+    native = model._engine
+    if native is not None:
+        native.reduce_scatter = dead  # the instance's, not the class's
     try:
         try:
             model(x).sum().backward()
@@ -626,6 +630,8 @@ def _broken(rank, world):
             first = str(e)
     finally:
         zm.reduce_scatter = real
+        if native is not None:
+            del native.reduce_scatter
     out = []
     for call in (lambda: model(x), opt.step):
         try:
@@ -633,10 +639,74 @@ def _broken(rank, world):
             out.append("no error")
         except CommError as e:
             out.append(str(e))
+    model.close()
     return first, out
 
 
-def test_a_failed_reduce_scatter_breaks_the_model(pool2):
-    for first, later in pool2.run(_broken):
+@pytest.mark.parametrize("engine", ["python", "native"])
+def test_a_failed_reduce_scatter_breaks_the_model(pool2, engine):
+    for first, later in pool2.run(_broken, engine):
         assert "peer gone" in first
         assert len(later) == 2 and all("broken by an earlier failure" in m for m in later), later
+
+
+# ---------------------------------------------------------------------------- engines
+ENGINE_CASES = {"stage2-int8": dict(stage=2, compressor="int8", bucket_mb=0.02),
+                "stage3-int8-int8": dict(stage=3, compressor="int8", param_compressor="int8",
+                                         units=[nn.Linear])}
+
+
+def _engines(rank, world):
+    from pyfast.parallel import zero
+    from dist_utils import value_error_text
+    res = {}
+    for name, kw in ENGINE_CASES.items():
+        for engine in ("native", "python"):
+            torch.manual_seed(0)
+            model, opt = zero(_student(), torch.optim.AdamW, lr=3e-3, engine=engine, **kw)
+            g = torch.Generator().manual_seed(10 + rank)
+            steps = []
+            for _ in range(3):
+                x = torch.randn(8, 32, generator=g)
+                torch.nn.functional.mse_loss(model(x), x.flip(1)).backward()
+                opt.step()
+                opt.zero_grad()
+                steps.append(_params(model))
+            memory = {k: v.clone() for k, v in model.compressor.feedback.memory.items()}
+            res[(name, engine)] = (dict(model.engine_kind), steps, memory)
+            model.close()
+    errors = {"native-topk": value_error_text(lambda: zero(
+        _student(), torch.optim.AdamW, compressor="topk:0.1", engine="native"))}
+    model, _ = zero(_student(), torch.optim.AdamW, compressor="topk:0.1")  # auto: mixed
+    errors["auto-topk"] = dict(model.engine_kind)
+    model.close()
+    import torch.distributed as dist
+    one = dist.new_group([0])  # collective; zero() on it runs on rank 0 alone
+    if rank == 0:  # auto on a subgroup: python (the engine's group would need every rank)
+        model, _ = zero(_student(), torch.optim.AdamW, compressor="int8", group=one)
+        errors["auto-subgroup"] = dict(model.engine_kind)
+        model.close()
+    dist.destroy_process_group(one)
+    return res, errors
+
+
+def test_native_and_python_engines_are_bitwise_equal(pool2):
+    """zero(engine="native") and engine="python": the same parameters after every step (stage 3:
+    as gathered) and the same error-feedback memory under the same names, bit for bit."""
+    for rank, (res, errors) in enumerate(pool2.run(_engines)):
+        for name in ENGINE_CASES:
+            (kn, native, mem_n), (kp, python, mem_p) = res[(name, "native")], res[(name, "python")]
+            assert set(kn.values()) == {"native"} and set(kp.values()) == {"python"}, (kn, kp)
+            for s, (a, b) in enumerate(zip(native, python)):
+                for k in a:
+                    assert torch.equal(a[k].view(torch.int32), b[k].view(torch.int32)), \
+                        (rank, name, s, k)
+            assert mem_n.keys() == mem_p.keys() and mem_n, (name, sorted(mem_n), sorted(mem_p))
+            for k in mem_n:
+                assert torch.equal(mem_n[k].view(torch.int32), mem_p[k].view(torch.int32)), \
+                    (rank, name, k)
+        assert "engine='native' does not run compressor 'topk" in errors["native-topk"], errors
+        assert errors["auto-topk"] == {"reduce_scatter": "python", "all_gather": "native"}
+        if rank == 0:
+            assert errors["auto-subgroup"] == {"reduce_scatter": "python",
+                                               "all_gather": "python"}, errors

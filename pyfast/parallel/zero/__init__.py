@@ -25,9 +25,8 @@ Notes: `pyfast.parallel.zero` is the function (the issue's interface); reach the
 resolves the attribute, the function). Under stage 3, model.state_dict() holds the 0-element
 parameters of between-steps: save and load through zero's checkpoint module. topk/randomk are
 accepted for the reduce-scatter, but select within each rank's segment (all the unit's
-parameters) rather than per parameter as DataParallel does. Not done yet: the native C++
-engine (every collective runs on comm's Python FIFO worker), a `timeout=` (the group's own
-applies).
+parameters) rather than per parameter as DataParallel does. Not done yet: a `timeout=` (the
+group's own applies).
 """
 from __future__ import annotations
 
@@ -40,7 +39,8 @@ from torch import nn
 import pyfast.compress as C
 from pyfast.comm.agree import agree
 from pyfast.comm.buckets import check_params
-from pyfast.parallel.data import BUCKET_MB, broadcast_state, check_same_layout
+from pyfast.comm.engine import NativeEngine, status as native_status
+from pyfast.parallel.data import BUCKET_MB, ENGINES, broadcast_state, check_same_layout
 
 from .layout import Layout, ParamShard, Unit, bucket_groups, shard_range, shard_size
 from .model import ZeroModel
@@ -72,9 +72,33 @@ def _grad_compressor(spec, error_feedback: bool):
     return C.wrap(c, error_feedback)
 
 
+def _engine_kinds(engine: str, c, pc, group) -> dict:
+    """Who runs the reduce-scatters (compressor c) and the parameter all-gathers (pc): "native"
+    where the engine can run and codes the compressor, unless engine="python"; engine="native"
+    that cannot run raises ValueError naming why (no silent fallback). "auto" on a group smaller
+    than the default one: python, since the engine's private group is made collectively over
+    the default group, which a subgroup's zero() need not be called on (ask for "native")."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    ok, why = native_status()
+    if engine == "auto" and dist.get_world_size(group) != dist.get_world_size():
+        ok = False
+    if engine == "native" and not ok:
+        raise ValueError(f"engine='native' cannot run: {why}; use engine='python' or 'auto'")
+    kinds = {}
+    for op, comp in (("reduce_scatter", c), ("all_gather", pc)):
+        native = NativeEngine.supports(comp)
+        if engine == "native" and not native:
+            raise ValueError(f"engine='native' does not run compressor {comp.spec!r} for the "
+                             f"{op} (dense deterministic compressors only: none, fp16, bf16, "
+                             "int8, int4, fp8, sign); use engine='python' or 'auto'")
+        kinds[op] = "native" if engine != "python" and ok and native else "python"
+    return kinds
+
+
 def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_compressor=None,
          group=None, bucket_mb: float | None = None, error_feedback: bool = True, units=None,
-         **optim_kwargs):
+         engine: str = "auto", **optim_kwargs):
     """(model, opt): `module` wrapped for ZeRO stage 1, 2 or 3 over `group` (None: the default
     group), and a ZeroOptimizer running optim_cls(**optim_kwargs) on this rank's shards.
     optim_kwargs may hold params= (param groups, as optim_cls's first argument: lists of the
@@ -84,7 +108,19 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
     compressor: the gradient reduce-scatter's (a spec or Compressor; lossy ones get error
     feedback unless error_feedback=False). param_compressor: stage 3's parameter all-gather
     (None, "bf16", "fp16", "int8", "fp8"; the master shard stays fp32). bucket_mb: the size of
-    stage 1/2 units (default DataParallel's 4 MB). units: stage 3's wrapped modules."""
+    stage 1/2 units (default DataParallel's 4 MB). units: stage 3's wrapped modules.
+
+    engine: who runs the gradient reduce-scatters and the parameter all-gathers (every stage).
+    "native": the C++ overlap engine (pyfast.comm.engine; no Python, no GIL on the path), for
+    the dense deterministic compressors (none, fp16, bf16, int8, int4, fp8, sign), else
+    ValueError naming the compressor (topk, randomk, ternary...). "python": comm.reduce_scatter /
+    all_gather on comm's FIFO worker (every compressor). "auto": native where it can run,
+    python otherwise, per collective (and python on a group smaller than the default group's:
+    see below); model.engine_kind says which. Results, error-feedback memory and checkpoints
+    are bitwise the same either way. The native engine has a process group of its own, made
+    collectively over the default group (pyfast.comm.engine.private_group): with a subgroup,
+    engine="native" needs every rank of the default group to call zero() at the same point (a
+    mesh's data-parallel groups do). Call model.close() before dist.destroy_process_group()."""
     if not dist.is_initialized():
         raise RuntimeError("zero needs torch.distributed initialized "
                            "(torchrun + dist.init_process_group)")
@@ -102,6 +138,7 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
         raise ValueError(f"units= chooses stage 3's gathered modules; stage {stage} buckets "
                          "by bucket_mb")
     c = _grad_compressor(compressor, error_feedback)
+    kinds = _engine_kinds(engine, c, C.get(param_compressor), group)  # before any collective
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     if not named:
         raise ValueError("zero: the module has no parameter with requires_grad=True to shard")
@@ -123,9 +160,9 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
           + layout.describe(), None, group, what="zero", device=named[0][1].device,
           differ=_first_difference)
     if stage == 3:
-        model = Stage3Model(module, layout, c, group, named, param_compressor)
+        model = Stage3Model(module, layout, c, group, named, param_compressor, kinds)
     else:
-        model = ZeroModel(module, layout, stage, c, group, named)
+        model = ZeroModel(module, layout, stage, c, group, named, kinds)
     opt = ZeroOptimizer(model, optim_cls, **optim_kwargs)
     return model, opt
 

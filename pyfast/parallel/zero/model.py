@@ -10,8 +10,8 @@ pair up whatever order backward finishes gradients in.
   reduce-scatters every unit, then frees param.grad.
 - stage 2: a post-accumulate-grad hook counts each unit's gradients; the moment a unit is
   complete (and every earlier one launched) its gradients are copied into a fresh buffer, the
-  full param.grad freed, and an asynchronous reduce-scatter launched (comm.reduce_scatter on
-  all_reduce's FIFO worker) while backward goes on. An autograd final callback launches what is
+  full param.grad freed, and an asynchronous reduce-scatter launched (on the native engine's
+  thread, or comm.reduce_scatter on all_reduce's FIFO worker) while backward goes on. An autograd final callback launches what is
   left (unused parameters: zeros) and waits, so when loss.backward() returns the master shards
   hold their gradients, as after a DDP backward.
 
@@ -20,6 +20,14 @@ produced a gradient for keeps a None master gradient, so the inner optimizer ski
 then does not decay it, exactly as one process or DataParallel); one used on some ranks only is
 averaged with zeros from the others. Which were used travels in a side band: one exact fp32
 all-reduce of one flag per parameter after the units.
+
+Engines (zero(engine=...)): the reduce-scatters (with the side band behind them) and the
+parameter all-gathers run on a private pyfast.comm.engine.NativeEngine (C++ thread, no GIL,
+its own process group made at construction, destroyed by close()) where the compressor is one
+the engine codes (none, fp16, bf16, int8, int4, fp8, sign), else through comm.reduce_scatter /
+comm.all_gather on comm's Python FIFO worker over `group`. Both are bitwise equal (same bytes,
+same decode order, the error-feedback memory under the same names: u.name + ".i"), so the
+engine never changes a result or a checkpoint; `engine_kind` says which runs each collective.
 
 Buffers: at every forward with autograd on (outside no_sync), group rank 0's buffers are
 broadcast to the others first, as DDP's broadcast_buffers=True and DataParallel.
@@ -46,8 +54,16 @@ class ZeroModel(nn.Module):
     state_dict() keys carry DDP's "module." prefix (as DataParallel's). no_sync() accumulates
     gradients locally (full .grad) until the next synced backward, as DDP's."""
 
-    def __init__(self, module: nn.Module, layout, stage: int, compressor, group, named):
+    def __init__(self, module: nn.Module, layout, stage: int, compressor, group, named,
+                 engine_kind=None):
         super().__init__()
+        # {"reduce_scatter": "native"|"python", "all_gather": ...}: who runs each collective
+        self.engine_kind = dict(engine_kind or {"reduce_scatter": "python",
+                                                "all_gather": "python"})
+        self._engine = None
+        if "native" in self.engine_kind.values():  # collective: a process group of its own
+            from pyfast.comm.engine import NativeEngine
+            self._engine = NativeEngine.private(group)
         self.module, self.layout, self.stage = module, layout, stage
         self.compressor, self.group = compressor, group
         self.world, self.rank = layout.world, layout.rank
@@ -164,9 +180,13 @@ class ZeroModel(nn.Module):
         if buf is None:
             buf = self._pack(u)
         out = torch.empty(u.S, dtype=torch.float32, device=buf.device)
-        h = reduce_scatter(out, buf, self.compressor, self.group, op="avg",
-                           async_op=self.stage >= 2, name=u.name)
-        self._inflight.append((u, out, h if self.stage >= 2 else None))
+        if self.engine_kind["reduce_scatter"] == "native":  # waited for in finish()
+            h = self._engine.reduce_scatter(out, buf, self.compressor, op="avg", name=u.name)
+        else:
+            h = reduce_scatter(out, buf, self.compressor, self.group, op="avg",
+                               async_op=self.stage >= 2, name=u.name)
+            h = h if self.stage >= 2 else None
+        self._inflight.append((u, out, h))
 
     def _pack(self, u) -> torch.Tensor:
         """Unit u's gradients in a fresh buffer (zeros for None), the full .grad freed."""
@@ -203,8 +223,11 @@ class ZeroModel(nn.Module):
             raise errors[0]
         if not inflight:
             return
-        # on the collectives' FIFO worker, like everything else: stage 3 may have a gather queued
-        all_reduce(self._used, None, self.group, op="sum", async_op=True).wait()
+        # on the FIFO of the reduce-scatters (stage 3 may have a gather queued there too)
+        if self.engine_kind["reduce_scatter"] == "native":
+            self._engine.all_reduce(self._used, None, op="sum", name="sideband").wait()
+        else:
+            all_reduce(self._used, None, self.group, op="sum", async_op=True).wait()
         used = self._used.tolist()
         self._used.zero_()
         for u, out, _ in inflight:
@@ -251,10 +274,25 @@ class ZeroModel(nn.Module):
         for i, m in enumerate(self.masters[u.index]):
             u.shard_view(seg, i).copy_(m)
         full = u.new_buffer(self._device)
+        if self.engine_kind["all_gather"] == "native":
+            return self._engine.all_gather(full, seg, compressor, name=u.name), full
         return all_gather(full, seg, compressor, self.group, async_op=True, name=u.name), full
 
     def close(self) -> None:
-        """Remove the gradient hooks (the wrapped module stays usable on its own)."""
+        """Remove the gradient hooks (the wrapped module stays usable on its own); wait for the
+        collectives in flight, join the native engine's thread and destroy its process group.
+        Call it before dist.destroy_process_group(). Idempotent."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        pending = [h for _, _, h in self._inflight if h is not None]
+        pending += [h for h, _ in getattr(self, "_gathering", {}).values()]
+        for h in pending:
+            with contextlib.suppress(BaseException):  # already raised, or will not matter now
+                h.wait()
+        self._inflight = []
+        if hasattr(self, "_gathering"):
+            self._gathering.clear()
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None

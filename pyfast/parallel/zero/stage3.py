@@ -24,8 +24,9 @@ master shards hold the values.
   included, so the gathered parameters are bit-identical everywhere; no error feedback (the
   master stays exact, each step's gather quantizes it afresh).
 
-Every collective (gathers, reduce-scatters, the side band) goes through comm's FIFO worker, so
-the ranks issue them in the same order. Limits (as FSDP2's): a parameter is full only inside its
+Every collective (gathers, reduce-scatters, the side band) goes through one FIFO per engine
+(model.py: the native engine's thread where the compressors allow, comm's FIFO worker
+otherwise), so the ranks issue them in the same order on each group. Limits (as FSDP2's): a parameter is full only inside its
 unit's forward and backward. A module that owns parameters and runs outside its unit's forward
 (a unit's child called directly by the parent) raises a RuntimeError naming the parameter and
 the unit (a forward pre-hook on every such module checks); a parameter read without a module
@@ -98,8 +99,9 @@ def unit_groups(module: nn.Module, named: list, units) -> tuple[list, list]:
 class Stage3Model(ZeroModel):
     """ZeroModel with parameters sharded between uses (module docstring)."""
 
-    def __init__(self, module, layout, compressor, group, named, param_compressor=None):
-        super().__init__(module, layout, 3, compressor, group, named)
+    def __init__(self, module, layout, compressor, group, named, param_compressor=None,
+                 engine_kind=None):
+        super().__init__(module, layout, 3, compressor, group, named, engine_kind)
         self.param_compressor = C.get(param_compressor)
         self._order: list[int] = []   # forward order of the units, recorded on the first forward
         self._recorded = False
