@@ -428,10 +428,6 @@ void Engine::two_phase(Job& j) {
   for (; !stage_b.empty(); stage_b.pop_front()) decode(stage_b.front());
 }
 
-}  // namespace pyfast
-
-namespace pyfast {
-
 // sharded.py's all_gather: every rank's input, compressed once (through the one memory) and
 // decoded by every rank, its own included, into its place in t. "none": the backend's gather.
 void Engine::gather(Job& j) {
