@@ -1,6 +1,6 @@
 // The overlap engine: compressed all-reduce, all-gather and reduce-scatter jobs (and fp32
-// all-gather / reduce-scatter ones) run first-in first-out on one worker thread over a c10d ProcessGroup
-// (gloo on CPU), so the caller keeps computing (backward, the next matmul) meanwhile.
+// all-gather / reduce-scatter ones) run first-in first-out on one worker thread over a c10d
+// ProcessGroup (gloo on CPU), so the caller keeps computing (backward, the next matmul) meanwhile.
 // On CUDA tensors (only in the CUDA build, PYFAST_WITH_CUDA) the same thread issues the same
 // algorithm onto a side stream, ordered after the caller's stream by events (NCCL):
 // csrc/cuda/engine_cuda.cu.

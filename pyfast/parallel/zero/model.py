@@ -11,9 +11,9 @@ pair up whatever order backward finishes gradients in.
 - stage 2: a post-accumulate-grad hook counts each unit's gradients; the moment a unit is
   complete (and every earlier one launched) its gradients are copied into a fresh buffer, the
   full param.grad freed, and an asynchronous reduce-scatter launched (on the native engine's
-  thread, or comm.reduce_scatter on all_reduce's FIFO worker) while backward goes on. An autograd final callback launches what is
-  left (unused parameters: zeros) and waits, so when loss.backward() returns the master shards
-  hold their gradients, as after a DDP backward.
+  thread, or comm.reduce_scatter on all_reduce's FIFO worker) while backward goes on. An
+  autograd final callback launches what is left (unused parameters: zeros) and waits, so when
+  loss.backward() returns the master shards hold their gradients, as after a DDP backward.
 
 Unused parameters, as DataParallel (DDP with find_unused_parameters=True): a parameter no rank
 produced a gradient for keeps a None master gradient, so the inner optimizer skips it (AdamW

@@ -26,13 +26,14 @@ master shards hold the values.
 
 Every collective (gathers, reduce-scatters, the side band) goes through one FIFO per engine
 (model.py: the native engine's thread where the compressors allow, comm's FIFO worker
-otherwise), so the ranks issue them in the same order on each group. Limits (as FSDP2's): a parameter is full only inside its
-unit's forward and backward. A module that owns parameters and runs outside its unit's forward
-(a unit's child called directly by the parent) raises a RuntimeError naming the parameter and
-the unit (a forward pre-hook on every such module checks); a parameter read without a module
-call (F.linear(x, other.weight) in another unit) finds a 0-element tensor and fails with
-torch's shape error. This cannot be seen at construction (it depends on what forward does):
-wrap the module that uses it, or leave the parameter to the root.
+otherwise), so the ranks issue them in the same order on each group. Limits (as FSDP2's): a
+parameter is full only inside its unit's forward and backward. A module that owns parameters
+and runs outside its unit's forward (a unit's child called directly by the parent) raises a
+RuntimeError naming the parameter and the unit (a forward pre-hook on every such module
+checks); a parameter read without a module call (F.linear(x, other.weight) in another unit)
+finds a 0-element tensor and fails with torch's shape error. This cannot be seen at
+construction (it depends on what forward does): wrap the module that uses it, or leave the
+parameter to the root.
 """
 from __future__ import annotations
 
