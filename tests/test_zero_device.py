@@ -81,3 +81,32 @@ def test_zero_buffers_follow_the_parameters_device(world):
         if stage < 3:  # replicas: the same bytes on every rank
             assert torch.equal(out[0][False, stage, grads, params],
                                out[1][False, stage, grads, params]), (stage, grads, params)
+
+
+def _saved_storages(rank, world):
+    """Stage 3, bytes of parameter-sized storage that autograd's saved tensors still hold after
+    a grad forward (before backward), against one unit's parameter bytes."""
+    from pyfast.parallel import zero
+    torch.manual_seed(0)
+    m = nn.Sequential(*[nn.Sequential(nn.Linear(64, 96), nn.GELU()) if i % 2 == 0 else
+                        nn.Sequential(nn.Linear(96, 64), nn.GELU()) for i in range(6)])
+    model, opt = zero(m, torch.optim.AdamW, stage=3, lr=1e-2)
+    saved = []
+    x = torch.randn(4, 64)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = model(x)
+    weight_bytes = 64 * 96 * 4
+    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved
+            if t.untyped_storage().nbytes() >= weight_bytes}
+    out.sum().backward()  # the freed storages are refilled for backward: it must still work
+    opt.step()
+    model.close()
+    return sum(held.values()), weight_bytes
+
+
+def test_stage3_frees_gathered_weights_that_autograd_saved():
+    """F.linear saves a view of the weight for backward: freeing a unit by dropping its tensor
+    kept every unit's gathered storage alive from forward to backward (all parameters full at
+    once, stage 3's point lost). free() resizes the storage to 0 and gather() refills it."""
+    for held, weight_bytes in run_ranks(_saved_storages, 2, timeout=120):
+        assert held <= 2 * weight_bytes, (held, weight_bytes)  # at most the prefetch in flight

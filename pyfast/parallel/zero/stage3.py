@@ -108,6 +108,7 @@ class Stage3Model(ZeroModel):
         self._recorded = False
         self._gathering: dict[int, tuple] = {}  # unit -> (handle, full buffer): a prefetch
         self._gathered = [False] * len(layout.units)
+        self._full: dict[int, torch.Tensor] = {}  # parameter -> its full tensor (see free)
         self._root = [u for u in layout.units if u.module is None]
         for u in layout.units:
             if u.module is not None:
@@ -147,8 +148,14 @@ class Stage3Model(ZeroModel):
             h.wait()
         with torch.no_grad():
             for i, p in enumerate(u.params):
-                t = torch.empty(u.shards[i].shape, dtype=p.dtype, device=full.device)
-                u.copy_out(full, i, t)
+                t = self._full.get(id(p))
+                if t is None:
+                    t = self._full[id(p)] = torch.empty(u.shards[i].shape, dtype=p.dtype,
+                                                        device=full.device)
+                elif t.untyped_storage().nbytes() == 0:  # freed: the same storage, refilled
+                    t.untyped_storage().resize_(t.numel() * t.element_size())
+                with torch.autograd._unsafe_preserve_version_counter(t):
+                    u.copy_out(full, i, t)
                 p.data = t
         self._gathered[u.index] = True
 
@@ -157,7 +164,16 @@ class Stage3Model(ZeroModel):
             self._gathering[u.index] = self._start_gather(u, self.param_compressor)
 
     def free(self, u) -> None:
+        """The unit's parameters back to 0 elements, and their full storage released by
+        resizing it to 0 bytes (FSDP2's way): autograd keeps views of the gathered weights for
+        backward (F.linear saves weight.t()), and dropping only the reference would keep every
+        unit's storage alive from its forward to its backward -- measured: a grad forward of 8
+        units of 16 MB held 112 MB more than a no_grad one. gather() refills the same storage,
+        so those views are valid again when backward reaches them."""
         for p in u.params:
+            t = self._full.get(id(p))
+            if t is not None:
+                t.untyped_storage().resize_(0)
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         self._gathered[u.index] = False
 
