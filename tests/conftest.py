@@ -27,3 +27,20 @@ def _seed(request):
     # crc32, not hash(): str hashes are salted per process (PYTHONHASHSEED), which made
     # "reproducible" seeds change from run to run
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture(scope="module")
+def pool2():
+    """Two ranks spawned once per test module, for the cases that leave their group in step (a
+    spawn costs ~2 s a rank here); module scope: each file starts from fresh ranks."""
+    from dist_utils import RankPool
+    with RankPool(2) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="module")
+def pool4():
+    """Four ranks, as pool2."""
+    from dist_utils import RankPool
+    with RankPool(4) as pool:
+        yield pool

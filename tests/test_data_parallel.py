@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dist_utils import RankPool, run_ranks
+from dist_utils import run_ranks
 
 STEPS, BATCH, DIN = 60, 32, 24
 
@@ -99,14 +99,6 @@ def _all_cases(rank, world):
                                                 {"bucket_mb": 0.0002, **opts})
         dist.barrier()
     return out
-
-
-@pytest.fixture(scope="module")
-def pool2():
-    """Two ranks spawned once for the cases that leave their group in step (a spawn costs ~2 s
-    a rank here)."""
-    with RankPool(2) as p:
-        yield p
 
 
 def test_training_matches_reference(pool2):

@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dist_utils import RankPool
 
 pytestmark = pytest.mark.dist
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)]
@@ -65,18 +64,6 @@ def check_against_dense(rank, world, schedule, v, balance, batches, m=4, split_b
             with torch.no_grad():
                 _close(y, ref(x), f"inference output at step {i}")
     return sorted(i for s in pipe.stages for i in range(pipe.bounds[s], pipe.bounds[s + 1]))
-
-
-@pytest.fixture(scope="module")
-def pool2():
-    with RankPool(2) as pool:
-        yield pool
-
-
-@pytest.fixture(scope="module")
-def pool4():
-    with RankPool(4) as pool:
-        yield pool
 
 
 # Batch sizes change between steps (16, 8, 24 rows): shapes are re-announced each step.

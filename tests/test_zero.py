@@ -27,7 +27,6 @@ import pytest
 import torch
 from torch import nn
 
-from dist_utils import RankPool
 
 STEPS, LR, WD = 3, 1e-2, 0.1
 ATOL, NOISE = 1e-6, 1e-6
@@ -171,18 +170,6 @@ def _cases(rank, world, cases):
     for kind in dict.fromkeys(k for k, _ in cases):
         out[(kind, "dp")] = _train_dp(rank, world, kind)
     return out
-
-
-@pytest.fixture(scope="module")
-def pool2():
-    with RankPool(2) as pool:
-        yield pool
-
-
-@pytest.fixture(scope="module")
-def pool4():
-    with RankPool(4) as pool:
-        yield pool
 
 
 def _check_against_references(out, world, cases):

@@ -160,10 +160,7 @@ class NativeEngine:
         the memories belong to the engine until the handle's wait() returns out."""
         if op not in OPS:
             raise ValueError(f"op must be one of {OPS}, got {op!r}")
-        c, kind = self._codec(compressor, "reduce_scatter", "pyfast.comm.reduce_scatter")
-        what = f"reduce_scatter of {name or f'a {t.numel()}-element tensor'} ({c.spec}) on " \
-               "the native engine"
-        x, y = self._flat(t, "t", what), self._flat(out, "out", what)
+        c, kind, what, x, y = self._sharded_args("reduce_scatter", compressor, t, out, name)
         if x.numel() != self.world * y.numel():
             raise ValueError(f"{what}: t has {x.numel()} elements, out {y.numel()}: t must have "
                              f"world ({self.world}) x out.numel() elements")
@@ -181,10 +178,7 @@ class NativeEngine:
         (its error-feedback memory, if any) and every rank decodes every rank's bytes, its own
         included, so out is bit-identical everywhere. Contiguous float32 on one device,
         out.numel() == world * t.numel(). wait() returns out."""
-        c, kind = self._codec(compressor, "all_gather", "pyfast.comm.all_gather")
-        what = f"all_gather of {name or f'a {t.numel()}-element tensor'} ({c.spec}) on the " \
-               "native engine"
-        x, y = self._flat(t, "t", what), self._flat(out, "out", what)
+        c, kind, what, x, y = self._sharded_args("all_gather", compressor, t, out, name)
         if y.numel() != self.world * x.numel():
             raise ValueError(f"{what}: t has {x.numel()} elements, out {y.numel()}: out must "
                              f"have world ({self.world}) x t.numel() elements")
@@ -201,6 +195,13 @@ class NativeEngine:
                              "deterministic compressors only: none, fp16, bf16, int8, int4, fp8, "
                              f"sign); use {python}")
         return c, kind
+
+    def _sharded_args(self, op: str, compressor, t, out, name: str):
+        """reduce_scatter's and all_gather's common checks: (compressor, its kind, the
+        operation's label for errors, t and out flat)."""
+        c, kind = self._codec(compressor, op, f"pyfast.comm.{op}")
+        what = f"{op} of {name or f'a {t.numel()}-element tensor'} ({c.spec}) on the native engine"
+        return c, kind, what, self._flat(t, "t", what), self._flat(out, "out", what)
 
     def _flat(self, t: torch.Tensor, arg: str, what: str) -> torch.Tensor:
         self._check(t.device, what)
