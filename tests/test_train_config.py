@@ -33,6 +33,7 @@ def fake_checkpoint(out, step, **key):
      "--batch 6 is not divisible by dp 2 x grad-accum 2 x micro-batches 1 = 4"),
     (["--pp", "2", "--micro-batches", "3"],
      "not divisible by dp 1 x grad-accum 1 x micro-batches 3"),
+    (["--dp", "2", "--bucket-mb", "-1"], "--bucket-mb must be > 0 (0: DataParallel's default)"),
     (["--model", "gpt-huge"], "--model 'gpt-huge' is unknown; known: gpt-tiny, gpt-small"),
     (["--dp", "2", "--compress", "int9"], "--compress 'int9': unknown compressor spec 'int9'"),
     (["--compress", "int8"], "--compress int8 compresses the data-parallel gradient reduction, "

@@ -27,6 +27,8 @@ class TrainConfig:
     tp: int = 1
     pp: int = 1
     compress: str = "none"
+    error_feedback: str = "on"      # on: lossy compressors keep error-feedback memory; off: none
+    bucket_mb: float = 0.0          # DataParallel's gradient bucket size in MB; 0: its default
     zero: int = 0                   # ZeRO stage 1-3 over dp instead of DataParallel; 0: off
     param_compress: str = "none"    # --zero 3: the parameter all-gather's compressor
     schedule: str = "1f1b"
@@ -95,6 +97,10 @@ def parser() -> argparse.ArgumentParser:
     a("--pp", type=int, default=d.pp)
     a("--compress", default=d.compress, help="gradient compressor spec over dp (int8, topk:0.01, "
       "..., auto); error feedback for lossy ones")
+    a("--error-feedback", default=d.error_feedback, choices=("on", "off"),
+      help="error-feedback memory for lossy --compress specs (default on)")
+    a("--bucket-mb", type=float, default=d.bucket_mb,
+      help="DataParallel gradient bucket size in MB (default 0: DataParallel's own)")
     a("--zero", type=int, default=d.zero, choices=(0, 1, 2, 3),
       help="shard over dp with pyfast.parallel.zero: 1 optimizer state, 2 + gradients, "
            "3 + parameters (default 0: DataParallel); --compress compresses its gradient "
@@ -162,6 +168,8 @@ def check(cfg: TrainConfig, world: int, model: bool = True) -> None:
         C.get("fp16" if cfg.compress == "auto" else cfg.compress)
     except ValueError as e:
         raise ConfigError(f"--compress {cfg.compress!r}: {e}") from None
+    if cfg.bucket_mb < 0:
+        raise ConfigError(f"--bucket-mb must be > 0 (0: DataParallel's default), got {cfg.bucket_mb}")
     if cfg.compress not in ("none", "") and cfg.dp == 1:
         raise ConfigError(f"--compress {cfg.compress} compresses the data-parallel gradient "
                           "reduction, but --dp is 1 (nothing to reduce)")

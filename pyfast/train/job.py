@@ -101,10 +101,13 @@ class Job:
             self.zero, self.opt = zero(
                 module, torch.optim.AdamW, stage=cfg.zero, compressor=cfg.compress,
                 param_compressor=None if cfg.param_compress == "none" else cfg.param_compress,
-                group=mesh.dp_group, params=groups, lr=cfg.lr, betas=(0.9, 0.95))
+                group=mesh.dp_group, params=groups, lr=cfg.lr, betas=(0.9, 0.95),
+                error_feedback=cfg.error_feedback == "on",
+                **({"bucket_mb": cfg.bucket_mb} if cfg.bucket_mb else {}))
         elif cfg.dp > 1:  # the job checks NaN/Inf itself, once, over the whole mesh
             self.dp = DataParallel(module, compressor=cfg.compress, group=mesh.dp_group,
-                                   check_finite=False)
+                                   check_finite=False, error_feedback=cfg.error_feedback == "on",
+                                   **({"bucket_mb": cfg.bucket_mb} if cfg.bucket_mb else {}))
         self.net = self.dp or self.zero or module
         # the global gradient norm counts each element once: tp-replicated tensors (LayerNorm,
         # row-parallel biases) on tp rank 0 only, and everything on dp rank 0 only
@@ -328,7 +331,8 @@ class Job:
         return {"model_key": c.model_key(), "vocab_size": self.corpus.vocab_size,
                 "mesh": {"dp": c.dp, "tp": c.tp, "pp": c.pp}, "compress": c.compress,
                 "precision": c.precision, "batch": c.batch, "n_params": self.n_params,
-                "zero": c.zero, "param_compress": c.param_compress}
+                "zero": c.zero, "param_compress": c.param_compress,
+                "error_feedback": c.error_feedback}
 
     def save(self, out, step: int, fault=None):
         return ck.save(self.state(full=True), out, step, self.meta(), fault)
@@ -337,8 +341,9 @@ class Job:
         """Restore from a checkpoint directory: (its step, whether the per-rank state was
         restored too, i.e. the mesh, precision and compressor are the ones it was saved with)."""
         meta = ck.read_meta(path)
-        keys = ("mesh", "compress", "precision", "zero")  # zero: its stage lays out the units
-        same = {k: meta.get(k, 0) for k in keys} == {k: self.meta()[k] for k in keys}
+        # zero: its stage lays out the units; error_feedback: whether there is memory to load
+        keys = {"mesh": 0, "compress": 0, "precision": 0, "zero": 0, "error_feedback": "on"}
+        same = {k: meta.get(k, d) for k, d in keys.items()} == {k: self.meta()[k] for k in keys}
         saved_zero = meta.get("zero", 0)
         if bool(saved_zero) != bool(self.cfg.zero):
             raise ConfigError(f"--resume: {path} was written with --zero {saved_zero}, this run "
