@@ -11,7 +11,7 @@ NVCC    ?= $(shell command -v nvcc 2>/dev/null)
 STAMP   := $(VENV)/.pyfast-installed
 SRC     := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/cuda/*.cuh)
 
-.PHONY: setup install demo test bench cuda-check clean
+.PHONY: setup install demo test bench ablate cuda-check clean
 setup: $(STAMP)
 
 $(BIN)/python:
@@ -62,6 +62,13 @@ bench: $(STAMP)
 	$(BIN)/pyfast bench block_size --out bench/results/block_size
 	$(BIN)/pyfast bench zero --out bench/results/zero
 	$(BIN)/pyfast bench report
+
+# The compression ablation the README quotes: every spec x error feedback on/off on loopback,
+# 1 Gbit/s and 100 Mbit/s, 2 ranks, gpt-tiny, 200 steps a cell (51 cells, about 15 minutes on 2
+# cores; the rate-limited links need root). --resume: an interrupted run continues where it
+# stopped; delete the directory to measure again.
+ablate: $(STAMP)
+	$(BIN)/pyfast ablate --out bench/results/ablate --resume
 
 # Compile every CUDA source to an object file with this machine's nvcc against torch's
 # headers: proves the GPU code builds where no GPU (or CUDA torch) exists to link it.

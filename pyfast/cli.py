@@ -1,4 +1,4 @@
-"""The `pyfast` command: train, info, bench."""
+"""The `pyfast` command: train, ablate, info, bench."""
 from __future__ import annotations
 
 import argparse
@@ -34,11 +34,16 @@ def main(argv=None) -> int:
     if argv and argv[0] == "train":  # its own parser: pyfast.train.config
         from pyfast.train import main as train
         return train(argv[1:])
+    if argv and argv[0] == "ablate":  # its own parser: pyfast.ablate.config
+        from pyfast.ablate import main as ablate
+        return ablate(argv[1:])
     if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCHMARKS:
         return importlib.import_module(f"pyfast.benchmarks.{argv[1]}").main(argv[2:])
     p = argparse.ArgumentParser(prog="pyfast", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("train", help="train a model on a dp x tp x pp mesh (pyfast train -h)")
+    sub.add_parser("ablate", help="compression ablations: time to a target loss per compressor "
+                   "and link, vs bf16 (pyfast ablate -h)")
     sub.add_parser("info", help="versions, backends available here (and why not), GPUs"
                    ).set_defaults(fn=_info)
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="what", required=True)

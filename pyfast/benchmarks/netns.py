@@ -85,8 +85,9 @@ def ours() -> list[str]:
 
 
 @contextlib.contextmanager
-def namespace(rate: str):
-    """A fresh namespace (its name is yielded) whose lo is up and shaped to `rate`."""
+def namespace(rate: str, burst: str = BURST):
+    """A fresh namespace (its name is yielded) whose lo is up and shaped to `rate`, with a
+    token bucket of `burst` bytes (at least one 64 KB lo segment)."""
     rate_bps(rate)  # a bad rate is the caller's mistake: ValueError, not a skip
     why = unavailable()
     if why:
@@ -98,7 +99,7 @@ def namespace(rate: str):
         steps = [(IP, "netns", "add", name),
                  (IP, "netns", "exec", name, IP, "link", "set", "lo", "up"),
                  (IP, "netns", "exec", name, TC, "qdisc", "add", "dev", "lo", "root", "tbf",
-                  "rate", rate, "burst", BURST, "latency", LATENCY)]
+                  "rate", rate, "burst", burst, "latency", LATENCY)]
         for step in steps:
             r = _ip(*step)
             if r.returncode != 0:
@@ -111,12 +112,12 @@ def namespace(rate: str):
 
 
 @contextlib.contextmanager
-def link_prefix(link: str):
+def link_prefix(link: str, burst: str = BURST):
     """The argv prefix that puts a command on `link` ([] for plain loopback)."""
     if rate_bps(link) is None:
         yield []
     else:
-        with namespace(link) as name:
+        with namespace(link, burst) as name:
             yield [IP, "netns", "exec", name]
 
 
@@ -262,7 +263,7 @@ class Launch:
 
 @contextlib.contextmanager
 def ranks(py_argv: list[str], world: int, link: str = "loopback", timeout: float = 600,
-          env: dict | None = None, only: list[int] | None = None):
+          env: dict | None = None, only: list[int] | None = None, burst: str = BURST):
     """The one launcher of the benchmarks: `python *py_argv` as ranks `only` (default: all) of
     `world` on `link`, with torchrun's env (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1,
     MASTER_PORT, one OpenMP thread) plus PYFAST_NETNS=<name> inside a namespace. Yields a Launch;
@@ -271,10 +272,10 @@ def ranks(py_argv: list[str], world: int, link: str = "loopback", timeout: float
     Ports cannot race: on plain loopback this process hosts the rendezvous store on a port the
     kernel picked (torchrun's agent store: every rank connects as a client, and a rank run in
     this process joins with launch.init_process_group(rank)); a fresh namespace has every
-    port free, so its ranks use 29500."""
+    port free, so its ranks use 29500. `burst`: the token bucket (namespace())."""
     from datetime import timedelta
     only = list(range(world)) if only is None else list(only)
-    with link_prefix(link) as pre:
+    with link_prefix(link, burst) as pre:
         store = None
         if not pre:
             import torch.distributed as dist

@@ -7,8 +7,11 @@ is measured, not assumed, and the 16-bit reduction is the bar:
 1. steps [0, WARMUP): every bucket reduces in fp16 (the baseline); step WARMUP-1 is timed on
    the communication thread, giving each bucket's fp16 time t16.
 2. end of that step: for each candidate, time its encode + decode on the bucket's own
-   gradient; the wire-bound part of t16 scales with wire bytes:
+   gradient and its relative error there (pyfast.comm.cost); the wire-bound part of t16 scales
+   with wire bytes, and the error costs extra steps to the same loss (cost.convergence_seconds:
+   int4 took 8.5% more steps on gpt-tiny, bench/results/ablate):
        cost(c) = (t16 - codec16) * wire(c) / wire(fp16) + codec(c) * passes
+                 + STEPS_PER_ERROR * error(c) * step_time * bucket's share of the gradient
    Costs are all-reduced (max over ranks) so every rank picks the same; a candidate must beat
    fp16 by MARGIN to be picked.
 3. the next step runs the picks and is timed; any bucket whose pick was slower than its fp16
@@ -23,19 +26,11 @@ import torch
 import torch.distributed as dist
 
 import pyfast.compress as C
+from pyfast.comm import cost
 
 CANDIDATES = ["fp16", "none", "bf16", "int8", "fp8", "int4"]
 WARMUP = 2
 MARGIN = 0.9  # a pick must be predicted at least 10% faster than fp16: noise is ~5% here
-
-
-def _codec_seconds(c: C.Compressor, x: torch.Tensor, repeats: int = 3) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        c.decompress(c.compress(x, "auto-probe"))
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def _wire(c: C.Compressor, n: int) -> int:
@@ -54,6 +49,7 @@ class AutoSelector:
         self.choice = ["fp16"] * len(buckets)
         self.t16 = [0.0] * len(buckets)
         self.report: list[dict] = []
+        self.step_s, self._last = 0.0, None  # the whole step's time, between after_step calls
 
     def compressor(self, b):
         return self.made[self.choice[b.index]]
@@ -70,8 +66,9 @@ class AutoSelector:
         """Called at the end of every synced step with each bucket's reduction time."""
         if self.fixed:
             return
+        t, self._last = self._last, time.perf_counter()
         if self.step == WARMUP - 1:
-            self.t16 = self._agree(seconds)
+            *self.t16, self.step_s = self._agree(list(seconds) + [self._last - t])
             self._decide()
         elif self.step == WARMUP:
             took = self._agree(seconds)
@@ -85,14 +82,17 @@ class AutoSelector:
 
     def _decide(self) -> None:
         passes = 2.0 if self.world > 2 else 1.0 + (self.world - 1) / 2  # two-phase vs allgather
+        total = sum(b.flat.numel() for b in self.buckets)
         costs = []
         for b in self.buckets:
             n = b.flat.numel()
-            codec = {s: _codec_seconds(C.get(s), b.flat) for s in CANDIDATES}
+            codec = {s: sum(cost.codec_seconds(C.get(s), b.flat)) for s in CANDIDATES}
+            slower = {s: cost.convergence_seconds(cost.relative_error(C.get(s), b.flat),
+                                                  self.step_s, n / total) for s in CANDIDATES}
             wire16 = _wire(C.get("fp16"), n)
             link = max(self.t16[b.index] - codec["fp16"] * passes, 1e-9)
-            costs += [link * _wire(C.get(s), n) / wire16 + codec[s] * passes
-                      if s != "none" else link * 2 for s in CANDIDATES]
+            costs += [(link * _wire(C.get(s), n) / wire16 + codec[s] * passes
+                       if s != "none" else link * 2) + slower[s] for s in CANDIDATES]
         costs = self._agree(costs)  # identical decisions on every rank
         k = len(CANDIDATES)
         self.report = []
