@@ -91,7 +91,7 @@ def probe(tj, link) -> dict:
              for b in buckets for p in b.params]
     bwd, ready, full = [], [], []
     try:
-        for _ in range(3):
+        for _ in range(5):
             x, y = tj.probe_batch()
             tj.opt.zero_grad(set_to_none=True)
             seen.clear()
@@ -104,7 +104,7 @@ def probe(tj, link) -> dict:
     finally:
         for h in hooks:
             h.remove()
-    for i in range(5):
+    for i in range(9):  # 9: one slow step among 5 moved the median by 10 ms (noisy 2 cores)
         dist.barrier()
         with dp.no_sync():
             full.append(tj.train_step(10 ** 6 + i)["step_ms"] / 1e3)

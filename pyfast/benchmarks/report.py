@@ -247,7 +247,18 @@ def _zero(results: str) -> str:
     return "\n".join(out)
 
 
-TABLES = {"dp": _dp, "zero": _zero, "train": _train, "compress_cpp": _compress_cpp, "allreduce_1gbit": _allreduce_1gbit, "tp_blocks": _tp_blocks,
+def _ablate(results: str) -> str:
+    """The headline table of each recorded ablation run (bench/results/ablate, ablate_b)."""
+    from pyfast.ablate.report import headline
+    out = []
+    for name in ("ablate", "ablate_b"):
+        if os.path.exists(os.path.join(results, name, "results.csv")):
+            out += [f"Run `{name}` (full report: [{name}/report.md](../bench/results/{name}/"
+                    f"report.md)):", "", headline(os.path.join(results, name)), ""]
+    return "\n".join(out).rstrip("\n")
+
+
+TABLES = {"ablate": _ablate, "dp": _dp, "zero": _zero, "train": _train, "compress_cpp": _compress_cpp, "allreduce_1gbit": _allreduce_1gbit, "tp_blocks": _tp_blocks,
           "pipeline_2_ranks": _pipeline_2_ranks, "dp_semantics": _dp_semantics}  # {{table:NAME}}: a table computed from the JSON
 
 
