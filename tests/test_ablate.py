@@ -113,7 +113,13 @@ def test_a_killed_rank_fails_its_cell_and_the_rest_run(tmp_path, monkeypatch):
     A.run(cfg)
     rows = _rows(out)
     assert [(r["spec"], r["status"]) for r in rows] == [("int8", "failed"), ("int4", "done")]
-    assert "exit" in rows[0]["reason"] or "-9" in rows[0]["reason"], rows[0]["reason"]
+    assert "exit codes" in rows[0]["reason"] and "-9" in rows[0]["reason"], rows[0]["reason"]
+    # --resume tries the failed cell again and keeps the finished one as it was
+    monkeypatch.delenv("PYFAST_ABLATE_FAULT")
+    A.run(acfg.from_args([*TEACHER, "--specs", "int8,int4", "--out", str(out), "--resume"]))
+    again = _rows(out)
+    assert again[0] == rows[1] and [(r["spec"], r["status"]) for r in again] == \
+        [("int4", "done"), ("int8", "done")]
 
 
 def test_unavailable_links_are_skipped_with_the_reason_and_never_reached_says_so(

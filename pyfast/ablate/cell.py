@@ -28,6 +28,8 @@ import pyfast.compress as C
 from pyfast import perf
 from pyfast._io import atomic_write_text
 from pyfast.comm import cost
+from pyfast.errors import NonFiniteGradient
+from pyfast.train.job import NonFiniteError
 from pyfast.train.telemetry import bytes_written
 
 from .schema import SMOOTH, STEP_KEYS
@@ -164,9 +166,7 @@ def run_cell(cell: dict, job: dict, link, device) -> dict:
                 log.flush()
         row["val_loss"] = tj.evaluate()
         row.update(probe(tj, link))
-    except Exception as e:  # noqa: BLE001  NonFiniteError / FloatingPointError: every rank alike
-        if not ("NonFinite" in type(e).__name__ or isinstance(e, FloatingPointError)):
-            raise
+    except (NonFiniteError, NonFiniteGradient, FloatingPointError) as e:  # every rank alike
         row.update(status="diverged", reason=str(e).split(";")[0])
     finally:
         if log is not None:

@@ -1,7 +1,8 @@
 """The launching side of `pyfast ablate`: the matrix's cells, link by link, each link's cells in
 one launch of the ranks (pyfast.benchmarks.netns: a fresh rate-limited namespace per launch);
 results.csv grows by one row as each cell finishes, so an interrupted ablation loses at most the
-running cell and --resume skips every finished one.
+running cell and --resume skips every finished one (done or diverged; failed and skipped cells
+are tried again).
 
 A rank that dies fails its cell ("failed", with the error's last line) and the link's remaining
 cells start again in a new launch; a cell that finishes no step for --timeout seconds is failed
@@ -23,6 +24,7 @@ from pyfast.benchmarks import netns
 from .config import AblateConfig, AblateError, cells, to_json
 from .schema import COLUMNS
 
+FINAL = ("done", "diverged")  # what --resume keeps; "failed" and "skipped" cells run again
 ENTRY = ["-c", "from pyfast.ablate.cell import serve; serve()"]
 # The token bucket of the ablation's links: two 64 KB lo segments, not the benchmarks' 512 KB.
 # A cell sends ~0.55 MB a step (gpt-tiny, bf16) with ~30 ms of compute between steps, and a
@@ -73,7 +75,20 @@ def _prepare(cfg: AblateConfig) -> set:
                               f"{diff}; its cells would not compare")
     atomic_write_text(meta, json.dumps({"fixed": cfg.fixed(), "config": json.loads(to_json(cfg))},
                                        indent=1))
-    return {r["cell"] for r in have}
+    # a failed cell (a crash, a hang) and a skipped one (no root then) are tried again
+    keep = [r for r in have if r["status"] in FINAL]
+    if len(keep) < len(have):
+        _rewrite(cfg.out, keep)
+    return {r["cell"] for r in keep}
+
+
+def _rewrite(out: str, rows: list[dict]) -> None:
+    import io
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=COLUMNS, extrasaction="ignore", restval="")
+    w.writeheader()
+    w.writerows(rows)
+    atomic_write_text(os.path.join(out, "results.csv"), buf.getvalue())
 
 
 class _View:
