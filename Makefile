@@ -64,7 +64,7 @@ bench: $(STAMP)
 	$(BIN)/pyfast bench report
 
 # The compression ablation the README quotes: every spec x error feedback on/off on loopback,
-# 1 Gbit/s and 100 Mbit/s, 2 ranks, gpt-tiny, 200 steps a cell (51 cells, about 15 minutes on 2
+# 1 Gbit/s and 100 Mbit/s, 2 ranks, gpt-tiny, 200 steps a cell (48 cells, about 10 minutes on 2
 # cores; the rate-limited links need root). --resume: an interrupted run continues where it
 # stopped; delete the directory to measure again.
 ablate: $(STAMP)

@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 
 TASKS = ("teacher", "gpt-tiny", "gpt-small")
 # What each task trains unless the flags say otherwise. gpt-tiny: 16 x 128 bytes a step, 34 ms
-# a step on 2 ranks x 1 thread on plain loopback (measured): the default matrix's 51 cells of
-# 200 steps fit its 30 minutes. Target losses: where bf16 gets in about 60% of the steps, so
-# a slower-converging compressor shows as a later time (measured: bench/results/ablate).
+# a step on 2 ranks x 1 thread on plain loopback (measured): the default matrix's 48 cells of
+# 200 steps take 10 minutes of its 30. Target losses: where bf16 gets in about half the steps
+# (gpt-tiny: 2.35 at step 106 of 200), so a slower-converging compressor shows as a later time
+# (int4: 115, PowerSGD:4 + EF: 161; bench/results/ablate).
 TASK_DEFAULTS = {
     "teacher": dict(steps=60, target_loss=0.2, batch=64, seq=0, lr=3e-3),
     "gpt-tiny": dict(steps=200, target_loss=2.35, batch=16, seq=128, lr=3e-3),
