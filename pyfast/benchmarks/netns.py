@@ -85,9 +85,9 @@ def ours() -> list[str]:
 
 
 @contextlib.contextmanager
-def namespace(rate: str, burst: str = BURST):
+def namespace(rate: str, burst: str | None = None):
     """A fresh namespace (its name is yielded) whose lo is up and shaped to `rate`, with a
-    token bucket of `burst` bytes (at least one 64 KB lo segment)."""
+    token bucket of `burst` bytes (at least one 64 KB lo segment; default BURST)."""
     rate_bps(rate)  # a bad rate is the caller's mistake: ValueError, not a skip
     why = unavailable()
     if why:
@@ -99,7 +99,7 @@ def namespace(rate: str, burst: str = BURST):
         steps = [(IP, "netns", "add", name),
                  (IP, "netns", "exec", name, IP, "link", "set", "lo", "up"),
                  (IP, "netns", "exec", name, TC, "qdisc", "add", "dev", "lo", "root", "tbf",
-                  "rate", rate, "burst", burst, "latency", LATENCY)]
+                  "rate", rate, "burst", burst or BURST, "latency", LATENCY)]
         for step in steps:
             r = _ip(*step)
             if r.returncode != 0:
@@ -112,7 +112,7 @@ def namespace(rate: str, burst: str = BURST):
 
 
 @contextlib.contextmanager
-def link_prefix(link: str, burst: str = BURST):
+def link_prefix(link: str, burst: str | None = None):
     """The argv prefix that puts a command on `link` ([] for plain loopback)."""
     if rate_bps(link) is None:
         yield []
@@ -263,7 +263,7 @@ class Launch:
 
 @contextlib.contextmanager
 def ranks(py_argv: list[str], world: int, link: str = "loopback", timeout: float = 600,
-          env: dict | None = None, only: list[int] | None = None, burst: str = BURST):
+          env: dict | None = None, only: list[int] | None = None, burst: str | None = None):
     """The one launcher of the benchmarks: `python *py_argv` as ranks `only` (default: all) of
     `world` on `link`, with torchrun's env (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1,
     MASTER_PORT, one OpenMP thread) plus PYFAST_NETNS=<name> inside a namespace. Yields a Launch;
