@@ -149,8 +149,10 @@ def test_ctrl_c_kills_the_ranks_and_removes_the_namespace():
     code = ("import os; from pyfast.benchmarks import netns; print('go', flush=True); "
             "netns.run_ranks(['-c', 'import time; time.sleep(60)  # ' + os.environ['TOKEN']], "
             "2, link='1gbit', timeout=120)")  # the token is in the ranks' argv, not this one's
+    # the launcher as a terminal starts it: SIGINT neither ignored nor blocked, whatever an
+    # earlier test left in this process (both are inherited across exec)
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                         env={**os.environ, "TOKEN": token})
+                         env={**os.environ, "TOKEN": token}, preexec_fn=_default_sigint)
     try:
         assert p.stdout.readline().strip() == "go"
         deadline = time.monotonic() + 30
@@ -161,11 +163,27 @@ def test_ctrl_c_kills_the_ranks_and_removes_the_namespace():
             assert time.monotonic() < deadline, "the ranks never started"
             time.sleep(0.05)
         p.send_signal(signal.SIGINT)
-        p.wait(30)
+        try:
+            p.wait(60)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the launcher ignored Ctrl-C for 60 s; {_signals(p.pid)}") from None
     finally:
         p.kill()
     assert not [n for n in netns._namespaces() if n.startswith(f"pyfast-{p.pid}-")]
     assert not _pids(token), f"ranks outlived Ctrl-C: {_pids(token)}"
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def _signals(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return " ".join(ln.strip() for ln in f if ln.startswith(("SigBlk", "SigIgn", "SigCgt")))
+    except OSError as e:
+        return str(e)
 
 
 def _pids(token: str) -> list[str]:
