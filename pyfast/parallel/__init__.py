@@ -1,6 +1,8 @@
 """Drop-in parallel training modules: mesh (Mesh, the dp x tp x pp groups), data
-(DataParallel), pipeline (Pipeline, schedules, traces) and tensor (ColumnParallelLinear,
+(DataParallel), context (context_parallel_attention: ring and Ulysses attention on
+sequence shards), pipeline (Pipeline, schedules, traces) and tensor (ColumnParallelLinear,
 RowParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy, parallelize)."""
+from .context import context_parallel_attention, shard_sequence, unshard_sequence
 from .data import DataParallel
 from .mesh import Mesh
 from .parallelize import parallelize
@@ -10,7 +12,8 @@ from .trace import save_trace
 from .vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from .zero import ZeroOptimizer, zero
 
-__all__ = ["ColumnParallelLinear", "DataParallel", "Mesh", "Pipeline",
+__all__ = ["ColumnParallelLinear", "context_parallel_attention", "shard_sequence",
+           "unshard_sequence", "DataParallel", "Mesh", "Pipeline",
            "PipelineCommError", "PipelineError",
            "RowParallelLinear", "VocabParallelEmbedding", "parallelize", "save_trace",
            "vocab_parallel_cross_entropy", "ZeroOptimizer", "zero"]

@@ -1,0 +1,216 @@
+"""Context parallelism: one sequence's attention over the ranks of a group, each holding a shard
+of the sequence ([B, H, S/N, D] of q, k and v), exact against dense attention on the whole one.
+
+    q, k, v = (shard_sequence(t, group=cp, dim=2, layout="zigzag") for t in (q, k, v))
+    out = context_parallel_attention(q, k, v, group=cp, causal=True, method="ring")
+    full = unshard_sequence(out, group=cp, dim=2, layout="zigzag")
+
+Layouts (which tokens a rank holds): "contiguous" gives rank r the r-th of N equal chunks;
+"zigzag" cuts the sequence into 2N chunks and gives rank r chunks r and 2N-1-r (Brandon et al.
+2023, "Striped/zigzag" ring attention as in ring-flash-attention and Megatron-Core's CP), so
+under a causal mask every rank has the same number of visible (query, key) pairs: with
+contiguous chunks rank N-1 does N times rank 0's work and the others wait for it.
+
+Methods:
+  "ring" (Liu et al. 2023, arXiv:2310.01889): keys and values travel around the ring while each
+         rank attends its queries to the block it holds; blocks merge exactly by log-sum-exp
+         (pyfast.parallel.ring_attention). Any number of heads.
+  "ulysses" (Jacobs et al. 2023, DeepSpeed-Ulysses, arXiv:2309.14509): an all-to-all turns
+         sequence shards into head shards, each rank attends over the whole sequence for H/N
+         heads, and an all-to-all turns the output back. Needs H divisible by N.
+
+Every rank checks its arguments and the ranks agree on them (pyfast.comm.agree: one 8-byte
+all-gather) before anything is sent: a bad length, head count, dtype or head dim raises the
+same error on every rank, naming the numbers, instead of a hang or a gloo abort on a message
+of the wrong size. CUDA tensors need a group with a CUDA backend (NCCL), never gloo's host copy.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from pyfast.comm.agree import agree
+from pyfast.comm.collectives import check_backend
+from pyfast.comm.failure import naming
+from pyfast.ops.attention import check as check_qkv
+
+LAYOUTS = ("zigzag", "contiguous")
+METHODS = ("ring", "ulysses")
+
+
+def _world(group) -> tuple[int, int]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def chunks_of(rank: int, world: int, layout: str) -> tuple[int, ...]:
+    """Which of the sequence's equal chunks `rank` holds, in the order it holds them: (rank,) of
+    `world` chunks (contiguous) or (rank, 2*world-1-rank) of 2*world (zigzag)."""
+    _check_layout(layout)
+    return (rank,) if layout == "contiguous" else (rank, 2 * world - 1 - rank)
+
+
+def n_chunks(world: int, layout: str) -> int:
+    _check_layout(layout)
+    return world if layout == "contiguous" else 2 * world
+
+
+def length_problem(seq_len: int, world: int, layout: str) -> str | None:
+    """Why a sequence of seq_len tokens cannot be sharded so, or None."""
+    n = n_chunks(world, layout)
+    if seq_len % n:
+        return (f"sequence length {seq_len} is not divisible by {n} "
+                f"({'2 x ' if layout == 'zigzag' else ''}{world} ranks, layout {layout!r})")
+    return None
+
+
+def sequence_positions(seq_len: int, group=None, layout: str = "zigzag", *, rank: int | None = None,
+                       world: int | None = None, device=None) -> torch.Tensor:
+    """The global positions (int64) of the tokens a rank holds, in its shard's order: what its
+    rotary or learned position embeddings must use. seq_len is the whole sequence's length."""
+    if rank is None or world is None:
+        w, r = _world(group)
+        world, rank = world or w, rank if rank is not None else r
+    bad = length_problem(seq_len, world, layout)
+    if bad:
+        raise ValueError(f"sequence_positions: {bad}")
+    size = seq_len // n_chunks(world, layout)
+    return torch.cat([torch.arange(c * size, (c + 1) * size, device=device)
+                      for c in chunks_of(rank, world, layout)])
+
+
+def _agree_length(t: torch.Tensor, dim: int, world: int, layout: str, group, what: str,
+                  full: bool) -> None:
+    n = t.shape[dim] if full else t.shape[dim] * world
+    bad = length_problem(n, world, layout) if full else None
+    agree((tuple(t.shape), str(t.dtype), dim, layout), ValueError(bad) if bad else None, group,
+          what=what, device=t.device)
+
+
+def shard_sequence(t: torch.Tensor, group=None, dim: int = 2, layout: str = "zigzag") -> torch.Tensor:
+    """This rank's shard of `t` (the whole sequence along `dim`, the same on every rank): a
+    contiguous copy (zigzag's two chunks side by side). Differentiable (the gradient lands in
+    this rank's positions, zeros elsewhere). Collective only for the check."""
+    _check_layout(layout)
+    world, rank = _world(group)
+    dim = dim % t.dim()
+    if world > 1:
+        _agree_length(t, dim, world, layout, group, "shard_sequence", full=True)
+    elif t.shape[dim] % n_chunks(1, layout):
+        raise ValueError(f"shard_sequence: {length_problem(t.shape[dim], 1, layout)}")
+    pieces = t.chunk(n_chunks(world, layout), dim)
+    return torch.cat([pieces[c] for c in chunks_of(rank, world, layout)], dim)
+
+
+class _Gather(torch.autograd.Function):
+    """Shards -> the whole sequence on every rank; backward keeps this rank's shard of the
+    gradient (DTensor's Shard -> Replicate redistribute: the gradient of a replicated tensor is
+    taken to be the same on every rank, as when every rank computes the same loss from it)."""
+
+    @staticmethod
+    def forward(ctx, t, group, dim, layout):
+        world, rank = _world(group)
+        ctx.group, ctx.dim, ctx.layout = group, dim, layout
+        parts = [torch.empty_like(t) for _ in range(world)]
+        with naming("unshard_sequence"):
+            dist.all_gather(parts, t.contiguous(), group=group)
+        per = n_chunks(world, layout) // world  # chunks a rank holds
+        pieces = [None] * n_chunks(world, layout)
+        for r, part in enumerate(parts):
+            for piece, c in zip(part.chunk(per, dim), chunks_of(r, world, layout)):
+                pieces[c] = piece
+        return torch.cat(pieces, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        world, rank = _world(ctx.group)
+        pieces = g.chunk(n_chunks(world, ctx.layout), ctx.dim)
+        return (torch.cat([pieces[c] for c in chunks_of(rank, world, ctx.layout)], ctx.dim),
+                None, None, None)
+
+
+def unshard_sequence(t: torch.Tensor, group=None, dim: int = 2, layout: str = "zigzag") -> torch.Tensor:
+    """The whole sequence from every rank's shard (an all-gather), in natural order; inverse of
+    shard_sequence. Differentiable (see _Gather: the gradient is taken as replicated)."""
+    _check_layout(layout)
+    world, _ = _world(group)
+    dim = dim % t.dim()
+    if world == 1:
+        return t
+    check_backend(t.device, group, "unshard_sequence")
+    _agree_length(t, dim, world, layout, group, "unshard_sequence", full=False)
+    if layout == "zigzag" and t.shape[dim] % 2:
+        raise ValueError(f"unshard_sequence: a zigzag shard holds two equal chunks, but its "
+                         f"length along dim {dim} is {t.shape[dim]} (odd)")
+    return _Gather.apply(t, group, dim, layout)
+
+
+# ---------------------------------------------------------------- the attention
+def _problem(q, k, v, world: int, causal: bool, method: str, layout: str):
+    """This rank's own mistake (an exception, not raised yet) or None."""
+    try:
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        _check_layout(layout)
+        check_qkv(q, k, v, "context_parallel_attention")
+        if q.shape[2] != k.shape[2]:
+            raise ValueError(f"context_parallel_attention: q holds {q.shape[2]} tokens of the "
+                             f"sequence and k/v {k.shape[2]}: self-attention shards must match")
+        bad = length_problem(q.shape[2] * world, world, layout)
+        if bad:
+            raise ValueError(f"context_parallel_attention: shards of {q.shape[2]} tokens on "
+                             f"{world} ranks: {bad}")
+        if method == "ulysses" and q.shape[1] % world:
+            raise ValueError(f"context_parallel_attention(ulysses): {q.shape[1]} heads are not "
+                             f"divisible by the group's {world} ranks (use method='ring')")
+    except (ValueError, TypeError) as e:
+        return e
+    return None
+
+
+def _describe(q, k, v, causal, method, layout, scale) -> str:
+    return (f"q {list(q.shape)} {q.dtype}, k {list(k.shape)} {k.dtype}, v {list(v.shape)} "
+            f"{v.dtype}, causal={causal}, method={method}, layout={layout}, scale={scale}")
+
+
+def check_args(q, k, v, group, causal: bool, method: str, layout: str, scale) -> None:
+    """Raise the same error on every rank of `group` if any rank's arguments are bad or the
+    ranks' differ (shards of different lengths, dtypes, head dims, methods ...)."""
+    world, _ = _world(group)
+    if world > 1:
+        check_backend(q.device, group, "context_parallel_attention")
+    agree(_describe(q, k, v, causal, method, layout, scale),
+          _problem(q, k, v, world, causal, method, layout), group,
+          what="context_parallel_attention", device=q.device if world > 1 else None)
+
+
+def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None,
+                               causal: bool = True, method: str = "ring",
+                               layout: str = "zigzag", scale: float | None = None,
+                               heads_per_pass: int | None = None,
+                               backend: str | None = None) -> torch.Tensor:
+    """Attention of this rank's queries over the whole sequence's keys: q, k, v [B, H, S/N, D],
+    this rank's shards in `layout` (shard_sequence's), the output [B, H, S/N, D] likewise.
+    Equal to F.scaled_dot_product_attention(full q, k, v, is_causal=causal) sharded. Collective
+    over `group` (None: the default group); differentiable in q, k and v.
+
+    heads_per_pass (ring): the ring runs over groups of this many heads one after another, so its
+    send/receive buffers hold that many heads (memory) and only the last group's final gradient
+    transfer is not hidden behind compute; default: enough heads for >= 1 MB messages.
+    backend: the block kernel's (pyfast.ops.attention; default: cpp on CPU, triton on CUDA)."""
+    check_args(q, k, v, group, causal, method, layout, scale)
+    world, _ = _world(group)
+    if world == 1:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    if method == "ulysses":
+        from .ulysses import ulysses_attention
+        return ulysses_attention(q, k, v, group, causal, layout, scale)
+    from .ring_attention import ring_attention
+    return ring_attention(q, k, v, group, causal, layout, scale, heads_per_pass, backend)

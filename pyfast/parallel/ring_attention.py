@@ -1,0 +1,258 @@
+"""Ring attention (Liu et al. 2023, arXiv:2310.01889) on shards laid out by
+pyfast.parallel.context: each rank keeps its queries, and key/value blocks travel around the
+ring (isend to the next rank, irecv from the previous one) while the rank attends to the block
+it holds. Blocks merge exactly by their log-sum-exp (pyfast.ops.attention).
+
+Which (query, key) pairs a step computes, for rank r holding the keys of rank src:
+  not causal           every query x every key
+  causal, src == r     the local block under a causal mask: both layouts keep positions in
+                       order inside a shard, so a top-left mask on the shard is the global one
+  contiguous, src < r  every query x every key;   src > r: nothing (masked)
+  zigzag (chunks r, 2N-1-r; half = one chunk)
+           src < r     every query x the first half of the keys (chunk src); chunk 2N-1-src
+                       lies after both of r's chunks
+           src > r     the second half of the queries (chunk 2N-1-r) x every key; chunk r lies
+                       before both of src's chunks
+so under zigzag every off-diagonal step costs the same half block on every rank.
+
+Backward (the ring again): the kv blocks travel as in forward; a block's dK/dV accumulator
+(fp32) starts at the first rank that attends to it, collects each rank's share on its way
+around and reaches its owner after the last; each rank's own share of its own block stays
+local. Each share is computed from the merged out and lse saved by forward
+(block_attention_backward), so no scores are kept between the passes.
+
+Heads are processed in passes of `heads_per_pass`: the send/receive buffers hold one pass's
+heads (memory per rank ~ the shards plus 7/passes of one shard), and each pass's final dK/dV
+transfer overlaps the next pass's compute, so only the last pass's is exposed.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from pyfast.comm.failure import naming
+from pyfast.ops.attention import block_attention, block_attention_backward, default_scale
+
+TAG_KV, TAG_ACC = 7301, 7302  # kv blocks and dK/dV accumulators: distinct message streams
+MIN_MESSAGE = 1 << 20  # bytes: default passes send >= 1 MB (per-message cost ~0.1 ms on loopback)
+
+ALL = slice(None)
+
+
+def visible(r: int, src: int, n: int, s_local: int, causal: bool, layout: str):
+    """(query rows, key rows, causal) that rank r computes against src's block, or None."""
+    if not causal:
+        return ALL, ALL, False
+    if src == r:
+        return ALL, ALL, True
+    if layout == "contiguous":
+        return (ALL, ALL, False) if src < r else None
+    half = s_local // 2
+    return (ALL, slice(0, half), False) if src < r else (slice(half, None), ALL, False)
+
+
+def acc_rows(src: int, upto: int, n: int, s_local: int, causal: bool, layout: str):
+    """The key rows of block src that carry gradient after the ranks src+1, ..., upto (ring
+    order) added their shares: a slice (start, stop), or None when none of them sees the block."""
+    lo, hi = s_local, 0
+    t = (src + 1) % n
+    while True:
+        part = visible(t, src, n, s_local, causal, layout)
+        if part is not None:
+            start, stop, _ = part[1].indices(s_local)
+            lo, hi = min(lo, start), max(hi, stop)
+        if t == upto:
+            break
+        t = (t + 1) % n
+    return slice(lo, hi) if hi > lo else None
+
+
+class _Ring:
+    def __init__(self, group):
+        self.group = group
+        self.n, self.r = dist.get_world_size(group), dist.get_rank(group)
+        self.pending: list = []  # sends of this step
+        self.older: list = []    # sends of the step before: waited one step later
+
+    def send(self, t, tag):
+        self.pending.append(dist.isend(t, group=self.group, group_dst=(self.r + 1) % self.n,
+                                       tag=tag))
+
+    def recv(self, t, tag):
+        return dist.irecv(t, group=self.group, group_src=(self.r - 1) % self.n, tag=tag)
+
+    def step_done(self):
+        """Wait for the sends of the step before this one (they had a whole step of compute to
+        finish behind); this step's stay in flight."""
+        for w in self.older:
+            w.wait()
+        self.older, self.pending = self.pending, []
+
+    def flush(self):
+        for w in self.older + self.pending:
+            w.wait()
+        self.older, self.pending = [], []
+
+
+def passes(h: int, bytes_per_head: int, heads_per_pass: int | None) -> list[slice]:
+    if heads_per_pass is None:
+        heads_per_pass = min(h, max(1, -(-MIN_MESSAGE // max(1, bytes_per_head))))
+    if not (isinstance(heads_per_pass, int) and heads_per_pass >= 1):
+        raise ValueError(f"heads_per_pass must be an int >= 1, got {heads_per_pass!r}")
+    return [slice(h0, min(h, h0 + heads_per_pass)) for h0 in range(0, h, heads_per_pass)]
+
+
+def _merge(acc, lse, rows, o, l) -> None:
+    """Fold block (o, l) into the running (acc, lse) on `rows`, in place."""
+    a, la = acc[:, :, rows], lse[:, :, rows]
+    new = torch.logaddexp(la, l)
+    a.mul_(torch.exp(la - new).unsqueeze(-1)).addcmul_(o, torch.exp(l - new).unsqueeze(-1))
+    la.copy_(new)
+
+
+class RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, layout, scale, heads_per_pass, backend):
+        ring, s_local = _Ring(group), q.shape[2]
+        n, r = ring.n, ring.r
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        plan = passes(q.shape[1], 2 * k[:, :1].numel() * k.element_size(), heads_per_pass)
+        with naming("context_parallel_attention(ring) forward"):
+            for hs in plan:
+                qh = q[:, hs]
+                kv = torch.stack((k[:, hs], v[:, hs]))
+                acc = lacc = None
+                for s in range(n):
+                    src = (r - s) % n
+                    if s < n - 1:
+                        nxt = torch.empty_like(kv)
+                        ring.send(kv, TAG_KV)
+                        got = ring.recv(nxt, TAG_KV)
+                    part = visible(r, src, n, s_local, causal, layout)
+                    if part is not None:
+                        qr, kr, c = part
+                        o, l = block_attention(qh[:, :, qr], kv[0][:, :, kr], kv[1][:, :, kr],
+                                               c, scale, backend)
+                        if acc is None:  # step 0, the own block: every row sees a key
+                            acc = o if o.dtype == torch.float32 else o.float()
+                            lacc = l
+                        else:
+                            _merge(acc, lacc, qr, o, l)
+                    if s < n - 1:
+                        got.wait()
+                        ring.step_done()
+                        kv = nxt
+                ring.flush()
+                out[:, hs] = acc
+                lse[:, hs] = lacc
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (group, causal, layout, scale, plan, backend)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, causal, layout, scale, plan, backend = ctx.args
+        ring, s_local = _Ring(group), q.shape[2]
+        n, r = ring.n, ring.r
+        f32 = q.dtype == torch.float32
+        dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+        finish = None  # the previous pass's last step: its dK/dV coming home, still in flight
+        with naming("context_parallel_attention(ring) backward"):
+            for hs in plan:
+                qh, doh, oh, lh = q[:, hs], dout[:, hs], out[:, hs], lse[:, hs]
+                kv = torch.stack((k[:, hs], v[:, hs]))
+                mine = acc_rows(r, (r - 1) % n, n, s_local, causal, layout)  # comes home last
+                got_home = dq_acc = dkv_acc = None
+                for s in range(n):
+                    src = (r - s) % n
+                    if s < n - 1:
+                        nxt = torch.empty_like(kv)
+                        ring.send(kv, TAG_KV)
+                        got = ring.recv(nxt, TAG_KV)
+                    incoming = acc_rows(src, (r - 1) % n, n, s_local, causal, layout) \
+                        if s >= 2 else None
+                    acc_in = got_acc = None
+                    if incoming is not None:
+                        acc_in = kv.new_empty((2, *kv.shape[1:3], incoming.stop - incoming.start,
+                                               kv.shape[4]), dtype=torch.float32)
+                        got_acc = ring.recv(acc_in, TAG_ACC)
+                    if s == n - 1 and mine is not None:
+                        home = kv.new_empty((2, *kv.shape[1:3], mine.stop - mine.start,
+                                             kv.shape[4]), dtype=torch.float32)
+                        got_home = ring.recv(home, TAG_ACC)
+                    part = visible(r, src, n, s_local, causal, layout)
+                    grads = None
+                    if part is not None:
+                        qr, kr, c = part
+                        grads = block_attention_backward(
+                            doh[:, :, qr], qh[:, :, qr], kv[0][:, :, kr], kv[1][:, :, kr],
+                            oh[:, :, qr], lh[:, :, qr], c, scale, backend)
+                        if dq_acc is None:  # step 0: the own block covers every query row
+                            dq_acc = grads[0] if f32 else grads[0].float()
+                        else:
+                            dq_acc[:, :, qr] += grads[0]
+                    if s == 0:  # own block: its dK/dV share stays here
+                        dkv_acc = torch.stack(grads[1:]).float()
+                        if finish is not None:  # behind this compute, the last pass's came home
+                            finish()
+                    else:
+                        _pass_on(ring, src, r, n, s_local, causal, layout, part, grads,
+                                 acc_in, got_acc, incoming)
+                    if s < n - 1:
+                        got.wait()
+                        ring.step_done()
+                        kv = nxt
+                dq[:, hs] = dq_acc
+                finish = _homecoming(dk, dv, hs, dkv_acc, got_home, home if got_home is not None else None,
+                                     mine)
+            finish()
+            ring.flush()
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def _homecoming(dk, dv, hs, dkv_acc, got_home, home, mine):
+    """What completes a pass: add the dK/dV shares that come home to this rank's own, and write
+    the pass's heads of dk and dv. Called after the next pass's first block, so the transfer
+    hides behind it."""
+    def finish():
+        if got_home is not None:
+            got_home.wait()
+            dkv_acc[:, :, :, mine] += home
+        dk[:, hs] = dkv_acc[0]
+        dv[:, hs] = dkv_acc[1]
+    return finish
+
+
+def _pass_on(ring, src, r, n, s_local, causal, layout, part, grads, acc_in, got_acc, incoming):
+    """Add this rank's dK/dV share of block src to the accumulator that came from the previous
+    rank (or start one) and send it on to the next (the owner, after the last step)."""
+    rows = acc_rows(src, r, n, s_local, causal, layout)
+    if rows is None:
+        return
+    if acc_in is not None and incoming == rows:
+        got_acc.wait()
+        acc = acc_in
+    else:
+        acc = torch.zeros((2, *grads[1].shape[:2], rows.stop - rows.start, grads[1].shape[3]),
+                          dtype=torch.float32, device=grads[1].device) if grads is not None \
+            else None
+        if acc is None:  # nothing of ours and nothing new: pass the incoming one on as it is
+            got_acc.wait()
+            acc = acc_in
+        elif acc_in is not None:
+            got_acc.wait()
+            acc[:, :, :, incoming.start - rows.start:incoming.stop - rows.start] += acc_in
+    if grads is not None:
+        kr = part[1].indices(s_local)
+        lo, hi = kr[0] - rows.start, kr[1] - rows.start
+        acc[0, :, :, lo:hi] += grads[1]
+        acc[1, :, :, lo:hi] += grads[2]
+    ring.send(acc, TAG_ACC)
+
+
+def ring_attention(q, k, v, group, causal: bool, layout: str, scale, heads_per_pass=None,
+                   backend=None) -> torch.Tensor:
+    return RingAttention.apply(q, k, v, group, causal, layout, default_scale(q, scale),
+                               heads_per_pass, backend)

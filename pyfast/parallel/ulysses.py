@@ -1,0 +1,76 @@
+"""DeepSpeed-Ulysses (Jacobs et al. 2023, arXiv:2309.14509): an all-to-all turns q, k, v from
+sequence shards [B, H, S/N, D] into head shards [B, H/N, S, D], each rank attends over the whole
+sequence for its heads (F.scaled_dot_product_attention: aten's flash kernel on CPU, flash or
+memory-efficient attention on CUDA), and an all-to-all turns the output back. Four all-to-alls
+of one shard each forward (q, k, v, out) and four backward, whatever N: on a fast link it needs
+no ring, but H must be divisible by N.
+
+The gathered sequence comes in rank order, so under the zigzag layout its chunks are put in
+natural order before the causal attention (one index_select) and back after it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from pyfast.comm.failure import naming
+
+from .context import chunks_of, n_chunks
+
+
+def _all_to_all(x: torch.Tensor, group, scatter: int, gather: int) -> torch.Tensor:
+    """Split x along `scatter` into N pieces, piece j to rank j; concatenate what arrives from
+    ranks 0..N-1 along `gather`."""
+    n = dist.get_world_size(group)
+    send = torch.stack(x.chunk(n, scatter)).contiguous()  # [N, ...piece]
+    recv = torch.empty_like(send)
+    with naming("context_parallel_attention(ulysses) all_to_all"):
+        dist.all_to_all_single(recv, send, group=group)
+    return torch.cat(recv.unbind(0), gather)
+
+
+class SeqToHeads(torch.autograd.Function):
+    """[B, H, S/N, D] sequence shards -> [B, H/N, S, D] head shards; backward the reverse."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_to_all(x, group, scatter=1, gather=2)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_to_all(g, ctx.group, scatter=2, gather=1), None
+
+
+class HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_to_all(x, group, scatter=2, gather=1)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_to_all(g, ctx.group, scatter=1, gather=2), None
+
+
+def _natural_order(s: int, world: int, layout: str, device) -> torch.Tensor:
+    """perm with gathered[:, :, perm] in natural order (gathered = ranks' shards in rank order)."""
+    size = s // n_chunks(world, layout)
+    held = [c for r in range(world) for c in chunks_of(r, world, layout)]  # chunk at each slot
+    slot_of = {c: i for i, c in enumerate(held)}
+    return torch.cat([torch.arange(slot_of[c] * size, (slot_of[c] + 1) * size, device=device)
+                      for c in range(len(held))])
+
+
+def ulysses_attention(q, k, v, group, causal: bool, layout: str, scale) -> torch.Tensor:
+    world = dist.get_world_size(group)
+    qh, kh, vh = (SeqToHeads.apply(t, group) for t in (q, k, v))
+    reorder = causal and layout == "zigzag"  # without a mask, key order does not matter
+    if reorder:
+        perm = _natural_order(qh.shape[2], world, layout, q.device)
+        qh, kh, vh = (t.index_select(2, perm) for t in (qh, kh, vh))
+    o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, scale=scale)
+    if reorder:
+        o = o.index_select(2, torch.argsort(perm))
+    return HeadsToSeq.apply(o, group)
