@@ -27,6 +27,9 @@ transfer overlaps the next pass's compute, so only the last pass's is exposed.
 """
 from __future__ import annotations
 
+import contextlib
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -37,6 +40,34 @@ TAG_KV, TAG_ACC = 7301, 7302  # kv blocks and dK/dV accumulators: distinct messa
 MIN_MESSAGE = 1 << 20  # bytes: default passes send >= 1 MB (per-message cost ~0.1 ms on loopback)
 
 ALL = slice(None)
+# What the last forward and backward waited on transfers (seconds, summed over the passes):
+# the exposed communication, for benchmarks (pyfast bench cp).
+last_wait = {"forward": 0.0, "backward": 0.0}
+_COMM_ONLY = False
+
+
+@contextlib.contextmanager
+def comm_only():
+    """Benchmarks only: run the ring's transfers exactly as they are, with every block's
+    attention replaced by uninitialised tensors of its shape: the communication's own time."""
+    global _COMM_ONLY
+    _COMM_ONLY = True
+    try:
+        yield
+    finally:
+        _COMM_ONLY = False
+
+
+def _fwd(q, k, v, causal, scale, backend):
+    if _COMM_ONLY:
+        return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+    return block_attention(q, k, v, causal, scale, backend)
+
+
+def _bwd(do, q, k, v, o, lse, causal, scale, backend):
+    if _COMM_ONLY:
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return block_attention_backward(do, q, k, v, o, lse, causal, scale, backend)
 
 
 def visible(r: int, src: int, n: int, s_local: int, causal: bool, layout: str):
@@ -71,6 +102,7 @@ class _Ring:
     def __init__(self, group):
         self.group = group
         self.n, self.r = dist.get_world_size(group), dist.get_rank(group)
+        self.waited = 0.0
         self.pending: list = []  # sends of this step
         self.older: list = []    # sends of the step before: waited one step later
 
@@ -81,16 +113,20 @@ class _Ring:
     def recv(self, t, tag):
         return dist.irecv(t, group=self.group, group_src=(self.r - 1) % self.n, tag=tag)
 
+    def wait(self, *works):
+        t0 = time.perf_counter()
+        for w in works:
+            w.wait()
+        self.waited += time.perf_counter() - t0
+
     def step_done(self):
         """Wait for the sends of the step before this one (they had a whole step of compute to
         finish behind); this step's stay in flight."""
-        for w in self.older:
-            w.wait()
+        self.wait(*self.older)
         self.older, self.pending = self.pending, []
 
     def flush(self):
-        for w in self.older + self.pending:
-            w.wait()
+        self.wait(*self.older, *self.pending)
         self.older, self.pending = [], []
 
 
@@ -132,7 +168,7 @@ class RingAttention(torch.autograd.Function):
                     part = visible(r, src, n, s_local, causal, layout)
                     if part is not None:
                         qr, kr, c = part
-                        o, l = block_attention(qh[:, :, qr], kv[0][:, :, kr], kv[1][:, :, kr],
+                        o, l = _fwd(qh[:, :, qr], kv[0][:, :, kr], kv[1][:, :, kr],
                                                c, scale, backend)
                         if acc is None:  # step 0, the own block: every row sees a key
                             acc = o if o.dtype == torch.float32 else o.float()
@@ -140,7 +176,7 @@ class RingAttention(torch.autograd.Function):
                         else:
                             _merge(acc, lacc, qr, o, l)
                     if s < n - 1:
-                        got.wait()
+                        ring.wait(got)
                         ring.step_done()
                         kv = nxt
                 ring.flush()
@@ -186,7 +222,7 @@ class RingAttention(torch.autograd.Function):
                     grads = None
                     if part is not None:
                         qr, kr, c = part
-                        grads = block_attention_backward(
+                        grads = _bwd(
                             doh[:, :, qr], qh[:, :, qr], kv[0][:, :, kr], kv[1][:, :, kr],
                             oh[:, :, qr], lh[:, :, qr], c, scale, backend)
                         if dq_acc is None:  # step 0: the own block covers every query row
@@ -201,24 +237,25 @@ class RingAttention(torch.autograd.Function):
                         _pass_on(ring, src, r, n, s_local, causal, layout, part, grads,
                                  acc_in, got_acc, incoming)
                     if s < n - 1:
-                        got.wait()
+                        ring.wait(got)
                         ring.step_done()
                         kv = nxt
                 dq[:, hs] = dq_acc
-                finish = _homecoming(dk, dv, hs, dkv_acc, got_home, home if got_home is not None else None,
+                finish = _homecoming(ring, dk, dv, hs, dkv_acc, got_home, home if got_home is not None else None,
                                      mine)
             finish()
             ring.flush()
+        last_wait["backward"] = ring.waited
         return dq, dk, dv, None, None, None, None, None, None
 
 
-def _homecoming(dk, dv, hs, dkv_acc, got_home, home, mine):
+def _homecoming(ring, dk, dv, hs, dkv_acc, got_home, home, mine):
     """What completes a pass: add the dK/dV shares that come home to this rank's own, and write
     the pass's heads of dk and dv. Called after the next pass's first block, so the transfer
     hides behind it."""
     def finish():
         if got_home is not None:
-            got_home.wait()
+            ring.wait(got_home)
             dkv_acc[:, :, :, mine] += home
         dk[:, hs] = dkv_acc[0]
         dv[:, hs] = dkv_acc[1]
@@ -232,17 +269,17 @@ def _pass_on(ring, src, r, n, s_local, causal, layout, part, grads, acc_in, got_
     if rows is None:
         return
     if acc_in is not None and incoming == rows:
-        got_acc.wait()
+        ring.wait(got_acc)
         acc = acc_in
     else:
         acc = torch.zeros((2, *grads[1].shape[:2], rows.stop - rows.start, grads[1].shape[3]),
                           dtype=torch.float32, device=grads[1].device) if grads is not None \
             else None
         if acc is None:  # nothing of ours and nothing new: pass the incoming one on as it is
-            got_acc.wait()
+            ring.wait(got_acc)
             acc = acc_in
         elif acc_in is not None:
-            got_acc.wait()
+            ring.wait(got_acc)
             acc[:, :, :, incoming.start - rows.start:incoming.stop - rows.start] += acc_in
     if grads is not None:
         kr = part[1].indices(s_local)
