@@ -53,7 +53,8 @@ fp32 D=128 53/70/70 KB, bf16 D=256 35/74/57 KB. Not tuned, not timed: no GPU her
 In Triton's interpreter (TRITON_INTERPRET=1, CPU tests) BLOCK_M = BLOCK_N = 16, tl.dot's
 smallest tile, so the small test shapes (Sq, Sk 16..50) span several blocks on each axis with a
 ragged last one; interpreter time grows with the number of blocks (roughly 0.05-0.3 s per
-launch at the test sizes on this 2-core machine), so the tests stay small. INTERPRET_CONFIG may be changed (tests use BLOCK_M != BLOCK_N once).
+launch at the test sizes on this 2-core machine), so the tests stay small.
+INTERPRET_CONFIG may be changed (tests use BLOCK_M != BLOCK_N once).
 
 Interpreter workarounds (triton 3.9), as in kernels/matmul.py, only where the interpreter runs:
 tl.dot on bfloat16 multiplies the raw uint16 storage as integers, so bf16/fp16 tiles are
