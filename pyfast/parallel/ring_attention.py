@@ -182,6 +182,7 @@ class RingAttention(torch.autograd.Function):
                 ring.flush()
                 out[:, hs] = acc
                 lse[:, hs] = lacc
+        last_wait["forward"] = ring.waited
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (group, causal, layout, scale, plan, backend)
         return out
