@@ -1,4 +1,4 @@
-"""Mesh: Megatron's rank order on torch's DeviceMesh, checked against the layout by hand."""
+"""Mesh: Megatron's rank order (with cp) on torch's DeviceMesh, checked against the layout by hand."""
 import pytest
 import torch.distributed as dist
 
@@ -6,6 +6,11 @@ from dist_utils import RankError, run_ranks
 from pyfast.parallel import Mesh
 
 LAYOUTS = [(4, 1, 1), (2, 2, 1), (1, 2, 2), (2, 1, 2), (1, 1, 4), (1, 4, 1)]  # dp, tp, pp
+CP_LAYOUTS = [(2, 2, 1, 1), (1, 2, 2, 1), (1, 2, 1, 2), (1, 4, 1, 1)]  # dp, cp, tp, pp
+
+
+def _groups(m, names):
+    return {k: dist.get_process_group_ranks(getattr(m, f"{k}_group")) for k in names}
 
 
 def _layouts(rank, world):
@@ -13,8 +18,9 @@ def _layouts(rank, world):
     for dp, tp, pp in LAYOUTS:
         m = Mesh(dp=dp, tp=tp, pp=pp)
         out.append({"coords": (m.dp_rank, m.tp_rank, m.pp_rank), "str": str(m),
-                    "groups": {k: dist.get_process_group_ranks(getattr(m, f"{k}_group"))
-                               for k in ("dp", "tp", "pp")}})
+                    "groups": _groups(m, ("dp", "tp", "pp")), "cp": (m.cp, m.cp_rank),
+                    "dp_cp_is_dp": m.dp_cp_group is m.dp_group,
+                    "cp_group": dist.get_process_group_ranks(m.cp_group)})
     return out
 
 
@@ -33,19 +39,51 @@ def test_rank_order_and_groups_at_4_ranks():
                               if all(c[a] == want[a] for a in range(3) if a != axis))
                 assert g["groups"][k] == same, (k, dp, tp, pp, r)
             assert f"dp={dp}, tp={tp}, pp={pp}" in g["str"] and f"rank {r}/4" in g["str"]
+            # cp == 1: a cp group of one rank, and the gradient group is dp's own
+            assert g["cp"] == (1, 0) and g["cp_group"] == [r] and g["dp_cp_is_dp"]
 
 
-def _bad(rank, world, dp, tp, pp):
-    Mesh(dp=dp, tp=tp, pp=pp)
+def _cp_layouts(rank, world):
+    out = []
+    for dp, cp, tp, pp in CP_LAYOUTS:
+        m = Mesh(dp, tp, pp, cp=cp)
+        out.append({"coords": (m.dp_rank, m.cp_rank, m.tp_rank, m.pp_rank), "str": str(m),
+                    "dict": m.coords, "groups": _groups(m, ("dp", "cp", "tp", "pp", "dp_cp"))})
+    return out
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("dp,tp,pp", [(2, 2, 2), (3, 1, 1), (1, 1, 1)])
-def test_wrong_product_names_the_numbers(dp, tp, pp):
-    errors = run_ranks(_bad, 2, dp, tp, pp, expect_errors=True)
+def test_context_parallel_rank_order_and_groups_at_4_ranks():
+    got = run_ranks(_cp_layouts, 4)
+    for i, (dp, cp, tp, pp) in enumerate(CP_LAYOUTS):
+        # tp innermost, then cp, then dp, then pp (Megatron-Core's order)
+        every = {q: ((q // (cp * tp)) % dp, (q // tp) % cp, q % tp, q // (dp * cp * tp))
+                 for q in range(4)}
+        for r in range(4):
+            g, want = got[r][i], every[r]
+            assert g["coords"] == want, (dp, cp, tp, pp, r)
+            assert g["dict"] == dict(zip(("dp", "cp", "tp", "pp"), want))
+            for k, axes in (("dp", {0}), ("cp", {1}), ("tp", {2}), ("pp", {3}),
+                            ("dp_cp", {0, 1})):  # the ranks that vary only along `axes`
+                same = sorted(q for q, c in every.items()
+                              if all(c[a] == want[a] for a in range(4) if a not in axes))
+                assert g["groups"][k] == same, (k, dp, cp, tp, pp, r)
+            assert f"dp={dp}, cp={cp}, tp={tp}, pp={pp}" in g["str"], g["str"]
+            assert f"cp {want[1]}, tp" in g["str"]
+
+
+def _bad(rank, world, dp, tp, pp, cp):
+    Mesh(dp=dp, tp=tp, pp=pp, cp=cp)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("dp,tp,pp,cp", [(2, 2, 2, 1), (3, 1, 1, 1), (1, 1, 1, 1), (1, 2, 1, 2)])
+def test_wrong_product_names_the_numbers(dp, tp, pp, cp):
+    errors = run_ranks(_bad, 2, dp, tp, pp, cp, expect_errors=True)
     for e in errors:
         assert isinstance(e, RankError) and e.kind == "ValueError"
-        assert f"dp={dp} x tp={tp} x pp={pp} = {dp * tp * pp}" in e.message
+        what = f"dp={dp} x " + (f"cp={cp} x " if cp > 1 else "") + f"tp={tp} x pp={pp}"
+        assert f"{what} = {dp * cp * tp * pp}" in e.message
         assert "world size is 2" in e.message
 
 
@@ -63,10 +101,14 @@ def _sub(rank, world):
     halves = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     mine = halves[rank // 2]
     m = Mesh(dp=1, tp=2, pp=1, group=mine)
-    return (m.rank, m.world, m.tp_rank, dist.get_process_group_ranks(m.tp_group))
+    c = Mesh(dp=1, tp=1, pp=1, group=mine, cp=2)  # dp_cp made by local synchronization
+    return (m.rank, m.world, m.tp_rank, dist.get_process_group_ranks(m.tp_group),
+            c.cp_rank, dist.get_process_group_ranks(c.cp_group),
+            dist.get_process_group_ranks(c.dp_cp_group))
 
 
 @pytest.mark.dist
 def test_mesh_over_a_subgroup():
     got = run_ranks(_sub, 4)
-    assert got == [(0, 2, 0, [0, 1]), (1, 2, 1, [0, 1]), (0, 2, 0, [2, 3]), (1, 2, 1, [2, 3])]
+    assert got == [(0, 2, 0, [0, 1], 0, [0, 1], [0, 1]), (1, 2, 1, [0, 1], 1, [0, 1], [0, 1]),
+                   (0, 2, 0, [2, 3], 0, [2, 3], [2, 3]), (1, 2, 1, [2, 3], 1, [2, 3], [2, 3])]

@@ -1,13 +1,18 @@
-"""Mesh: the dp x tp x pp layout of a job's ranks, one validated object passed explicitly.
+"""Mesh: the dp x cp x tp x pp layout of a job's ranks, one validated object passed explicitly.
 
 Built on torch's DeviceMesh (init_device_mesh) with Megatron's rank order: tp innermost (the
 ranks of a tensor-parallel group are neighbours, on one node when nodes hold tp ranks), then
-dp, then pp outermost. Global rank r sits at
+cp (context parallelism: ranks sharing one sequence), then dp, then pp outermost. Global rank
+r sits at
 
-    pp = r // (dp * tp),  dp = (r // tp) % dp,  tp = r % tp
+    pp = r // (dp * cp * tp),  dp = (r // (cp * tp)) % dp,  cp = (r // tp) % cp,  tp = r % tp
 
     mesh = Mesh(dp=2, tp=2, pp=1)          # collective over the default group
     DataParallel(model, group=mesh.dp_group); parallelize(model, plan, group=mesh.tp_group)
+
+The ranks of a cp group hold the same parameters and see different tokens of the same
+sequences, so gradients are averaged over dp x cp: dp_cp_group (the dp_group itself when
+cp == 1).
 
 Like torchtitan's ParallelDims it checks that the degrees multiply to the world size when
 built; unlike picotron's process_group_manager it is no module-level global.
@@ -18,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-DIMS = ("pp", "dp", "tp")  # outermost first: the DeviceMesh's dimension order
+DIMS = ("pp", "dp", "cp", "tp")  # outermost first: the DeviceMesh's dimension order
 
 
 def _degree(name: str, value) -> int:
@@ -28,69 +33,90 @@ def _degree(name: str, value) -> int:
 
 
 class Mesh:
-    """dp x tp x pp over `group` (None: the default group). Construction is collective over the
-    default group when group is None (it creates the sub-groups, like dist.new_group), and over
-    `group`'s ranks otherwise.
+    """dp x cp x tp x pp over `group` (None: the default group). Construction is collective
+    over the default group when group is None (it creates the sub-groups, like dist.new_group),
+    and over `group`'s ranks otherwise.
 
-    Attributes: dp, tp, pp (degrees), dp_rank, tp_rank, pp_rank (this rank's coordinates),
-    dp_group, tp_group, pp_group (process groups; a degree of 1 gives a group of one rank),
-    device_mesh (torch's DeviceMesh, dims named "pp", "dp", "tp"), rank and world (in `group`).
+    Attributes: dp, cp, tp, pp (degrees), dp_rank, cp_rank, tp_rank, pp_rank (this rank's
+    coordinates), dp_group, cp_group, tp_group, pp_group (process groups; a degree of 1 gives a
+    group of one rank), dp_cp_group (the ranks with this rank's tp and pp coordinates: they
+    hold the same parameters and average gradients; dp_group when cp == 1), device_mesh
+    (torch's DeviceMesh, dims named "pp", "dp", "cp", "tp"), rank and world (in `group`).
     """
 
     def __init__(self, dp: int = 1, tp: int = 1, pp: int = 1, group=None,
-                 device_type: str | None = None):
+                 device_type: str | None = None, cp: int = 1):
         self.dp, self.tp, self.pp = _degree("dp", dp), _degree("tp", tp), _degree("pp", pp)
+        self.cp = _degree("cp", cp)
         if not dist.is_initialized():
             raise RuntimeError("Mesh needs torch.distributed initialized (torchrun + "
                                "dist.init_process_group)")
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        if dp * tp * pp != self.world:
-            raise ValueError(f"Mesh: dp={dp} x tp={tp} x pp={pp} = {dp * tp * pp} ranks, but the "
-                             f"world size is {self.world}")
+        if dp * cp * tp * pp != self.world:
+            what = f"dp={dp} x " + (f"cp={cp} x " if cp > 1 else "") + f"tp={tp} x pp={pp}"
+            raise ValueError(f"Mesh: {what} = {dp * cp * tp * pp} ranks, but the world size is "
+                             f"{self.world}")
         if device_type is None:  # NCCL groups serve CUDA tensors, gloo CPU ones
             nccl = dist.get_backend(group) == "nccl"
             device_type = "cuda" if nccl else "cpu"  # cpu-literal: DeviceMesh's type for gloo
-        shape = (pp, dp, tp)
-        if group is None or dist.get_world_size(group) == dist.get_world_size():
+        shape = (pp, dp, cp, tp)
+        whole = group is None or dist.get_world_size(group) == dist.get_world_size()
+        if whole:
             self.device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=DIMS)
         else:
             self.device_mesh = self._from_subgroup(group, device_type, shape)
-        self.pp_rank, self.dp_rank, self.tp_rank = (self.rank // (dp * tp), (self.rank // tp) % dp,
-                                                    self.rank % tp)
+        r = self.rank
+        want = (r // (dp * cp * tp), (r // (cp * tp)) % dp, (r // tp) % cp, r % tp)
+        self.pp_rank, self.dp_rank, self.cp_rank, self.tp_rank = want
         coords = self.device_mesh.get_coordinate()
-        if coords is not None and tuple(coords) != (self.pp_rank, self.dp_rank, self.tp_rank):
+        if coords is not None and tuple(coords) != want:
             raise RuntimeError(f"Mesh: DeviceMesh placed rank {self.rank} at {tuple(coords)}, "
-                               f"expected {(self.pp_rank, self.dp_rank, self.tp_rank)}")
-        self.pp_group, self.dp_group, self.tp_group = (self.device_mesh.get_group(d) for d in DIMS)
+                               f"expected {want}")
+        self.pp_group, self.dp_group, self.cp_group, self.tp_group = (
+            self.device_mesh.get_group(d) for d in DIMS)
+        if cp == 1:
+            self.dp_cp_group = self.dp_group
+        elif whole:  # collective over the default group, like init_device_mesh
+            self.dp_cp_group = self.device_mesh["dp", "cp"]._flatten("dp_cp").get_group()
+        else:
+            self.dp_cp_group = self._subgroups(group, shape, (1, 2))
 
     @staticmethod
-    def _from_subgroup(group, device_type: str, shape) -> DeviceMesh:
-        """A DeviceMesh over `group`'s ranks only: each dimension's groups are made with local
-        synchronization (only their members call new_group), so ranks outside `group` need not
+    def _subgroups(group, shape, dims: tuple[int, ...]):
+        """This rank's group along `dims` of the layout of `group`'s ranks, made with local
+        synchronization (only its members call new_group), so ranks outside `group` need not
         take part."""
         ranks = torch.tensor(dist.get_process_group_ranks(group)).view(shape)
-        me = dist.get_rank()
-        groups = []
-        for d in range(3):
-            moved = ranks.movedim(d, -1).reshape(-1, shape[d])  # one row per group along dim d
-            mine = None
-            for row in moved.tolist():  # every member creates its own rows, in the same order
-                if me in row:
-                    mine = dist.new_group(row, use_local_synchronization=True)
-            groups.append(mine)
+        size = 1
+        for d in dims:
+            size *= shape[d]
+        rest = [d for d in range(len(shape)) if d not in dims]
+        rows = ranks.permute(*rest, *dims).reshape(-1, size)  # one row per group along dims
+        me, mine = dist.get_rank(), None
+        for row in rows.tolist():  # every member creates its own rows, in the same order
+            if me in row:
+                mine = dist.new_group(row, use_local_synchronization=True)
+        return mine
+
+    @classmethod
+    def _from_subgroup(cls, group, device_type: str, shape) -> DeviceMesh:
+        """A DeviceMesh over `group`'s ranks only (see _subgroups)."""
+        groups = [cls._subgroups(group, shape, (d,)) for d in range(len(shape))]
+        ranks = torch.tensor(dist.get_process_group_ranks(group)).view(shape)
         return DeviceMesh.from_group(groups, device_type, mesh=ranks, mesh_dim_names=DIMS)
 
     @property
     def coords(self) -> dict:
-        return {"dp": self.dp_rank, "tp": self.tp_rank, "pp": self.pp_rank}
+        return {"dp": self.dp_rank, "cp": self.cp_rank, "tp": self.tp_rank, "pp": self.pp_rank}
 
     @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp - 1
 
     def __str__(self) -> str:
-        return (f"Mesh(dp={self.dp}, tp={self.tp}, pp={self.pp}): rank {self.rank}/{self.world} "
-                f"at dp {self.dp_rank}, tp {self.tp_rank}, pp {self.pp_rank}")
+        cp, at = (f", cp={self.cp}", f", cp {self.cp_rank}") if self.cp > 1 else ("", "")
+        return (f"Mesh(dp={self.dp}{cp}, tp={self.tp}, pp={self.pp}): rank {self.rank}/"
+                f"{self.world} at dp {self.dp_rank}{at}, tp {self.tp_rank}, pp {self.pp_rank}")
 
     __repr__ = __str__
