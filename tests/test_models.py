@@ -9,6 +9,12 @@ dense one's slice (rank r holds heads [r*h/tp, (r+1)*h/tp)); every gradient is t
 gradient's slice along the parameter's `partition_dim` (whole when not `tensor_parallel`).
 One pool of 2 ranks serves the whole file (a spawn costs 2-4 s).
 
+Context parallelism (GPT.context_parallel over the 2 ranks): each rank's logits are its shard
+of the dense logits, and the mean over the ranks of each rank's gradient of its shard's mean
+loss is the dense gradient of the whole sequence's mean loss (what the job's averaging over dp
+x cp computes), within the same tolerances: the ring merges blocks by log-sum-exp in another
+order than one softmax.
+
 Tolerance fp32 rtol 1e-5 (a few ulps of sums added in another order: row-parallel outputs are
 partial sums, the loss sums the vocabulary in two shards, and two blocks carry that forward and
 back), with atol 1e-6 for activations (logits up to ~1; seen: 4e-7) and 3e-7 for gradients
@@ -122,6 +128,46 @@ def _gpt_cases(rank, world):
     return done
 
 
+def _cp_case(rank, world, positions, layout, method):
+    import torch.distributed as dist
+
+    from pyfast.parallel.context import shard_sequence
+    torch.manual_seed(SEED)
+    dense = _gpt(positions, False)
+    torch.manual_seed(SEED)
+    cp = _gpt(positions, False)
+    cp.context_parallel(None, layout=layout, method=method)
+    ids = torch.randint(0, VOCAB, (B, 13), generator=torch.Generator().manual_seed(SEED))
+    x, y = ids[:, :-1], ids[:, 1:]  # 12 tokens: 4 chunks of 3 (zigzag), 2 of 6 (contiguous)
+    want = dense(x)
+    F.cross_entropy(want.flatten(0, 1), y.flatten()).backward()
+    xs, ys = (shard_sequence(t, dim=1, layout=layout) for t in (x, y))
+    got = cp(xs)
+    torch.testing.assert_close(got, shard_sequence(want, dim=1, layout=layout), **ACT_TOL)
+    F.cross_entropy(got.flatten(0, 1), ys.flatten()).backward()  # this shard's mean
+    for (name, p), (_, q) in zip(cp.named_parameters(), dense.named_parameters()):
+        g = p.grad.clone()
+        dist.all_reduce(g)
+        torch.testing.assert_close(g / world, q.grad, **GRAD_TOL, msg=lambda m: f"{name}: {m}")
+    return f"cp {positions} {layout} {method}"
+
+
+def _gpt_cp_cases(rank, world):
+    done = [_cp_case(rank, world, positions, layout, method)
+            for positions, layout, method in (("rotary", "zigzag", "ring"),
+                                              ("rotary", "contiguous", "ring"),
+                                              ("learned", "zigzag", "ulysses"),
+                                              ("learned", "contiguous", "ulysses"))]
+    torch.manual_seed(SEED)
+    m = _gpt("rotary", False)  # a table of 16 positions: 2 ranks x 10 tokens is too long
+    m.context_parallel(None)
+    try:
+        m(torch.zeros(1, 10, dtype=torch.long))
+    except ValueError as e:
+        done.append(str(e))
+    return done
+
+
 def _llama_cases(rank, world):
     # o_proj's input is every query head's output: equal slices also show that grouped-query
     # attention pairs each local query head with the right local key/value head
@@ -144,6 +190,15 @@ def ranks():
 def test_gpt_tp2_matches_dense(ranks):
     done = ranks.run(_gpt_cases)
     assert done == [done[0]] * 2 and len(done[0]) == 5
+
+
+@pytest.mark.dist
+def test_gpt_context_parallel_matches_dense(ranks):
+    done = ranks.run(_gpt_cp_cases)
+    assert len(done[0]) == 5 and len(done[1]) == 5
+    assert done[0][-1] == done[1][-1] == ("sequence of 20 tokens (10 on each of 2 "
+                                          "context-parallel ranks) is longer than the model's "
+                                          "16 rotary positions")
 
 
 @pytest.mark.dist

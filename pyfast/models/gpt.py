@@ -10,6 +10,11 @@ Fused QKV layout rule: qkv.weight rows are ordered [head, (q, k, v), head_dim] (
 layout), not [(q, k, v), head, head_dim]. A column split into tp contiguous blocks then gives
 each rank whole heads with their q, k and v together, so the attention module needs no
 knowledge of tensor parallelism: it infers its local head count from the width it receives.
+
+Context parallelism (GPT.context_parallel): each rank of a cp group holds a shard of every
+sequence (pyfast.parallel.context's layout), attention runs over the whole sequence with
+context_parallel_attention, and positions (rotary angles, learned embeddings) are the shard's
+global ones; everything else in the model is per token and needs no change.
 """
 from __future__ import annotations
 
@@ -17,9 +22,13 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from pyfast.parallel.context import (LAYOUTS, METHODS, context_parallel_attention,
+                                     sequence_positions)
 
 
 # Split the vocabulary over tp (Megatron's VocabParallelEmbedding + a column-parallel head) only
@@ -86,15 +95,37 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
 
 
+@dataclass(frozen=True)
+class ContextParallel:
+    """How the model's sequences are sharded over a cp group (GPT.context_parallel)."""
+    group: object
+    layout: str
+    method: str
+
+    def positions(self, local_len: int, table: int, what: str, device) -> torch.Tensor:
+        """The global positions of this rank's local_len tokens; ValueError if the whole
+        sequence is longer than the model's `table` positions."""
+        world = dist.get_world_size(self.group)
+        if local_len * world > table:
+            raise ValueError(f"sequence of {local_len * world} tokens ({local_len} on each of "
+                             f"{world} context-parallel ranks) is longer than the model's "
+                             f"{table} {what} positions")
+        return sequence_positions(local_len * world, self.group, self.layout, device=device)
+
+
 class Embed(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.positions == "learned" else None
+        self.cp: ContextParallel | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.tok(ids)
-        if self.pos is not None:
+        if self.pos is not None and self.cp is not None:  # this shard's global positions
+            at = self.cp.positions(ids.shape[-1], self.pos.num_embeddings, "learned", ids.device)
+            x = x + self.pos.weight[at]
+        elif self.pos is not None:
             if ids.shape[-1] > self.pos.num_embeddings:
                 raise ValueError(f"sequence of {ids.shape[-1]} tokens is longer than the "
                                  f"model's {self.pos.num_embeddings} positions")
@@ -114,11 +145,20 @@ class Attention(nn.Module):
             self.register_buffer("sin", sin, persistent=False)
         else:
             self.cos = self.sin = None
+        self.cp: ContextParallel | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         qkv = self.qkv(x)  # [B, T, 3 * local heads * hd]: local heads = all heads / tp
         q, k, v = qkv.view(b, t, -1, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
+        if self.cp is not None:  # x holds this rank's shard of the sequence
+            if self.cos is not None:
+                at = self.cp.positions(t, self.cos.shape[0], "rotary", x.device)
+                cos, sin = self.cos[at], self.sin[at]
+                q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            y = context_parallel_attention(q, k, v, self.cp.group, causal=True,
+                                           method=self.cp.method, layout=self.cp.layout)
+            return self.proj(y.transpose(1, 2).reshape(b, t, -1))
         if self.cos is not None:
             if t > self.cos.shape[0]:
                 raise ValueError(f"sequence of {t} tokens is longer than the model's "
@@ -187,6 +227,23 @@ class GPT(nn.Sequential):
         for m in self:
             if isinstance(m, Block):
                 m.checkpointed = True
+
+    def context_parallel(self, group, layout: str = "zigzag", method: str = "ring") -> None:
+        """Shard every sequence over `group` (context parallelism): from now on forward takes
+        this rank's shard of the token ids (pyfast.parallel.context.shard_sequence(ids, group,
+        dim=1, layout=layout)) and returns the logits of those tokens, every attention layer
+        attends over the whole sequence with context_parallel_attention(method, layout), and
+        rotary angles and learned positions are the shard's global positions
+        (sequence_positions). Composes with tensor parallelism (each tp rank's local heads)
+        and pipeline stages (the layers keep the setting). Collective over `group` in every
+        forward and backward, so all its ranks must run the model together."""
+        if layout not in LAYOUTS or method not in METHODS:
+            raise ValueError(f"context_parallel: layout must be one of {LAYOUTS} and method one "
+                             f"of {METHODS}, got {layout!r}, {method!r}")
+        cp = ContextParallel(group, layout, method)
+        for m in self.modules():
+            if isinstance(m, (Embed, Attention)):
+                m.cp = cp
 
     @property
     def vocab_parallel(self) -> bool:
