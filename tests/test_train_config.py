@@ -50,6 +50,18 @@ def fake_checkpoint(out, step, **key):
      "--compress powersgd:4 with --zero 2: the gradient reduce-scatter takes one fixed"),
     (["--dp", "2", "--pp", "2", "--zero", "1", "--nproc", "4"], "--zero 1 with --tp 1 --pp 2"),
     (["--steps", "0"], "--steps must be >= 1"),
+    (["--cp", "0"], "--cp must be >= 1, got 0"),
+    (["--cp", "2", "--nproc", "3"], "--dp 1 x --cp 2 x --tp 1 x --pp 1 = 2 ranks, but --nproc 3"),
+    (["--cp", "2", "--seq", "30"], "--seq 30 is not divisible by 4 (2 x --cp 2, --cp-layout "
+                                   "zigzag): every cp rank holds equal chunks"),
+    (["--cp", "4", "--seq", "30", "--cp-layout", "contiguous"],
+     "--seq 30 is not divisible by 4 (--cp 4, --cp-layout contiguous)"),
+    (["--cp", "8", "--cp-method", "ulysses"], "--cp-method ulysses with --cp 8: each tp rank "
+                                              "holds 4 heads (n_head 4 / --tp 1), not divisible"),
+    (["--cp", "2", "--tp", "4", "--cp-method", "ulysses"],
+     "holds 1 heads (n_head 4 / --tp 4), not divisible by 2; use --cp-method ring"),
+    (["--dp", "2", "--cp", "2", "--zero", "1"], "--zero 1 with --cp 2: the job shards only a "
+                                                "data-parallel mesh"),
     (["--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint"),
 ])
 def test_bad_flags_fail_before_any_rank_starts(tmp_path, capsys, flags, message):

@@ -13,6 +13,8 @@ import json
 from dataclasses import dataclass
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+CP_METHODS = ("ring", "ulysses")     # pyfast.parallel.context's METHODS and LAYOUTS
+CP_LAYOUTS = ("zigzag", "contiguous")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 
 
@@ -26,6 +28,9 @@ class TrainConfig:
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1                     # context parallelism: ranks sharing each sequence
+    cp_method: str = "ring"         # ring or ulysses attention over the cp ranks
+    cp_layout: str = "zigzag"       # which tokens a cp rank holds: zigzag or contiguous
     compress: str = "none"
     error_feedback: str = "on"      # on: lossy compressors keep error-feedback memory; off: none
     bucket_mb: float = 0.0          # DataParallel's gradient bucket size in MB; 0: its default
@@ -72,13 +77,22 @@ class TrainConfig:
         return {"model": self.model, "seq": self.seq, "positions": self.positions,
                 "tie_embeddings": self.tie_embeddings, "data": self.data}
 
+    @property
+    def ranks(self) -> int:
+        return self.dp * self.cp * self.tp * self.pp
+
+    def mesh_flags(self) -> str:
+        """'--dp 2 x --tp 1 x --pp 1' (with --cp when it is > 1): the mesh, as flags."""
+        cp = f" x --cp {self.cp}" if self.cp > 1 else ""
+        return f"--dp {self.dp}{cp} x --tp {self.tp} x --pp {self.pp}"
+
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
 
 def parser() -> argparse.ArgumentParser:
     d = TrainConfig()
-    p = argparse.ArgumentParser(prog="pyfast train", description="Train a model on a dp x tp x pp "
+    p = argparse.ArgumentParser(prog="pyfast train", description="Train a model on a dp x cp x tp x pp "
                                 "mesh of processes (gloo on CPU, NCCL on GPUs).")
     a = p.add_argument
     g = p.add_argument_group("launch (torchrun's own meaning; omit under torchrun)")
@@ -95,6 +109,14 @@ def parser() -> argparse.ArgumentParser:
     a("--dp", type=int, default=d.dp)
     a("--tp", type=int, default=d.tp)
     a("--pp", type=int, default=d.pp)
+    a("--cp", type=int, default=d.cp, help="context parallelism: shard every sequence over this "
+      "many ranks (attention over the whole sequence by --cp-method)")
+    a("--cp-method", default=d.cp_method, choices=CP_METHODS,
+      help="ring: key/value blocks travel around the cp ranks (any head count); ulysses: "
+           "all-to-alls between sequence and head shards (heads per tp rank divisible by --cp)")
+    a("--cp-layout", default=d.cp_layout, choices=CP_LAYOUTS,
+      help="zigzag: rank r holds chunks r and 2cp-1-r of 2cp (balanced causal work; --seq "
+           "divisible by 2 x cp); contiguous: chunk r of cp")
     a("--compress", default=d.compress, help="gradient compressor spec over dp (int8, topk:0.01, "
       "..., auto); error feedback for lossy ones")
     a("--error-feedback", default=d.error_feedback, choices=("on", "off"),
@@ -147,15 +169,15 @@ def from_args(ns: argparse.Namespace) -> TrainConfig:
 def check(cfg: TrainConfig, world: int, model: bool = True) -> None:
     """ConfigError naming the first problem: everything knowable from the flags alone
     (model=False: all but the model's own limits, which check_model tells)."""
-    for name in ("dp", "tp", "pp", "steps", "batch", "seq", "grad_accum", "eval_batches"):
+    check_degrees(cfg)
+    for name in ("steps", "batch", "seq", "grad_accum", "eval_batches"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
     for name in ("micro_batches", "ckpt_every", "eval_every"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
-    if cfg.dp * cfg.tp * cfg.pp != world:
-        raise ConfigError(f"--dp {cfg.dp} x --tp {cfg.tp} x --pp {cfg.pp} = "
-                          f"{cfg.dp * cfg.tp * cfg.pp} ranks, but the world size is {world}")
+    if cfg.ranks != world:
+        raise ConfigError(f"{cfg.mesh_flags()} = {cfg.ranks} ranks, but the world size is {world}")
     per = cfg.dp * cfg.grad_accum * cfg.m
     if cfg.batch % per:
         raise ConfigError(f"--batch {cfg.batch} is not divisible by dp {cfg.dp} x grad-accum "
@@ -170,12 +192,38 @@ def check(cfg: TrainConfig, world: int, model: bool = True) -> None:
         raise ConfigError(f"--compress {cfg.compress!r}: {e}") from None
     if cfg.bucket_mb < 0:
         raise ConfigError(f"--bucket-mb must be > 0 (0: DataParallel's default), got {cfg.bucket_mb}")
-    if cfg.compress not in ("none", "") and cfg.dp == 1:
+    if cfg.compress not in ("none", "") and cfg.dp * cfg.cp == 1:
         raise ConfigError(f"--compress {cfg.compress} compresses the data-parallel gradient "
                           "reduction, but --dp is 1 (nothing to reduce)")
+    check_cp(cfg)
     check_zero(cfg)
     if model:
         check_model(cfg)
+
+
+def check_degrees(cfg: TrainConfig) -> None:
+    """The mesh's degrees are >= 1 (the launcher sizes the job by them, before check)."""
+    for name in ("dp", "cp", "tp", "pp"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"--{name} must be >= 1, got {getattr(cfg, name)}")
+
+
+def check_cp(cfg: TrainConfig) -> None:
+    """--cp / --cp-method / --cp-layout against the other flags (the heads: check_model)."""
+    from pyfast.parallel.context import length_problem
+    if cfg.cp_method not in CP_METHODS or cfg.cp_layout not in CP_LAYOUTS:
+        raise ConfigError(f"--cp-method must be one of {', '.join(CP_METHODS)} and --cp-layout "
+                          f"one of {', '.join(CP_LAYOUTS)}; got {cfg.cp_method}, {cfg.cp_layout}")
+    if cfg.cp == 1:
+        return
+    if length_problem(cfg.seq, cfg.cp, cfg.cp_layout):
+        n = 2 * cfg.cp if cfg.cp_layout == "zigzag" else cfg.cp
+        by = f"2 x --cp {cfg.cp}" if cfg.cp_layout == "zigzag" else f"--cp {cfg.cp}"
+        raise ConfigError(f"--seq {cfg.seq} is not divisible by {n} ({by}, --cp-layout "
+                          f"{cfg.cp_layout}): every cp rank holds equal chunks of each sequence")
+    if cfg.zero:
+        raise ConfigError(f"--zero {cfg.zero} with --cp {cfg.cp}: the job shards only a "
+                          "data-parallel mesh for now (use DataParallel: --zero 0)")
 
 
 def check_zero(cfg: TrainConfig) -> None:
@@ -230,6 +278,15 @@ def check_model(cfg: TrainConfig, m=None) -> None:
     why = m.tp_check(cfg.tp)
     if why:
         raise ConfigError(f"--tp {cfg.tp}: {why}")
+    if cfg.cp > 1:
+        if not hasattr(m, "context_parallel"):
+            raise ConfigError(f"--cp {cfg.cp}: --model {cfg.model} has no context-parallel "
+                              "attention (GPT.context_parallel); use --cp 1")
+        heads = getattr(m, "cfg").n_head // cfg.tp
+        if cfg.cp_method == "ulysses" and heads % cfg.cp:
+            raise ConfigError(f"--cp-method ulysses with --cp {cfg.cp}: each tp rank holds "
+                              f"{heads} heads (n_head {m.cfg.n_head} / --tp {cfg.tp}), not "
+                              f"divisible by {cfg.cp}; use --cp-method ring")
     if cfg.pp > 1:
         if not models.pipelinable(m):
             raise ConfigError(f"--model {cfg.model} cannot be cut into pipeline stages (it is "

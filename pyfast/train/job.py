@@ -1,15 +1,21 @@
-"""One training job on one rank: a model on a dp x tp x pp Mesh, composed from the public
+"""One training job on one rank: a model on a dp x cp x tp x pp Mesh, composed from the public
 modules exactly as a user would compose them:
 
     model = models.build(...)                        same seed -> same full model on every mesh
     parallelize(model, model.tp_plan(), group=tp)    tensor parallelism (tp > 1)
+    model.context_parallel(cp, layout, method)       context parallelism (cp > 1)
     Pipeline.from_sequential(model, ..., group=pp)   pipeline stages (pp > 1)
-    DataParallel(module, compressor, group=dp)       gradient reduction (dp > 1)
+    DataParallel(module, compressor, group=dp x cp)  gradient reduction (dp x cp > 1)
     zero(module, AdamW, stage, compressor, group=dp) or sharded data parallelism (--zero 1|2|3)
 
 Gradients are reduced over dp once per optimizer step: without a pipeline, the last piece's
 backward reduces (overlapped, DDP-style) and the earlier pieces run under no_sync(); with a
 pipeline, DataParallel.reduce_gradients() runs after the last pipeline step.
+
+Context parallelism: the cp ranks of a dp replica read the same batch and each keeps its shard
+of every sequence (shard_sequence, --cp-layout), so each computes the mean loss of its equal
+share of the tokens; averaging the gradients over dp x cp is then the gradient of the whole
+batch's mean loss, and the parameters stay replicated over cp.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ import torch.nn.functional as F
 from pyfast import models
 from pyfast.data import Batches, load_corpus
 from pyfast.parallel import DataParallel, Mesh, Pipeline, parallelize, vocab_parallel_cross_entropy
+from pyfast.parallel.context import shard_sequence
 from pyfast.parallel.zero import checkpoint as zck
 from pyfast.parallel.zero import zero
 
@@ -67,7 +74,7 @@ def autocast_layers(model, device_type: str, dtype) -> None:
 class Job:
     def __init__(self, cfg: TrainConfig, device: torch.device):
         self.cfg, self.device = cfg, device
-        self.mesh = mesh = Mesh(cfg.dp, cfg.tp, cfg.pp)
+        self.mesh = mesh = Mesh(cfg.dp, cfg.tp, cfg.pp, cp=cfg.cp)
         self.corpus = load_corpus(cfg.data)
         torch.manual_seed(cfg.seed)  # before the model: every mesh draws the same full weights
         model = build_model(cfg, self.corpus.vocab_size)
@@ -79,6 +86,8 @@ class Job:
         if cfg.tp > 1:
             parallelize(model, model.tp_plan(), group=mesh.tp_group)
             model.retie()
+        if cfg.cp > 1:  # after tp: attention then runs over each tp rank's local heads
+            model.context_parallel(mesh.cp_group, layout=cfg.cp_layout, method=cfg.cp_method)
         if cfg.precision in AMP:
             autocast_layers(model, device.type, AMP[cfg.precision])
         self.model, self.mult, self.scaling = model, 1.0, False
@@ -104,17 +113,18 @@ class Job:
                 group=mesh.dp_group, params=groups, lr=cfg.lr, betas=(0.9, 0.95),
                 error_feedback=cfg.error_feedback == "on",
                 **({"bucket_mb": cfg.bucket_mb} if cfg.bucket_mb else {}))
-        elif cfg.dp > 1:  # the job checks NaN/Inf itself, once, over the whole mesh
-            self.dp = DataParallel(module, compressor=cfg.compress, group=mesh.dp_group,
+        elif cfg.dp * cfg.cp > 1:  # the job checks NaN/Inf itself, once, over the whole mesh
+            self.dp = DataParallel(module, compressor=cfg.compress, group=mesh.dp_cp_group,
                                    check_finite=False, error_feedback=cfg.error_feedback == "on",
                                    **({"bucket_mb": cfg.bucket_mb} if cfg.bucket_mb else {}))
         self.net = self.dp or self.zero or module
         # the global gradient norm counts each element once: tp-replicated tensors (LayerNorm,
-        # row-parallel biases) on tp rank 0 only, and everything on dp rank 0 only
-        self.counted = torch.tensor([mesh.dp_rank == 0 and (mesh.tp_rank == 0 or
+        # row-parallel biases) on tp rank 0 only, and everything on dp and cp rank 0 only
+        first = mesh.dp_rank == 0 and mesh.cp_rank == 0
+        self.counted = torch.tensor([first and (mesh.tp_rank == 0 or
                                      getattr(p, "tensor_parallel", False)) for p in self.params],
                                     dtype=torch.bool, device=device)
-        # one rank per dp replica and tp group holds the loss: a last stage, tp rank 0
+        # one rank per dp replica, cp shard and tp group holds the loss: a last stage, tp rank 0
         self.owns_loss = mesh.is_last_stage and mesh.tp_rank == 0
         if self.zero is None:
             self.opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
@@ -128,6 +138,14 @@ class Job:
         """An fp64 scalar on the job's device: the step's sums and its all-reduce stay where the
         gradients are (NCCL takes CUDA tensors only)."""
         return torch.tensor(x, dtype=torch.float64, device=self.device)
+
+    def shard(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's tokens of the batch's sequences (all of them when cp == 1)."""
+        if self.cfg.cp == 1:
+            return x, y
+        g, layout = self.mesh.cp_group, self.cfg.cp_layout
+        return (shard_sequence(x, g, dim=1, layout=layout),
+                shard_sequence(y, g, dim=1, layout=layout))
 
     # ---------------------------------------------------------------- loss
     def loss_fn(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -181,7 +199,7 @@ class Job:
         cfg = self.cfg
         t0, w0 = now(), bytes_written()
         self.opt.zero_grad(set_to_none=True)
-        x, y = self.batches.next()
+        x, y = self.shard(*self.batches.next())
         x, y = x.to(self.device), y.to(self.device)
         local, waited = self._forward_backward(x, y)
         scale = self.scaler.get_scale() if self.scaler is not None else 1.0
@@ -197,7 +215,7 @@ class Job:
                 torch.zeros(0, dtype=torch.float64, device=self.device)
             sq = (norms[self.counted[have]] ** 2).sum()
             bad = float(not bool(torch.isfinite(norms).all()))
-        contrib = local / scale / cfg.dp if self.owns_loss else self.scalar(0.0)
+        contrib = local / scale / (cfg.dp * cfg.cp) if self.owns_loss else self.scalar(0.0)
         sent = bytes_written() - w0
         tc = now()
         vec = torch.stack([contrib, sq, self.scalar(bad), self.scalar(float(sent))])
@@ -269,7 +287,7 @@ class Job:
         total, count = self.scalar(0.0), 0
         try:
             for _ in range(n):
-                x, y = val.next()
+                x, y = self.shard(*val.next())
                 for xk, yk in zip(x.chunk(cfg.grad_accum), y.chunk(cfg.grad_accum)):
                     if self.pipe is None:
                         fwd = self.zero if self.zero is not None else self.model  # stage 3 gathers
@@ -281,7 +299,7 @@ class Job:
                     count += 1
         finally:
             self.mult = old
-        v = total / count / cfg.dp if self.owns_loss else self.scalar(0.0)
+        v = total / count / (cfg.dp * cfg.cp) if self.owns_loss else self.scalar(0.0)
         dist.all_reduce(v)
         return float(v)
 
@@ -329,7 +347,7 @@ class Job:
     def meta(self) -> dict:
         c = self.cfg
         return {"model_key": c.model_key(), "vocab_size": self.corpus.vocab_size,
-                "mesh": {"dp": c.dp, "tp": c.tp, "pp": c.pp}, "compress": c.compress,
+                "mesh": {"dp": c.dp, "cp": c.cp, "tp": c.tp, "pp": c.pp}, "compress": c.compress,
                 "precision": c.precision, "batch": c.batch, "n_params": self.n_params,
                 "zero": c.zero, "param_compress": c.param_compress,
                 "error_feedback": c.error_feedback}
@@ -343,7 +361,10 @@ class Job:
         meta = ck.read_meta(path)
         # zero: its stage lays out the units; error_feedback: whether there is memory to load
         keys = {"mesh": 0, "compress": 0, "precision": 0, "zero": 0, "error_feedback": "on"}
-        same = {k: meta.get(k, d) for k, d in keys.items()} == {k: self.meta()[k] for k in keys}
+        saved = {k: meta.get(k, d) for k, d in keys.items()}
+        if isinstance(saved["mesh"], dict):  # written before --cp existed: cp 1
+            saved["mesh"] = {"cp": 1, **saved["mesh"]}
+        same = saved == {k: self.meta()[k] for k in keys}
         saved_zero = meta.get("zero", 0)
         if bool(saved_zero) != bool(self.cfg.zero):
             raise ConfigError(f"--resume: {path} was written with --zero {saved_zero}, this run "

@@ -7,7 +7,7 @@ import os
 import shlex
 import sys
 
-from .config import ConfigError, TrainConfig, check
+from .config import ConfigError, TrainConfig, check, check_degrees
 
 
 def worker_args(cfg: TrainConfig) -> list[str]:
@@ -41,13 +41,14 @@ def launch(cfg: TrainConfig, ns) -> int:
             raise ConfigError(f"--nnodes {ns.nnodes} needs --rdzv-endpoint HOST:PORT of node 0")
         if ns.max_restarts < 0:
             raise ConfigError("--max-restarts must be >= 0")
-        ranks = cfg.dp * cfg.tp * cfg.pp
+        check_degrees(cfg)
+        ranks = cfg.ranks
         nproc = ns.nproc or ranks // ns.nnodes  # default: the mesh's size, split over the nodes
         if nproc < 1:
             raise ConfigError(f"--nproc must be >= 1, got {nproc}")
         world = nproc * ns.nnodes
         if ns.nproc and world != ranks:
-            raise ConfigError(f"--dp {cfg.dp} x --tp {cfg.tp} x --pp {cfg.pp} = {ranks} ranks, "
+            raise ConfigError(f"{cfg.mesh_flags()} = {ranks} ranks, "
                               f"but --nproc {nproc} x --nnodes {ns.nnodes} = {world}")
         check(cfg, world)
         from .run import check_resume

@@ -131,7 +131,8 @@ def _loop(cfg: TrainConfig, job: Job, start: int, device) -> None:
         if records:
             plot(records, os.path.join(cfg.out, "curves.png"))
             from rich.console import Console
-            Console().print(summary(records, f"{cfg.model} on {job.mesh.dp}x{job.mesh.tp}x"
-                                             f"{job.mesh.pp} (dp x tp x pp)"))
+            m = job.mesh
+            Console().print(summary(records, f"{cfg.model} on {m.dp}x{m.cp}x{m.tp}x{m.pp} "
+                                             "(dp x cp x tp x pp)"))
         print(f"metrics: {log.path}\nplot: {os.path.join(cfg.out, 'curves.png')}\n"
               f"checkpoints: {ck.root(cfg.out)}", flush=True)
