@@ -53,5 +53,170 @@ def test_matches_dense_attention(request, world, dtype):
     # batch 2, 6 tokens a chunk
     shape = (2, 4, 12 * world, 24)
     results = pool.run(_compare, dtype, shape, CASES, 1234)
-    for case, errs in results[0].items():
-        assert max(errs) <= TOL[dtype], f"{case}: out/dq/dk/dv errors {errs}"
+    # one token a chunk: under zigzag+causal rank 0's first query sees only itself, and under
+    # contiguous+causal rank 0's queries see no key of any other rank's block
+    tiny = pool.run(_compare, dtype, (1, 4, 2 * world, 8), CASES, 99)
+    for res in (results, tiny):
+        assert res[0] == res[1]  # every rank measured the same (gathered) tensors
+        for case, errs in res[0].items():
+            assert max(errs) <= TOL[dtype], f"{case}: out/dq/dk/dv errors {errs}"
+
+
+def _backends_and_passes(rank, world):
+    """The ring with the reference block kernel, with Triton's (in its interpreter), and with
+    one head a pass, each against dense attention; and one-head passes bitwise equal to one
+    pass of every head (each head's blocks are computed alike)."""
+    from pyfast.parallel.context import context_parallel_attention, shard_sequence
+    torch.manual_seed(5)
+    q, k, v, do = (torch.randn(1, 3, 8 * world, 16) for _ in range(4))
+    dense = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*dense, is_causal=True)
+    ref.backward(do)
+    want = [shard_sequence(t, None, 2) for t in (ref.detach(), *(d.grad for d in dense))]
+    out, grads = {}, {}
+    for name, kw in {"torch": dict(backend="torch"), "triton": dict(backend="triton"),
+                     "passes1": dict(heads_per_pass=1), "passes3": dict(heads_per_pass=3)}.items():
+        mine = [shard_sequence(t, None, 2).requires_grad_() for t in (q, k, v)]
+        o = context_parallel_attention(*mine, causal=True, **kw)
+        o.backward(shard_sequence(do, None, 2))
+        got = [o.detach()] + [m.grad for m in mine]
+        out[name] = max(float((g - w).abs().max() / w.abs().max()) for g, w in zip(got, want))
+        grads[name] = got
+    same = all(torch.equal(a, b) for a, b in zip(grads["passes1"], grads["passes3"]))
+    return out, same
+
+
+def test_block_backends_and_head_passes(pool2):
+    for errs, same in pool2.run(_backends_and_passes):
+        assert max(errs.values()) <= 1e-5, errs
+        assert same
+
+
+def _bad_inputs(rank, world):
+    """{case: (error type, message)} of each bad call; then a good call still works (nothing
+    was left in flight)."""
+    from pyfast.parallel.context import context_parallel_attention, shard_sequence
+
+    def err(fn):
+        try:
+            fn()
+        except (ValueError, TypeError) as e:
+            return type(e).__name__, str(e)
+        return "no error", ""
+
+    x = lambda *shape, dtype=torch.float32: torch.randn(*shape, dtype=dtype)  # noqa: E731
+    cpa = context_parallel_attention
+    out = {
+        "zigzag length": err(lambda: cpa(x(1, 2, 5, 8), x(1, 2, 5, 8), x(1, 2, 5, 8))),
+        "contiguous length": err(lambda: shard_sequence(x(1, 2, 7, 8), layout="contiguous")),
+        "ulysses heads": err(lambda: cpa(x(1, 3, 4, 8), x(1, 3, 4, 8), x(1, 3, 4, 8),
+                                         method="ulysses")),
+        "ragged shards": err(lambda: cpa(*(x(1, 2, 4 + 2 * rank, 8) for _ in range(3)))),
+        "dtype": err(lambda: cpa(x(1, 2, 4, 8), x(1, 2, 4, 8, dtype=torch.bfloat16),
+                                 x(1, 2, 4, 8))),
+        "dtype on one rank": err(lambda: cpa(x(1, 2, 4, 8), x(1, 2, 4, 8, dtype=(
+            torch.bfloat16 if rank else torch.float32)), x(1, 2, 4, 8))),
+        "head dim": err(lambda: cpa(x(1, 2, 4, 8), x(1, 2, 4, 16), x(1, 2, 4, 16))),
+        "method": err(lambda: cpa(x(1, 2, 4, 8), x(1, 2, 4, 8), x(1, 2, 4, 8), method="tree")),
+    }
+    ok = cpa(x(1, 2, 4, 8), x(1, 2, 4, 8), x(1, 2, 4, 8))
+    return out, tuple(ok.shape)
+
+
+def test_bad_input_raises_on_every_rank_before_any_transfer(pool2):
+    r0, r1 = pool2.run(_bad_inputs, timeout=60)
+    assert r0[0] == r1[0]  # the same error, type and text, on both ranks
+    got = r0[0]
+    expect = {
+        "zigzag length": ("ValueError", "sequence length 10 is not divisible by 4"),
+        "contiguous length": ("ValueError", "sequence length 7 is not divisible by 2"),
+        "ulysses heads": ("ValueError", "3 heads are not divisible by the group's 2 ranks"),
+        "ragged shards": ("ValueError", "rank 1 has q [1, 2, 6, 8]"),
+        "dtype": ("TypeError", "torch.float32, torch.bfloat16, torch.float32"),
+        "dtype on one rank": ("ValueError", "rank 1 has q [1, 2, 4, 8] torch.float32, k [1, 2, 4, 8] torch.bfloat16"),
+        "head dim": ("ValueError", "(1, 2, 4, 8) and k/v (1, 2, 4, 16)"),
+        "method": ("ValueError", "method must be one of ('ring', 'ulysses')"),
+    }
+    for case, (kind, text) in expect.items():
+        assert got[case][0] == kind and text in got[case][1], (case, got[case])
+    assert r0[1] == r1[1] == (1, 2, 4, 8)
+
+
+def _meta_default(rank, world):
+    """Forward and backward of every method/layout with torch's default device set to meta and
+    every input on the CPU: a buffer that does not follow its tensor's device would be a meta
+    tensor and fail (gloo cannot send it); results equal the run without."""
+    from pyfast.parallel.context import context_parallel_attention
+    cpu = torch.device("cpu")  # cpu-literal: the explicit device of the user's tensors
+    res = {}
+    for meta in (False, True):
+        g = torch.Generator(device=cpu).manual_seed(3 + rank)
+        q, k, v, do = (torch.randn(2, 2, 6, 8, generator=g, device=cpu) for _ in range(4))
+        if meta:
+            torch.set_default_device("meta")
+        try:
+            for m, lay in (("ring", "zigzag"), ("ring", "contiguous"), ("ulysses", "zigzag")):
+                ins = [t.clone().requires_grad_() for t in (q, k, v)]
+                o = context_parallel_attention(*ins, method=m, layout=lay)
+                o.backward(do)
+                res[(meta, m, lay)] = [o.detach()] + [t.grad for t in ins]
+        finally:
+            torch.set_default_device(None)
+    return all(all(t.device == cpu for t in res[key]) and
+               all(torch.equal(a, b) for a, b in zip(res[key], res[(False, *key[1:])]))
+               for key in res if key[0])
+
+
+def test_buffers_follow_their_tensors_device(pool2):
+    assert pool2.run(_meta_default) == [True, True]
+
+
+def _killed(rank, world):
+    """Rank 2 dies in its second forward block; the others report how forward + backward
+    ended (a survivor whose own forward transfers were all done, into socket buffers, meets
+    the dead peer in backward)."""
+    import os
+    import signal
+    import time
+
+    from pyfast.comm.failure import CommError
+    from pyfast.parallel import ring_attention as R
+    from pyfast.parallel.context import context_parallel_attention
+    calls = []
+    if rank == 2:
+        real = R._fwd
+
+        def dying(*a):
+            calls.append(1)
+            if len(calls) == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(*a)
+        R._fwd = dying
+    q, k, v = (torch.randn(1, 2, 6, 8, requires_grad=True) for _ in range(3))
+    res = []
+    for _ in range(2):  # the second call: the broken ring refuses at once
+        t0 = time.monotonic()
+        try:
+            context_parallel_attention(q, k, v).sum().backward()
+            res += ["no error", time.monotonic() - t0]
+        except CommError as e:
+            res += [f"CommError: {e}", time.monotonic() - t0]
+    return res
+
+
+def test_a_dead_rank_fails_the_others_within_seconds():
+    from dist_utils import RankError, RankPool
+    with RankPool(3, pg_timeout=30.0) as pool:
+        got = pool.run(_killed, timeout=60, expect_errors=True)
+    assert isinstance(got[2], RankError) and got[2].kind == "died"
+    # rank 0 receives from the dead rank 2 (gloo: connection reset, in ms); rank 1 only talks
+    # to ranks 0 and 2 and is waiting on rank 0, which stopped: it learns of rank 0's failure
+    # from the store within POLL seconds (it waited the group's 30 s before)
+    causes = {0: "failed on rank 0: ", 1: "rank 0 failed: RuntimeError"}
+    for rank in (0, 1):
+        text, took, again, took2 = got[rank]
+        assert text.startswith("CommError: context_parallel_attention(ring)"), text
+        assert causes[rank] in text and "Connection reset" in text, text
+        assert took < 10.0, took  # measured 0.07 s; 10 s: a loaded machine
+        assert again.startswith("CommError: ") and "rank 0 failed" in again and took2 < 1.0, \
+            (again, took2)

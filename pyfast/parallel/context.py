@@ -23,6 +23,8 @@ Every rank checks its arguments and the ranks agree on them (pyfast.comm.agree: 
 all-gather) before anything is sent: a bad length, head count, dtype or head dim raises the
 same error on every rank, naming the numbers, instead of a hang or a gloo abort on a message
 of the wrong size. CUDA tensors need a group with a CUDA backend (NCCL), never gloo's host copy.
+A rank that fails inside the ring (a dead neighbour, its own error) tells every rank of the ring
+within 0.05 s (ring_attention.POLL), which raise CommError; the group's rings refuse later calls.
 """
 from __future__ import annotations
 
@@ -205,8 +207,11 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     send/receive buffers hold that many heads (memory) and only the last group's final gradient
     transfer is not hidden behind compute; default: enough heads for >= 1 MB messages.
     backend: the block kernel's (pyfast.ops.attention; default: cpp on CPU, triton on CUDA)."""
-    check_args(q, k, v, group, causal, method, layout, scale)
     world, _ = _world(group)
+    if world > 1:
+        from .ring_attention import check_broken
+        check_broken(group)  # a ring that failed: its peers may be dead or a step behind
+    check_args(q, k, v, group, causal, method, layout, scale)
     if world == 1:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
     if method == "ulysses":

@@ -27,13 +27,15 @@ transfer overlaps the next pass's compute, so only the last pass's is exposed.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import functools
 import time
 
 import torch
 import torch.distributed as dist
 
-from pyfast.comm.failure import naming
+from pyfast.comm.failure import CommError, naming
 from pyfast.ops.attention import block_attention, block_attention_backward, default_scale
 
 TAG_KV, TAG_ACC = 7301, 7302  # kv blocks and dK/dV accumulators: distinct message streams
@@ -98,10 +100,29 @@ def acc_rows(src: int, upto: int, n: int, s_local: int, causal: bool, layout: st
     return slice(lo, hi) if hi > lo else None
 
 
+# A failure reaches every rank of the ring in ~POLL seconds, not only the dead rank's
+# neighbours: a rank that fails (its own error, or a neighbour's reset connection) writes the
+# ring's failure key in the job's store before raising, and ranks blocked on a transfer poll
+# that key. The transfer itself is waited on a helper thread: gloo's irecv cannot be polled
+# (Work.is_completed() stays False until wait() runs, measured on torch 2.13) and a wait with a
+# timeout closes the connection for good. The key stays: a ring that failed refuses later calls
+# (its peers may be a step behind), as the other modules' broken state does.
+POLL = 0.05
+
+
+@functools.lru_cache(maxsize=1)
+def _waiter() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pyfast-ring-wait")
+
+
 class _Ring:
     def __init__(self, group):
         self.group = group
         self.n, self.r = dist.get_world_size(group), dist.get_rank(group)
+        ranks = dist.get_process_group_ranks(group) if group is not None else range(self.n)
+        self.key = "pyfast/ring_attention/failed/" + ",".join(map(str, ranks))
+        self.store = dist.distributed_c10d._get_default_store()
+        self.check()
         self.waited = 0.0
         self.pending: list = []  # sends of this step
         self.older: list = []    # sends of the step before: waited one step later
@@ -113,10 +134,27 @@ class _Ring:
     def recv(self, t, tag):
         return dist.irecv(t, group=self.group, group_src=(self.r - 1) % self.n, tag=tag)
 
+    def check(self) -> None:
+        """CommError if a rank of this ring has failed (now or in an earlier call)."""
+        if self.store.check([self.key]):
+            raise CommError(self.store.get(self.key).decode())
+
+    def fail(self, e: BaseException) -> None:
+        """Tell the ring's other ranks (they raise within POLL seconds)."""
+        if not self.store.check([self.key]):  # the first failure names the cause
+            self.store.set(self.key, f"rank {dist.get_rank()} failed: {type(e).__name__}: "
+                                     f"{str(e)[:300]}")
+
     def wait(self, *works):
         t0 = time.perf_counter()
         for w in works:
-            w.wait()
+            done = _waiter().submit(w.wait)
+            while True:
+                try:
+                    done.result(timeout=POLL)
+                    break
+                except concurrent.futures.TimeoutError:
+                    self.check()
         self.waited += time.perf_counter() - t0
 
     def step_done(self):
@@ -128,6 +166,15 @@ class _Ring:
     def flush(self):
         self.wait(*self.older, *self.pending)
         self.older, self.pending = [], []
+
+
+@contextlib.contextmanager
+def _failing(ring: _Ring):
+    try:
+        yield
+    except BaseException as e:
+        ring.fail(e)
+        raise
 
 
 def passes(h: int, bytes_per_head: int, heads_per_pass: int | None) -> list[slice]:
@@ -154,7 +201,7 @@ class RingAttention(torch.autograd.Function):
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         plan = passes(q.shape[1], 2 * k[:, :1].numel() * k.element_size(), heads_per_pass)
-        with naming("context_parallel_attention(ring) forward"):
+        with naming("context_parallel_attention(ring) forward"), _failing(ring):
             for hs in plan:
                 qh = q[:, hs]
                 kv = torch.stack((k[:, hs], v[:, hs]))
@@ -196,7 +243,7 @@ class RingAttention(torch.autograd.Function):
         f32 = q.dtype == torch.float32
         dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
         finish = None  # the previous pass's last step: its dK/dV coming home, still in flight
-        with naming("context_parallel_attention(ring) backward"):
+        with naming("context_parallel_attention(ring) backward"), _failing(ring):
             for hs in plan:
                 qh, doh, oh, lh = q[:, hs], dout[:, hs], out[:, hs], lse[:, hs]
                 kv = torch.stack((k[:, hs], v[:, hs]))
@@ -288,6 +335,12 @@ def _pass_on(ring, src, r, n, s_local, causal, layout, part, grads, acc_in, got_
         acc[0, :, :, lo:hi] += grads[1]
         acc[1, :, :, lo:hi] += grads[2]
     ring.send(acc, TAG_ACC)
+
+
+def check_broken(group) -> None:
+    """CommError, before anything is exchanged, if a ring over this group failed earlier."""
+    with naming("context_parallel_attention"):
+        _Ring(group)
 
 
 def ring_attention(q, k, v, group, causal: bool, layout: str, scale, heads_per_pass=None,
