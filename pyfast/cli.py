@@ -19,6 +19,7 @@ BENCHMARKS = {
     "pipeline": "pipeline schedules vs torch.distributed.pipelining",
     "train": "the training job's tokens/s per mesh vs one process and torch-native",
     "zero": "ZeRO stages 1/2/3 vs torch DDP, ZeroRedundancyOptimizer and FSDP2: step, memory",
+    "cp": "context parallelism (ring, Ulysses) vs one process: causal attention, memory",
     "report": "write docs/benchmarks.md from bench/results/ (no benchmark is run)",
 }
 

@@ -112,7 +112,8 @@ POLL = 0.05
 
 @functools.lru_cache(maxsize=1)
 def _waiter() -> concurrent.futures.ThreadPoolExecutor:
-    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pyfast-ring-wait")
+    # several threads: a wait left blocked by a failed ring must not queue another group's
+    return concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="pyfast-ring-wait")
 
 
 class _Ring:

@@ -221,9 +221,6 @@ def check_cp(cfg: TrainConfig) -> None:
         by = f"2 x --cp {cfg.cp}" if cfg.cp_layout == "zigzag" else f"--cp {cfg.cp}"
         raise ConfigError(f"--seq {cfg.seq} is not divisible by {n} ({by}, --cp-layout "
                           f"{cfg.cp_layout}): every cp rank holds equal chunks of each sequence")
-    if cfg.zero:
-        raise ConfigError(f"--zero {cfg.zero} with --cp {cfg.cp}: the job shards only a "
-                          "data-parallel mesh for now (use DataParallel: --zero 0)")
 
 
 def check_zero(cfg: TrainConfig) -> None:
@@ -235,7 +232,7 @@ def check_zero(cfg: TrainConfig) -> None:
         return
     if cfg.zero not in (1, 2, 3):
         raise ConfigError(f"--zero must be 1, 2 or 3 (0: off), got {cfg.zero}")
-    if cfg.dp == 1:
+    if cfg.dp * cfg.cp == 1:
         raise ConfigError(f"--zero {cfg.zero} shards over the data-parallel ranks, but --dp is 1 "
                           "(nothing to shard over)")
     if cfg.tp > 1 or cfg.pp > 1:

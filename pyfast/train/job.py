@@ -106,11 +106,11 @@ class Job:
         groups = [{"params": decay, "weight_decay": cfg.weight_decay},
                   {"params": rest, "weight_decay": 0.0}]
         self.dp = self.zero = None
-        if cfg.zero:  # config.check_zero: dp > 1, no tp/pp
+        if cfg.zero:  # config.check_zero: dp x cp > 1, no tp/pp; shards over dp x cp
             self.zero, self.opt = zero(
                 module, torch.optim.AdamW, stage=cfg.zero, compressor=cfg.compress,
                 param_compressor=None if cfg.param_compress == "none" else cfg.param_compress,
-                group=mesh.dp_group, params=groups, lr=cfg.lr, betas=(0.9, 0.95),
+                group=mesh.dp_cp_group, params=groups, lr=cfg.lr, betas=(0.9, 0.95),
                 error_feedback=cfg.error_feedback == "on",
                 **({"bucket_mb": cfg.bucket_mb} if cfg.bucket_mb else {}))
         elif cfg.dp * cfg.cp > 1:  # the job checks NaN/Inf itself, once, over the whole mesh
@@ -256,7 +256,7 @@ class Job:
         stops before the update as without zero."""
         clip = self.cfg.clip if self.cfg.clip > 0 else math.inf
         norm = float(self.opt.clip_grad_norm_(clip))
-        share = norm * norm if self.mesh.dp_rank == 0 else 0.0
+        share = norm * norm if self.mesh.dp_rank == self.mesh.cp_rank == 0 else 0.0
         return self.scalar(share), float(not math.isfinite(norm))
 
     def _skip(self, step: int) -> bool:
