@@ -60,8 +60,6 @@ def fake_checkpoint(out, step, **key):
                                               "holds 4 heads (n_head 4 / --tp 1), not divisible"),
     (["--cp", "2", "--tp", "4", "--cp-method", "ulysses"],
      "holds 1 heads (n_head 4 / --tp 4), not divisible by 2; use --cp-method ring"),
-    (["--dp", "2", "--cp", "2", "--zero", "1"], "--zero 1 with --cp 2: the job shards only a "
-                                                "data-parallel mesh"),
     (["--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint"),
 ])
 def test_bad_flags_fail_before_any_rank_starts(tmp_path, capsys, flags, message):
