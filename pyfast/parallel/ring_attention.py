@@ -38,7 +38,7 @@ import torch.distributed as dist
 from pyfast.comm.failure import CommError, naming
 from pyfast.ops.attention import block_attention, block_attention_backward, default_scale
 
-TAG_KV, TAG_ACC = 7301, 7302  # kv blocks and dK/dV accumulators: distinct message streams
+TAG_K, TAG_V, TAG_ACC = 7301, 7302, 7303  # k and v blocks, dK/dV accumulators: one stream each
 MIN_MESSAGE = 1 << 20  # bytes: default passes send >= 1 MB (per-message cost ~0.1 ms on loopback)
 
 ALL = slice(None)
@@ -135,6 +135,14 @@ class _Ring:
     def recv(self, t, tag):
         return dist.irecv(t, group=self.group, group_src=(self.r - 1) % self.n, tag=tag)
 
+    def pass_kv(self, kv):
+        """Send this (k, v) block on to the next rank; (buffers of the one coming from the
+        previous rank, its receives). k and v go separately: no copy to pack them."""
+        nxt = tuple(torch.empty_like(t) for t in kv)
+        for t, tag in zip(kv, (TAG_K, TAG_V)):
+            self.send(t, tag)
+        return nxt, [self.recv(t, tag) for t, tag in zip(nxt, (TAG_K, TAG_V))]
+
     def check(self) -> None:
         """CommError if a rank of this ring has failed (now or in an earlier call)."""
         if self.store.check([self.key]):
@@ -194,6 +202,11 @@ def _merge(acc, lse, rows, o, l) -> None:
     la.copy_(new)
 
 
+def _block(k, v, hs):
+    """This pass's heads of k and v, contiguous (a view when they already are: B = 1)."""
+    return tuple(t[:, hs] if t[:, hs].is_contiguous() else t[:, hs].contiguous() for t in (k, v))
+
+
 class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, causal, layout, scale, heads_per_pass, backend):
@@ -204,27 +217,24 @@ class RingAttention(torch.autograd.Function):
         plan = passes(q.shape[1], 2 * k[:, :1].numel() * k.element_size(), heads_per_pass)
         with naming("context_parallel_attention(ring) forward"), _failing(ring):
             for hs in plan:
-                qh = q[:, hs]
-                kv = torch.stack((k[:, hs], v[:, hs]))
+                qh, kv = q[:, hs], _block(k, v, hs)
                 acc = lacc = None
                 for s in range(n):
                     src = (r - s) % n
                     if s < n - 1:
-                        nxt = torch.empty_like(kv)
-                        ring.send(kv, TAG_KV)
-                        got = ring.recv(nxt, TAG_KV)
+                        nxt, got = ring.pass_kv(kv)
                     part = visible(r, src, n, s_local, causal, layout)
                     if part is not None:
                         qr, kr, c = part
-                        o, l = _fwd(qh[:, :, qr], kv[0][:, :, kr], kv[1][:, :, kr],
-                                               c, scale, backend)
+                        o, l = _fwd(qh[:, :, qr], kv[0][:, :, kr], kv[1][:, :, kr], c, scale,
+                                    backend)
                         if acc is None:  # step 0, the own block: every row sees a key
                             acc = o if o.dtype == torch.float32 else o.float()
                             lacc = l
                         else:
                             _merge(acc, lacc, qr, o, l)
                     if s < n - 1:
-                        ring.wait(got)
+                        ring.wait(*got)
                         ring.step_done()
                         kv = nxt
                 ring.flush()
@@ -247,67 +257,71 @@ class RingAttention(torch.autograd.Function):
         with naming("context_parallel_attention(ring) backward"), _failing(ring):
             for hs in plan:
                 qh, doh, oh, lh = q[:, hs], dout[:, hs], out[:, hs], lse[:, hs]
-                kv = torch.stack((k[:, hs], v[:, hs]))
+                kv = _block(k, v, hs)
+                b, h, _, d = kv[0].shape
                 mine = acc_rows(r, (r - 1) % n, n, s_local, causal, layout)  # comes home last
-                got_home = dq_acc = dkv_acc = None
+                got_home = home = dq_acc = own = None
                 for s in range(n):
                     src = (r - s) % n
                     if s < n - 1:
-                        nxt = torch.empty_like(kv)
-                        ring.send(kv, TAG_KV)
-                        got = ring.recv(nxt, TAG_KV)
+                        nxt, got = ring.pass_kv(kv)
                     incoming = acc_rows(src, (r - 1) % n, n, s_local, causal, layout) \
                         if s >= 2 else None
                     acc_in = got_acc = None
                     if incoming is not None:
-                        acc_in = kv.new_empty((2, *kv.shape[1:3], incoming.stop - incoming.start,
-                                               kv.shape[4]), dtype=torch.float32)
+                        acc_in = q.new_empty((2, b, h, incoming.stop - incoming.start, d),
+                                             dtype=torch.float32)
                         got_acc = ring.recv(acc_in, TAG_ACC)
                     if s == n - 1 and mine is not None:
-                        home = kv.new_empty((2, *kv.shape[1:3], mine.stop - mine.start,
-                                             kv.shape[4]), dtype=torch.float32)
+                        home = q.new_empty((2, b, h, mine.stop - mine.start, d),
+                                           dtype=torch.float32)
                         got_home = ring.recv(home, TAG_ACC)
                     part = visible(r, src, n, s_local, causal, layout)
                     grads = None
                     if part is not None:
                         qr, kr, c = part
-                        grads = _bwd(
-                            doh[:, :, qr], qh[:, :, qr], kv[0][:, :, kr], kv[1][:, :, kr],
-                            oh[:, :, qr], lh[:, :, qr], c, scale, backend)
+                        grads = _bwd(doh[:, :, qr], qh[:, :, qr], kv[0][:, :, kr],
+                                     kv[1][:, :, kr], oh[:, :, qr], lh[:, :, qr], c, scale,
+                                     backend)
                         if dq_acc is None:  # step 0: the own block covers every query row
                             dq_acc = grads[0] if f32 else grads[0].float()
                         else:
                             dq_acc[:, :, qr] += grads[0]
-                    if s == 0:  # own block: its dK/dV share stays here
-                        dkv_acc = torch.stack(grads[1:]).float()
+                    if s == 0:  # own block: its dK/dV share stays here, in dk/dv if fp32
+                        if f32:
+                            dk[:, hs], dv[:, hs] = grads[1], grads[2]
+                            own = (dk[:, hs], dv[:, hs])
+                        else:
+                            own = (grads[1].float(), grads[2].float())
+                        grads = None
                         if finish is not None:  # behind this compute, the last pass's came home
                             finish()
                     else:
                         _pass_on(ring, src, r, n, s_local, causal, layout, part, grads,
                                  acc_in, got_acc, incoming)
                     if s < n - 1:
-                        ring.wait(got)
+                        ring.wait(*got)
                         ring.step_done()
                         kv = nxt
                 dq[:, hs] = dq_acc
-                finish = _homecoming(ring, dk, dv, hs, dkv_acc, got_home, home if got_home is not None else None,
-                                     mine)
+                finish = _homecoming(ring, dk, dv, hs, own, got_home, home, mine)
             finish()
             ring.flush()
         last_wait["backward"] = ring.waited
         return dq, dk, dv, None, None, None, None, None, None
 
 
-def _homecoming(ring, dk, dv, hs, dkv_acc, got_home, home, mine):
-    """What completes a pass: add the dK/dV shares that come home to this rank's own, and write
-    the pass's heads of dk and dv. Called after the next pass's first block, so the transfer
-    hides behind it."""
+def _homecoming(ring, dk, dv, hs, own, got_home, home, mine):
+    """What completes a pass: add the dK/dV shares that come home to this rank's own (fp32
+    views of dk and dv, or fp32 copies for 16-bit ones, written back then). Called after the
+    next pass's first block, so the transfer hides behind it."""
     def finish():
         if got_home is not None:
             ring.wait(got_home)
-            dkv_acc[:, :, :, mine] += home
-        dk[:, hs] = dkv_acc[0]
-        dv[:, hs] = dkv_acc[1]
+            own[0][:, :, mine] += home[0]
+            own[1][:, :, mine] += home[1]
+        if own[0].dtype != dk.dtype:
+            dk[:, hs], dv[:, hs] = own
     return finish
 
 
