@@ -247,6 +247,52 @@ def _zero(results: str) -> str:
     return "\n".join(out)
 
 
+CP_RUNS = ("cp", "cp_b")
+
+
+def _cp(results: str) -> str:
+    """cp.json and cp_b.json (two runs) side by side, run 1 / run 2: per length, link and
+    provider the fwd+bwd time, its speed-ups over one process, zigzag's over contiguous, the
+    peak memory per rank against one process's and the ring's hidden communication; bold: the
+    cells the targets are about (the longest length); then the targets, run by run."""
+    runs = [r for r in (_load(results, n) for n in CP_RUNS) if r]
+    if not runs:
+        return "*Not recorded yet (`pyfast bench cp --out bench/results/cp`, then `cp_b`).*"
+
+    def each(rows, fmt, key, scale=1.0, bold=False):
+        cell = " / ".join(fmt % (r[key] * scale) for r in rows if r.get(key) is not None)
+        return f"**{cell}**" if bold and cell else cell
+
+    cells: dict = {}
+    for run in runs:
+        order = ["-", *run["links"]]
+        for r in sorted((r for r in run["rows"] if "median_s" in r),
+                        key=lambda r: (r["seq"], order.index(r["link"]))):
+            cells.setdefault((r["seq"], r["link"], r["provider"]), []).append(r)
+    longest = max(runs[0]["lengths"])
+    out = ["| tokens | link | provider | fwd+bwd s | vs 1 process x 1 thread | vs 2 threads | "
+           "zigzag vs contiguous | peak MB per rank | peak vs 1 process | ring comm hidden |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for (seq, link, p), rows in cells.items():
+        zz = seq == longest and p == "ring zigzag"
+        out.append(
+            f"| {seq} | {LINK_NAMES.get(link, link)} | {p} | {each(rows, '%.3f', 'median_s')} | "
+            f"{each(rows, '%.2fx', 'vs_1_thread', bold=zz and link == 'loopback')} | "
+            f"{each(rows, '%.2fx', 'vs_2_threads')} | "
+            f"{each(rows, '%.2fx', 'zigzag_speedup', bold=zz)} | "
+            f"{each(rows, '%.0f', 'peak_bytes', 1e-6)} | "
+            f"{each(rows, '%.2f', 'peak_vs_one', bold=seq == longest and link != '-')} | "
+            f"{each(rows, '%.0f%%', 'hidden', 100, bold=zz and link != 'loopback')} |")
+    targets: dict = {}
+    for run in runs:
+        for t in run["targets"]:
+            targets.setdefault((t["target"], t["goal"]), []).append(
+                f"{t['measured']} " + ("met" if t["met"] else f"**missed by {t['missed_by']}**"))
+    out += ["", "Targets, computed from the data (run 1 / run 2):", ""]
+    out += [f"- {what}, target {goal}: {' / '.join(v)}" for (what, goal), v in targets.items()]
+    return "\n".join(out)
+
+
 def _ablate(results: str) -> str:
     """The headline table of each recorded ablation run (bench/results/ablate, ablate_b)."""
     from pyfast.ablate.report import headline
@@ -258,7 +304,7 @@ def _ablate(results: str) -> str:
     return "\n".join(out).rstrip("\n")
 
 
-TABLES = {"ablate": _ablate, "dp": _dp, "zero": _zero, "train": _train, "compress_cpp": _compress_cpp, "allreduce_1gbit": _allreduce_1gbit, "tp_blocks": _tp_blocks,
+TABLES = {"ablate": _ablate, "dp": _dp, "zero": _zero, "cp": _cp, "train": _train, "compress_cpp": _compress_cpp, "allreduce_1gbit": _allreduce_1gbit, "tp_blocks": _tp_blocks,
           "pipeline_2_ranks": _pipeline_2_ranks, "dp_semantics": _dp_semantics}  # {{table:NAME}}: a table computed from the JSON
 
 

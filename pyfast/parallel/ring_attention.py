@@ -108,6 +108,8 @@ def acc_rows(src: int, upto: int, n: int, s_local: int, causal: bool, layout: st
 # timeout closes the connection for good. The key stays: a ring that failed refuses later calls
 # (its peers may be a step behind), as the other modules' broken state does.
 POLL = 0.05
+_BROKEN: dict[str, str] = {}  # ring key -> why it failed (a rank only touches the store when
+                              # a transfer keeps it waiting POLL seconds, or when it fails)
 
 
 @functools.lru_cache(maxsize=1)
@@ -144,15 +146,22 @@ class _Ring:
         return nxt, [self.recv(t, tag) for t, tag in zip(nxt, (TAG_K, TAG_V))]
 
     def check(self) -> None:
-        """CommError if a rank of this ring has failed (now or in an earlier call)."""
+        """CommError if this ring failed in an earlier call on this rank."""
+        if self.key in _BROKEN:
+            raise CommError(_BROKEN[self.key])
+
+    def poll(self) -> None:
+        """CommError if a rank of this ring has failed (the store's key; one round trip)."""
         if self.store.check([self.key]):
-            raise CommError(self.store.get(self.key).decode())
+            _BROKEN[self.key] = self.store.get(self.key).decode()
+            self.check()
 
     def fail(self, e: BaseException) -> None:
-        """Tell the ring's other ranks (they raise within POLL seconds)."""
-        if not self.store.check([self.key]):  # the first failure names the cause
-            self.store.set(self.key, f"rank {dist.get_rank()} failed: {type(e).__name__}: "
+        """Remember, and tell the ring's other ranks (they raise within POLL seconds)."""
+        _BROKEN.setdefault(self.key, f"rank {dist.get_rank()} failed: {type(e).__name__}: "
                                      f"{str(e)[:300]}")
+        if not self.store.check([self.key]):  # the first failure names the cause
+            self.store.set(self.key, _BROKEN[self.key])
 
     def wait(self, *works):
         t0 = time.perf_counter()
@@ -163,7 +172,7 @@ class _Ring:
                     done.result(timeout=POLL)
                     break
                 except concurrent.futures.TimeoutError:
-                    self.check()
+                    self.poll()
         self.waited += time.perf_counter() - t0
 
     def step_done(self):
