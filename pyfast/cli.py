@@ -42,7 +42,7 @@ def main(argv=None) -> int:
         return importlib.import_module(f"pyfast.benchmarks.{argv[1]}").main(argv[2:])
     p = argparse.ArgumentParser(prog="pyfast", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("train", help="train a model on a dp x tp x pp mesh (pyfast train -h)")
+    sub.add_parser("train", help="train a model on a dp x cp x tp x pp mesh (pyfast train -h)")
     sub.add_parser("ablate", help="compression ablations: time to a target loss per compressor "
                    "and link, vs bf16 (pyfast ablate -h)")
     sub.add_parser("info", help="versions, backends available here (and why not), GPUs"

@@ -1,4 +1,4 @@
-"""Drop-in parallel training modules: mesh (Mesh, the dp x tp x pp groups), data
+"""Drop-in parallel training modules: mesh (Mesh, the dp x cp x tp x pp groups), data
 (DataParallel), context (context_parallel_attention: ring and Ulysses attention on
 sequence shards), pipeline (Pipeline, schedules, traces) and tensor (ColumnParallelLinear,
 RowParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy, parallelize)."""
