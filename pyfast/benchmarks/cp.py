@@ -24,7 +24,7 @@ all fwd + bwd allocate; max over ranks, against one process's (1 thread).
 Cost: one thread's fwd + bwd takes ~0.45 s at 4K tokens, ~25 s at 32K (x4 a doubling; ~75
 GFLOP/s a thread, 2-core EPYC VM). A repeat runs the one-process pair (1.5x that) and per link
 three 2-rank providers (~1.75x): the default run (3 repeats at every length, 2 links, memory)
-takes about 12 minutes; --lengths and --repeats shorten it.
+takes 12-14 minutes on a quiet machine (estimated); --lengths and --repeats shorten it.
 """
 from __future__ import annotations
 
