@@ -1,4 +1,5 @@
-"""Mesh: Megatron's rank order (with cp) on torch's DeviceMesh, checked against the layout by hand."""
+"""Mesh: Megatron's rank order (and cp) on torch's DeviceMesh, checked against the layout
+by hand."""
 import pytest
 import torch.distributed as dist
 

@@ -92,8 +92,8 @@ class TrainConfig:
 
 def parser() -> argparse.ArgumentParser:
     d = TrainConfig()
-    p = argparse.ArgumentParser(prog="pyfast train", description="Train a model on a dp x cp x tp x pp "
-                                "mesh of processes (gloo on CPU, NCCL on GPUs).")
+    p = argparse.ArgumentParser(prog="pyfast train", description="Train a model on a dp x cp x "
+                                "tp x pp mesh of processes (gloo on CPU, NCCL on GPUs).")
     a = p.add_argument
     g = p.add_argument_group("launch (torchrun's own meaning; omit under torchrun)")
     g.add_argument("--nproc", type=int, default=0, help="local ranks to start through torchrun")
