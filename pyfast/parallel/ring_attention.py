@@ -293,18 +293,15 @@ class RingAttention(torch.autograd.Function):
                                      kv[1][:, :, kr], oh[:, :, qr], lh[:, :, qr], c, scale,
                                      backend)
                         if dq_acc is None:  # step 0: the own block covers every query row
-                            dq_acc = grads[0] if f32 else grads[0].float()
+                            dq_acc = _into(dq, hs, grads[0])
                         else:
                             dq_acc[:, :, qr] += grads[0]
-                    if s == 0:  # own block: its dK/dV share stays here, in dk/dv if fp32
-                        if f32:
-                            dk[:, hs], dv[:, hs] = grads[1], grads[2]
-                            own = (dk[:, hs], dv[:, hs])
-                        else:
-                            own = (grads[1].float(), grads[2].float())
+                    if s == 0:  # own block: its dK/dV share stays here
+                        own = (_into(dk, hs, grads[1]), _into(dv, hs, grads[2]))
                         grads = None
                         if finish is not None:  # behind this compute, the last pass's came home
                             finish()
+                            finish = None  # frees its buffers now, not after this pass
                     else:
                         _pass_on(ring, src, r, n, s_local, causal, layout, part, grads,
                                  acc_in, got_acc, incoming)
@@ -312,12 +309,23 @@ class RingAttention(torch.autograd.Function):
                         ring.wait(*got)
                         ring.step_done()
                         kv = nxt
-                dq[:, hs] = dq_acc
+                if not f32:
+                    dq[:, hs] = dq_acc
                 finish = _homecoming(ring, dk, dv, hs, own, got_home, home, mine)
             finish()
             ring.flush()
         last_wait["backward"] = ring.waited
         return dq, dk, dv, None, None, None, None, None, None
+
+
+def _into(out, hs, t):
+    """The fp32 accumulator of out's heads hs, starting from t: out's own slice when out is
+    fp32 (no buffer of its own, a shard's head: 4 MB at 32K tokens), else an fp32 copy
+    written back when the pass completes."""
+    if out.dtype == torch.float32:
+        out[:, hs] = t
+        return out[:, hs]
+    return t.float()
 
 
 def _homecoming(ring, dk, dv, hs, own, got_home, home, mine):
