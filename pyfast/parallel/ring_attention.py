@@ -160,8 +160,11 @@ class _Ring:
         """Remember, and tell the ring's other ranks (they raise within POLL seconds)."""
         _BROKEN.setdefault(self.key, f"rank {dist.get_rank()} failed: {type(e).__name__}: "
                                      f"{str(e)[:300]}")
-        if not self.store.check([self.key]):  # the first failure names the cause
-            self.store.set(self.key, _BROKEN[self.key])
+        try:
+            if not self.store.check([self.key]):  # the first failure names the cause
+                self.store.set(self.key, _BROKEN[self.key])
+        except Exception:  # noqa: BLE001  (the store's host died too: raise the first error)
+            pass
 
     def wait(self, *works):
         t0 = time.perf_counter()
