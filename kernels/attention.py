@@ -74,6 +74,7 @@ import triton
 import triton.language as tl
 from triton import knobs
 
+from .matmul import _store
 from .quantize import _bf16_to_f32, _f32_to_bf16
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -111,14 +112,6 @@ def _operand(x, KIND: tl.constexpr, INTERP: tl.constexpr):
             return _bf16_to_f32(_f32_to_bf16(x))
         else:
             return x.to(tl.bfloat16)
-
-
-@triton.jit
-def _store(ptrs, v, mask, RNE_BF16: tl.constexpr):
-    if RNE_BF16:
-        tl.store(ptrs, _f32_to_bf16(v), mask=mask)
-    else:
-        tl.store(ptrs, v.to(ptrs.dtype.element_ty), mask=mask)
 
 
 @triton.jit

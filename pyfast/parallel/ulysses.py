@@ -30,28 +30,19 @@ def _all_to_all(x: torch.Tensor, group, scatter: int, gather: int) -> torch.Tens
     return torch.cat(recv.unbind(0), gather)
 
 
-class SeqToHeads(torch.autograd.Function):
-    """[B, H, S/N, D] sequence shards -> [B, H/N, S, D] head shards; backward the reverse."""
+class AllToAll(torch.autograd.Function):
+    """Split along `scatter`, gather along `gather` (dims 1 = heads, 2 = sequence: sequence
+    shards -> head shards is (1, 2), back is (2, 1)); backward is the reverse all-to-all."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_to_all(x, group, scatter=1, gather=2)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _all_to_all(g, ctx.group, scatter=2, gather=1), None
-
-
-class HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_to_all(x, group, scatter=2, gather=1)
+    def forward(ctx, x, group, scatter: int, gather: int):
+        ctx.args = (group, scatter, gather)
+        return _all_to_all(x, group, scatter, gather)
 
     @staticmethod
     def backward(ctx, g):
-        return _all_to_all(g, ctx.group, scatter=1, gather=2), None
+        group, scatter, gather = ctx.args
+        return _all_to_all(g, group, gather, scatter), None, None, None
 
 
 def _natural_order(s: int, world: int, layout: str, device) -> torch.Tensor:
@@ -65,7 +56,7 @@ def _natural_order(s: int, world: int, layout: str, device) -> torch.Tensor:
 
 def ulysses_attention(q, k, v, group, causal: bool, layout: str, scale) -> torch.Tensor:
     world = dist.get_world_size(group)
-    qh, kh, vh = (SeqToHeads.apply(t, group) for t in (q, k, v))
+    qh, kh, vh = (AllToAll.apply(t, group, 1, 2) for t in (q, k, v))  # -> head shards
     reorder = causal and layout == "zigzag"  # without a mask, key order does not matter
     if reorder:
         perm = _natural_order(qh.shape[2], world, layout, q.device)
@@ -73,4 +64,4 @@ def ulysses_attention(q, k, v, group, causal: bool, layout: str, scale) -> torch
     o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, scale=scale)
     if reorder:
         o = o.index_select(2, torch.argsort(perm))
-    return HeadsToSeq.apply(o, group)
+    return AllToAll.apply(o, group, 2, 1)  # -> sequence shards
