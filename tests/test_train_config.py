@@ -122,3 +122,11 @@ def test_metrics_log_resume_drops_records_after_the_checkpoint(tmp_path):
     assert [r["step"] for r in read(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
     MetricsLog(tmp_path, None).close()  # a fresh run starts a fresh log
     assert read(tmp_path / "metrics.jsonl") == []
+
+
+def test_cp_choices_are_the_context_modules():
+    """The flags' choices (kept in config so parsing imports no torch) are what
+    context_parallel_attention accepts."""
+    from pyfast.parallel import context
+    from pyfast.train import config
+    assert config.CP_METHODS == context.METHODS and config.CP_LAYOUTS == context.LAYOUTS

@@ -13,7 +13,9 @@ import json
 from dataclasses import dataclass
 
 PRECISIONS = ("fp32", "bf16", "fp16")
-CP_METHODS = ("ring", "ulysses")     # pyfast.parallel.context's METHODS and LAYOUTS
+# pyfast.parallel.context's METHODS and LAYOUTS, here so that parsing the flags imports no torch
+# (tests/test_train_config.py checks they are the same)
+CP_METHODS = ("ring", "ulysses")
 CP_LAYOUTS = ("zigzag", "contiguous")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 
@@ -210,14 +212,14 @@ def check_degrees(cfg: TrainConfig) -> None:
 
 def check_cp(cfg: TrainConfig) -> None:
     """--cp / --cp-method / --cp-layout against the other flags (the heads: check_model)."""
-    from pyfast.parallel.context import length_problem
+    from pyfast.parallel.context import length_problem, n_chunks
     if cfg.cp_method not in CP_METHODS or cfg.cp_layout not in CP_LAYOUTS:
         raise ConfigError(f"--cp-method must be one of {', '.join(CP_METHODS)} and --cp-layout "
                           f"one of {', '.join(CP_LAYOUTS)}; got {cfg.cp_method}, {cfg.cp_layout}")
     if cfg.cp == 1:
         return
     if length_problem(cfg.seq, cfg.cp, cfg.cp_layout):
-        n = 2 * cfg.cp if cfg.cp_layout == "zigzag" else cfg.cp
+        n = n_chunks(cfg.cp, cfg.cp_layout)
         by = f"2 x --cp {cfg.cp}" if cfg.cp_layout == "zigzag" else f"--cp {cfg.cp}"
         raise ConfigError(f"--seq {cfg.seq} is not divisible by {n} ({by}, --cp-layout "
                           f"{cfg.cp_layout}): every cp rank holds equal chunks of each sequence")
