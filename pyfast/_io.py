@@ -21,6 +21,14 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
+def fsync_dir(path) -> None:
+    """fsync a directory: the names created, renamed or removed in it are on disk (a rename
+    is durable only once its directory is synced; POSIX, a no-op need on Windows)."""
+    if os.name == "nt":
+        return
+    _fsync(os.fspath(path))
+
+
 @contextlib.contextmanager
 def atomic_path(path) -> Iterator[str]:
     """A temporary path beside `path` for writers that take a file name (savefig,

@@ -36,9 +36,14 @@ def is_val_file(rel: str) -> bool:
     return zlib.crc32(rel.encode()) % 100 < VAL_PERCENT
 
 
+def _tail_val(n: int) -> int:
+    """Tokens a tail split of n tokens gives to val."""
+    return max(n * VAL_PERCENT // 100, min(MIN_VAL_TOKENS, n // 10))
+
+
 def _tail_split(tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     n = len(tokens)
-    n_val = max(n * VAL_PERCENT // 100, min(MIN_VAL_TOKENS, n // 10))
+    n_val = _tail_val(n)
     return tokens[: n - n_val], tokens[n - n_val:]
 
 
@@ -125,6 +130,98 @@ def load_corpus(path: str | None = None) -> Corpus:
     train, val = _tail_split(data)
     return Corpus(train, val, 256, f"{path}: bytes (last 2% to val), "
                   f"train {len(train):,} / val {len(val):,} bytes")
+
+
+# formats that load_corpus would read as text bytes without complaint: refused by name
+_NOT_TEXT = (".npy", ".npz", ".pt", ".pth", ".pkl", ".safetensors", ".parquet", ".arrow")
+_MB = 1 << 20
+
+
+def _digest(h, path: str, size: int, ends: int = _MB) -> None:
+    """Feed h the first and last `ends` bytes of path (the whole file when that is less)."""
+    with open(path, "rb") as f:
+        h.update(f.read(min(size, 2 * ends)))
+        if size > 2 * ends:
+            f.seek(size - ends)
+            h.update(f.read())
+
+
+def _bin_problem(path: str) -> str | None:
+    """Why path cannot be a uint16 token file, from its size and first MB (None: it can)."""
+    size = os.path.getsize(path)
+    if size == 0:
+        return "has no tokens (empty)"
+    if size % 2:
+        return f"has {size} bytes, an odd number: not a uint16 token file"
+    with open(path, "rb") as f:
+        head = np.frombuffer(f.read(min(size, _MB) // 4 * 4), dtype=np.uint16)
+    # uint32 / int32 ids below 65536, little-endian: every second uint16 is 0
+    if len(head) >= 64 and not head[1::2].any() and head[0::2].any():
+        return ("looks like 32-bit tokens (every second uint16 of its first MB is 0): write "
+                "uint16 ids, as nanoGPT's prepare.py does")
+    return None
+
+
+def check(path: str | None, batch: int, seq: int) -> dict:
+    """What load_corpus(path) + Batches(train, batch, seq) would raise, found from file sizes and
+    a few MB read (no token pass): ValueError naming the path and the problem (missing, empty,
+    not the dtype its name says, fewer training tokens than one global batch). Returns the
+    corpus's fingerprint: its size and a blake2b of its files' first and last MB (for folders:
+    of every file's name, size and first 4 KB), which a resumed run must match."""
+    h = hashlib.blake2b(digest_size=16)
+    if path is None or os.path.isdir(os.fspath(path)):
+        root = sysconfig.get_paths()["stdlib"] if path is None else os.fspath(path)
+        keep = _stdlib_name if path is None else (lambda n, is_dir: not n.startswith("."))
+        rels = _files(root, keep)
+        if not rels:
+            raise ValueError(f"empty corpus: no files under {root}")
+        sizes = {rel: os.path.getsize(os.path.join(root, rel)) for rel in rels}
+        for rel in rels:
+            h.update(f"{rel}\0{sizes[rel]}\n".encode())
+            _digest(h, os.path.join(root, rel), min(sizes[rel], 4096), ends=2048)
+        total = sum(sizes.values())
+        n_val = sum(n for rel, n in sizes.items() if is_val_file(rel))
+        if total == 0:
+            raise ValueError(f"empty corpus: the {len(rels)} files under {root} are all empty")
+        n_train = total - n_val if 0 < n_val < total else total - _tail_val(total)
+        unit, what = "bytes", f"{root} ({len(rels)} files)"
+    else:
+        path = os.fspath(path)
+        if not os.path.exists(path):
+            raise ValueError(f"corpus not found: {path}")
+        if path.endswith(_NOT_TEXT):
+            raise ValueError(f"{path}: not a corpus format pyfast reads (a text file, a folder "
+                             f"of text files, or a nanoGPT uint16 .bin)")
+        total = os.path.getsize(path)
+        files = [path]
+        if path.endswith(".bin"):
+            val_path = os.path.join(os.path.dirname(path), "val.bin")
+            split = os.path.basename(path) == "train.bin" and os.path.isfile(val_path)
+            files += [val_path] if split else []
+            for f in files:
+                why = _bin_problem(f)
+                if why:
+                    raise ValueError(f"{f} {why}")
+            n = total // 2
+            n_train, unit = (n if split else n - _tail_val(n)), "uint16 tokens"
+        else:
+            if total == 0:
+                raise ValueError(f"empty corpus: {path} is empty")
+            with open(path, "rb") as f:
+                if b"\0" in f.read(_MB):
+                    raise ValueError(f"{path}: NUL bytes in its first MB, not text (token ids "
+                                     "belong in a uint16 .bin)")
+            n_train, unit = total - _tail_val(total), "bytes"
+        for f in files:
+            size = os.path.getsize(f)
+            h.update(f"{size}\n".encode())  # contents only: a moved corpus is the same one
+            _digest(h, f, size)
+        what = path
+    sequences = max(n_train - 1, 0) // seq
+    if sequences < batch:
+        raise ValueError(f"{what}: its {n_train:,} training {unit} at --seq {seq} make "
+                         f"{sequences} sequences, fewer than one global batch of --batch {batch}")
+    return {"train": n_train, "unit": unit, "blake2b": h.hexdigest()}
 
 
 def _epoch_seed(seed: int, epoch: int) -> int:

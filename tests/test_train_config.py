@@ -17,6 +17,7 @@ def fake_checkpoint(out, step, **key):
     d = out / "checkpoints" / f"step-{step}"
     d.mkdir(parents=True)
     (d / ".metadata").write_bytes(b"x")
+    (d / "__0_0.distcp").write_bytes(b"x")
     model_key = {**TrainConfig(model="gpt-tiny", seq=32).model_key(), **key}
     (d / "meta.json").write_text(json.dumps({"step": step, "model_key": model_key}))
     return d

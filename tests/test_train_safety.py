@@ -72,3 +72,221 @@ def test_fp16_overflow_under_int8_is_skipped_everywhere_and_training_goes_on(poo
     hl, rl = [x["loss"] for x in hit[0][3:]], [x["loss"] for x in ref[0][3:]]
     assert all(math.isfinite(v) for v in hl)
     assert max(abs(a - b) / b for a, b in zip(hl, rl)) < 0.035, (hl, rl)
+
+
+# ------------------------------------------------------------------ resume against the record
+TINY = ["--model", "gpt-tiny", "--steps", "8", "--batch", "8", "--seq", "32"]
+
+
+def recorded_checkpoint(out, step, flags, meta_text=None):
+    """A checkpoint directory as Job.save commits it, its meta.json recording the run of
+    `flags` (the shards are stand-ins: these checks never read them)."""
+    import dataclasses
+    import json
+
+    from pyfast.train import config
+    cfg = config.from_args(config.parser().parse_args(flags))
+    d = out / "checkpoints" / f"step-{step}"
+    d.mkdir(parents=True)
+    (d / ".metadata").write_bytes(b"x")
+    (d / "__0_0.distcp").write_bytes(b"x")
+    meta = {"step": step, "model_key": cfg.model_key(), "config": dataclasses.asdict(cfg),
+            "warmup_steps": cfg.warmup_steps, "data": config.check_data(cfg)}
+    (d / "meta.json").write_text(meta_text if meta_text is not None else json.dumps(meta))
+    return d
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A 40 KB text corpus (random printable bytes: ragged, never zeros) and another one of
+    the same size."""
+    import random
+    root = tmp_path_factory.mktemp("corpus")
+    rnd = random.Random(7)
+    for name in ("a.txt", "b.txt"):
+        (root / name).write_bytes(bytes(rnd.randrange(32, 127) for _ in range(40_000 + 13)))
+    return root
+
+
+@pytest.mark.parametrize("saved,resumed,message", [
+    (["--lr", "1e-3"], ["--lr", "2e-3"], "--lr: 0.001 in the checkpoint, 0.002 here"),
+    (["--warmup", "2"], ["--warmup", "3"], "--warmup: 2 in the checkpoint, 3 here"),
+    (["--min-lr-ratio", "0.1"], ["--min-lr-ratio", "0.2"], "--min-lr-ratio: 0.1 in the"),
+    (["--seed", "1"], ["--seed", "2"], "--seed: 1 in the checkpoint, 2 here"),
+    (["--dp", "2", "--compress", "int8"], ["--dp", "2", "--compress", "int4"],
+     "--compress: int8 in the checkpoint, int4 here"),
+    (["--dp", "2", "--compress", "int8"], ["--dp", "2", "--compress", "int8",
+                                           "--error-feedback", "off"],
+     "--error-feedback: on in the checkpoint, off here"),
+    (["--dp", "2", "--compress", "int8", "--bucket-mb", "4"],
+     ["--dp", "2", "--compress", "int8", "--bucket-mb", "8"],
+     "--bucket-mb: 4.0 in the checkpoint, 8.0 here"),
+    (["--precision", "bf16"], [], "--precision: bf16 in the checkpoint, fp32 here"),
+    (["--dp", "2", "--zero", "2"], ["--dp", "2"], "--zero: 2 in the checkpoint, 0 here (ZeRO"),
+    ([], ["--steps", "12"], "--steps: 8 in the checkpoint, 12 here (pass --allow-change steps"),
+    # the default warm-up follows --steps: an extended run must pin the old one
+    ([], ["--steps", "20", "--allow-change", "steps"],
+     "--warmup: 1 in the checkpoint, 2 here (resolved from --steps; pass --warmup 1)"),
+    ([], ["--steps", "3", "--allow-change", "steps"], "the checkpoint is at step 4 already"),
+    (["--data", "a.txt"], ["--data", "b.txt"], "--data: "),
+    ([], ["--allow-change", "lr"], "--allow-change lr: only steps may be allowed"),
+])
+def test_resume_refuses_another_run_before_any_rank_starts(tmp_path, capsys, corpus, saved,
+                                                           resumed, message):
+    def fix(flags):  # corpus files by name
+        return [str(corpus / f) if f.endswith(".txt") else f for f in flags]
+    recorded_checkpoint(tmp_path, 4, TINY + fix(saved) + ["--out", str(tmp_path)])
+    from pyfast.train import main
+    assert main(TINY + fix(resumed) + ["--out", str(tmp_path), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "step-4" in err or "--allow-change lr" in err, err
+
+
+def test_resume_allows_the_mesh_cadence_and_steps_when_asked_and_says_so(tmp_path, corpus):
+    from pyfast.train.config import from_args, parser
+    from pyfast.train.run import check_resume
+    data = ["--data", str(corpus / "a.txt")]
+    recorded_checkpoint(tmp_path, 4, TINY + data + ["--dp", "2", "--eval-every", "2",
+                                                    "--out", str(tmp_path)])
+    moved = tmp_path / "moved.txt"  # the same bytes elsewhere: same fingerprint
+    moved.write_bytes((corpus / "a.txt").read_bytes())
+    flags = TINY + ["--data", str(moved), "--out", str(tmp_path), "--resume", "--tp", "2",
+                    "--eval-every", "1", "--steps", "12", "--warmup", "1",
+                    "--allow-change", "steps"]
+    said = []
+    found = check_resume(from_args(parser().parse_args(flags)), False, said.append)
+    assert found[0] == 4
+    text = "\n".join(said)
+    for change in ("--dp: 2 in the checkpoint, 1 here", "--tp: 1 in the checkpoint, 2 here",
+                   "--eval-every: 2 in the checkpoint, 1 here",
+                   "--steps: 8 in the checkpoint, 12 here", f"--data: {corpus / 'a.txt'}"):
+        assert change in text, text
+
+
+def test_truncated_and_foreign_checkpoints_are_skipped_with_a_warning(tmp_path, capsys):
+    """The latest whole checkpoint is step 2 (its run recorded another --lr, so the refusal
+    names the directory picked); steps 4 and 6 are skipped by name."""
+    out = ["--out", str(tmp_path)]
+    recorded_checkpoint(tmp_path, 2, TINY + out + ["--lr", "5e-4"])
+    recorded_checkpoint(tmp_path, 4, TINY + out, meta_text='{"step": 4, "model_ke')
+    recorded_checkpoint(tmp_path, 6, TINY + out, meta_text='{"step": 6, "weights": "x"}')
+    from pyfast.train import main
+    assert main(TINY + out + ["--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "step-2 was written by another run; --lr: 0.0005 in the checkpoint" in err, err
+    assert f"skipping checkpoint {tmp_path}/checkpoints/step-4: meta.json is unreadable or " \
+           "truncated (JSONDecodeError" in err, err
+    assert f"skipping checkpoint {tmp_path}/checkpoints/step-6: meta.json is not this job's " \
+           "record of step 6 (a foreign checkpoint)" in err, err
+
+
+# ------------------------------------------------------------------ checkpoint commit, rotation
+@pytest.fixture
+def world1():
+    """A one-rank gloo group in this process (ck.save is collective)."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_checkpoint_commit_is_fsynced_and_keep_last_deletes_only_after_a_newer_one(
+        tmp_path, world1, monkeypatch):
+    import os
+
+    from pyfast.train import checkpoint as ck
+    synced, real = [], os.fsync
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+    monkeypatch.setattr(os, "fsync", fsync)
+    state = {"w": torch.randn(13, 7)}
+    ck.save(state, tmp_path, 1, {"model_key": {}})
+    root = str(tmp_path / "checkpoints")
+    # meta.json through a temporary file (never a truncated meta.json), the directory holding
+    # it, and the parent after the rename
+    assert any(p.startswith(root + "/.tmp-step-1/.meta.") for p in synced), synced
+    assert root + "/.tmp-step-1" in synced and synced[-1] == root, synced
+    assert ck.read_meta(tmp_path / "checkpoints" / "step-1")["step"] == 1
+    for step in (2, 3):
+        ck.save({"w": torch.randn(13, 7)}, tmp_path, step, {"model_key": {}}, keep_last=2)
+    assert [s for s, _ in ck.complete(tmp_path)] == [2, 3]
+
+    def crash(point, step):  # killed mid-checkpoint: nothing older may be gone
+        raise RuntimeError("killed")
+    with pytest.raises(RuntimeError, match="killed"):
+        ck.save({"w": torch.randn(13, 7)}, tmp_path, 4, {"model_key": {}}, crash, keep_last=2)
+    assert [s for s, _ in ck.complete(tmp_path)] == [2, 3]
+    w4 = torch.randn(13, 7)
+    ck.save({"w": w4}, tmp_path, 4, {"model_key": {}}, keep_last=2)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-3", "step-4"]
+    got = {"w": torch.empty(13, 7)}
+    ck.load(got, tmp_path / "checkpoints" / "step-4")  # the rerun of step 4 is the one kept
+    assert torch.equal(got["w"], w4)
+
+
+# ------------------------------------------------------------------ --data before launch
+def _write(path, data: bytes):
+    path.write_bytes(data)
+    return path
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda d: d / "nope.txt", "corpus not found: {d}/nope.txt"),
+    (lambda d: _write(d / "empty.txt", b""), "empty corpus: {d}/empty.txt is empty"),
+    (lambda d: (d / "hollow").mkdir() or d / "hollow", "empty corpus: no files under"),
+    (lambda d: _write(d / "short.txt", b"q" * 200),
+     "its 180 training bytes at --seq 32 make 5 sequences, fewer than one global batch of "
+     "--batch 8"),
+    (lambda d: _write(d / "odd.bin", bytes(range(1, 200)) * 7),
+     "{d}/odd.bin has 1393 bytes, an odd number: not a uint16 token file"),
+    (lambda d: _write(d / "wide.bin", torch.randint(1, 50_000, (4096,), dtype=torch.int32)
+                      .numpy().tobytes()),
+     "{d}/wide.bin looks like 32-bit tokens (every second uint16 of its first MB is 0)"),
+    (lambda d: _write(d / "ids.npy", b"\x93NUMPY" + bytes(500)), "not a corpus format"),
+    (lambda d: _write(d / "ids.dat", bytes(range(256)) * 40), "NUL bytes in its first MB"),
+    (lambda d: _write(d / "tiny.bin", bytes(range(1, 201)) * 2),
+     "its 180 training uint16 tokens at --seq 32 make 5 sequences"),
+])
+def test_bad_data_fails_before_any_rank_starts(tmp_path, capsys, make, message):
+    from pyfast.train import main
+    path = make(tmp_path)
+    out = tmp_path / "out"
+    assert main(TINY + ["--data", str(path), "--out", str(out), "--dp", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"pyfast train: error: --data {path}: " in err, err
+    assert message.format(d=tmp_path) in err, err
+    assert not out.exists()
+
+
+def test_data_check_counts_the_training_tokens_load_corpus_makes(tmp_path):
+    """check() finds the train split from sizes alone: it must be load_corpus's, for each kind
+    of corpus (ragged sizes; a folder whose files land on both sides and one whose do not)."""
+    import numpy as np
+
+    from pyfast.data import check, is_val_file, load_corpus
+    g = torch.Generator().manual_seed(5)
+    text = _write(tmp_path / "t.txt", torch.randint(32, 127, (12_345,), generator=g)
+                  .to(torch.uint8).numpy().tobytes())
+    tokens = torch.randint(1, 60_000, (9_999,), generator=g).to(torch.int32).numpy()
+    one = _write(tmp_path / "one.bin", tokens.astype(np.uint16).tobytes())
+    pair = tmp_path / "pair"
+    pair.mkdir()
+    _write(pair / "train.bin", tokens[:8000].astype(np.uint16).tobytes())
+    _write(pair / "val.bin", tokens[8000:].astype(np.uint16).tobytes())
+    both = tmp_path / "both"  # names chosen so that some go to val by crc32
+    both.mkdir()
+    names = [f"f{i}.py" for i in range(300)]
+    assert any(is_val_file(n) for n in names) and not all(is_val_file(n) for n in names)
+    for i, n in enumerate(names):
+        _write(both / n, bytes([65 + i % 26]) * (37 + i))
+    single = tmp_path / "single"
+    single.mkdir()
+    _write(single / "f0.py", b"x = 1\n" * 999)
+    for path in (text, one, pair / "train.bin", both, single):
+        assert check(str(path), 2, 16)["train"] == len(load_corpus(str(path)).train), path
+    # the fingerprint sees a change of content at equal size
+    a = check(str(text), 2, 16)
+    text.write_bytes(text.read_bytes()[::-1])
+    assert check(str(text), 2, 16)["blake2b"] != a["blake2b"]

@@ -25,6 +25,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor, Shard
 
+from pyfast._io import atomic_write_text, fsync_dir
+
 _NAME = re.compile(r"^step-(\d+)$")
 
 
@@ -32,20 +34,46 @@ def root(out) -> Path:
     return Path(out) / "checkpoints"
 
 
-def complete(out) -> list[tuple[int, Path]]:
-    """(step, path) of every complete checkpoint under out/checkpoints, by step."""
+def problem(d: Path, step: int) -> str | None:
+    """Why directory d (named step-N) is not a complete checkpoint of this job: truncated (a
+    copy cut short, a crash of a file system that lost unsynced data) or foreign; None if it is
+    one."""
+    try:
+        meta = json.loads((d / "meta.json").read_text())
+    except FileNotFoundError:
+        return "no meta.json (not committed by pyfast train)"
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return f"meta.json is unreadable or truncated ({type(e).__name__}: {e})"
+    if not isinstance(meta, dict) or "model_key" not in meta or meta.get("step") != step:
+        return f"meta.json is not this job's record of step {step} (a foreign checkpoint)"
+    md = d / ".metadata"
+    if not md.is_file() or md.stat().st_size == 0:
+        return "DCP's .metadata is missing or empty"
+    if not any(d.glob("*.distcp")):
+        return "no DCP shard files (*.distcp)"
+    return None
+
+
+def complete(out, warn=None) -> list[tuple[int, Path]]:
+    """(step, path) of every complete checkpoint under out/checkpoints, by step; each step-N
+    directory that is not one goes to warn(message) (None: silently) and is skipped."""
     found = []
     r = root(out)
     if r.is_dir():
-        for d in r.iterdir():
+        for d in sorted(r.iterdir()):
             m = _NAME.match(d.name)
-            if m and (d / "meta.json").is_file() and (d / ".metadata").is_file():
+            if not m:
+                continue
+            why = problem(d, int(m.group(1)))
+            if why is None:
                 found.append((int(m.group(1)), d))
+            elif warn is not None:
+                warn(f"skipping checkpoint {d}: {why}")
     return sorted(found)
 
 
-def latest(out) -> tuple[int, Path] | None:
-    found = complete(out)
+def latest(out, warn=None) -> tuple[int, Path] | None:
+    found = complete(out, warn)
     return found[-1] if found else None
 
 
@@ -74,8 +102,11 @@ def shard(t: torch.Tensor, like: torch.Tensor, tp_mesh) -> torch.Tensor:
     return t
 
 
-def save(state: dict, out, step: int, meta: dict, fault=None) -> Path:
-    """Collective: write `state` with DCP, then commit it as out/checkpoints/step-N."""
+def save(state: dict, out, step: int, meta: dict, fault=None, keep_last: int = 0) -> Path:
+    """Collective: write `state` with DCP, then commit it as out/checkpoints/step-N: meta.json
+    written atomically and fsynced, the directory fsynced, renamed, and its parent fsynced (DCP
+    fsyncs its own files). keep_last > 0: then delete all but the keep_last latest complete
+    checkpoints up to step N."""
     r, rank = root(out), dist.get_rank()
     tmp, final = r / f".tmp-step-{step}", r / f"step-{step}"
     if rank == 0:
@@ -86,14 +117,27 @@ def save(state: dict, out, step: int, meta: dict, fault=None) -> Path:
     if fault is not None:
         fault("ckpt", step)  # tests: die here, with the shards written but not committed
     if rank == 0:
-        (tmp / "meta.json").write_text(json.dumps({**meta, "step": step}, indent=1))
+        atomic_write_text(tmp / "meta.json", json.dumps({**meta, "step": step}, indent=1))
+        fsync_dir(tmp)
         if final.exists():  # a rerun of a step (resumed from an earlier checkpoint)
-            old = r / f".old-step-{step}"
-            os.replace(final, old)
-            shutil.rmtree(old, ignore_errors=True)
+            _remove(r, final)
         os.replace(tmp, final)
+        fsync_dir(r)  # the rename is durable: a power loss now keeps step-N whole
+        if keep_last > 0:
+            older = [d for s, d in complete(out) if s < step]
+            for d in older[:max(0, len(older) - (keep_last - 1))]:
+                _remove(r, d)
     dist.barrier()
     return final
+
+
+def _remove(r: Path, d: Path) -> None:
+    """Delete checkpoint d: renamed out of the scan's sight first, so a crash midway never
+    leaves a half-deleted step-N behind."""
+    gone = r / f".old-{d.name}"
+    shutil.rmtree(gone, ignore_errors=True)
+    os.replace(d, gone)
+    shutil.rmtree(gone, ignore_errors=True)
 
 
 def load(state: dict, path: Path) -> None:

@@ -61,6 +61,9 @@ class TrainConfig:
     positions: str = "rotary"
     tie_embeddings: bool = False
     timeout: float = 300.0          # seconds a collective may wait for a silent peer
+    # run safety (resume, checkpoints): see RESUME_FREE below
+    keep_last: int = 0              # keep this many complete checkpoints; 0: all
+    allow_change: str = ""          # comma list of recorded flags --resume may change: steps
 
     @property
     def m(self) -> int:
@@ -158,6 +161,12 @@ def parser() -> argparse.ArgumentParser:
     a("--positions", default=d.positions, choices=("rotary", "learned"))
     a("--tie-embeddings", action="store_true")
     a("--timeout", type=float, default=d.timeout)
+    # run safety: checkpoint rotation and what a resumed run may change
+    a("--keep-last", type=int, default=d.keep_last, help="keep only the N latest complete "
+      "checkpoints, deleting older ones once a newer one is complete (default 0: keep all)")
+    a("--allow-change", default=d.allow_change, metavar="FLAGS",
+      help="--resume: let these recorded flags differ from the checkpoint's run (comma list; "
+           f"{', '.join(RESUME_ALLOWABLE)}: extend a run); logged")
     return p
 
 
@@ -175,7 +184,7 @@ def check(cfg: TrainConfig, world: int, model: bool = True) -> None:
     for name in ("steps", "batch", "seq", "grad_accum", "eval_batches"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
-    for name in ("micro_batches", "ckpt_every", "eval_every"):
+    for name in ("micro_batches", "ckpt_every", "eval_every", "keep_last"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
     if cfg.ranks != world:
@@ -197,10 +206,71 @@ def check(cfg: TrainConfig, world: int, model: bool = True) -> None:
     if cfg.compress not in ("none", "") and cfg.dp * cfg.cp == 1:
         raise ConfigError(f"--compress {cfg.compress} compresses the data-parallel gradient "
                           "reduction, but --dp is 1 (nothing to reduce)")
+    unknown = {f.strip() for f in cfg.allow_change.split(",") if f.strip()} - \
+        set(RESUME_ALLOWABLE)
+    if unknown:
+        raise ConfigError(f"--allow-change {cfg.allow_change}: only "
+                          f"{', '.join(RESUME_ALLOWABLE)} may be allowed to change on --resume "
+                          f"(not {', '.join(sorted(unknown))})")
     check_cp(cfg)
     check_zero(cfg)
+    check_data(cfg)
     if model:
         check_model(cfg)
+
+
+# --resume compares the checkpoint's record of its run with this one, field by field. What may
+# differ (logged): the mesh and how ranks split their work (DCP reshards; per-rank RNG and
+# error-feedback memory are then left out), the eval/checkpoint cadence, where and how the job
+# runs. With --allow-change: RESUME_ALLOWABLE. Refused: everything else (model, data, lr and its
+# schedule, optimizer, precision, compressor and its feedback, bucket size, seed, ...); --warmup
+# is compared resolved (its default follows --steps), --data by its fingerprint, --zero on/off
+# (ZeRO checkpoints hold flat shards) while its stage may change.
+RESUME_FREE = ("dp", "tp", "pp", "cp", "cp_method", "cp_layout", "schedule", "micro_batches",
+               "grad_accum", "activation_checkpointing", "ckpt_every", "eval_every",
+               "eval_batches", "timeout", "out", "resume", "keep_last", "allow_change", "data")
+RESUME_ALLOWABLE = ("steps",)
+
+
+def resume_changes(cfg: TrainConfig, record: dict, data: dict | None = None
+                   ) -> tuple[list[str], list[str]]:
+    """(refused, allowed) differences between this run and a checkpoint's `record` (its
+    "config", "warmup_steps" and "data" fingerprint), each as '--flag: X in the checkpoint,
+    Y here'. `data`: this run's fingerprint (pyfast.data.check); None skips that comparison."""
+    saved, mine = dict(record["config"]), dataclasses.asdict(cfg)
+    saved["warmup"], mine["warmup"] = record.get("warmup_steps"), cfg.warmup_steps
+    allowed = {f.strip() for f in cfg.allow_change.split(",") if f.strip()}
+    refused, changed = [], []
+    for k in mine:
+        if k not in saved or saved[k] == mine[k] or k in ("resume", "allow_change"):
+            continue
+        what = f"--{k.replace('_', '-')}: {saved[k]} in the checkpoint, {mine[k]} here"
+        if k == "zero" and bool(saved[k]) != bool(mine[k]):
+            refused.append(what + " (ZeRO checkpoints hold flat shards by FQN, the others whole "
+                           "tensors: resume with zero on or off as saved)")
+        elif k == "warmup" and cfg.warmup < 0:
+            refused.append(what + f" (resolved from --steps; pass --warmup {saved[k]})")
+        elif k in RESUME_FREE or k == "zero" or k in allowed:
+            changed.append(what)
+        else:
+            hint = " (pass --allow-change steps to extend the run)" if k == "steps" else ""
+            refused.append(what + hint)
+    if data is not None and record.get("data") is not None and record["data"] != data:
+        def fp(path, d):
+            return f"{path} ({d['train']:,} training {d['unit']}, blake2b {d['blake2b'][:12]})"
+        refused.append(f"--data: {fp(saved.get('data'), record['data'])} in the checkpoint, "
+                       f"{fp(cfg.data, data)} here")
+    return refused, changed
+
+
+def check_data(cfg: TrainConfig) -> dict:
+    """--data against --batch and --seq before any rank starts (pyfast.data.check); returns
+    the corpus's fingerprint."""
+    from pyfast.data import check as data_check
+    try:
+        return data_check(cfg.data, cfg.batch, cfg.seq)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--data {cfg.data or '(default: the stdlib sources)'}: {e}") from None
 
 
 def check_degrees(cfg: TrainConfig) -> None:

@@ -20,6 +20,7 @@ batch's mean loss, and the parameters stay replicated over cp.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 
@@ -35,7 +36,7 @@ from pyfast.parallel.zero import checkpoint as zck
 from pyfast.parallel.zero import zero
 
 from . import checkpoint as ck
-from .config import ConfigError, TrainConfig, build_model, check_model
+from .config import ConfigError, TrainConfig, build_model, check_data, check_model
 from .telemetry import bytes_written
 
 now = time.perf_counter
@@ -75,6 +76,7 @@ class Job:
     def __init__(self, cfg: TrainConfig, device: torch.device):
         self.cfg, self.device = cfg, device
         self.mesh = mesh = Mesh(cfg.dp, cfg.tp, cfg.pp, cp=cfg.cp)
+        self.data = check_data(cfg)  # ConfigError (same on every rank) before load_corpus's
         self.corpus = load_corpus(cfg.data)
         torch.manual_seed(cfg.seed)  # before the model: every mesh draws the same full weights
         model = build_model(cfg, self.corpus.vocab_size)
@@ -355,10 +357,13 @@ class Job:
                 "mesh": {"dp": c.dp, "cp": c.cp, "tp": c.tp, "pp": c.pp}, "compress": c.compress,
                 "precision": c.precision, "batch": c.batch, "n_params": self.n_params,
                 "zero": c.zero, "param_compress": c.param_compress,
-                "error_feedback": c.error_feedback}
+                "error_feedback": c.error_feedback,
+                # the run's record, which --resume compares (config.resume_changes)
+                "config": dataclasses.asdict(c), "warmup_steps": c.warmup_steps,
+                "data": self.data}
 
-    def save(self, out, step: int, fault=None):
-        return ck.save(self.state(full=True), out, step, self.meta(), fault)
+    def save(self, out, step: int, fault=None, keep_last: int = 0):
+        return ck.save(self.state(full=True), out, step, self.meta(), fault, keep_last)
 
     def load(self, path) -> tuple[int, bool]:
         """Restore from a checkpoint directory: (its step, whether the per-rank state was

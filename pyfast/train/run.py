@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint as ck
-from .config import ConfigError, TrainConfig, check
+from .config import ConfigError, TrainConfig, check, check_data, resume_changes
 from .job import Job, NonFiniteError
 from .metrics import MetricsLog, Progress, plot, read, summary
 from .telemetry import GPU, peak_rss_mb
@@ -35,19 +35,39 @@ def fault(point: str, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def check_resume(cfg: TrainConfig, restarted: bool) -> tuple[int, object] | None:
+def warn(msg: str) -> None:
+    print(f"pyfast train: warning: {msg}", file=sys.stderr, flush=True)
+
+
+def check_resume(cfg: TrainConfig, restarted: bool, say=warn) -> tuple[int, object] | None:
     """The checkpoint to resume from, or None for a fresh start; ConfigError when --resume
-    finds none, when it holds another model, or when a fresh run would mix with old ones."""
-    found = ck.latest(cfg.out)
+    finds none, when its run differs from this one in anything but what may change
+    (config.resume_changes: every difference named, with both values), or when a fresh run
+    would mix with old ones. `say` (None: silent) gets each skipped checkpoint directory and
+    each allowed change."""
+    quiet = say or (lambda msg: None)
+    found = ck.latest(cfg.out, warn=quiet)
     if cfg.resume or restarted:
         if found is None:
             if restarted:  # died before the first checkpoint: start again
                 return None
             raise ConfigError(f"--resume: no complete checkpoint under {ck.root(cfg.out)}")
-        key = ck.read_meta(found[1])["model_key"]
-        if key != cfg.model_key():
-            raise ConfigError(f"--resume: {found[1]} holds a different model: {key}, this run is "
-                              f"{cfg.model_key()}")
+        meta = ck.read_meta(found[1])
+        if "config" not in meta:  # written before the run was recorded: the model only
+            if meta["model_key"] != cfg.model_key():
+                raise ConfigError(f"--resume: {found[1]} holds a different model: "
+                                  f"{meta['model_key']}, this run is {cfg.model_key()}")
+            quiet(f"{found[1]} records only its model: the other flags cannot be compared")
+            return found
+        refused, changed = resume_changes(cfg, meta, check_data(cfg))
+        if cfg.steps <= found[0]:
+            refused.append(f"--steps {cfg.steps}: the checkpoint is at step {found[0]} already")
+        if refused:
+            raise ConfigError(f"--resume: {found[1]} was written by another run; "
+                              + "; ".join(refused) + ". Only the mesh, the eval/checkpoint "
+                              "cadence and (with --allow-change steps) --steps may change")
+        for c in changed:
+            quiet(f"--resume from {found[1]} with a changed flag: {c}")
         return found
     if found is not None:
         raise ConfigError(f"{cfg.out} already has checkpoints (latest step {found[0]}): pass "
@@ -73,7 +93,7 @@ def main(cfg: TrainConfig) -> int:
         # same flags, same answer on every rank; the model's limits are checked on the model
         # itself when the job builds it, before its first collective after the Mesh
         check(cfg, dist.get_world_size(), model=False)
-        found = check_resume(cfg, restarted)
+        found = check_resume(cfg, restarted, say=warn if rank == 0 else None)
         job = Job(cfg, device)
         start, note = 0, "fresh start"
         if found is not None:
@@ -121,7 +141,7 @@ def _loop(cfg: TrainConfig, job: Job, start: int, device) -> None:
                 log.write(rec)
                 bar.update(rec)
             if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == cfg.steps:
-                job.save(cfg.out, step, fault)
+                job.save(cfg.out, step, fault, keep_last=cfg.keep_last)
     finally:
         if rank == 0:
             bar.close()
