@@ -12,6 +12,47 @@ import importlib
 
 __version__ = "0.1.0"
 
+# The oldest torch pyfast runs on: point-to-point calls and broadcasts name their peer by its
+# rank in the group (isend/irecv/broadcast's group_src= / group_dst=: pytorch#140460 and
+# #140843, merged November 2024, first released in torch 2.6.0). Every other torch API pyfast
+# uses is older (torch.distributed.tensor public in 2.5, torch.library.register_fake in 2.4).
+TORCH_MIN = (2, 6)
+
+
+def check_torch(version: str) -> None:
+    """ImportError naming `version` (torch's __version__) when it is older than TORCH_MIN."""
+    try:
+        have = tuple(int(x) for x in version.split("+")[0].split(".")[:2])
+    except ValueError:  # a version string we cannot read: let torch's own imports decide
+        return
+    if have < TORCH_MIN:
+        need = ".".join(map(str, TORCH_MIN))
+        raise ImportError(f"pyfast needs torch >= {need} (isend/irecv/broadcast with group_src= "
+                          f"and group_dst=); this environment has torch {version}: "
+                          f"pip install 'torch>={need}'")
+
+
+def _installed_torch() -> str | None:
+    """torch's version from torch/version.py, without importing torch (about 2 s)."""
+    import importlib.util
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return None  # no torch: `import torch` says so where it is needed
+    import os
+    import re
+    try:
+        with open(os.path.join(spec.submodule_search_locations[0], "version.py")) as f:
+            m = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)", f.read(), re.M)
+    except OSError:
+        return None
+    return m.group(1) if m else None
+
+
+_torch = _installed_torch()
+if _torch is not None:  # at import, before any submodule imports torch (2.6 = TORCH_MIN)
+    check_torch(_torch)
+del _torch
+
 # The public layers, bottom to top (DESIGN.md)
 SUBMODULES = ("ops", "compress", "comm", "parallel", "hooks", "models", "data", "train")
 

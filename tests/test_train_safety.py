@@ -290,3 +290,39 @@ def test_data_check_counts_the_training_tokens_load_corpus_makes(tmp_path):
     a = check(str(text), 2, 16)
     text.write_bytes(text.read_bytes()[::-1])
     assert check(str(text), 2, 16)["blake2b"] != a["blake2b"]
+
+
+# ------------------------------------------------------------------ optional plot, torch bound
+def test_plot_without_matplotlib_is_a_one_line_notice(tmp_path, monkeypatch):
+    import sys
+
+    from pyfast.train.metrics import plot
+    recs = [{"step": s, "loss": 5.0 - 0.1 * s, "tokens_per_s": 900.0 + s} for s in (1, 2, 3)]
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    note = plot(recs, tmp_path / "curves.png")
+    assert note == "plot: none (matplotlib is not installed: pip install 'pyfast[plot]')"
+    assert not (tmp_path / "curves.png").exists()
+
+
+@pytest.mark.parametrize("version,ok", [("2.5.1", False), ("2.4.0+cu121", False),
+                                        ("1.13.1", False), ("2.6.0", True),
+                                        ("2.6.0a0+git1234", True), ("2.13.0+cpu", True)])
+def test_torch_lower_bound_is_checked_and_named(version, ok):
+    import pyfast
+    if ok:
+        pyfast.check_torch(version)
+        return
+    with pytest.raises(ImportError) as e:
+        pyfast.check_torch(version)
+    assert "pyfast needs torch >= 2.6" in str(e.value) and f"has torch {version}" in str(e.value)
+
+
+def test_pyproject_torch_bound_is_the_checked_one():
+    import os
+    import re
+
+    import pyfast
+    text = open(os.path.join(os.path.dirname(pyfast.__file__), os.pardir,
+                             "pyproject.toml")).read()
+    bounds = set(re.findall(r'"torch>=([0-9.]+)"', text))
+    assert bounds == {".".join(map(str, pyfast.TORCH_MIN))}, bounds

@@ -1,7 +1,7 @@
 """What one rank (global rank 0) shows and keeps of a run: DIR/metrics.jsonl (one JSON object
 per optimizer step, flushed as written, so a killed run keeps every finished step), a rich
 progress bar (a plain line every ~10% of the steps when stdout is not a terminal), and at the
-end DIR/curves.png and a summary table."""
+end DIR/curves.png (when matplotlib is installed) and a summary table."""
 from __future__ import annotations
 
 import json
@@ -71,9 +71,14 @@ class Progress:
             self.bar.stop()
 
 
-def plot(records: list[dict], path) -> None:
-    """Loss and validation loss vs step, tokens/s vs step (matplotlib, written atomically)."""
-    import matplotlib
+def plot(records: list[dict], path) -> str:
+    """Loss and validation loss vs step, tokens/s vs step (matplotlib, written atomically).
+    Returns the line to tell the user: where the plot is, or that matplotlib (optional:
+    pyfast[plot]) is not installed and there is none."""
+    try:
+        import matplotlib
+    except ImportError:
+        return "plot: none (matplotlib is not installed: pip install 'pyfast[plot]')"
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
@@ -96,6 +101,7 @@ def plot(records: list[dict], path) -> None:
             fig.savefig(tmp, dpi=110)
     finally:
         plt.close(fig)
+    return f"plot: {path}"
 
 
 def summary(records: list[dict], title: str):

@@ -148,11 +148,11 @@ def _loop(cfg: TrainConfig, job: Job, start: int, device) -> None:
             log.close()
     if rank == 0:
         records = read(log.path)
+        drawn = "plot: none (no step logged)"
         if records:
-            plot(records, os.path.join(cfg.out, "curves.png"))
+            drawn = plot(records, os.path.join(cfg.out, "curves.png"))
             from rich.console import Console
             m = job.mesh
             Console().print(summary(records, f"{cfg.model} on {m.dp}x{m.cp}x{m.tp}x{m.pp} "
                                              "(dp x cp x tp x pp)"))
-        print(f"metrics: {log.path}\nplot: {os.path.join(cfg.out, 'curves.png')}\n"
-              f"checkpoints: {ck.root(cfg.out)}", flush=True)
+        print(f"metrics: {log.path}\n{drawn}\ncheckpoints: {ck.root(cfg.out)}", flush=True)
