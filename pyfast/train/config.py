@@ -177,9 +177,10 @@ def from_args(ns: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**{k: v for k, v in vars(ns).items() if k not in LAUNCH_FLAGS})
 
 
-def check(cfg: TrainConfig, world: int, model: bool = True) -> None:
+def check(cfg: TrainConfig, world: int, model: bool = True) -> dict:
     """ConfigError naming the first problem: everything knowable from the flags alone
-    (model=False: all but the model's own limits, which check_model tells)."""
+    (model=False: all but the model's own limits, which check_model tells). Returns the data's
+    fingerprint (check_data), which resume and the checkpoints' record use."""
     check_degrees(cfg)
     for name in ("steps", "batch", "seq", "grad_accum", "eval_batches"):
         if getattr(cfg, name) < 1:
@@ -214,9 +215,10 @@ def check(cfg: TrainConfig, world: int, model: bool = True) -> None:
                           f"(not {', '.join(sorted(unknown))})")
     check_cp(cfg)
     check_zero(cfg)
-    check_data(cfg)
+    data = check_data(cfg)
     if model:
         check_model(cfg)
+    return data
 
 
 # --resume compares the checkpoint's record of its run with this one, field by field. What may

@@ -73,10 +73,12 @@ def autocast_layers(model, device_type: str, dtype) -> None:
 
 
 class Job:
-    def __init__(self, cfg: TrainConfig, device: torch.device):
+    def __init__(self, cfg: TrainConfig, device: torch.device, data: dict | None = None):
+        """data: the data's fingerprint (config.check_data), computed here if not given."""
         self.cfg, self.device = cfg, device
         self.mesh = mesh = Mesh(cfg.dp, cfg.tp, cfg.pp, cp=cfg.cp)
-        self.data = check_data(cfg)  # ConfigError (same on every rank) before load_corpus's
+        # ConfigError (the same on every rank) rather than load_corpus's errors
+        self.data = data if data is not None else check_data(cfg)
         self.corpus = load_corpus(cfg.data)
         torch.manual_seed(cfg.seed)  # before the model: every mesh draws the same full weights
         model = build_model(cfg, self.corpus.vocab_size)

@@ -50,10 +50,10 @@ def launch(cfg: TrainConfig, ns) -> int:
         if ns.nproc and world != ranks:
             raise ConfigError(f"{cfg.mesh_flags()} = {ranks} ranks, "
                               f"but --nproc {nproc} x --nnodes {ns.nnodes} = {world}")
-        check(cfg, world)
+        data = check(cfg, world)
         from .run import check_resume
         if not ns.print_launch:
-            check_resume(cfg, restarted=False)
+            check_resume(cfg, restarted=False, data=data)
     except ConfigError as e:
         print(f"pyfast train: error: {e}", file=sys.stderr)
         return 2

@@ -39,12 +39,13 @@ def warn(msg: str) -> None:
     print(f"pyfast train: warning: {msg}", file=sys.stderr, flush=True)
 
 
-def check_resume(cfg: TrainConfig, restarted: bool, say=warn) -> tuple[int, object] | None:
+def check_resume(cfg: TrainConfig, restarted: bool, say=warn, data: dict | None = None
+                 ) -> tuple[int, object] | None:
     """The checkpoint to resume from, or None for a fresh start; ConfigError when --resume
     finds none, when its run differs from this one in anything but what may change
     (config.resume_changes: every difference named, with both values), or when a fresh run
     would mix with old ones. `say` (None: silent) gets each skipped checkpoint directory and
-    each allowed change."""
+    each allowed change; `data`: the data's fingerprint if known (else computed here)."""
     quiet = say or (lambda msg: None)
     found = ck.latest(cfg.out, warn=quiet)
     if cfg.resume or restarted:
@@ -59,7 +60,7 @@ def check_resume(cfg: TrainConfig, restarted: bool, say=warn) -> tuple[int, obje
                                   f"{meta['model_key']}, this run is {cfg.model_key()}")
             quiet(f"{found[1]} records only its model: the other flags cannot be compared")
             return found
-        refused, changed = resume_changes(cfg, meta, check_data(cfg))
+        refused, changed = resume_changes(cfg, meta, data or check_data(cfg))
         if cfg.steps <= found[0]:
             refused.append(f"--steps {cfg.steps}: the checkpoint is at step {found[0]} already")
         if refused:
@@ -92,9 +93,9 @@ def main(cfg: TrainConfig) -> int:
     try:
         # same flags, same answer on every rank; the model's limits are checked on the model
         # itself when the job builds it, before its first collective after the Mesh
-        check(cfg, dist.get_world_size(), model=False)
-        found = check_resume(cfg, restarted, say=warn if rank == 0 else None)
-        job = Job(cfg, device)
+        data = check(cfg, dist.get_world_size(), model=False)
+        found = check_resume(cfg, restarted, say=warn if rank == 0 else None, data=data)
+        job = Job(cfg, device, data)
         start, note = 0, "fresh start"
         if found is not None:
             start, same = job.load(found[1])
