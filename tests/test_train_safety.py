@@ -326,3 +326,19 @@ def test_pyproject_torch_bound_is_the_checked_one():
                              "pyproject.toml")).read()
     bounds = set(re.findall(r'"torch>=([0-9.]+)"', text))
     assert bounds == {".".join(map(str, pyfast.TORCH_MIN))}, bounds
+
+
+@pytest.mark.dist
+def test_a_real_run_extended_with_allow_change_steps_keeps_the_last_checkpoint(tmp_path):
+    """The record a real job writes round-trips: an unchanged --resume passes, --steps needs
+    --allow-change steps and is logged; --keep-last 1 leaves only the newest checkpoint."""
+    from test_train import ok, records, train
+    out, flags = tmp_path / "run", ["--ckpt-every", "1", "--keep-last", "1"]
+    ok(train(out, 0, flags + ["--steps", "2", "--eval-every", "0"]))
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2"]
+    p = train(out, 0, flags + ["--steps", "3", "--resume"])
+    assert p.returncode == 2 and "pass --allow-change steps" in p.stderr, p.stderr
+    p = ok(train(out, 0, flags + ["--steps", "3", "--resume", "--allow-change", "steps"]))
+    assert "changed flag: --steps: 2 in the checkpoint, 3 here" in p.stderr, p.stderr
+    assert [r["step"] for r in records(out)] == [1, 2, 3]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-3"]

@@ -259,7 +259,8 @@ def resume_changes(cfg: TrainConfig, record: dict, data: dict | None = None
             refused.append(what + hint)
     if data is not None and record.get("data") is not None and record["data"] != data:
         def fp(path, d):
-            return f"{path} ({d['train']:,} training {d['unit']}, blake2b {d['blake2b'][:12]})"
+            return (f"{path or 'the stdlib sources'} ({d['train']:,} training {d['unit']}, "
+                    f"blake2b {d['blake2b'][:12]})")
         refused.append(f"--data: {fp(saved.get('data'), record['data'])} in the checkpoint, "
                        f"{fp(cfg.data, data)} here")
     return refused, changed

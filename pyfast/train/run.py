@@ -61,7 +61,7 @@ def check_resume(cfg: TrainConfig, restarted: bool, say=warn, data: dict | None 
             quiet(f"{found[1]} records only its model: the other flags cannot be compared")
             return found
         refused, changed = resume_changes(cfg, meta, data or check_data(cfg))
-        if cfg.steps <= found[0]:
+        if cfg.steps < found[0]:  # equal: a finished run (restarted after its last save)
             refused.append(f"--steps {cfg.steps}: the checkpoint is at step {found[0]} already")
         if refused:
             raise ConfigError(f"--resume: {found[1]} was written by another run; "
