@@ -60,11 +60,16 @@ class CompressionState:
         return {"spec": self.compressor.spec, "iter": self.iter,
                 "compressor": self.compressor.state_dict()}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, device=None) -> None:
+        """device: the model's, where the error-feedback memory goes (saved on the CPU); None:
+        each memory moves to its bucket's device when the hook first sees the bucket."""
         if state["spec"] != self.compressor.spec:
             raise ValueError(f"state is for {state['spec']!r}, not {self.compressor.spec!r}")
         self.iter = int(state["iter"])
-        self.compressor.load_state_dict(state["compressor"])
+        if self.compressor.feedback is not None:
+            self.compressor.load_state_dict(state["compressor"], device)
+        else:
+            self.compressor.load_state_dict(state["compressor"])
 
 
 def _prune(state: CompressionState) -> None:

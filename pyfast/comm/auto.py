@@ -44,8 +44,9 @@ class AutoSelector:
         self.world = dist.get_world_size(group)
         self.fixed = False
         self.made = {}
+        dev = buckets[0].flat.device if buckets else None  # the feedback memory's, loads too
         for spec in CANDIDATES:
-            self.made[spec] = C.wrap(C.get(spec), error_feedback)
+            self.made[spec] = C.wrap(C.get(spec), error_feedback, dev)
         self.choice = ["fp16"] * len(buckets)
         self.t16 = [0.0] * len(buckets)
         self.report: list[dict] = []
