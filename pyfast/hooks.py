@@ -97,6 +97,8 @@ def _prune(state: CompressionState, seen: set) -> None:
             state._unseen[key] = 0 if used else state._unseen.get(key, 0) + 1
             if state._unseen[key] >= 2:
                 del fb.memory[key], state._unseen[key]
+    for key in [k for k in state._staging if k not in seen]:  # a regrouped bucket's copy
+        del state._staging[key]
 
 
 def _numbers(state, params) -> list[int]:

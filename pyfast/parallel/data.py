@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import time
 
 import torch
 import torch.distributed as dist
@@ -21,6 +20,7 @@ from pyfast.comm.auto import CANDIDATES as AUTO_CANDIDATES, AutoSelector
 from pyfast.comm.buckets import Bucketer, check_params
 from pyfast.comm.failure import Breaker, new_group_like
 from pyfast.comm.guard import FiniteGuard
+from pyfast.perf import clock
 
 log = logging.getLogger(__name__)
 ENGINES = ("auto", "native", "python")
@@ -250,14 +250,17 @@ class DataParallel(nn.Module):
             self._comm = self.group
 
     def _finish(self) -> None:
-        t0 = time.perf_counter()
+        # exposed communication: what the training thread spent waiting for the buckets (and
+        # copying them back) after backward's last gradient; on CUDA from the end of
+        # backward's kernels to the end of the reductions' (perf.clock synchronizes: two host
+        # syncs a step, the price of the number; without them it timed the launches)
+        dev = self._params[0].device if self._params else None
+        t0 = clock(dev)
         try:
             with self._breaker.guard("DataParallel gradient reduction"):
                 done = self._reduce_and_copy()
         finally:
-            # exposed communication: what the training thread spent waiting for the buckets
-            # (and copying them back) after backward's last gradient
-            self.last_wait_s = time.perf_counter() - t0
+            self.last_wait_s = clock(dev) - t0
         if self.selector is not None and len(done) == len(self.bucketer.buckets):
             self.selector.after_step([b.extra["seconds"] for b in done])
 
