@@ -68,6 +68,7 @@ class CompressionState:
         self._seen: set[str] = set()  # the state names this iteration used
         self._unseen: dict[str, int] = {}  # feedback memory name -> iterations not used
         self._numbers: dict[int, tuple] = {}  # id(parameter) -> (weakref, its number)
+        self._count = 0  # numbers given so far
         self._pending: list = []  # this iteration's buckets, completed with the last one
         self._staging: dict = {}
 
@@ -107,7 +108,8 @@ def _numbers(state, params) -> list[int]:
     for p in params:
         got = state._numbers.get(id(p))
         if got is None or got[0]() is not p:  # an id reused by a new tensor: a new number
-            got = state._numbers[id(p)] = (weakref.ref(p), len(state._numbers))
+            got = state._numbers[id(p)] = (weakref.ref(p), state._count)
+            state._count += 1
         out.append(got[1])
     return out
 
