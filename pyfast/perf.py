@@ -34,7 +34,10 @@ def sync(device=None) -> None:
 
 def device_of(x):
     """The device whose work timing `x` must wait for: a tensor's, a module's first
-    parameter's (None without one), a device as it is, None for anything else."""
+    parameter's (None without one), a list's first element's that has one, a device as it
+    is, None for anything else."""
+    if isinstance(x, (list, tuple)):
+        return next((d for d in map(device_of, x) if d is not None), None)
     if isinstance(x, torch.nn.Module):
         return next((p.device for p in x.parameters()), None)
     if isinstance(x, (torch.Tensor, torch.nn.Parameter)):

@@ -42,6 +42,7 @@ def test_clock_synchronizes_cuda_only(syncs):
     assert syncs == [CUDA]
     assert perf.device_of(nn.Linear(2, 3, device="meta")) == torch.device("meta")
     assert perf.device_of(nn.ReLU()) is None
+    assert perf.device_of([nn.ReLU(), nn.Linear(2, 3, device="meta")]) == torch.device("meta")
 
 
 def test_harness_times_sync_each_end(syncs):
