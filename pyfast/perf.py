@@ -1,6 +1,7 @@
 """The benchmark harness shared by every `pyfast bench X` and bench/: timing with medians and
 quantiles under one set of key names (median_s, q10_s, q90_s), copy bandwidth, the machine's
-name, the result saved as JSON + a table (TXT) atomically, and one entry point per benchmark."""
+name, the result saved as JSON + a table (TXT) atomically, and one entry point per benchmark.
+Also the one clock of every timing in pyfast that can see device work: clock(device)."""
 from __future__ import annotations
 
 import contextlib
@@ -21,6 +22,34 @@ def machine() -> str:
                 break
     n = torch.get_num_threads()
     return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {n} thread{'s' * (n != 1)}"
+
+
+def sync(device=None) -> None:
+    """Wait until `device` has done the work queued on it: torch.cuda.synchronize for a CUDA
+    device (a kernel runs after the call that launched it returns), nothing for the CPU (its
+    ops return done), meta (no work) or None."""
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def device_of(x):
+    """The device whose work timing `x` must wait for: a tensor's, a module's first
+    parameter's (None without one), a list's first element's that has one, a device as it
+    is, None for anything else."""
+    if isinstance(x, (list, tuple)):
+        return next((d for d in map(device_of, x) if d is not None), None)
+    if isinstance(x, torch.nn.Module):
+        return next((p.device for p in x.parameters()), None)
+    if isinstance(x, (torch.Tensor, torch.nn.Parameter)):
+        return x.device
+    return x if isinstance(x, (torch.device, str)) else None
+
+
+def clock(device=None) -> float:
+    """time.perf_counter() once `device`'s queued work is done. Every timing that can see
+    device work reads this at both ends: on CUDA, perf_counter alone times the launches."""
+    sync(device)
+    return time.perf_counter()
 
 
 KEYS = ("median_s", "q10_s", "q90_s")
@@ -44,29 +73,32 @@ def stat(row: dict, key: str):
     raise KeyError(key)
 
 
-def times(fn, repeats: int = 7, warmup: int = 1, min_time: float = 0.0) -> list[float]:
-    """Wall seconds of each of `repeats` calls of fn() (more until min_time) after `warmup`."""
+def times(fn, repeats: int = 7, warmup: int = 1, min_time: float = 0.0,
+          device=None) -> list[float]:
+    """Wall seconds of each of `repeats` calls of fn() (more until min_time) after `warmup`,
+    `device` (where fn's work runs) synchronized at both ends of each (clock)."""
     for _ in range(warmup):
         fn()
     ts = []
-    start = time.perf_counter()
+    start = clock(device)
     while len(ts) < repeats or time.perf_counter() - start < min_time:
-        t0 = time.perf_counter()
+        t0 = clock(device)
         fn()
-        ts.append(time.perf_counter() - t0)
+        ts.append(clock(device) - t0)
     return ts
 
 
-def median_time(fn, repeats: int = 7, warmup: int = 1, min_time: float = 0.0) -> tuple[float, float, float]:
+def median_time(fn, repeats: int = 7, warmup: int = 1, min_time: float = 0.0,
+                device=None) -> tuple[float, float, float]:
     """(median, q10, q90) wall seconds of fn() over `repeats` runs after `warmup` (summary())."""
-    s = summary(times(fn, repeats, warmup, min_time))
+    s = summary(times(fn, repeats, warmup, min_time, device))
     return s["median_s"], s["q10_s"], s["q90_s"]
 
 
 def copy_bandwidth(x: torch.Tensor, repeats: int = 7) -> float:
     """Bytes read + written per second by y.copy_(x): the memory roof for one pass."""
     y = torch.empty_like(x)
-    t, _, _ = median_time(lambda: y.copy_(x), repeats)
+    t, _, _ = median_time(lambda: y.copy_(x), repeats, device=x.device)
     return 2 * x.numel() * x.element_size() / t
 
 

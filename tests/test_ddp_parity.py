@@ -399,3 +399,93 @@ def test_buffers_follow_the_parameters_device(pool):
     for engine, spec in META_CASES:
         for r in range(2):
             assert torch.equal(out[r][True, engine, spec], out[r][False, engine, spec]), (engine, spec)
+
+
+REBUILD_SPECS = ("none", "fp16", "bf16", "int8", "int4", "fp8", "sign", "topk:0.01",
+                 "randomk:0.1", "powersgd:2")
+SAME_AS_DP = ("none", "fp16", "bf16", "int8", "int4", "fp8", "sign", "topk:0.01")
+
+
+def _mlp():
+    torch.manual_seed(3)  # the issue's model: one DDP bucket of 76810 elements
+    return nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                         nn.Linear(256, 10))
+
+
+def _train(wrapped, x, y, steps):
+    """(losses, the reduced gradients) of `steps` SGD steps on one batch."""
+    opt = torch.optim.SGD(wrapped.module.parameters(), lr=0.05)
+    losses, grads = [], []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(wrapped(x), y)
+        loss.backward()
+        losses.append(float(loss.detach()))
+        grads.append(torch.cat([p.grad.reshape(-1) for p in wrapped.module.parameters()]))
+        opt.step()
+    return losses, grads
+
+
+def _rebuild(rank, world, steps=4):
+    """Plain DDP, DDP + the hook under every compressor (find_unused_parameters off and on),
+    and DataParallel (its buckets never change: the reference for state kept per parameter),
+    `steps` SGD steps on one fixed batch per rank. DDP rebuilds its buckets after step 1
+    (same index and size, another parameter order)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from pyfast.hooks import CompressionState, compression_hook
+    from pyfast.parallel.data import DataParallel
+    g = torch.Generator().manual_seed(11 + rank)
+    x, y = torch.randn(24, 32, generator=g), torch.randn(24, 10, generator=g)
+    out = {}
+    for kind in ("ddp",) + REBUILD_SPECS + tuple("dp:" + s for s in SAME_AS_DP):
+        for unused in (False, True) if not kind.startswith("dp:") else (False,):
+            state = None
+            try:
+                if kind.startswith("dp:"):
+                    net = DataParallel(_mlp(), kind[3:], bucket_mb=1.0, engine="python")
+                else:
+                    net = DDP(_mlp(), find_unused_parameters=unused)
+                    if kind != "ddp":
+                        state = CompressionState(kind)
+                        net.register_comm_hook(state, compression_hook)
+                losses, grads = _train(net, x, y, steps)
+                fb = state and state.compressor.feedback
+                out[kind, unused] = {"losses": losses, "grads": grads,
+                                     "memory": sorted(fb.memory) if fb else None}
+            except Exception as e:  # reported by the test, every case at once
+                out[kind, unused] = f"{type(e).__name__}: {e}"
+            if kind.startswith("dp:"):
+                net.close()
+    return out
+
+
+def test_hook_state_survives_ddp_bucket_rebuild(pool):
+    out = pool.run(_rebuild, timeout=300)
+    bad = {k: v for o in out for k, v in o.items() if isinstance(v, str)}
+    assert not bad, bad
+    r0, r1 = out
+    for (kind, unused), res in r0.items():
+        # every rank decodes the same bytes in the same order: identical gradients
+        assert all(torch.equal(a, b) for a, b in zip(res["grads"], r1[kind, unused]["grads"])), \
+            (kind, unused)
+        assert res["losses"][-1] < res["losses"][0], (kind, unused, res["losses"])
+    for unused in (False, True):
+        ddp = r0["ddp", unused]
+        for kind in REBUILD_SPECS:
+            hook = r0[kind, unused]
+            if kind == "none":  # the hook's exact reduction is DDP's: fp32 sums of 2 terms
+                for a, b in zip(hook["grads"], ddp["grads"]):
+                    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+            if kind in SAME_AS_DP:
+                # DataParallel keeps its buckets: the same compressor, memory and data give the
+                # same numbers, step after step, only if the hook's memory followed each
+                # parameter through DDP's rebuild (blocks start at each parameter in both)
+                for s, (a, b) in enumerate(zip(hook["grads"], r0["dp:" + kind, False]["grads"])):
+                    assert torch.equal(a, b), (kind, unused, s, float((a - b).abs().max()))
+            if kind in ("topk:0.01", "powersgd:2"):  # per-tensor state: one name a parameter
+                # (powersgd sends vectors as they are: no memory for the biases)
+                names = {f"bucket.p{k}" for k in range(6)}
+                assert hook["memory"] and set(hook["memory"]) <= names, hook["memory"]
+            elif hook["memory"] is not None:  # staged: one memory for the bucket's 6 parameters
+                assert hook["memory"] == ["bucket[p0-5]"], hook["memory"]

@@ -22,7 +22,7 @@ def run(numel: int = 1 << 24, repeats: int = 5) -> dict:
             y = quantize.dequantize(codes, scales, numel, kind, b)
             s = perf.summary(perf.times(
                 lambda: quantize.dequantize(*quantize.quantize(x, kind, b), numel, kind, b),
-                repeats))
+                repeats, device=x.device))
             rows.append({"kind": kind, "block": b, "rel_err": float((y - x).norm() / x.norm()),
                          "wire_ratio": numel * 4 / (codes.numel() + 4 * scales.numel()), **s})
     return {"machine": perf.machine(), "numel": numel, "repeats": repeats, "rows": rows}

@@ -64,12 +64,13 @@ def run(numel: int = 1 << 24, specs=SPECS, repeats: int = 5) -> dict:
             c = C.get(spec)
             with perf.backend(b):
                 p = c.compress(x, "g")
-                tc, _, _ = perf.median_time(lambda: c.compress(x, "g"), repeats)
-                td, _, _ = perf.median_time(lambda: c.decompress(p), repeats)
+                tc, _, _ = perf.median_time(lambda: c.compress(x, "g"), repeats, device=x.device)
+                td, _, _ = perf.median_time(lambda: c.decompress(p), repeats, device=x.device)
                 y = c.decompress(p)
                 out = torch.empty_like(x)
                 c.decompress(p, out=out)  # first touch of its pages: not timed
-                into_s, _, _ = perf.median_time(lambda: c.decompress(p, out=out), repeats)
+                into_s, _, _ = perf.median_time(lambda: c.decompress(p, out=out), repeats,
+                                                device=x.device)
             t = tc + td
             moved = 2 * xb + 2 * p.nbytes
             ref_time = t if b == "torch" else ref_time
@@ -82,7 +83,8 @@ def run(numel: int = 1 << 24, specs=SPECS, repeats: int = 5) -> dict:
             r["into_roof_fraction"] = moved / (tc + into_s) / roof
             rows.append(r)
     k = topk.target(numel, 0.01)[0]
-    t_topk, _, _ = perf.median_time(lambda: torch.topk(x.view(-1).abs(), k), repeats)
+    t_topk, _, _ = perf.median_time(lambda: torch.topk(x.view(-1).abs(), k), repeats,
+                                    device=x.device)
     for r in rows:
         if r["spec"] == "topk:0.01" and "compress_s" in r:
             r["speedup_vs_torch_topk"] = t_topk / r["compress_s"]

@@ -144,19 +144,21 @@ def _timing(job, rank: int) -> dict:
             for p in provs:
                 b0 = netns.lo_tx_bytes() if count else 0  # before the barrier: no race
                 _barrier()
-                t0 = time.perf_counter()
+                dev = inputs[_layout(p)][0].device
+                t0 = perf.clock(dev)
                 _step(p, *inputs[_layout(p)])
-                t[p].append(time.perf_counter() - t0)
+                t[p].append(perf.clock(dev) - t0)
                 waits[p].append(ring.last_wait["forward"] + ring.last_wait["backward"])
                 _barrier()  # every rank's transfers are done: the bytes are all on the link
                 if count:
                     sent[p].append(netns.lo_tx_bytes() - b0)
             for p in rings:
                 _barrier()
-                t0 = time.perf_counter()
+                dev = inputs[_layout(p)][0].device
+                t0 = perf.clock(dev)
                 with ring.comm_only():
                     _step(p, *inputs[_layout(p)])
-                alone[p].append(time.perf_counter() - t0)
+                alone[p].append(perf.clock(dev) - t0)
         each = _gather({"t": t, "waits": waits, "alone": alone})
         slowest = lambda key, p: [max(x) for x in zip(*(e[key][p] for e in each))]  # noqa: E731
         for p in provs:

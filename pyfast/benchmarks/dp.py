@@ -83,49 +83,50 @@ def _worker() -> None:
     rows = []
     for cfg in job["configs"]:
         m = build()
+        dev = perf.device_of(m)  # every timing below waits for its work (perf.clock)
         net = _wrap(cfg, m, job.get("bucket_mb"))
         opt = torch.optim.SGD(net.parameters(), lr=0.01)
         times = []
         for step in range(job["warmup"] + job["steps"]):
             x, y = data[step % 4], targets[step % 4]
             dist.barrier()
-            t0 = time.perf_counter()
+            t0 = perf.clock(dev)
             loss = nn.functional.mse_loss(net(x), y)
             opt.zero_grad()
             loss.backward()
             opt.step()
-            times.append(time.perf_counter() - t0)
+            times.append(perf.clock(dev) - t0)
         row = {"config": cfg, "times": times[job["warmup"]:], "loss": float(loss)}
         if cfg.startswith("pyfast:"):
             buckets = net.bucketer.buckets
             comp, ready = [], []  # compute only: the same step with no reduction
             seen: dict = {}
             hooks = [p.register_post_accumulate_grad_hook(
-                lambda p: seen.__setitem__(p, time.perf_counter())) for p in net.parameters()]
+                lambda p: seen.__setitem__(p, perf.clock(p.device))) for p in net.parameters()]
             for step in range(3):
                 seen.clear()
-                t0 = time.perf_counter()
+                t0 = perf.clock(dev)
                 with net.no_sync():
                     nn.functional.mse_loss(net(data[0]), targets[0]).backward()
-                comp.append(time.perf_counter() - t0)
+                comp.append(perf.clock(dev) - t0)
                 ready.append([max(seen[p] for p in b.params) - t0 for b in buckets])
             for h in hooks:
                 h.remove()
             comm = []  # communication only: every bucket queued at once on its engine
             for _ in range(3):
                 dist.barrier()
-                t0 = time.perf_counter()
+                t0 = perf.clock(dev)
                 for h in [net.reduce_async(b) for b in buckets]:
                     h.wait()
-                comm.append(time.perf_counter() - t0)
+                comm.append(perf.clock(dev) - t0)
             alone = []  # each bucket's reduction by itself
             for b in buckets:
                 ts = []
                 for _ in range(3):
                     dist.barrier()
-                    t0 = time.perf_counter()
+                    t0 = perf.clock(dev)
                     net.reduce_async(b).wait()
-                    ts.append(time.perf_counter() - t0)
+                    ts.append(perf.clock(dev) - t0)
                 alone.append(statistics.median(ts))
             ready = [statistics.median(r) for r in zip(*ready)]
             row.update(compute=statistics.median(comp), comm=statistics.median(comm),

@@ -104,9 +104,9 @@ def _worker() -> None:
         for i in range(job["warmup"] + job["repeats"]):
             for k, fn in cases.items():
                 dist.barrier()
-                t0, c0 = time.perf_counter(), time.process_time()
+                t0, c0 = perf.clock(x.device), time.process_time()
                 fn()
-                t, c = time.perf_counter() - t0, time.process_time() - c0
+                t, c = perf.clock(x.device) - t0, time.process_time() - c0
                 if i >= job["warmup"]:
                     times[k].append(t)
                     cpu[k].append(c)

@@ -123,9 +123,10 @@ def _round(names):
         mod, step = _local[name]
         mod.zero_grad(set_to_none=True)
         dist.barrier()
-        t0 = time.perf_counter()
+        dev = perf.device_of(mod)
+        t0 = perf.clock(dev)
         step()
-        out[name] = (time.perf_counter() - t0, dict(getattr(mod, "last_stats", {})) or None)
+        out[name] = (perf.clock(dev) - t0, dict(getattr(mod, "last_stats", {})) or None)
     return out
 
 
@@ -181,9 +182,9 @@ def run(worlds=(2, 4), models=("large", "tiny"), repeats: int = 7, pin: bool = T
                     f()
                 for rep in range(repeats):
                     for n, f in singles.items():  # the ranks wait for their next call meanwhile
-                        t0 = time.perf_counter()
+                        t0 = perf.clock()  # single_process: CPU modules only
                         f()
-                        times[n].append(time.perf_counter() - t0)
+                        times[n].append(perf.clock() - t0)
                     per_rank = launch.call(_round, names)
                     for n in names:
                         times[n].append(max(r[n][0] for r in per_rank))

@@ -42,6 +42,7 @@ from pyfast._io import atomic_write_text
 from pyfast.benchmarks import netns
 from pyfast.data import Batches, load_corpus
 
+DEVICE = torch.device("cpu")  # every provider's (gloo ranks); steps are timed with perf.clock
 ONE = {"1proc x 1thr": 1, "1proc x 2thr": 2}  # name -> threads of the single process
 PYFAST = {"pyfast dp2": {"dp": 2}, "pyfast dp2+int8": {"dp": 2, "compress": "int8"},
           "pyfast tp2": {"tp": 2}, "pyfast pp2": {"pp": 2, "schedule": "1f1b"}}
@@ -77,7 +78,7 @@ def _job(name, j, rank, world, corpus):
     mesh = PYFAST.get(name, {})
     cfg = TrainConfig(model=j["model"], batch=j["batch"], seq=j["seq"],
                       steps=j["warmup"] + j["steps"], **mesh)
-    job = Job(cfg, torch.device("cpu"))
+    job = Job(cfg, DEVICE)
 
     def step(i):  # (this rank's share of the loss, of the gradient norm), Job's record
         rec = job.train_step(i)
@@ -146,7 +147,7 @@ def _torch(name, j, rank, world, corpus):
         for i in range(1, len(model) - 1):  # qkv rows are per head: a column split = whole heads
             plan.update({f"{i}.attn.qkv": ColwiseParallel(), f"{i}.mlp.fc": ColwiseParallel(),
                          f"{i}.attn.proj": RowwiseParallel(), f"{i}.mlp.proj": RowwiseParallel()})
-        net = parallelize_module(model, init_device_mesh("cpu", (world,)), plan)
+        net = parallelize_module(model, init_device_mesh(DEVICE.type, (world,)), plan)
         params = list(model.parameters())
         # replicated (plain) and sharded (DTensor) parameters in one foreach list: torch's
         # _foreach_norm and AdamW refuse the mix unless plain tensors count as replicated
@@ -158,7 +159,7 @@ def _torch(name, j, rank, world, corpus):
         counts = partition([sum(p.numel() for p in m.parameters()) for m in model], world)
         lo = sum(counts[:rank])
         net = nn.Sequential(*(model[i] for i in range(lo, lo + counts[rank])))
-        sched = tpp.Schedule1F1B(tpp.PipelineStage(net, rank, world, torch.device("cpu")),
+        sched = tpp.Schedule1F1B(tpp.PipelineStage(net, rank, world, DEVICE),
                                  n_microbatches=2 * world, loss_fn=_ce)
         params, share = list(net.parameters()), float(rank == world - 1)
         clip = _global_clip
@@ -250,10 +251,10 @@ def _worker() -> None:
     for i in range(j["warmup"] + j["steps"]):
         for name, (step, close) in [(n, live[n]) for n in j["configs"] if n in live]:
             dist.barrier()
-            w0, t0 = bytes_written(), time.perf_counter()
+            w0, t0 = bytes_written(), perf.clock(DEVICE)
             share, gnorm, rec = step(i + 1)
             if i >= j["warmup"]:
-                log[name]["times"].append(time.perf_counter() - t0)
+                log[name]["times"].append(perf.clock(DEVICE) - t0)
                 log[name]["sent"].append(bytes_written() - w0)
                 log[name]["recs"].append(rec)
             if i == 0:

@@ -5,7 +5,8 @@ collective, pair pieces of different tensors, or raise on that rank alone while 
 agree(desc, problem, group) raises the same exception, with the same message, on every rank of
 the group if any rank has a problem or the ranks' descriptions differ. Cheap path: one exchange
 of an 8-byte digest of (desc, problem), 0.6 ms at W=2 on this 2-core machine (loaded), on the
-device of the data it guards (the group's backend carries it). Only when a digest differs or a
+device of the data it guards where the group's backend serves that device, else on the one it
+serves (exchange_device). Only when a digest differs or a
 rank has a problem does all_gather_object run, to word the error.
 """
 from __future__ import annotations
@@ -18,12 +19,32 @@ import torch.distributed as dist
 from pyfast.comm.collectives import device_backends
 
 
-def _default_device(group) -> torch.device:
+# Which device types a backend named alone ("gloo", not "cpu:gloo,cuda:nccl") exchanges tensors
+# on; another backend is taken to serve any device. gloo takes CUDA tensors through host copies
+# (collectives.check_backend refuses those where data moves; an 8-byte digest may go so).
+_SERVES = {"gloo": ("cpu", "cuda"), "nccl": ("cuda",)}  # cpu-literal: gloo's device
+
+
+def _default_device(found: dict) -> torch.device:
     """The device the group's backend exchanges small tensors on: CPU unless only CUDA has one."""
-    found = device_backends(dist.get_backend_config(group))
     if "cpu" in found or found.get("*", "nccl") != "nccl":  # cpu-literal: backend per device
         return torch.device("cpu")  # cpu-literal: the group has a CPU backend
     return torch.device("cuda", torch.cuda.current_device())
+
+
+def exchange_device(group=None, device: torch.device | None = None) -> torch.device:
+    """Where an agreement's digest travels: `device` (the data's) if the group's backend
+    serves that device type, else the device the backend serves (CPU if it has a CPU backend,
+    else the current GPU). A job may shard a CPU batch over an NCCL-only group before it
+    moves the shards to the GPU: the check must still run on NCCL's device, as must a check of
+    meta tensors (a dry run) on a backend that lists cpu and cuda only."""
+    found = device_backends(dist.get_backend_config(group))
+    if device is not None:
+        device = torch.device(device)
+        if device.type in found or ("*" in found and device.type in
+                                    _SERVES.get(found["*"], (device.type,))):
+            return device
+    return _default_device(found)
 
 
 def _all_gather(group):
@@ -54,10 +75,10 @@ def agree(desc, problem: BaseException | None = None, group=None, *, what: str =
     agree and ranks have problems, every rank raises the type of the first bad rank's problem
     with its message and "(rank(s) [...])" naming the ranks that have one.
     what: the prefix of every message ("reduce_scatter('g')"). differ(descs) -> the message of
-    the ValueError raised when descriptions differ (descs in rank order). device: where the
-    digest travels (default: the group backend's device). gather(mine) -> every rank's copy of
-    the 1-element int64 tensor `mine`, in rank order: the cheap exchange (default
-    all_gather_single over `group`; a caller with a faster one for its group passes it).
+    the ValueError raised when descriptions differ (descs in rank order). device: the data's,
+    where the digest travels if the group's backend serves it (exchange_device). gather(mine)
+    -> every rank's copy of the 1-element int64 tensor `mine`, in rank order: the cheap
+    exchange (default all_gather_single over `group`; a caller with a faster one passes it).
     Outside torch.distributed, or alone in its group, it raises this rank's problem only."""
     kind, msg = ((type(problem), str(problem) or type(problem).__name__) if problem is not None
                  else (None, ""))
@@ -67,8 +88,7 @@ def agree(desc, problem: BaseException | None = None, group=None, *, what: str =
     else:
         key = repr((desc, kind and kind.__qualname__, msg)).encode()
         digest = int.from_bytes(hashlib.sha256(key).digest()[:8], "little", signed=True)
-        mine = torch.tensor([digest], dtype=torch.int64,
-                            device=device if device is not None else _default_device(group))
+        mine = torch.tensor([digest], dtype=torch.int64, device=exchange_device(group, device))
         every = (gather or _all_gather(group))(mine)
         if not msg and bool((every == mine).all()):
             return  # equal digests: every rank has this same description and no problem

@@ -20,13 +20,13 @@ is measured, not assumed, and the 16-bit reduction is the bar:
 """
 from __future__ import annotations
 
-import time
 
 import torch
 import torch.distributed as dist
 
 import pyfast.compress as C
 from pyfast.comm import cost
+from pyfast.perf import clock
 
 CANDIDATES = ["fp16", "none", "bf16", "int8", "fp8", "int4"]
 WARMUP = 2
@@ -44,8 +44,9 @@ class AutoSelector:
         self.world = dist.get_world_size(group)
         self.fixed = False
         self.made = {}
+        dev = buckets[0].flat.device if buckets else None  # the feedback memory's, loads too
         for spec in CANDIDATES:
-            self.made[spec] = C.wrap(C.get(spec), error_feedback)
+            self.made[spec] = C.wrap(C.get(spec), error_feedback, dev)
         self.choice = ["fp16"] * len(buckets)
         self.t16 = [0.0] * len(buckets)
         self.report: list[dict] = []
@@ -66,7 +67,8 @@ class AutoSelector:
         """Called at the end of every synced step with each bucket's reduction time."""
         if self.fixed:
             return
-        t, self._last = self._last, time.perf_counter()
+        # the step's time: the gradients' device synchronized (on CUDA, else the launches)
+        t, self._last = self._last, clock(self.buckets[0].flat.device if self.buckets else None)
         if self.step == WARMUP - 1:
             *self.t16, self.step_s = self._agree(list(seconds) + [self._last - t])
             self._decide()

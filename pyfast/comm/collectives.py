@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
@@ -40,6 +39,7 @@ import pyfast.compress as C
 from pyfast.comm import pipelined
 from pyfast.comm.failure import naming
 from pyfast.errors import NonFiniteGradient  # raised where found (ops, compress); re-exported
+from pyfast.perf import clock
 
 # Below 256 KB of compressed payload the second compression and the extra round of two-phase
 # cost more than the (W-2)/W bytes they save (latency-bound regime).
@@ -344,13 +344,16 @@ class Handle:
 
     @classmethod
     def on_worker(cls, fn, *args) -> "Handle":
-        """fn(*args) on the FIFO communication thread, timed there."""
+        """fn(*args) on the FIFO communication thread, timed there, the device of its first
+        tensor argument synchronized at both ends (perf.clock: on CUDA the time then also holds
+        device work the caller queued meanwhile, an upper bound; without it, the launch)."""
         took: list[float] = []
+        device = next((a.device for a in args if hasattr(a, "device")), None)
 
         def timed():
-            t0 = time.perf_counter()
+            t0 = clock(device)
             result = fn(*args)
-            took.append(time.perf_counter() - t0)
+            took.append(clock(device) - t0)
             return result
         fut = _executor().submit(timed)
         h = cls(lambda timeout: (fut.result(timeout), took[0]),

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 import pyfast.compress as C
+from pyfast.perf import clock
 
 PRIMITIVES = ("all_reduce", "all_gather", "all_to_all")
 # 256 B and 256 KB .. 1 MB per rank: the small call gives the per-call latency (top-k and
@@ -62,15 +63,15 @@ class LinkModel:
         return alpha + beta * max(0.0, nbytes - free)
 
 
-def _time(fn, repeats: int, group, pause: float = 0.0) -> float:
+def _time(fn, repeats: int, group, device, pause: float = 0.0) -> float:
     ts = []
     for _ in range(repeats):
         dist.barrier(group=group)
         if pause:
             time.sleep(pause)
-        t0 = time.perf_counter()
+        t0 = clock(device)
         fn()
-        ts.append(time.perf_counter() - t0)
+        ts.append(clock(device) - t0)
     return statistics.median(ts)
 
 
@@ -106,9 +107,10 @@ def measure_link(group=None, sizes=SIZES, repeats: int = 7, device=None,
                 out = torch.empty_like(x)
                 fn = lambda o=out, x=x: dist.all_to_all_single(o, x, group=group)  # noqa: E731
             fn()  # warm: connections, buffers
-            times.append(_time(fn, repeats, group, PAUSE_S if pause and nbytes > sizes[0] else 0.0))
+            times.append(_time(fn, repeats, group, device,
+                               PAUSE_S if pause and nbytes > sizes[0] else 0.0))
     small = torch.zeros(2, dtype=torch.int64, device=device)
-    times.append(_time(lambda: dist.all_reduce(small, group=group), repeats, group))
+    times.append(_time(lambda: dist.all_reduce(small, group=group), repeats, group, device))
     t = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     t = t.tolist()
@@ -125,11 +127,11 @@ def codec_seconds(c: C.Compressor, x: torch.Tensor, repeats: int = 3) -> tuple[f
     c.decompress(c.compress(x, name))
     enc, dec = math.inf, math.inf
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock(x.device)
         p = c.compress(x, name)
-        t1 = time.perf_counter()
+        t1 = clock(x.device)
         c.decompress(p)
-        t2 = time.perf_counter()
+        t2 = clock(x.device)
         enc, dec = min(enc, t1 - t0), min(dec, t2 - t1)
     return enc, dec
 

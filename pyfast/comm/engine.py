@@ -89,8 +89,9 @@ def check_device(device: torch.device) -> None:
         raise ValueError(f"the native engine takes CPU and CUDA tensors, got one on {device}")
 
 
-def status() -> tuple[bool, str]:
-    """(True, "") if the engine can run here, else (False, why)."""
+def status(device: torch.device | None = None) -> tuple[bool, str]:
+    """(True, "") if the engine can run here on tensors on `device` (None: any it takes), else
+    (False, why): what engine="auto" asks before it picks the engine (check_device's rule)."""
     from pyfast.ops._backend import cpp_status
     ok, why = cpp_status()
     if not ok:
@@ -98,6 +99,11 @@ def status() -> tuple[bool, str]:
     forced = os.environ.get("PYFAST_BACKEND", "auto")
     if forced not in ("auto", "cpp"):  # the engine always runs pyfast._C's kernels
         return False, f"PYFAST_BACKEND={forced} forces other kernels than pyfast._C's"
+    if device is not None:
+        try:
+            check_device(torch.device(device))
+        except (RuntimeError, ValueError) as e:
+            return False, str(e)
     return True, ""
 
 

@@ -34,7 +34,8 @@ def check_mode(mode) -> str | bool:
     return mode
 
 
-def _mine(name: str, key: str) -> bool:
+def owns(name: str, key: str) -> bool:
+    """Whether state `key` belongs to the reduction named `name` (itself, or a chunk of it)."""
     return key == name or key.startswith(name + ".") or key.startswith(name + ":")
 
 
@@ -67,7 +68,7 @@ class FiniteGuard:
         fb = c.feedback
         if self.mode == "skip" and fb is not None:
             for key, mem in fb.memory.items():
-                if _mine(name, key):
+                if owns(name, key):
                     k = (id(c), key)
                     buf = self._backup.get(k)
                     if buf is None or buf.shape != mem.shape or buf.device != mem.device:
@@ -85,7 +86,7 @@ class FiniteGuard:
                 continue
             touched = [k[1][:-4] for k in self._saved if k[0] == id(c) and k[1].endswith("\0new")]
             for key in list(fb.memory):
-                if not any(_mine(n, key) for n in touched):
+                if not any(owns(n, key) for n in touched):
                     continue
                 old = self._saved.get((id(c), key))
                 if old is None:

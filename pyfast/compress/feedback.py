@@ -12,8 +12,14 @@ from pyfast.compress.base import Compressor, Payload
 
 
 class ErrorFeedback:
-    def __init__(self, compressor: Compressor):
+    """device: where the memory lives, the device of the tensors it serves (the parameters'):
+    a checkpoint's memory (saved on the CPU) is loaded onto it. None: each memory is made on,
+    or moved once to, the device of the tensor it first serves (a DDP hook's state, which sees
+    its first tensor only in backward)."""
+
+    def __init__(self, compressor: Compressor, device: torch.device | str | None = None):
         self.compressor = compressor
+        self.device = torch.device(device) if device is not None else None
         self.memory: dict[str, torch.Tensor] = {}
 
     def _buffer(self, x: torch.Tensor, name: str) -> torch.Tensor:
@@ -23,6 +29,8 @@ class ErrorFeedback:
         elif e.numel() != x.numel():
             raise ValueError(f"error feedback {name!r} holds {e.numel()} elements but the tensor "
                              f"has {x.numel()}: the same name was used for another tensor")
+        elif e.device != x.device:  # loaded where the device was not known: once per name
+            e = self.memory[name] = e.to(x.device)
         return e
 
     def compress(self, x: torch.Tensor, name: str = "") -> Payload:
@@ -37,14 +45,19 @@ class ErrorFeedback:
     def state_dict(self) -> dict:
         return {"memory": {k: v.detach().cpu().clone() for k, v in self.memory.items()}}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, device: torch.device | str | None = None) -> None:
+        """Load `state` (state_dict's, on the CPU) onto `device`, else self.device, else
+        where it is (see the class)."""
+        if device is not None:
+            self.device = torch.device(device)
         if set(state) != {"memory"}:
             raise ValueError(f"not an ErrorFeedback state: keys {sorted(state)}")
         for k, v in state["memory"].items():
             if v.dtype != torch.float32 or v.dim() != 1:
                 raise (TypeError if v.dtype != torch.float32 else ValueError)(f"error feedback {k!r} must be a 1-D float32 tensor, got "
                                  f"{v.dtype} of shape {tuple(v.shape)}")
-        self.memory = {k: v.clone() for k, v in state["memory"].items()}
+        self.memory = {k: v.to(self.device, copy=True) if self.device is not None else v.clone()
+                       for k, v in state["memory"].items()}
 
 
 class WithFeedback(Compressor):
@@ -52,11 +65,12 @@ class WithFeedback(Compressor):
     collective and every compression it does (of a chunk, or of a reduced sum) remembers what
     it did not send, keyed by the name the collective gives it."""
 
-    def __init__(self, compressor: Compressor, feedback: ErrorFeedback | None = None):
+    def __init__(self, compressor: Compressor, feedback: ErrorFeedback | None = None,
+                 device: torch.device | str | None = None):
         if isinstance(compressor, WithFeedback):
             raise ValueError("compressor already has error feedback")
         self.inner = compressor
-        self.feedback = feedback or ErrorFeedback(compressor)
+        self.feedback = feedback or ErrorFeedback(compressor, device)
         self.spec = compressor.spec
 
     # what the collectives read (base.Compressor) is the inner compressor's
@@ -89,17 +103,19 @@ class WithFeedback(Compressor):
     def state_dict(self):
         return {"compressor": self.inner.state_dict(), "feedback": self.feedback.state_dict()}
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state, device=None):
         self.inner.load_state_dict(state.get("compressor", {}))
-        self.feedback.load_state_dict(state.get("feedback", {"memory": {}}))
+        self.feedback.load_state_dict(state.get("feedback", {"memory": {}}), device)
 
     def __repr__(self):
         return f"WithFeedback({self.inner!r})"
 
 
-def wrap(compressor: Compressor, error_feedback: bool = True) -> Compressor:
+def wrap(compressor: Compressor, error_feedback: bool = True,
+         device: torch.device | str | None = None) -> Compressor:
     """The rule every reducer follows: a lossy compressor gets an error-feedback memory when
-    error_feedback is on; an exact one (none, fp16, bf16) stays as it is."""
+    error_feedback is on; an exact one (none, fp16, bf16) stays as it is. device: the
+    parameters' (where the memory lives, checkpoints loaded included; ErrorFeedback)."""
     if error_feedback and compressor.lossy:
-        return WithFeedback(compressor)
+        return WithFeedback(compressor, device=device)
     return compressor

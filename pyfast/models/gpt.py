@@ -228,15 +228,16 @@ class GPT(nn.Sequential):
             if isinstance(m, Block):
                 m.checkpointed = True
 
-    def context_parallel(self, group, layout: str = "zigzag", method: str = "ring") -> None:
+    def context_parallel(self, group, layout: str | None = None, method: str = "ring") -> None:
         """Shard every sequence over `group` (context parallelism): from now on forward takes
         this rank's shard of the token ids (pyfast.parallel.context.shard_sequence(ids, group,
         dim=1, layout=layout)) and returns the logits of those tokens, every attention layer
         attends over the whole sequence with context_parallel_attention(method, layout), and
         rotary angles and learned positions are the shard's global positions
-        (sequence_positions). Composes with tensor parallelism (each tp rank's local heads)
-        and pipeline stages (the layers keep the setting). Collective over `group` in every
-        forward and backward, so all its ranks must run the model together."""
+        (sequence_positions). layout is required: the one the ids were sharded with (no
+        default, as in pyfast.parallel.context). Composes with tensor parallelism (each tp
+        rank's local heads) and pipeline stages (the layers keep the setting). Collective over
+        `group` in every forward and backward, so all its ranks must run the model together."""
         if layout not in LAYOUTS or method not in METHODS:
             raise ValueError(f"context_parallel: layout must be one of {LAYOUTS} and method one "
                              f"of {METHODS}, got {layout!r}, {method!r}")

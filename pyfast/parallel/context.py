@@ -2,7 +2,7 @@
 of the sequence ([B, H, S/N, D] of q, k and v), exact against dense attention on the whole one.
 
     q, k, v = (shard_sequence(t, group=cp, dim=2, layout="zigzag") for t in (q, k, v))
-    out = context_parallel_attention(q, k, v, group=cp, causal=True, method="ring")
+    out = context_parallel_attention(q, k, v, group=cp, causal=True, layout="zigzag")
     full = unshard_sequence(out, group=cp, dim=2, layout="zigzag")
 
 Layouts (which tokens a rank holds): "contiguous" gives rank r the r-th of N equal chunks;
@@ -10,6 +10,12 @@ Layouts (which tokens a rank holds): "contiguous" gives rank r the r-th of N equ
 2023, "Striped/zigzag" ring attention as in ring-flash-attention and Megatron-Core's CP), so
 under a causal mask every rank has the same number of visible (query, key) pairs: with
 contiguous chunks rank N-1 does N times rank 0's work and the others wait for it.
+The layout has no default anywhere it changes a result (shard_sequence, unshard_sequence,
+sequence_positions, a causal context_parallel_attention): a causal call on contiguous shards
+that assumed zigzag gave a 50-69% wrong output and gradients with no error. It is not carried
+with the shards either: q, k and v are computed from the sharded tokens (an attribute would
+not survive the projections, a tensor subclass would have to survive every op), so the caller
+says it where it is known, once per call.
 
 Methods:
   "ring" (Liu et al. 2023, arXiv:2310.01889): keys and values travel around the ring while each
@@ -47,7 +53,12 @@ def _world(group) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def _check_layout(layout: str) -> None:
+def _check_layout(layout: str | None, what: str = "", when: str = "") -> None:
+    if layout is None:
+        raise ValueError(f"{what + ': ' if what else ''}layout= is required{when} "
+                         f"({' or '.join(map(repr, LAYOUTS))}: how "
+                         "the shards were cut, shard_sequence's layout); there is no default, "
+                         "since guessing wrong gives a wrong result without an error")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
 
@@ -73,10 +84,13 @@ def length_problem(seq_len: int, world: int, layout: str) -> str | None:
     return None
 
 
-def sequence_positions(seq_len: int, group=None, layout: str = "zigzag", *, rank: int | None = None,
-                       world: int | None = None, device=None) -> torch.Tensor:
+def sequence_positions(seq_len: int, group=None, layout: str | None = None, *,
+                       rank: int | None = None, world: int | None = None,
+                       device=None) -> torch.Tensor:
     """The global positions (int64) of the tokens a rank holds, in its shard's order: what its
-    rotary or learned position embeddings must use. seq_len is the whole sequence's length."""
+    rotary or learned position embeddings must use. seq_len is the whole sequence's length;
+    layout (required) the shards'."""
+    _check_layout(layout, "sequence_positions")
     if rank is None or world is None:
         w, r = _world(group)
         world, rank = world or w, rank if rank is not None else r
@@ -96,11 +110,13 @@ def _agree_length(t: torch.Tensor, dim: int, world: int, layout: str, group, wha
           what=what, device=t.device)
 
 
-def shard_sequence(t: torch.Tensor, group=None, dim: int = 2, layout: str = "zigzag") -> torch.Tensor:
+def shard_sequence(t: torch.Tensor, group=None, dim: int = 2,
+                   layout: str | None = None) -> torch.Tensor:
     """This rank's shard of `t` (the whole sequence along `dim`, the same on every rank): a
-    contiguous copy (zigzag's two chunks side by side). Differentiable (the gradient lands in
-    this rank's positions, zeros elsewhere). Collective only for the check."""
-    _check_layout(layout)
+    contiguous copy (zigzag's two chunks side by side). layout: required, "zigzag" or
+    "contiguous". Differentiable (the gradient lands in this rank's positions, zeros
+    elsewhere). Collective only for the check."""
+    _check_layout(layout, "shard_sequence")
     world, rank = _world(group)
     dim = dim % t.dim()
     if world > 1:
@@ -138,10 +154,12 @@ class _Gather(torch.autograd.Function):
                 None, None, None)
 
 
-def unshard_sequence(t: torch.Tensor, group=None, dim: int = 2, layout: str = "zigzag") -> torch.Tensor:
+def unshard_sequence(t: torch.Tensor, group=None, dim: int = 2,
+                     layout: str | None = None) -> torch.Tensor:
     """The whole sequence from every rank's shard (an all-gather), in natural order; inverse of
-    shard_sequence. Differentiable (see _Gather: the gradient is taken as replicated)."""
-    _check_layout(layout)
+    shard_sequence, whose layout it requires. Differentiable (see _Gather: the gradient is
+    taken as replicated)."""
+    _check_layout(layout, "unshard_sequence")
     world, _ = _world(group)
     dim = dim % t.dim()
     if world == 1:
@@ -160,7 +178,7 @@ def _problem(q, k, v, world: int, causal: bool, method: str, layout: str):
     try:
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-        _check_layout(layout)
+        _check_layout(layout, when=" with causal=True")  # None: causal only (agree's prefix)
         check_qkv(q, k, v, "context_parallel_attention")
         if q.shape[2] != k.shape[2]:
             raise ValueError(f"context_parallel_attention: q holds {q.shape[2]} tokens of the "
@@ -195,11 +213,13 @@ def check_args(q, k, v, group, causal: bool, method: str, layout: str, scale) ->
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None,
                                causal: bool = True, method: str = "ring",
-                               layout: str = "zigzag", scale: float | None = None,
+                               layout: str | None = None, scale: float | None = None,
                                heads_per_pass: int | None = None,
                                backend: str | None = None) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence's keys: q, k, v [B, H, S/N, D],
     this rank's shards in `layout` (shard_sequence's), the output [B, H, S/N, D] likewise.
+    layout is required when causal (the mask depends on which tokens a rank holds; ValueError
+    without it); without a mask any layout gives the same rows, and None means contiguous.
     Equal to F.scaled_dot_product_attention(full q, k, v, is_causal=causal) sharded. Collective
     over `group` (None: the default group); differentiable in q, k and v.
 
@@ -207,6 +227,8 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     send/receive buffers hold that many heads (memory) and only the last group's final gradient
     transfer is not hidden behind compute; default: enough heads for >= 1 MB messages.
     backend: the block kernel's (pyfast.ops.attention; default: cpp on CPU, triton on CUDA)."""
+    if not causal and layout is None:  # keys in any order give the same rows; the lightest check
+        layout = "contiguous"
     world, _ = _world(group)
     if world > 1:
         from .ring_attention import check_broken

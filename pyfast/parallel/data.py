@@ -4,8 +4,8 @@ gradients through a compressor, bucket by bucket, while backward is still runnin
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
-import time
 
 import torch
 import torch.distributed as dist
@@ -20,7 +20,9 @@ from pyfast.comm.auto import CANDIDATES as AUTO_CANDIDATES, AutoSelector
 from pyfast.comm.buckets import Bucketer, check_params
 from pyfast.comm.failure import Breaker, new_group_like
 from pyfast.comm.guard import FiniteGuard
+from pyfast.perf import clock
 
+log = logging.getLogger(__name__)
 ENGINES = ("auto", "native", "python")
 # 4 MB buckets (the first 1 MB, buckets.FIRST_BUCKET_MB), not DDP's 25: the engine pipelines
 # pieces inside a bucket, so a bucket only has to be big enough to hide a job's fixed cost, and
@@ -107,8 +109,10 @@ class DataParallel(nn.Module):
     (pyfast.comm.engine), no Python and no GIL on the communication path; dense deterministic
     compressors only (none, fp16, bf16, int8, int4, fp8, sign, and compressor="auto", whose
     candidates are those), else ValueError. "python": pyfast.comm.all_reduce on its Python
-    thread (every compressor). "auto": native where it can run, python otherwise;
-    `engine_kind[i]` says which one reduces bucket i. Both give bitwise-identical results and
+    thread (every compressor). "auto": native where it can run (the compressor, and the
+    parameters' device: CPU, or CUDA with a CUDA build of pyfast._C), python otherwise;
+    `engine` says which it chose (logged once at INFO), `engine_kind[i]` which one reduces
+    bucket i. Both give bitwise-identical results and
     keep the error-feedback memory under the same names (checkpoints move between them).
 
     The native engine runs on a process group of its own (pyfast.comm.engine.private_group):
@@ -139,12 +143,13 @@ class DataParallel(nn.Module):
         self.world = dist.get_world_size(group)
         self.auto = compressor == "auto"
         base = C.get("fp16" if self.auto else compressor)
-        self.compressor = C.wrap(base, error_feedback)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        dev = named[0][1].device if named else None  # the error-feedback memory's, loads too
+        self.compressor = C.wrap(base, error_feedback, dev)
         check_params(named, "DataParallel")
         self._guard = FiniteGuard(check_finite, self._compressors)
         self.check_finite = self._guard.mode
-        native = self._native(engine)  # before any collective or hook: a refusal leaves no trace
+        native = self._native(engine, dev)  # before any collective or hook: a refusal leaves no trace
         # the group every reduction runs on: the caller's, or a private one with `timeout`
         self._comm = new_group_like(group, timeout) if timeout is not None else group
         check_same_layout(named, self._comm)
@@ -156,7 +161,8 @@ class DataParallel(nn.Module):
                          if self.auto else None)
         # Per bucket, so that a per-bucket compressor could mix the two; uniform today (auto's
         # candidates are all dense).
-        self.engine_kind = ["native" if native else "python"] * len(self.bucketer.buckets)
+        self.engine = "native" if native else "python"  # what engine="auto" chose
+        self.engine_kind = [self.engine] * len(self.bucketer.buckets)
         self._engine = NativeEngine.private(group, timeout) if native else None
         self._params = [p for _, p in named]
         self._first = [0]  # side band: bucket i's used flags start at _first[i]
@@ -172,11 +178,12 @@ class DataParallel(nn.Module):
     def _compressors(self) -> list:
         return list(self.selector.made.values()) if self.selector else [self.compressor]
 
-    def _native(self, engine: str) -> bool:
+    def _native(self, engine: str, device) -> bool:
         """Whether the native engine reduces the buckets; ValueError if it was asked for and
-        cannot (no silent fallback)."""
+        cannot (no silent fallback). device: the parameters' (the engine runs CPU tensors, and
+        CUDA ones only in a CUDA build of pyfast._C)."""
         usable = [C.get(s) for s in AUTO_CANDIDATES] if self.auto else [self.compressor]
-        ok, why = native_status()
+        ok, why = native_status(device)
         unsupported = [c.spec for c in usable if not NativeEngine.supports(c)]
         if engine == "native" and not ok:
             raise ValueError(f"engine='native' cannot run: {why}; use engine='python' or 'auto'")
@@ -184,7 +191,12 @@ class DataParallel(nn.Module):
             raise ValueError(f"engine='native' does not run {', '.join(unsupported)} (dense "
                              "deterministic compressors only: none, fp16, bf16, int8, int4, fp8, "
                              "sign); use engine='python' or 'auto'")
-        return engine != "python" and ok and not unsupported
+        native = engine != "python" and ok and not unsupported
+        if engine == "auto":  # once per DataParallel: which engine "auto" chose, and why
+            why = why or (f"the engine does not run {', '.join(unsupported)}" if unsupported else "")
+            log.info("DataParallel(engine='auto') on %s: %s%s", device,
+                     "native" if native else "python", f" ({why})" if why and not native else "")
+        return native
 
     # ------------------------------------------------------------------ reduction
     def _launch(self, bucket) -> None:
@@ -238,14 +250,17 @@ class DataParallel(nn.Module):
             self._comm = self.group
 
     def _finish(self) -> None:
-        t0 = time.perf_counter()
+        # exposed communication: what the training thread spent waiting for the buckets (and
+        # copying them back) after backward's last gradient; on CUDA from the end of
+        # backward's kernels to the end of the reductions' (perf.clock synchronizes: two host
+        # syncs a step, the price of the number; without them it timed the launches)
+        dev = self._params[0].device if self._params else None
+        t0 = clock(dev)
         try:
             with self._breaker.guard("DataParallel gradient reduction"):
                 done = self._reduce_and_copy()
         finally:
-            # exposed communication: what the training thread spent waiting for the buckets
-            # (and copying them back) after backward's last gradient
-            self.last_wait_s = time.perf_counter() - t0
+            self.last_wait_s = clock(dev) - t0
         if self.selector is not None and len(done) == len(self.bucketer.buckets):
             self.selector.after_step([b.extra["seconds"] for b in done])
 

@@ -33,6 +33,8 @@ from __future__ import annotations
 import math
 
 import torch
+import logging
+
 import torch.distributed as dist
 from torch import nn
 
@@ -46,6 +48,7 @@ from .layout import Layout, ParamShard, Unit, bucket_groups, shard_range, shard_
 from .model import ZeroModel
 from .optimizer import PER_ELEMENT, ZeroOptimizer, check_optimizer
 
+log = logging.getLogger(__name__)
 STAGES = (1, 2, 3)
 PARAM_COMPRESSORS = (None, "none", "bf16", "fp16", "int8", "fp8")
 
@@ -60,7 +63,7 @@ def _first_difference(every: list) -> str:
             f"rank 0 has {at(a)!r}, rank {bad} has {at(b)!r}")
 
 
-def _grad_compressor(spec, error_feedback: bool):
+def _grad_compressor(spec, error_feedback: bool, device=None):
     if spec == "auto":
         raise ValueError("compressor='auto' is DataParallel's per-bucket choice; zero takes one "
                          "compressor for every unit (e.g. 'int8')")
@@ -69,20 +72,21 @@ def _grad_compressor(spec, error_feedback: bool):
         raise ValueError(f"compressor={c.spec!r}: the gradient reduce-scatter cannot use "
                          "powersgd (its factors need the whole matrix, each rank reduces a "
                          "shard of it); use a dense or sparse compressor such as 'int8'")
-    return C.wrap(c, error_feedback)
+    return C.wrap(c, error_feedback, device)  # the memory on the parameters' device
 
 
-def _engine_kinds(engine: str, c, pc, group) -> dict:
+def _engine_kinds(engine: str, c, pc, group, device) -> dict:
     """Who runs the reduce-scatters (compressor c) and the parameter all-gathers (pc): "native"
     where the engine can run and codes the compressor, unless engine="python"; engine="native"
     that cannot run raises ValueError naming why (no silent fallback). "auto" on a group smaller
     than the default one: python, since the engine's private group is made collectively over
-    the default group, which a subgroup's zero() need not be called on (ask for "native")."""
+    the default group, which a subgroup's zero() need not be called on (ask for "native").
+    device: the parameters' (the engine runs CPU tensors, CUDA ones only in a CUDA build)."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
-    ok, why = native_status()
+    ok, why = native_status(device)
     if engine == "auto" and dist.get_world_size(group) != dist.get_world_size():
-        ok = False
+        ok, why = False, "a subgroup (the engine's group is made over the default one)"
     if engine == "native" and not ok:
         raise ValueError(f"engine='native' cannot run: {why}; use engine='python' or 'auto'")
     kinds = {}
@@ -93,6 +97,8 @@ def _engine_kinds(engine: str, c, pc, group) -> dict:
                              f"{op} (dense deterministic compressors only: none, fp16, bf16, "
                              "int8, int4, fp8, sign); use engine='python' or 'auto'")
         kinds[op] = "native" if engine != "python" and ok and native else "python"
+    if engine == "auto":  # once per zero(): which engine "auto" chose, and why not native
+        log.info("zero(engine='auto') on %s: %s%s", device, kinds, f" ({why})" if why else "")
     return kinds
 
 
@@ -137,11 +143,12 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
     if units is not None and stage != 3:
         raise ValueError(f"units= chooses stage 3's gathered modules; stage {stage} buckets "
                          "by bucket_mb")
-    c = _grad_compressor(compressor, error_feedback)
-    kinds = _engine_kinds(engine, c, C.get(param_compressor), group)  # before any collective
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     if not named:
         raise ValueError("zero: the module has no parameter with requires_grad=True to shard")
+    c = _grad_compressor(compressor, error_feedback, named[0][1].device)
+    kinds = _engine_kinds(engine, c, C.get(param_compressor), group,  # before any collective
+                          named[0][1].device)
     check_params(named, "zero")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     # every block of either compressor codes one parameter's elements only (layout.py)

@@ -267,7 +267,7 @@ def load_target(checkpoint_id, model, opt) -> dict:
         if size == sh.shape and (model.stage < 3 or len(size) != 1):
             # whole (a stage 1/2 checkpoint): into the replicated parameter, or a temporary
             model_sd[fqn] = own[fqn] if model.stage < 3 else \
-                torch.empty(size, dtype=md[k].properties.dtype)
+                torch.empty(size, dtype=md[k].properties.dtype, device=model._device)
         elif size == (sh.n,):
             model_sd[fqn] = _dtensor(model, opt.shards[first], sh.n)
         else:
@@ -287,7 +287,9 @@ def load_target(checkpoint_id, model, opt) -> dict:
             if len(m.size) == 0:
                 entry[name] = torch.zeros((), dtype=m.properties.dtype)
             elif tuple(m.size) == (sh.n,):
-                entry[name] = _dtensor(model, torch.zeros(sh.length, dtype=m.properties.dtype), sh.n)
+                # on the parameters' device, as the mesh _dtensor puts it on (_mesh)
+                local = torch.zeros(sh.length, dtype=m.properties.dtype, device=model._device)
+                entry[name] = _dtensor(model, local, sh.n)
             else:
                 raise ValueError(f"{k}: shape {tuple(m.size)}, expected ({sh.n},)")
     return {"model": model_sd, "optim": {"state": state, "param_groups": _param_groups(opt)}}

@@ -123,25 +123,26 @@ class ZeroOptimizer(torch.optim.Optimizer):
         shard scaled by max_norm / (total + 1e-6) if that is below 1, as torch does."""
         self._reduce()
         grads = [m.grad for ms in self.model.masters for m in ms if m.grad is not None]
+        dev = self.model._device  # the parameters': a rank may hold no gradient shard
         norm_type = float(norm_type)
         if norm_type == math.inf:
             local = torch.stack([g.abs().max() for g in grads if g.numel()]).max() \
-                if any(g.numel() for g in grads) else torch.zeros(())
+                if any(g.numel() for g in grads) else torch.zeros((), device=dev)
             t = local.reshape(1).clone()
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.model.group)  # nothing in flight
             total = t[0]
         elif norm_type == 2.0:
-            t = torch.zeros(1)
+            t = torch.zeros(1, device=dev)
             for g in grads:
                 t += g.pow(2).sum()
             all_reduce(t, None, self.model.group, op="sum")
             total = t[0].sqrt()
         else:
             raise ValueError(f"clip_grad_norm_: norm_type 2 or inf, got {norm_type}")
-        coef = max_norm / (total + 1e-6)
-        if coef < 1:
-            for g in grads:
-                g.mul_(coef)
+        # clamped, not `if coef < 1` (torch's way): no host sync, and x * 1.0 is x exactly
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(coef)
         return total
 
     @torch.no_grad()

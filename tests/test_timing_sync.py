@@ -1,0 +1,89 @@
+"""Every timing that can see device work waits for the device first (pyfast.perf.clock): on
+CUDA a kernel runs after the call that launched it returns, so a bare perf_counter times the
+launch. No GPU here: torch.cuda.synchronize is replaced by a recorder, and the timing paths get
+a CUDA device where they read only the device (a device object needs no GPU; a tensor-like
+stub where they read `.device`). One process on torch's `fake` process group (world 2)."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pyfast import perf
+
+CUDA = torch.device("cuda", 0)
+
+
+class _OnCuda:
+    """A tensor as a timing path sees it: only its device is read."""
+    device = CUDA
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fake_world():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def syncs(monkeypatch):
+    seen = []
+    monkeypatch.setattr(torch.cuda, "synchronize",
+                        lambda device=None: seen.append(torch.device(device)))
+    return seen
+
+
+def test_clock_synchronizes_cuda_only(syncs):
+    for device in (CUDA, "cpu", torch.device("meta"), None):
+        assert isinstance(perf.clock(device), float)
+    assert syncs == [CUDA]
+    assert perf.device_of(nn.Linear(2, 3, device="meta")) == torch.device("meta")
+    assert perf.device_of(nn.ReLU()) is None
+    assert perf.device_of([nn.ReLU(), nn.Linear(2, 3, device="meta")]) == torch.device("meta")
+
+
+def test_harness_times_sync_each_end(syncs):
+    ts = perf.times(lambda: None, repeats=3, warmup=1, device=CUDA)
+    assert len(ts) == 3 and syncs == [CUDA] * 7  # the start of min_time, then 2 a call
+
+
+def test_codec_probe_syncs(syncs):
+    from pyfast.comm import cost
+    codec = SimpleNamespace(compress=lambda x, name: None, decompress=lambda p: None)
+    enc, dec = cost.codec_seconds(codec, _OnCuda(), repeats=2)
+    assert enc >= 0 and dec >= 0 and syncs == [CUDA] * 6  # 3 clock reads a repeat
+
+
+def test_link_probe_syncs(syncs):
+    from pyfast.comm import cost
+    cost._time(lambda: None, 3, None, CUDA)  # measure_link's timer, after a barrier
+    assert syncs == [CUDA] * 6
+
+
+def test_bucket_timing_on_the_worker_syncs(syncs):
+    from pyfast.comm.collectives import Handle
+    h = Handle.on_worker(lambda t: t, _OnCuda())
+    h.wait()
+    assert h.seconds >= 0 and syncs == [CUDA, CUDA]
+
+
+def test_auto_step_time_syncs(syncs):
+    from pyfast.comm.auto import AutoSelector
+    sel = AutoSelector([SimpleNamespace(flat=_OnCuda(), index=0, name="b0")], None, True)
+    sel.after_step([0.1])  # step 0: only the step's clock is read
+    assert syncs == [CUDA]
+
+
+def test_exposed_comm_time_reads_the_parameters_device(monkeypatch):
+    from pyfast.parallel import data
+    with torch.device("meta"):
+        net = data.DataParallel(nn.Linear(5, 3), None, engine="python")
+    read = []
+    monkeypatch.setattr(data, "clock", lambda device=None: read.append(device) or 0.0)
+    monkeypatch.setattr(net, "_reduce_and_copy", lambda: [])
+    net._finish()
+    assert read == [torch.device("meta")] * 2, read  # exposed_comm_ms: clock at both ends
+    net.close()
