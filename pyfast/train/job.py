@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import time
 
 import torch
 import torch.distributed as dist
@@ -30,6 +29,7 @@ import torch.nn.functional as F
 
 from pyfast import models
 from pyfast.data import Batches, load_corpus
+from pyfast.perf import clock
 from pyfast.parallel import DataParallel, Mesh, Pipeline, parallelize, vocab_parallel_cross_entropy
 from pyfast.parallel.context import shard_sequence
 from pyfast.parallel.zero import checkpoint as zck
@@ -39,7 +39,6 @@ from . import checkpoint as ck
 from .config import ConfigError, TrainConfig, build_model, check_data, check_model
 from .telemetry import bytes_written
 
-now = time.perf_counter
 AMP = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # fp16: a run of skipped (overflowing) steps this long is a broken run, not loss scaling
 # finding its level (GradScaler halves the scale per skip: 10 skips = 1/1024 of the scale).
@@ -206,7 +205,7 @@ class Job:
 
     def train_step(self, step: int) -> dict:
         cfg = self.cfg
-        t0, w0 = now(), bytes_written()
+        t0, w0 = clock(self.device), bytes_written()  # clock: on CUDA, after the queued work
         self.opt.zero_grad(set_to_none=True)
         x, y = self.shard(*self.batches.next())
         x, y = x.to(self.device), y.to(self.device)
@@ -226,10 +225,10 @@ class Job:
             bad = float(not bool(torch.isfinite(norms).all()))
         contrib = local / scale / (cfg.dp * cfg.cp) if self.owns_loss else self.scalar(0.0)
         sent = bytes_written() - w0
-        tc = now()
+        tc = clock(self.device)
         vec = torch.stack([contrib, sq, self.scalar(bad), self.scalar(float(sent))])
         dist.all_reduce(vec)  # one small all-reduce: loss, norm, NaN/Inf and bytes, everywhere
-        waited += now() - tc
+        waited += clock(self.device) - tc
         loss, gnorm = float(vec[0]), math.sqrt(float(vec[1]))  # a sum of squares: NaN or >= 0
         skipped = False
         if vec[2] > 0 or not math.isfinite(loss) or not math.isfinite(gnorm):
@@ -249,7 +248,7 @@ class Job:
                 self.opt.step()
         lr = self.opt.param_groups[0]["lr"]
         self.sched.step()
-        step_s = now() - t0
+        step_s = clock(self.device) - t0
         rec = {"step": step, "loss": loss, "lr": lr, "grad_norm": gnorm,
                "tokens_per_s": cfg.batch * cfg.seq / step_s, "step_ms": 1e3 * step_s,
                "compute_ms": 1e3 * (step_s - waited), "exposed_comm_ms": 1e3 * waited,
