@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from pyfast.comm.collectives import device_backends
+from pyfast.comm.dry import read
 
 
 def _default_device(group) -> torch.device:
@@ -70,7 +71,8 @@ def agree(desc, problem: BaseException | None = None, group=None, *, what: str =
         mine = torch.tensor([digest], dtype=torch.int64,
                             device=device if device is not None else _default_device(group))
         every = (gather or _all_gather(group))(mine)
-        if not msg and bool((every == mine).all()):
+        same = read(every == mine, [True], group)  # a dry run: every rank is this one
+        if not msg and all(same):
             return  # equal digests: every rank has this same description and no problem
         seen = [None] * world
         dist.all_gather_object(seen, (desc, kind, msg), group=group)

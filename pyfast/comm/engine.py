@@ -89,8 +89,14 @@ def check_device(device: torch.device) -> None:
         raise ValueError(f"the native engine takes CPU and CUDA tensors, got one on {device}")
 
 
-def status() -> tuple[bool, str]:
-    """(True, "") if the engine can run here, else (False, why)."""
+def status(device: torch.device | None = None) -> tuple[bool, str]:
+    """(True, "") if the engine can run here (on tensors on `device`, when given), else
+    (False, why)."""
+    if device is not None:
+        try:
+            check_device(device)
+        except (RuntimeError, ValueError) as e:
+            return False, str(e)
     from pyfast.ops._backend import cpp_status
     ok, why = cpp_status()
     if not ok:

@@ -14,6 +14,7 @@ from torch import nn
 import pyfast.compress as C
 from pyfast.comm import all_reduce
 from pyfast.comm.agree import agree
+from pyfast.comm.dry import read
 from pyfast.comm.engine import NativeEngine, status as native_status
 from pyfast.comm.collectives import all_reduce_pieces
 from pyfast.comm.auto import CANDIDATES as AUTO_CANDIDATES, AutoSelector
@@ -144,7 +145,8 @@ class DataParallel(nn.Module):
         check_params(named, "DataParallel")
         self._guard = FiniteGuard(check_finite, self._compressors)
         self.check_finite = self._guard.mode
-        native = self._native(engine)  # before any collective or hook: a refusal leaves no trace
+        dev = named[0][1].device if named else None
+        native = self._native(engine, dev)  # before any collective or hook: no trace if refused
         # the group every reduction runs on: the caller's, or a private one with `timeout`
         self._comm = new_group_like(group, timeout) if timeout is not None else group
         check_same_layout(named, self._comm)
@@ -172,11 +174,11 @@ class DataParallel(nn.Module):
     def _compressors(self) -> list:
         return list(self.selector.made.values()) if self.selector else [self.compressor]
 
-    def _native(self, engine: str) -> bool:
-        """Whether the native engine reduces the buckets; ValueError if it was asked for and
-        cannot (no silent fallback)."""
+    def _native(self, engine: str, device) -> bool:
+        """Whether the native engine reduces the buckets (on the parameters' device); ValueError
+        if it was asked for and cannot (no silent fallback)."""
         usable = [C.get(s) for s in AUTO_CANDIDATES] if self.auto else [self.compressor]
-        ok, why = native_status()
+        ok, why = native_status(device)
         unsupported = [c.spec for c in usable if not NativeEngine.supports(c)]
         if engine == "native" and not ok:
             raise ValueError(f"engine='native' cannot run: {why}; use engine='python' or 'auto'")
@@ -260,14 +262,17 @@ class DataParallel(nn.Module):
         try:
             side.wait()  # FIFO behind the buckets: they are done too
         finally:  # wait for every bucket even so: none may run on behind the caller's back
-            used = self._side.tolist()
+            # a dry run moved nothing: every parameter is used and every bucket finite
+            n = self._first[-1]
+            used = read(self._side, [1.0] * n + [0.0] * (self._side.numel() - n), self._comm)
             done = self.bucketer.finish(keep=lambda b, i: used[self._first[b.index] + i] > 0,
                                         before=self._before_copy)
         return done
 
     def _before_copy(self, buckets) -> None:
         """Between the wait and the copy into .grad: the non-finite verdict of the step."""
-        flags = [int(f) for f in self._side[self._first[-1]:].tolist()]
+        side = self._side[self._first[-1]:]
+        flags = [int(f) for f in read(side, [0] * side.numel(), self._comm)]
         names = [f"{b.name} ({', '.join(b.names[:3])}{'...' if len(b.names) > 3 else ''})"
                  for b in self.bucketer.buckets]
         self.skipped = self._guard.settle(

@@ -72,7 +72,7 @@ def _grad_compressor(spec, error_feedback: bool):
     return C.wrap(c, error_feedback)
 
 
-def _engine_kinds(engine: str, c, pc, group) -> dict:
+def _engine_kinds(engine: str, c, pc, group, device=None) -> dict:
     """Who runs the reduce-scatters (compressor c) and the parameter all-gathers (pc): "native"
     where the engine can run and codes the compressor, unless engine="python"; engine="native"
     that cannot run raises ValueError naming why (no silent fallback). "auto" on a group smaller
@@ -80,7 +80,7 @@ def _engine_kinds(engine: str, c, pc, group) -> dict:
     the default group, which a subgroup's zero() need not be called on (ask for "native")."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
-    ok, why = native_status()
+    ok, why = native_status(device)  # the parameters' device: the engine takes CPU and CUDA
     if engine == "auto" and dist.get_world_size(group) != dist.get_world_size():
         ok = False
     if engine == "native" and not ok:
@@ -138,7 +138,8 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
         raise ValueError(f"units= chooses stage 3's gathered modules; stage {stage} buckets "
                          "by bucket_mb")
     c = _grad_compressor(compressor, error_feedback)
-    kinds = _engine_kinds(engine, c, C.get(param_compressor), group)  # before any collective
+    dev = next((p.device for p in module.parameters()), None)
+    kinds = _engine_kinds(engine, c, C.get(param_compressor), group, dev)  # before any collective
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     if not named:
         raise ValueError("zero: the module has no parameter with requires_grad=True to shard")

@@ -126,22 +126,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
         norm_type = float(norm_type)
         if norm_type == math.inf:
             local = torch.stack([g.abs().max() for g in grads if g.numel()]).max() \
-                if any(g.numel() for g in grads) else torch.zeros(())
+                if any(g.numel() for g in grads) else torch.zeros((), device=self.model._device)
             t = local.reshape(1).clone()
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.model.group)  # nothing in flight
             total = t[0]
         elif norm_type == 2.0:
-            t = torch.zeros(1)
+            t = torch.zeros(1, device=self.model._device)  # the shards' device: NCCL needs it there
             for g in grads:
                 t += g.pow(2).sum()
             all_reduce(t, None, self.model.group, op="sum")
             total = t[0].sqrt()
         else:
             raise ValueError(f"clip_grad_norm_: norm_type 2 or inf, got {norm_type}")
-        coef = max_norm / (total + 1e-6)
-        if coef < 1:
-            for g in grads:
-                g.mul_(coef)
+        # torch's rule without a host read: scale by min(1, coef); a NaN norm scales nothing
+        coef = (max_norm / (total + 1e-6)).nan_to_num(nan=1.0).clamp(max=1.0)
+        if grads:
+            torch._foreach_mul_(grads, coef)
         return total
 
     @torch.no_grad()

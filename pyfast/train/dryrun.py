@@ -1,0 +1,178 @@
+"""`pyfast train --dry-run`: the job's own step (Job.train_step: forward, backward, gradient
+reduction with the chosen compressor, clipping, optimizer) for chosen ranks of a world of N, in
+this one process, on memoryless tensors: torch's meta device over torch's fake process group
+(collectives and p2p move nothing). No process is started.
+
+Each rank builds the Job exactly as `pyfast train` does, runs one step to create what the first
+step creates (optimizer state, error-feedback memory, buckets), then one step under
+memory.MemoryTracker: the peak of that step, split by kind. An op that cannot run on the dry
+device (a CPU tensor meeting a device one, a host read of a tensor, an op without a meta kernel)
+raises DryRunError naming the op and the module it ran in.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import torch
+import torch.distributed as dist
+
+from .config import ConfigError, TrainConfig, check
+from .memory import KINDS, MemoryTracker, feedback_tensors, optimizer_tensors
+
+# usable memory per GPU, MiB as nvidia-smi reports the total (the CUDA context, ~0.5 GiB, and
+# the caching allocator's fragmentation come on top of the peak this counts)
+GPUS = {"h100": 81559, "h200": 143771, "a100-80gb": 81920, "a100-40gb": 40960,
+        "l40s": 46068, "l4": 23034, "a10g": 23028, "v100-32gb": 32768, "v100-16gb": 16384}
+
+
+class DryRunError(RuntimeError):
+    """An op of the step cannot run on memoryless tensors; the message names op and module."""
+
+
+class _Modules:
+    """The modules whose forward is running (global forward hooks; torch's ModTracker also
+    tracks backward, but its hooks break autograd.grad with leaf inputs, which zero-bubble's
+    split backward uses)."""
+
+    def __init__(self, root):
+        self.names = {m: n or type(root).__name__ for n, m in root.named_modules()}
+        self.stack: list[str] = []
+
+    def __enter__(self):
+        hooks = torch.nn.modules.module
+        self._hooks = [hooks.register_module_forward_pre_hook(self._push),
+                       hooks.register_module_forward_hook(self._pop, always_call=True)]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._hooks:
+            h.remove()
+
+    def _push(self, mod, args):
+        self.stack.append(self.names.get(mod, type(mod).__name__))
+
+    def _pop(self, mod, args, out):
+        if self.stack:
+            self.stack.pop()
+
+    def where(self) -> str:
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            return f"backward node {node.name()}"
+        return f"module {self.stack[-1]}" if self.stack else "no module (the job's own code)"
+
+
+class _Named(torch.utils._python_dispatch.TorchDispatchMode):
+    """Re-raises an op's failure as DryRunError naming the op, the module it ran in and the
+    pyfast line that called it."""
+
+    def __init__(self, rank: int):
+        super().__init__()
+        self.rank, self.mods = rank, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        try:
+            return func(*args, **(kwargs or {}))
+        except DryRunError:
+            raise
+        except Exception as e:
+            where = self.mods.where() if self.mods is not None else "building the job"
+            raise DryRunError(f"rank {self.rank}: {func} in {where} at {_site()}: "
+                              f"{type(e).__name__}: {e}") from e
+
+
+def _site() -> str:
+    """file:line (function) of the innermost pyfast frame outside the dry run's own code."""
+    f = sys._getframe(2)
+    while f is not None:
+        name = f.f_code.co_filename
+        if "/pyfast/" in name and not name.endswith(("dryrun.py", "memory.py")):
+            return f"{name[name.rindex('/pyfast/') + 1:]}:{f.f_lineno} ({f.f_code.co_name})"
+        f = f.f_back
+    return "?"
+
+
+def boundary_specs(job) -> dict:
+    """What crosses each pipeline boundary (p2p.spec_of), from the model's own layers run on a
+    meta micro-batch: the other stages' layers are on the meta device here too, parallelized
+    like this rank's (tp, cp), so they give the shapes their ranks would send."""
+    from pyfast.parallel.p2p import as_tensors, spec_of
+    cfg, bounds = job.cfg, job.pipe.bounds
+    rows = cfg.batch // (cfg.dp * cfg.grad_accum * cfg.m)
+    h = torch.zeros(rows, cfg.seq // cfg.cp, dtype=torch.long, device="meta")
+    specs = {}
+    with torch.enable_grad():
+        for b in range(len(bounds) - 2):
+            for i in range(bounds[b], bounds[b + 1]):
+                h = job.model[i](h)
+            specs[b] = spec_of(*as_tensors(h, f"stage {b}'s output"))
+    return specs
+
+
+def check_dry(cfg: TrainConfig, world: int, ranks: list[int], gpu: str | None) -> None:
+    check(cfg, world)
+    if cfg.precision != "fp32":
+        raise ConfigError(f"--dry-run with --precision {cfg.precision}: torch's autocast has no "
+                          "meta device (it casts only CPU/CUDA tensors), so activations would be "
+                          "sized as fp32; unsupported, use --precision fp32")
+    if gpu is not None and gpu not in GPUS:
+        raise ConfigError(f"--gpu {gpu!r}: one of {', '.join(GPUS)}")
+    bad = [r for r in ranks if not 0 <= r < world]
+    if bad:
+        raise ConfigError(f"--dry-rank {bad}: ranks are 0..{world - 1}")
+
+
+def run_rank(cfg: TrainConfig, world: int, rank: int) -> dict:
+    """One rank's dry step: {"rank", "peak_bytes", <KINDS>: bytes}."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from .job import Job
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    job = None
+    try:
+        with _Named(rank) as named:
+            job = Job(cfg, torch.device("meta"))
+            if job.pipe is not None:
+                job.pipe.expect(boundary_specs(job))
+            with _Modules(job.model) as named.mods:
+                job.train_step(1)  # what step 1 creates (optimizer state, feedback) stays
+                tracker = MemoryTracker()
+                mine = job.pipe if job.pipe is not None else job.model  # a pipeline: own stages
+                tracker.seed([*mine.parameters(), *mine.buffers(),
+                              *optimizer_tensors(job.opt), *feedback_tensors()])
+                with tracker:
+                    job.train_step(2)
+        grads = [p.grad for p in mine.parameters() if p.grad is not None]
+        params = [*mine.parameters(), *mine.buffers()]
+        if job.zero is not None:
+            params += list(job.zero.parameters())
+            grads += [p.grad for p in job.zero.parameters() if p.grad is not None]
+        out = tracker.breakdown(params, grads, optimizer_tensors(job.opt), feedback_tensors())
+        return {"rank": rank, **out}
+    finally:
+        if job is not None:
+            with contextlib.suppress(Exception):
+                job.close()
+        dist.destroy_process_group()
+
+
+def dry_run(cfg: TrainConfig, world: int, ranks: list[int] | None = None,
+            gpu: str | None = None) -> list[dict]:
+    ranks = list(range(world)) if ranks is None else ranks
+    check_dry(cfg, world, ranks, gpu)
+    return [run_rank(cfg, world, r) for r in ranks]
+
+
+def table(rows: list[dict], cfg: TrainConfig, gpu: str | None):
+    from rich.table import Table
+    cap = GPUS[gpu] * 2**20 if gpu else None
+    t = Table(title=f"dry run: {cfg.model}, {cfg.mesh_flags()}, compress {cfg.compress}"
+              + (f", zero {cfg.zero}" if cfg.zero else "") + " - peak memory of one step, MiB")
+    for col in ("rank", "peak", *KINDS) + (("fits " + gpu,) if gpu else ()):
+        t.add_column(col.replace("_", " "), justify="right")
+    mib = lambda b: f"{b / 2**20:,.1f}"  # noqa: E731
+    for r in rows:
+        fits = () if cap is None else (("yes" if r["peak_bytes"] <= cap else "NO"),)
+        t.add_row(str(r["rank"]), mib(r["peak_bytes"]), *(mib(r[k]) for k in KINDS), *fits)
+    return t
