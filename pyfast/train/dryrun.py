@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 
 import torch
 import torch.distributed as dist
 
 from .config import ConfigError, TrainConfig, check
-from .memory import KINDS, MemoryTracker, feedback_tensors, optimizer_tensors
+from .memory import KINDS, MemoryTracker, held, optimizer_tensors
 
 # usable memory per GPU, MiB as nvidia-smi reports the total (the CUDA context, ~0.5 GiB, and
 # the caching allocator's fragmentation come on top of the peak this counts)
@@ -57,6 +58,8 @@ class _Modules:
             self.stack.pop()
 
     def where(self) -> str:
+        if threading.current_thread() is not threading.main_thread():
+            return "pyfast's communication thread"
         node = torch._C._current_autograd_node()
         if node is not None:
             return f"backward node {node.name()}"
@@ -93,6 +96,28 @@ def _site() -> str:
     return "?"
 
 
+def measure(job, step) -> dict:
+    """Peak bytes of step() by kind (memory.KINDS), counting what the job holds before it:
+    what it holds on its device (the data and a pipeline's other stages, moved to meta, left
+    out). A pipeline's other stages are on the meta device in a real run too: not this rank's."""
+    skip = ("corpus", "batches")
+    mine = job.pipe if job.pipe is not None else job.model
+    mods = [mine] + ([job.zero] if job.zero is not None else [])
+    ours = {id(t) for m in mods for t in (*m.parameters(), *m.buffers())}
+    others = {id(t) for t in job.model.parameters()} - ours  # other stages' layers
+    before, _ = held(job, skip)
+    tracker = MemoryTracker()
+    tracker.seed([t for t in before if t.device == job.device and id(t) not in others])
+    del before  # held here, last step's gradients would outlive zero_grad
+    with tracker:
+        step()
+    now, feedback = held(job, skip)
+    params = [t for m in mods for t in (*m.parameters(), *m.buffers())]
+    params += [p for g in job.opt.param_groups for p in g["params"]]
+    grads = [p.grad for p in params if isinstance(p, torch.Tensor) and p.grad is not None]
+    return tracker.breakdown(params, grads, optimizer_tensors(job.opt), feedback)
+
+
 def boundary_specs(job) -> dict:
     """What crosses each pipeline boundary (p2p.spec_of), from the model's own layers run on a
     meta micro-batch: the other stages' layers are on the meta device here too, parallelized
@@ -116,6 +141,10 @@ def check_dry(cfg: TrainConfig, world: int, ranks: list[int], gpu: str | None) -
         raise ConfigError(f"--dry-run with --precision {cfg.precision}: torch's autocast has no "
                           "meta device (it casts only CPU/CUDA tensors), so activations would be "
                           "sized as fp32; unsupported, use --precision fp32")
+    if cfg.compress == "auto":
+        raise ConfigError("--dry-run with --compress auto: auto picks a compressor by timing the "
+                          "codecs and the link on real gradients, which a dry run has neither of; "
+                          "give the compressor to size (e.g. --compress fp16)")
     if gpu is not None and gpu not in GPUS:
         raise ConfigError(f"--gpu {gpu!r}: one of {', '.join(GPUS)}")
     bad = [r for r in ranks if not 0 <= r < world]
@@ -137,18 +166,7 @@ def run_rank(cfg: TrainConfig, world: int, rank: int) -> dict:
                 job.pipe.expect(boundary_specs(job))
             with _Modules(job.model) as named.mods:
                 job.train_step(1)  # what step 1 creates (optimizer state, feedback) stays
-                tracker = MemoryTracker()
-                mine = job.pipe if job.pipe is not None else job.model  # a pipeline: own stages
-                tracker.seed([*mine.parameters(), *mine.buffers(),
-                              *optimizer_tensors(job.opt), *feedback_tensors()])
-                with tracker:
-                    job.train_step(2)
-        grads = [p.grad for p in mine.parameters() if p.grad is not None]
-        params = [*mine.parameters(), *mine.buffers()]
-        if job.zero is not None:
-            params += list(job.zero.parameters())
-            grads += [p.grad for p in job.zero.parameters() if p.grad is not None]
-        out = tracker.breakdown(params, grads, optimizer_tensors(job.opt), feedback_tensors())
+                out = measure(job, lambda: job.train_step(2))
         return {"rank": rank, **out}
     finally:
         if job is not None:

@@ -4,15 +4,17 @@ on meta tensors (the dry run: shapes, no data) and on real ones, so a dry run ca
 against the same step on CPU tensors.
 
 What a live storage is, at the peak (by identity when the step ends; else where it was made):
-parameters (and module buffers), gradients (.grad), optimizer (optimizer state; temporaries made
-inside torch.optim), feedback (error-feedback memory of pyfast.compress.feedback), comm_buffers
-(made inside pyfast.comm or the pipeline's / tensor parallelism's p2p and collectives),
-activations (everything else: what forward saves for backward, and temporaries).
+parameters (and module buffers, and ZeRO's master shards), gradients (.grad), optimizer
+(optimizer state; temporaries made inside torch.optim), feedback (error-feedback memory of
+pyfast.compress.feedback), comm_buffers (made inside pyfast.comm, torch.distributed or the
+pipeline's / tensor parallelism's p2p, and the buffers the parallel wrappers keep between steps:
+gradient buckets, flat shards), activations (everything else made during the step: what forward
+saves for backward, and temporaries).
 """
 from __future__ import annotations
 
-import gc
 import sys
+import threading
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -55,6 +57,7 @@ class MemoryTracker(TorchDispatchMode):
         self.live: dict[int, tuple[StorageWeakRef, int, str]] = {}
         self.bytes = self.peak = 0
         self.at_peak: list[tuple[StorageWeakRef, int, str]] = []
+        self.lock = threading.Lock()  # pyfast.comm's worker thread runs ops under this mode too
 
     def _add(self, t: torch.Tensor, kind: str) -> None:
         s = _storage(t)
@@ -71,9 +74,12 @@ class MemoryTracker(TorchDispatchMode):
         self.bytes += n
 
     def seed(self, tensors) -> None:
+        """What exists before the step; unless breakdown() names it (parameters, gradients,
+        optimizer state, feedback), it is a buffer a parallel wrapper keeps between steps
+        (gradient buckets, flat shards, side bands): comm_buffers."""
         for t in tensors:
             if isinstance(t, torch.Tensor):
-                self._add(t, "activations")
+                self._add(t, "comm_buffers")
         self._sweep()
 
     def _sweep(self) -> None:
@@ -87,6 +93,11 @@ class MemoryTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         new = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        with self.lock:
+            self._account(new)
+        return out
+
+    def _account(self, new) -> None:
         kind = None
         for t in new:  # a view of a live storage adds nothing; only a new storage can raise the peak
             s = _storage(t)
@@ -98,7 +109,6 @@ class MemoryTracker(TorchDispatchMode):
                 self._add(t, kind)
         if kind is not None:
             self._sweep()
-        return out
 
     def breakdown(self, params, grads, optimizer, feedback) -> dict:
         """{"peak_bytes", kind: bytes, ...} of the live storages at the peak; the identity sets
@@ -118,11 +128,30 @@ class MemoryTracker(TorchDispatchMode):
         return {"peak_bytes": self.peak, **out}
 
 
-def feedback_tensors() -> list[torch.Tensor]:
-    """Every error-feedback memory alive in this process (pyfast.compress.feedback)."""
+def held(root, skip=()) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(every tensor `root` holds, its error-feedback memory), searched through pyfast objects,
+    modules, optimizers and containers; attributes named in `skip` are left out."""
     from pyfast.compress.feedback import ErrorFeedback
-    return [t for o in gc.get_objects() if isinstance(o, ErrorFeedback)
-            for t in o.memory.values()]
+    tensors, feedback, seen, todo = [], [], set(), [root]
+    while todo:
+        o = todo.pop()
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            tensors.append(o)
+            if o.grad is not None:
+                tensors.append(o.grad)
+        elif isinstance(o, ErrorFeedback):
+            feedback += list(o.memory.values())
+        elif isinstance(o, dict):
+            todo += list(o.values())
+        elif isinstance(o, (list, tuple, set)):
+            todo += list(o)
+        elif hasattr(o, "__dict__") and (isinstance(o, (torch.nn.Module, torch.optim.Optimizer))
+                                         or type(o).__module__.startswith("pyfast")):
+            todo += [v for k, v in vars(o).items() if k not in skip]
+    return tensors + feedback, feedback
 
 
 def optimizer_tensors(opt) -> list[torch.Tensor]:
