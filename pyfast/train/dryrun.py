@@ -154,10 +154,10 @@ def check_dry(cfg: TrainConfig, world: int, ranks: list[int], gpu: str | None) -
 
 def run_rank(cfg: TrainConfig, world: int, rank: int) -> dict:
     """One rank's dry step: {"rank", "peak_bytes", <KINDS>: bytes}."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     from .job import Job
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    # any store serves the fake backend; a HashStore also answers check(), which ring attention
+    # asks while a transfer keeps it waiting (torch's FakeStore does not implement it)
+    dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world)
     job = None
     try:
         with _Named(rank) as named:
@@ -175,11 +175,52 @@ def run_rank(cfg: TrainConfig, world: int, rank: int) -> dict:
         dist.destroy_process_group()
 
 
+def roles(cfg: TrainConfig) -> list[int]:
+    """One rank per distinct role: every pipeline stage; with --zero every dp x cp rank (each
+    owns another shard, the last maybe a shorter one); otherwise dp, cp and tp rank 0 (their
+    ranks hold the same shapes: the model's checks make every tp split even). Mesh's order:
+    r = ((pp * dp + dp_rank) * cp + cp_rank) * tp + tp_rank."""
+    shards = range(cfg.dp * cfg.cp) if cfg.zero else [0]
+    return [(s * cfg.dp * cfg.cp + d) * cfg.tp for s in range(cfg.pp) for d in shards]
+
+
+def parse_ranks(spec: str, cfg: TrainConfig) -> list[int]:
+    if spec == "roles":
+        return roles(cfg)
+    if spec == "all":
+        return list(range(cfg.ranks))
+    try:
+        return [int(r) for r in spec.split(",")]
+    except ValueError:
+        raise ConfigError(f"--dry-rank {spec!r}: 'roles', 'all' or R[,R...]") from None
+
+
 def dry_run(cfg: TrainConfig, world: int, ranks: list[int] | None = None,
             gpu: str | None = None) -> list[dict]:
-    ranks = list(range(world)) if ranks is None else ranks
+    """The dry step of each of `ranks` (default: roles(cfg)) in a world of `world` ranks:
+    [{"rank", "peak_bytes", <KINDS>: bytes}, ...]; ConfigError for flags it cannot run."""
+    ranks = roles(cfg) if ranks is None else ranks
     check_dry(cfg, world, ranks, gpu)
     return [run_rank(cfg, world, r) for r in ranks]
+
+
+def main(cfg: TrainConfig, ns) -> int:
+    """`pyfast train --dry-run`: the table (or --json) on stdout; 2 for bad flags."""
+    import json
+    try:
+        world = ns.nproc or cfg.ranks
+        if ns.nnodes != 1 or ns.print_launch:
+            raise ConfigError("--dry-run runs in this one process: no --nnodes / --print-launch")
+        rows = dry_run(cfg, world, parse_ranks(ns.dry_rank, cfg), ns.gpu)
+    except ConfigError as e:
+        print(f"pyfast train: error: {e}", file=sys.stderr)
+        return 2
+    if ns.json:
+        print(json.dumps({"ranks": rows}))
+    else:
+        from rich.console import Console
+        Console().print(table(rows, cfg, ns.gpu))
+    return 0
 
 
 def table(rows: list[dict], cfg: TrainConfig, gpu: str | None):
@@ -187,8 +228,10 @@ def table(rows: list[dict], cfg: TrainConfig, gpu: str | None):
     cap = GPUS[gpu] * 2**20 if gpu else None
     t = Table(title=f"dry run: {cfg.model}, {cfg.mesh_flags()}, compress {cfg.compress}"
               + (f", zero {cfg.zero}" if cfg.zero else "") + " - peak memory of one step, MiB")
-    for col in ("rank", "peak", *KINDS) + (("fits " + gpu,) if gpu else ()):
-        t.add_column(col.replace("_", " "), justify="right")
+    short = {"parameters": "params", "gradients": "grads", "optimizer": "optim",
+             "activations": "activ", "comm_buffers": "comm", "feedback": "feedback"}
+    for col in ("rank", "peak", *(short[k] for k in KINDS)) + (("fits " + gpu,) if gpu else ()):
+        t.add_column(col, justify="right")
     mib = lambda b: f"{b / 2**20:,.1f}"  # noqa: E731
     for r in rows:
         fits = () if cap is None else (("yes" if r["peak_bytes"] <= cap else "NO"),)

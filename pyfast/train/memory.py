@@ -83,6 +83,8 @@ class MemoryTracker(TorchDispatchMode):
         self._sweep()
 
     def _sweep(self) -> None:
+        if self.bytes <= self.peak:  # counting the freed too, no new peak: no need to look
+            return
         dead = [k for k, (ref, _, _) in self.live.items() if ref.expired()]
         for k in dead:
             self.bytes -= self.live.pop(k)[1]
