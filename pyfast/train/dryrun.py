@@ -74,26 +74,36 @@ class _Named(torch.utils._python_dispatch.TorchDispatchMode):
         super().__init__()
         self.rank, self.mods = rank, None
 
+    @contextlib.contextmanager
+    def within(self, root):
+        with _Modules(root) as self.mods:
+            yield
+        self.mods = None
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         try:
             return func(*args, **(kwargs or {}))
         except DryRunError:
             raise
         except Exception as e:
-            where = self.mods.where() if self.mods is not None else "building the job"
+            where = self.mods.where() if self.mods is not None else "no module"
             raise DryRunError(f"rank {self.rank}: {func} in {where} at {_site()}: "
                               f"{type(e).__name__}: {e}") from e
 
 
 def _site() -> str:
-    """file:line (function) of the innermost pyfast frame outside the dry run's own code."""
-    f = sys._getframe(2)
+    """file:line (function) of the innermost pyfast frame outside the dry run's own code, else
+    of the innermost frame outside torch's dispatch machinery."""
+    f, other = sys._getframe(2), None
     while f is not None:
         name = f.f_code.co_filename
-        if "/pyfast/" in name and not name.endswith(("dryrun.py", "memory.py")):
-            return f"{name[name.rindex('/pyfast/') + 1:]}:{f.f_lineno} ({f.f_code.co_name})"
+        if not name.endswith(("dryrun.py", "memory.py")):
+            if "/pyfast/" in name:
+                return f"{name[name.rindex('/pyfast/') + 1:]}:{f.f_lineno} ({f.f_code.co_name})"
+            if other is None and "/torch/_" not in name and "/torch/utils/" not in name:
+                other = f"{name}:{f.f_lineno} ({f.f_code.co_name})"
         f = f.f_back
-    return "?"
+    return other or "?"
 
 
 def measure(job, step) -> dict:
@@ -152,27 +162,42 @@ def check_dry(cfg: TrainConfig, world: int, ranks: list[int], gpu: str | None) -
         raise ConfigError(f"--dry-rank {bad}: ranks are 0..{world - 1}")
 
 
-def run_rank(cfg: TrainConfig, world: int, rank: int) -> dict:
-    """One rank's dry step: {"rank", "peak_bytes", <KINDS>: bytes}."""
-    from .job import Job
+@contextlib.contextmanager
+def dry_world(world: int, rank: int):
+    """This process as rank `rank` of a world of `world` on torch's fake process group, every
+    op failing as DryRunError naming op, module and line; yields the namer, whose within(root)
+    names the modules of `root`. Build tensors on the meta device inside."""
+    if dist.is_initialized():
+        raise RuntimeError("a dry run makes its own (fake) process group: this process already "
+                           "has one")
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
     # any store serves the fake backend; a HashStore also answers check(), which ring attention
     # asks while a transfer keeps it waiting (torch's FakeStore does not implement it)
     dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world)
-    job = None
     try:
         with _Named(rank) as named:
+            yield named
+    finally:
+        dist.destroy_process_group()
+
+
+def run_rank(cfg: TrainConfig, world: int, rank: int) -> dict:
+    """One rank's dry step: {"rank", "peak_bytes", <KINDS>: bytes}."""
+    from .job import Job
+    job = None
+    with dry_world(world, rank) as named:
+        try:
             job = Job(cfg, torch.device("meta"))
             if job.pipe is not None:
                 job.pipe.expect(boundary_specs(job))
-            with _Modules(job.model) as named.mods:
+            with named.within(job.model):
                 job.train_step(1)  # what step 1 creates (optimizer state, feedback) stays
                 out = measure(job, lambda: job.train_step(2))
-        return {"rank": rank, **out}
-    finally:
-        if job is not None:
-            with contextlib.suppress(Exception):
-                job.close()
-        dist.destroy_process_group()
+            return {"rank": rank, **out}
+        finally:
+            if job is not None:
+                with contextlib.suppress(Exception):
+                    job.close()
 
 
 def roles(cfg: TrainConfig) -> list[int]:
