@@ -60,7 +60,9 @@ def test_zero_shards_the_optimizer_state(stage):
     for r in rows:
         # half of AdamW's state per rank (shards are padded to the compressor's block: +1%)
         assert 0.99 * n * ADAM / 2 <= r["optimizer"] <= 1.01 * n * ADAM / 2
-        assert r["feedback"] >= 0.99 * n * F32 / 2  # int8's error feedback, on its shard
+        # int8's error feedback: each rank compresses every chunk of the gradient it sends in
+        # the reduce-scatter, so its memory spans the whole gradient (+ block padding)
+        assert n * F32 <= r["feedback"] <= 1.01 * n * F32
         if stage == 3:  # parameters: the fp32 master shard only between gathers
             assert r["parameters"] <= 0.55 * n * F32
 
