@@ -113,6 +113,18 @@ def test_every_compressor_under_data_parallel(spec):
         assert rows[0]["feedback"] == 0
 
 
+@pytest.mark.parametrize("spec", ["fp16", "bf16", "int8", "int4", "fp8", "sign", "powersgd:2"])
+def test_compressors_on_meta_make_the_payloads_of_real_tensors(spec):
+    """On meta tensors pyfast's ops dispatch to their registered fakes (pyfast/ops/_fake.py):
+    the wire bytes a dry run sizes are those the CPU kernels make (ragged size: 37 x 29)."""
+    from pyfast.ops._backend import resolve
+    assert resolve(torch.device("meta")) == "cpp"
+    x = torch.randn(37, 29)
+    real = C.get(spec).to_wire(C.get(spec).compress(x, "g"))
+    dry = C.get(spec).to_wire(C.get(spec).compress(x.to("meta"), "g"))
+    assert dry.is_meta and (dry.shape, dry.dtype) == (real.shape, real.dtype)
+
+
 def test_a_cpu_tensor_in_a_forward_names_the_op_and_module(monkeypatch):
     from pyfast.models import gpt
     real = gpt.MLP.forward
