@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 import pyfast.compress as C
 from pyfast.comm import cost
+from pyfast.comm.dry import read
 from pyfast.perf import clock
 
 CANDIDATES = ["fp16", "none", "bf16", "int8", "fp8", "int4"]
@@ -61,7 +62,7 @@ class AutoSelector:
         # on the gradients' device: the backend that reduces them carries the timings too
         t = torch.tensor(values, dtype=torch.float64, device=self.buckets[0].flat.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        return t.tolist()
+        return read(t, list(values), self.group)  # a dry run: every rank measured these
 
     def after_step(self, seconds: list[float]) -> None:
         """Called at the end of every synced step with each bucket's reduction time."""

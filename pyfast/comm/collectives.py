@@ -27,6 +27,7 @@ bucket3 (int8, two-phase) failed on rank 1: ...".
 from __future__ import annotations
 
 
+import contextlib
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -34,9 +35,11 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import pyfast.compress as C
 from pyfast.comm import pipelined
+from pyfast.comm.dry import read
 from pyfast.comm.failure import naming
 from pyfast.errors import NonFiniteGradient  # raised where found (ops, compress); re-exported
 from pyfast.perf import clock
@@ -103,7 +106,8 @@ def _all_gather_var(buf: torch.Tensor, group, flag: int = 0) -> tuple[list[torch
     meta = torch.tensor([buf.numel(), flag], dtype=torch.int64, device=buf.device)
     metas = meta.new_empty(world * 2)
     dist.all_gather_single(metas, meta, group=group)
-    sizes, flags = metas[0::2].tolist(), metas[1::2].tolist()
+    every = read(metas, [buf.numel(), flag] * world, group)  # a dry run: every rank is this one
+    sizes, flags = every[0::2], every[1::2]
     if any(flags):
         return [], flags
     pad = max(sizes)
@@ -161,7 +165,7 @@ def all_finite(t: torch.Tensor) -> bool:
     9.4M fp32 on one core of this 2-core EPYC: 1.6 ms, against 49 ms for
     torch.isfinite(t).all() (a 9.4 MB bool tensor, page faults included), which stood between
     the last reduction and the return of backward in `pyfast bench dp` (35-50 ms a step)."""
-    if t.numel() == 0:
+    if t.numel() == 0 or t.is_meta:  # a dry run's meta tensors hold no values: taken as finite
         return True
     lo, hi = torch.aminmax(t)
     return bool(torch.isfinite(lo) and torch.isfinite(hi))
@@ -173,10 +177,12 @@ def _agree_finite(x: torch.Tensor, group, name: str) -> None:
     before any compressor state moves."""
     world, rank = _world(group)
     flags = torch.zeros(world, device=x.device)  # on x's device: its backend carries it
-    flags[rank] = float(not all_finite(x))
+    mine = float(not all_finite(x))
+    flags[rank] = mine
     dist.all_reduce(flags, group=group)
-    if flags.any():
-        bad = flags.nonzero().flatten().tolist()
+    every = read(flags, [mine] * world, group)  # a dry run: every rank is this one
+    if any(every):
+        bad = [r for r, f in enumerate(every) if f]
         raise NonFiniteGradient(f"{name or 'tensor'}: NaN/Inf gradient on rank(s) {bad}")
 
 
@@ -349,11 +355,17 @@ class Handle:
         device work the caller queued meanwhile, an upper bound; without it, the launch)."""
         took: list[float] = []
         device = next((a.device for a in args if hasattr(a, "device")), None)
+        # the caller's dispatch modes watch the worker's ops too (a dry run's accounting and
+        # error naming, pyfast.train.dryrun); none in a normal run
+        modes = _get_current_dispatch_mode_stack()
 
         def timed():
-            t0 = clock(device)
-            result = fn(*args)
-            took.append(clock(device) - t0)
+            with contextlib.ExitStack() as stack:
+                for m in modes:
+                    stack.enter_context(m)
+                t0 = clock(device)
+                result = fn(*args)
+                took.append(clock(device) - t0)
             return result
         fut = _executor().submit(timed)
         h = cls(lambda timeout: (fut.result(timeout), took[0]),

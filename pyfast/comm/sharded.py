@@ -31,6 +31,7 @@ from pyfast.comm.agree import agree, rank_by_rank
 from pyfast.comm.collectives import (OPS, Handle, NonFiniteGradient, _all_gather_var, _bytes,
                                      _decode_add, _label, _world, check_backend, choose)
 from pyfast.comm.failure import naming
+from pyfast.comm.dry import read
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 SPARSE = ("sparse-allgather", "shared-index")  # choose()'s names for topk and randomk
@@ -90,14 +91,15 @@ def _sparse_rs(parts, names, c, group, name, acc):
     world, rank = _world(group)
     ps, flag = _compress_checked(c, parts, names)
     send = [c.to_wire(p) for p in ps]
-    mine = torch.tensor([flag] + ([s.numel() for s in send] if send else [0] * world),
-                        device=parts[0].device)
+    out_sizes = [s.numel() for s in send] if send else [0] * world
+    mine = torch.tensor([flag] + out_sizes, device=parts[0].device)
     every = mine.new_empty(world, world + 1)
     dist.all_gather_single(every.view(-1), mine, group=group)
-    _raise_nonfinite(every[:, 0].tolist(), name)
-    sizes = every[:, 1 + rank].tolist()
+    rows = read(every, [[flag] + out_sizes] * world, group)  # a dry run: every rank is this one
+    _raise_nonfinite([r[0] for r in rows], name)
+    sizes = [r[1 + rank] for r in rows]
     recv = send[0].new_empty(sum(sizes))
-    dist.all_to_all_single(recv, torch.cat(send), sizes, mine[1:].tolist(), group=group)
+    dist.all_to_all_single(recv, torch.cat(send), sizes, out_sizes, group=group)
     acc.zero_()
     meta = ps[rank].meta  # randomk: every rank derived this same seed for chunk `rank`
     for buf in recv.split(sizes):

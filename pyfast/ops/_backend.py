@@ -62,8 +62,9 @@ def status(name: str, device: torch.device | None = None) -> tuple[bool, str]:
         return True, ""
     if name == "cpp":
         ok, why = cpp_status()
-        if ok and device is not None and device.type not in ("cpu", "cuda"):
-            return False, f"pyfast._C has kernels for cpu (and cuda where built), not {device.type}"
+        if ok and device is not None and device.type not in ("cpu", "cuda", "meta"):
+            return False, (f"pyfast._C has kernels for cpu (and cuda where built) and fakes for "
+                           f"meta, not {device.type}")
         if ok and device is not None and device.type == "cuda" and not \
                 torch._C._dispatch_has_kernel_for_dispatch_key("pyfast::quantize", "CUDA"):
             return False, "pyfast._C was built without CUDA kernels (CPU-only torch or no nvcc)"
@@ -83,7 +84,9 @@ def resolve(device: torch.device, backend: str | None = None) -> str:
     """Name of the backend that runs an op on `device`."""
     name = backend or os.environ.get("PYFAST_BACKEND") or "auto"
     if name == "auto":
-        want = {"cuda": "triton", "cpu": "cpp"}.get(device.type)
+        # meta (a dry run): the dispatcher's ops, whose registered fakes (_fake.py) give the
+        # outputs the kernels would make; the torch reference would allocate otherwise
+        want = {"cuda": "triton", "cpu": "cpp", "meta": "cpp"}.get(device.type)
         if want is None:
             return "torch"
         ok, why = status(want, device)

@@ -86,20 +86,23 @@ def block_attention_backward_ref(dout, q, k, v, out, lse, causal: bool = False,
 
 # ---------------------------------------------------------------- dispatch
 def backend_for(device: torch.device, backend: str | None = None) -> str:
-    """triton on CUDA, cpp (aten's flash kernel) on CPU, torch elsewhere; a forced backend
+    """triton on CUDA, cpp (aten's flash kernel) on CPU and meta, torch elsewhere; a forced backend
     (argument or PYFAST_BACKEND) that cannot run raises BackendUnavailable. The cpp path needs
     no pyfast._C (its kernel is torch's), so it has its own check rather than ops.resolve's."""
     name = backend or os.environ.get("PYFAST_BACKEND") or "auto"
     if name == "auto":
-        name = {"cuda": "triton", "cpu": "cpp"}.get(device.type, "torch")
+        # meta (a dry run): aten's CPU flash kernels have meta kernels, and size their O(S)
+        # outputs; the torch reference would materialize the S x S scores
+        name = {"cuda": "triton", "cpu": "cpp", "meta": "cpp"}.get(device.type, "torch")
         if name == "triton" and not status("triton", device)[0]:
             raise BackendUnavailable(f"block_attention on CUDA needs Triton: "
                                      f"{status('triton', device)[1]}")
         return name
     if name == "cpp":
-        if device.type != "cpu":
+        if device.type not in ("cpu", "meta"):
             raise BackendUnavailable(f"backend 'cpp' was asked for but cannot run: attention's "
-                                     f"C++ kernel is aten's CPU one, not {device.type}")
+                                     f"C++ kernel is aten's CPU one (with a meta kernel), not "
+                                     f"{device.type}")
         return name
     ok, why = status(name, device)
     if not ok:

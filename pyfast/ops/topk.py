@@ -103,6 +103,9 @@ def topk(x: torch.Tensor, ratio: float, ef: torch.Tensor | None = None,
     if n == 0:
         return x.new_empty(0), torch.empty(0, dtype=torch.int32, device=x.device)
     k, lo, hi = target(n, ratio)
+    if x.is_meta:  # a dry run: no values to search a threshold in; the largest selection the
+        # search accepts sizes the payload (ef, updated in place, allocates nothing)
+        return x.new_empty(hi), torch.empty(hi, dtype=torch.int32, device=x.device)
     stride = max(1, n // SAMPLE)
     sample = _residual(x[::stride], ef.view(-1)[::stride] if ef is not None else None).abs()
     ks = min(sample.numel(), max(1, round(ratio * sample.numel())))

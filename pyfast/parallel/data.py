@@ -14,6 +14,7 @@ from torch import nn
 import pyfast.compress as C
 from pyfast.comm import all_reduce
 from pyfast.comm.agree import agree
+from pyfast.comm.dry import read
 from pyfast.comm.engine import NativeEngine, status as native_status
 from pyfast.comm.collectives import all_reduce_pieces
 from pyfast.comm.auto import CANDIDATES as AUTO_CANDIDATES, AutoSelector
@@ -275,14 +276,17 @@ class DataParallel(nn.Module):
         try:
             side.wait()  # FIFO behind the buckets: they are done too
         finally:  # wait for every bucket even so: none may run on behind the caller's back
-            used = self._side.tolist()
+            # a dry run moved nothing: every parameter is used and every bucket finite
+            n = self._first[-1]
+            used = read(self._side, [1.0] * n + [0.0] * (self._side.numel() - n), self._comm)
             done = self.bucketer.finish(keep=lambda b, i: used[self._first[b.index] + i] > 0,
                                         before=self._before_copy)
         return done
 
     def _before_copy(self, buckets) -> None:
         """Between the wait and the copy into .grad: the non-finite verdict of the step."""
-        flags = [int(f) for f in self._side[self._first[-1]:].tolist()]
+        side = self._side[self._first[-1]:]
+        flags = [int(f) for f in read(side, [0] * side.numel(), self._comm)]
         names = [f"{b.name} ({', '.join(b.names[:3])}{'...' if len(b.names) > 3 else ''})"
                  for b in self.bucketer.buckets]
         self.skipped = self._guard.settle(

@@ -27,6 +27,7 @@ from torch import nn
 
 from . import schedules
 from pyfast.comm.agree import agree, rank_by_rank
+from pyfast.comm.dry import read
 from pyfast.comm.failure import CommError, as_timedelta, new_group_like
 from .p2p import (MAX_MICROBATCHES, MAX_STAGES, Link, PipelineCommError, PipelineError,
                   as_tensors)
@@ -173,6 +174,13 @@ class Pipeline(nn.Module):
                             schedules.RECV_B: self._comm}
 
     # -- public ------------------------------------------------------------------------------
+    def expect(self, specs: dict) -> None:
+        """The activations' layout on each boundary b (stage b -> b + 1), as p2p.spec_of gives
+        it, for receives that hold no data: a dry run (pyfast.train.dryrun) on the meta device
+        over the fake backend, where the header a peer sends arrives empty."""
+        for b, link in self.links.items():
+            link.dry_spec = specs[b]
+
     def step(self, x: torch.Tensor | None = None, target: torch.Tensor | None = None,
              trace: bool = False) -> torch.Tensor | None:
         """One training iteration: returns the mean micro-batch loss on the last stage (None
@@ -264,7 +272,7 @@ class Pipeline(nn.Module):
             try:
                 flag = torch.tensor([int(failed)], dtype=torch.int32, device=self._dev)
                 dist.all_reduce(flag, dist.ReduceOp.MAX, group=self.group)
-                if int(flag.item()):
+                if read(flag, [int(failed)], self.group)[0]:  # dry run: every rank is this one
                     seen = [None] * self.world_size
                     mine = (self._message(error), not getattr(error, "forwarded", False)) \
                         if failed else None

@@ -3,6 +3,7 @@
 
     pyfast train --nproc 2 --dp 2 --compress int8 --model gpt-small --steps 100 --out runs/demo
     torchrun --nproc-per-node 4 -m pyfast train --dp 2 --tp 2 --model gpt-tiny ...
+    pyfast train --dry-run --nproc 16 --dp 2 --cp 2 --tp 2 --pp 2 --gpu h100   (memory, no GPU)
 """
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     ns = parser().parse_args(argv)
     cfg = from_args(ns)
+    if ns.dry_run:  # no process is started
+        from .dryrun import main as dry_main
+        return dry_main(cfg, ns)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # a rank started by torchrun
         if ns.nproc or ns.print_launch:
             print("pyfast train: error: --nproc / --print-launch are for the launching command, "

@@ -167,14 +167,28 @@ def parser() -> argparse.ArgumentParser:
     a("--allow-change", default=d.allow_change, metavar="FLAGS",
       help="--resume: let these recorded flags differ from the checkpoint's run (comma list; "
            f"{', '.join(RESUME_ALLOWABLE)}: extend a run); logged")
+    g = p.add_argument_group("dry run (pyfast.train.dryrun: no process is started)")
+    g.add_argument("--dry-run", action="store_true", help="run one whole step of the job for a "
+                   "world of --nproc ranks in this process, on memoryless (meta) tensors over "
+                   "torch's fake process group, and print each rank's peak memory by kind")
+    g.add_argument("--dry-rank", default="roles", help="which ranks: 'roles' (default: one per "
+                   "distinct role: each pipeline stage and, with --zero, each dp x cp shard, at "
+                   "tp/cp/dp rank 0 otherwise, whose ranks hold the same shapes), 'all', or "
+                   "R[,R...]")
+    g.add_argument("--gpu", default=None, help="size the peak against this GPU's memory: "
+                   "h100, h200, a100-80gb, a100-40gb, l40s, l4, a10g, v100-32gb, v100-16gb")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of the "
+                   "table: {\"ranks\": [{\"rank\", \"peak_bytes\", \"parameters\", ...}]}")
     return p
 
 
 LAUNCH_FLAGS = ("nproc", "nnodes", "node_rank", "rdzv_endpoint", "max_restarts", "print_launch")
+DRY_FLAGS = ("dry_run", "dry_rank", "gpu", "json")
 
 
 def from_args(ns: argparse.Namespace) -> TrainConfig:
-    return TrainConfig(**{k: v for k, v in vars(ns).items() if k not in LAUNCH_FLAGS})
+    return TrainConfig(**{k: v for k, v in vars(ns).items()
+                          if k not in LAUNCH_FLAGS + DRY_FLAGS})
 
 
 def check(cfg: TrainConfig, world: int, model: bool = True) -> dict:

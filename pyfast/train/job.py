@@ -102,7 +102,10 @@ class Job:
                                                  virtual_stages=cfg.virtual_stages,
                                                  split_backward=False)
         module = self.pipe if self.pipe is not None else model
-        self.named = [(n, p) for n, p in model.named_parameters() if not p.is_meta]
+        # this rank's parameters (a pipeline's own stages; by identity, not by device: the
+        # others' layers are on the meta device, and so is everything in a dry run)
+        mine = {id(p) for p in module.parameters()}
+        self.named = [(n, p) for n, p in model.named_parameters() if id(p) in mine]
         self.params = [p for _, p in self.named]
         decay = [p for p in self.params if p.dim() >= 2]
         rest = [p for p in self.params if p.dim() < 2]
@@ -221,20 +224,22 @@ class Job:
             # one fused pass (torch._foreach_norm, as clip_grad_norm_), squares summed in fp64
             norms = torch.stack(torch._foreach_norm(grads)).double() if grads else \
                 torch.zeros(0, dtype=torch.float64, device=self.device)
-            sq = (norms[self.counted[have]] ** 2).sum()
-            bad = float(not bool(torch.isfinite(norms).all()))
+            # a mask, not boolean indexing: its size depends on data (no meta kernel: dry run)
+            sq = torch.where(self.counted[have], norms.square(), 0.0).sum()
+            bad = (~torch.isfinite(norms).all()).double()  # on the device: no host read
         contrib = local / scale / (cfg.dp * cfg.cp) if self.owns_loss else self.scalar(0.0)
         sent = bytes_written() - w0
         tc = clock(self.device)
-        vec = torch.stack([contrib, sq, self.scalar(bad), self.scalar(float(sent))])
+        vec = torch.stack([contrib, sq, bad, self.scalar(float(sent))])
         dist.all_reduce(vec)  # one small all-reduce: loss, norm, NaN/Inf and bytes, everywhere
         waited += clock(self.device) - tc
-        loss, gnorm = float(vec[0]), math.sqrt(float(vec[1]))  # a sum of squares: NaN or >= 0
+        vals = self._read(vec)  # the step's one host read
+        loss, gnorm = vals[0], math.sqrt(vals[1])  # a sum of squares: NaN or >= 0
         skipped = False
-        if vec[2] > 0 or not math.isfinite(loss) or not math.isfinite(gnorm):
+        if vals[2] > 0 or not math.isfinite(loss) or not math.isfinite(gnorm):
             if self.scaler is None:
                 raise NonFiniteError(f"step {step}: loss {loss}, gradient norm {gnorm} (NaN/Inf "
-                                     f"on {int(vec[2])} rank(s)); stopping before the update, "
+                                     f"on {int(vals[2])} rank(s)); stopping before the update, "
                                      f"the last complete checkpoint is kept")
             skipped = self._skip(step)
         else:
@@ -252,20 +257,27 @@ class Job:
         rec = {"step": step, "loss": loss, "lr": lr, "grad_norm": gnorm,
                "tokens_per_s": cfg.batch * cfg.seq / step_s, "step_ms": 1e3 * step_s,
                "compute_ms": 1e3 * (step_s - waited), "exposed_comm_ms": 1e3 * waited,
-               "bytes_sent": int(vec[3])}
+               "bytes_sent": int(vals[3])}
         if self.scaler is not None:
             rec.update(loss_scale=scale, skipped=skipped)
         return rec
 
-    def _zero_norm(self) -> tuple[torch.Tensor, float]:
+    def _read(self, vec: torch.Tensor) -> list[float]:
+        """vec's values on the host. A dry run's meta tensors hold none: a finite step whose
+        gradient norm is clipped (twice --clip) stands in, so every branch of a step runs."""
+        if vec.is_meta:
+            return [0.0, (2.0 * max(self.cfg.clip, 1.0)) ** 2, 0.0, 0.0]
+        return vec.tolist()
+
+    def _zero_norm(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(this rank's share of the squared global gradient norm, NaN/Inf flag) under zero:
         ZeroOptimizer.clip_grad_norm_ all-reduces the shards' squares and clips with torch's
         rule (max_norm / (norm + 1e-6) when below 1); a NaN norm scales nothing, and the step
         stops before the update as without zero."""
         clip = self.cfg.clip if self.cfg.clip > 0 else math.inf
-        norm = float(self.opt.clip_grad_norm_(clip))
-        share = norm * norm if self.mesh.dp_rank == self.mesh.cp_rank == 0 else 0.0
-        return self.scalar(share), float(not math.isfinite(norm))
+        norm = self.opt.clip_grad_norm_(clip).double()  # stays on the device: no host read
+        share = norm.square() if self.mesh.dp_rank == self.mesh.cp_rank == 0 else self.scalar(0.0)
+        return share, (~torch.isfinite(norm)).double()
 
     def _skip(self, step: int) -> bool:
         """fp16 overflow somewhere in the mesh: every rank skips this update and backs off the

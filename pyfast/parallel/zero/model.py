@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from pyfast.comm import all_gather, all_reduce, reduce_scatter
+from pyfast.comm.dry import read
 from pyfast.comm.failure import Breaker
 from pyfast.parallel.data import broadcast_coalesced
 
@@ -228,7 +229,7 @@ class ZeroModel(nn.Module):
             self._engine.all_reduce(self._used, None, op="sum", name="sideband").wait()
         else:
             all_reduce(self._used, None, self.group, op="sum", async_op=True).wait()
-        used = self._used.tolist()
+        used = read(self._used, [1.0] * self._used.numel(), self.group)  # dry run: all used
         self._used.zero_()
         for u, out, _ in inflight:
             for i, p in enumerate(u.params):

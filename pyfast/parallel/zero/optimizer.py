@@ -139,10 +139,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             total = t[0].sqrt()
         else:
             raise ValueError(f"clip_grad_norm_: norm_type 2 or inf, got {norm_type}")
-        # clamped, not `if coef < 1` (torch's way): no host sync, and x * 1.0 is x exactly
+        # clamped, not `if coef < 1` (torch's way): no host sync, and x * 1.0 is x exactly;
+        # a NaN norm makes NaN gradients, as torch.nn.utils.clip_grad_norm_ does
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        for g in grads:
-            g.mul_(coef)
+        if grads:
+            torch._foreach_mul_(grads, coef)
         return total
 
     @torch.no_grad()

@@ -1,0 +1,223 @@
+"""pyfast train --dry-run: the job's own step on meta tensors over torch's fake process group,
+for a world of N ranks in this one process, and its memory accounting."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import pyfast.compress as C
+from pyfast.train import ConfigError
+from pyfast.train.config import TrainConfig, build_model
+from pyfast.train.dryrun import DryRunError, dry_run, dry_world, roles
+from pyfast.train.memory import KINDS, MemoryTracker
+
+F32 = 4
+# AdamW's state per parameter: exp_avg and exp_avg_sq (fp32) and a 4-byte `step` scalar
+ADAM = 2 * F32
+
+
+def cfg(**kw) -> TrainConfig:
+    return TrainConfig(**{"model": "gpt-small", **kw})
+
+
+def n_params(c: TrainConfig) -> int:
+    return sum(p.numel() for p in build_model(c, 256, "meta").parameters())
+
+
+def check_rows(rows, ranks):
+    assert [r["rank"] for r in rows] == ranks
+    for r in rows:
+        assert set(r) == {"rank", "peak_bytes", *KINDS}
+        assert all(isinstance(r[k], int) and r[k] >= 0 for k in KINDS)
+        # the peak is the live storages at one moment, each counted under exactly one kind
+        assert sum(r[k] for k in KINDS) == r["peak_bytes"]
+        assert r["activations"] > 0 and r["parameters"] > 0
+
+
+def test_data_parallel_holds_the_whole_model_and_its_state():
+    c = cfg(dp=2)
+    rows = dry_run(c, 2, [0, 1])
+    check_rows(rows, [0, 1])
+    n = n_params(c)
+    for r in rows:
+        # parameters: the model's (+ RoPE buffers, < 1%); AdamW: 2 fp32 tensors per parameter
+        assert n * F32 <= r["parameters"] <= 1.01 * n * F32
+        assert n * ADAM <= r["optimizer"] <= 1.01 * n * ADAM
+        assert r["comm_buffers"] >= n * F32  # DataParallel's gradient buckets
+        assert r["feedback"] == 0
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_shards_the_optimizer_state(stage):
+    c = cfg(dp=2, zero=stage, compress="int8")
+    rows = dry_run(c, 2)
+    check_rows(rows, [0, 1])  # roles: each shard's owner
+    n = n_params(c)
+    for r in rows:
+        # half of AdamW's state per rank (shards are padded to the compressor's block: +1%)
+        assert 0.99 * n * ADAM / 2 <= r["optimizer"] <= 1.01 * n * ADAM / 2
+        # int8's error feedback: each rank compresses every chunk of the gradient it sends in
+        # the reduce-scatter, so its memory spans the whole gradient (+ block padding)
+        assert n * F32 <= r["feedback"] <= 1.01 * n * F32
+        if stage == 3:  # parameters: the fp32 master shard only between gathers
+            assert r["parameters"] <= 0.55 * n * F32
+
+
+@pytest.mark.parametrize("kw", [dict(tp=2), dict(cp=2), dict(cp=2, cp_method="ulysses"),
+                                dict(cp=2, cp_layout="contiguous")],
+                         ids=["tp", "cp-ring", "cp-ulysses", "cp-contiguous"])
+def test_tensor_and_context_parallel(kw):
+    c = cfg(**kw)
+    rows = dry_run(c, c.ranks, [c.ranks - 1])
+    check_rows(rows, [c.ranks - 1])
+    n = n_params(c)
+    share = 0.5 if "tp" in kw else 1.0  # tp splits the blocks (embedding and norms stay whole)
+    assert rows[0]["parameters"] <= 1.01 * share * n * F32 + 0.1 * n * F32
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"])
+def test_pipeline_stages_split_the_model(schedule):
+    c = cfg(pp=2, schedule=schedule)
+    rows = dry_run(c, 2)
+    check_rows(rows, [0, 1])
+    n = n_params(c)
+    # the two stages together hold the model once (balance by parameters: near halves)
+    assert abs(sum(r["parameters"] for r in rows) - n * F32) <= 0.01 * n * F32
+    assert all(r["parameters"] < 0.6 * n * F32 for r in rows)
+    assert all(r["comm_buffers"] > 0 for r in rows)  # p2p messages
+
+
+def test_four_dimensional_mesh():
+    c = cfg(dp=2, cp=2, tp=2, pp=2)
+    assert roles(c) == [0, 8]  # one rank per pipeline stage
+    rows = dry_run(c, 16, [0, 8, 15])
+    check_rows(rows, [0, 8, 15])
+    assert rows[1] == {**rows[2], "rank": 8}  # ranks of one stage hold the same shapes
+
+
+@pytest.mark.parametrize("spec", ["none", "fp16", "bf16", "int8", "int4", "fp8", "sign",
+                                  "topk:0.01", "randomk:0.1", "powersgd:2"])
+def test_every_compressor_under_data_parallel(spec):
+    c = cfg(dp=2, compress=spec)
+    rows = dry_run(c, 2, [1])
+    check_rows(rows, [1])
+    n = n_params(c)
+    if C.get(spec).lossy:  # error feedback: one fp32 memory per gradient element (powersgd:
+        # its matrices only, 99% of gpt-small's)
+        assert 0.95 * n * F32 <= rows[0]["feedback"] <= 1.01 * n * F32
+    else:
+        assert rows[0]["feedback"] == 0
+
+
+@pytest.mark.parametrize("spec", ["fp16", "bf16", "int8", "int4", "fp8", "sign", "powersgd:2"])
+def test_compressors_on_meta_make_the_payloads_of_real_tensors(spec):
+    """On meta tensors pyfast's ops dispatch to their registered fakes (pyfast/ops/_fake.py):
+    the wire bytes a dry run sizes are those the CPU kernels make (ragged size: 37 x 29)."""
+    from pyfast.ops._backend import resolve
+    assert resolve(torch.device("meta")) == "cpp"
+    x = torch.randn(37, 29)
+    real = C.get(spec).to_wire(C.get(spec).compress(x, "g"))
+    dry = C.get(spec).to_wire(C.get(spec).compress(x.to("meta"), "g"))
+    assert dry.is_meta and (dry.shape, dry.dtype) == (real.shape, real.dtype)
+
+
+def test_a_cpu_tensor_in_a_forward_names_the_op_and_module(monkeypatch):
+    from pyfast.models import gpt
+    real = gpt.MLP.forward
+
+    def planted(self, x):  # a CPU literal in a device path, as a bug would write it
+        return real(self, x) + torch.ones(x.shape[-1])
+    monkeypatch.setattr(gpt.MLP, "forward", planted)
+    with pytest.raises(DryRunError) as e:
+        dry_run(cfg(), 1, [0])
+    msg = str(e.value)
+    assert "aten.add" in msg and "module 1.mlp" in msg and "cpu" in msg, msg
+
+
+def test_a_host_read_names_the_op_and_line():
+    with dry_world(2, 0) as named:
+        lin = nn.Linear(8, 8, device="meta")
+        with named.within(nn.Sequential(lin)):
+            with pytest.raises(DryRunError, match=r"_local_scalar_dense.*test_dry_run.py"):
+                float(lin(torch.randn(3, 8, device="meta")).sum())
+
+
+def test_memory_equals_the_cpu_allocations_of_the_same_step():
+    """The dry run's peak (meta tensors) against the same job's step on real CPU tensors at one
+    rank, measured by torch's profiler (profile_memory: every CPU allocation and free, an
+    accounting independent of the dry run's). Measured here: equal to 0.0001%."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import Action
+
+    from pyfast.train.job import Job
+    from pyfast.train.memory import held
+    c = cfg(batch=2, seq=64)
+    dry = dry_run(c, 1, [0])[0]["peak_bytes"]
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        job = Job(c, torch.device("cpu"))
+        job.train_step(1)
+        # the profiler sees no free of a block made before it started: free last step's
+        # gradients now (the step's zero_grad would), count what stays as the baseline
+        job.opt.zero_grad(set_to_none=True)
+        before, _ = held(job, ("corpus", "batches"))
+        base = sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+                    for t in before if t.device.type == "cpu"}.values())
+        del before
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True,
+                     record_shapes=True, with_stack=True) as prof:
+            job.train_step(2)
+        job.close()
+    finally:
+        dist.destroy_process_group()
+    live = peak = 0
+    for _, action, _, nbytes in prof._memory_profile().timeline:
+        live += nbytes if action == Action.CREATE else -nbytes if action == Action.DESTROY else 0
+        peak = max(peak, live)
+    assert abs(dry - (base + peak)) <= 0.10 * (base + peak), (dry, base, peak)  # the issue's 10%
+
+
+def test_sequence_parallel_and_async_tp_layers():
+    from pyfast.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+    for overlap in (0, True):
+        with dry_world(4, 1) as named:
+            with torch.device("meta"):
+                m = nn.Sequential(
+                    ColumnParallelLinear(64, 256, sequence_parallel=True, overlap=overlap),
+                    nn.ReLU(), RowParallelLinear(256, 64, sequence_parallel=True, overlap=overlap))
+                x = torch.randn(32, 3, 64, requires_grad=True)  # this rank's 32 of 128 positions
+            tracker = MemoryTracker()
+            with named.within(m), tracker:
+                y = m(x)
+                y.sum().backward()
+            assert y.shape == (32, 3, 64) and m[0].weight.grad.shape == (64, 64)
+            # at least the whole sequence's (128 x 3) hidden activations of 256/4 features
+            assert tracker.peak >= 128 * 3 * 64 * F32
+
+
+def test_refused_flags():
+    with pytest.raises(ConfigError, match="autocast"):
+        dry_run(cfg(precision="bf16"), 1)
+    with pytest.raises(ConfigError, match="auto"):
+        dry_run(cfg(dp=2, compress="auto"), 2)
+    with pytest.raises(ConfigError, match="--dry-rank"):
+        dry_run(cfg(dp=2), 2, [2])
+    with pytest.raises(ConfigError, match="world size"):
+        dry_run(cfg(dp=2), 4)
+
+
+def test_cli_json():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-m", "pyfast", "train", "--dry-run", "--nproc", "2",
+                          "--pp", "2", "--model", "gpt-tiny", "--json", "--gpu", "h100"],
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": root})
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)  # exactly one JSON object on stdout
+    assert list(doc) == ["ranks"]
+    check_rows(doc["ranks"], [0, 1])
