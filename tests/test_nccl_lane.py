@@ -4,19 +4,30 @@ against the same dense references as the tag-keeping tests: ring attention (2 an
 causal zigzag and contiguous, not causal; one and several head passes), every pipeline
 schedule over two steps of different batch sizes (and a failing step: the failure reaches
 every rank, and a new Pipeline on the same ranks works), async TP's two functions forward and
-backward. Tolerances are those of the tests whose rank jobs are reused here (each states its
-reason); nothing is looser under the lane, which changes only how messages pair.
+backward. Each run's p2p calls are also checked against NCCL's one stream per pair of ranks
+(nccl_lane.nccl_deadlock: no receive queued before a send it waits for, on both sides).
+Tolerances are those of the tests whose rank jobs are reused here (each states its reason);
+nothing is looser under the lane, which changes only how messages pair.
 """
 import pytest
 import torch
 
-from nccl_lane import run_tag0
+from nccl_lane import nccl_deadlock, run_logged, run_tag0
 import test_async_tp as atp
 import test_context_parallel as cp
 import test_pipeline as pp
 import test_pipeline_failures as pf
 
 pytestmark = pytest.mark.dist
+
+
+def _logged(pool, fn, *args):
+    """fn's values on the pool's ranks under the lane, after checking that the p2p calls
+    they made would not hang under NCCL (nccl_deadlock)."""
+    got = pool.run(run_logged, fn, *args)
+    hang = nccl_deadlock([log for _, log in got])
+    assert hang is None, hang
+    return [value for value, _ in got]
 
 
 # -- the lane itself ---------------------------------------------------------------------------
@@ -68,6 +79,17 @@ class _nothing:
         return False
 
 
+def test_nccl_deadlock_sees_a_receive_before_a_send_on_both_sides():
+    recv_first = [[("0", 1, "recv", 8, None), ("0", 1, "send", 8, None)],
+                  [("0", 0, "recv", 8, None), ("0", 0, "send", 8, None)]]
+    assert "would hang" in nccl_deadlock(recv_first)
+    batched = [[("0", 1, "recv", 8, 0), ("0", 1, "send", 8, 0)],
+               [("0", 0, "send", 8, None), ("0", 0, "recv", 8, None)]]
+    assert nccl_deadlock(batched) is None
+    assert "bytes" in nccl_deadlock([[("0", 1, "send", 8, None)], [("0", 0, "recv", 4, None)]])
+    assert "would hang" in nccl_deadlock([[("0", 1, "send", 8, None)], []])  # never received
+
+
 def test_lane_pairs_in_posting_order_and_tags_pair_without_it(pool2):
     _, (a, b, by_tag) = pool2.run(_pairing, False)
     assert torch.equal(by_tag["isend"][0], b) and torch.equal(by_tag["isend"][1], a)
@@ -87,7 +109,7 @@ RING = [("ring", lay, c) for lay in ("zigzag", "contiguous") for c in (True, Fal
 def test_ring_attention(request, world):
     pool = request.getfixturevalue(f"pool{world}")
     # ragged: head dim 12, 3 heads, 5 tokens a zigzag chunk
-    res = pool.run(run_tag0, cp._compare, torch.float32, (2, 3, 10 * world, 12), RING, 7)
+    res = _logged(pool, cp._compare, torch.float32, (2, 3, 10 * world, 12), RING, 7)
     for case, errs in res[0].items():
         assert max(errs) <= cp.TOL[torch.float32], f"{case}: out/dq/dk/dv errors {errs}"
 
@@ -106,7 +128,7 @@ def _one_head_passes(rank, world, *args):
 @pytest.mark.parametrize("world", [2, 4])
 def test_ring_attention_head_passes(request, world):
     pool = request.getfixturevalue(f"pool{world}")
-    res = pool.run(run_tag0, _one_head_passes, torch.float32, (1, 3, 6 * world, 8), RING, 8)
+    res = _logged(pool, _one_head_passes, torch.float32, (1, 3, 6 * world, 8), RING, 8)
     for case, errs in res[0].items():
         assert max(errs) <= cp.TOL[torch.float32], f"{case}: out/dq/dk/dv errors {errs}"
 
@@ -116,7 +138,7 @@ def test_ring_attention_head_passes(request, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_pipeline_schedules(request, world, schedule, v):
     pool = request.getfixturevalue(f"pool{world}")
-    pool.run(run_tag0, pp.check_against_dense, schedule, v, "params", [16, 8])
+    _logged(pool, pp.check_against_dense, schedule, v, "params", [16, 8])
 
 
 @pytest.mark.parametrize("schedule,v,case", [(s, v, "loss") for s, v in pp.SCHEDULES] +
@@ -161,7 +183,7 @@ def _async_tp(rank, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_async_tp(request, world):
     pool = request.getfixturevalue(f"pool{world}")
-    for rank, res in enumerate(pool.run(run_tag0, _async_tp)):
+    for rank, res in enumerate(_logged(pool, _async_tp)):
         for (kind, pieces), per in res.items():
             for name, (diff, scale, same) in per.items():
                 assert same, (rank, kind, pieces, name)

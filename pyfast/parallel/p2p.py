@@ -15,12 +15,13 @@ for it matches, and the text of the error rides in its payload). A rank that rec
 fails in turn and passes it on, so every rank stops its schedule instead of waiting for the
 group's timeout. The Pipeline then agrees on the step's outcome with one all-reduce.
 
-Nothing relies on tags (NCCL has none; tests/test_nccl_lane.py runs with every tag 0): between
-two ranks, each side sends in its schedule's order and the other posts its receives in that
-same order (stream_order: every rank can compute every rank's schedule), the headers included.
-A failing rank sends the rest of its stream as failures in that order, and after a failed
+Nothing relies on tags (NCCL has none; tests/test_nccl_lane.py runs with every tag 0): two
+ranks issue the messages between them, both ways, in one order that both compute
+(pair_orders), the headers included, so receives pair with sends in posting order and NCCL's
+one stream per pair of ranks never holds a receive that waits for a send queued behind it.
+A failing rank sends the rest of its messages as failures in that order, and after a failed
 step the ranks drain what is left unmatched either way, so no message of it can pair with a
-later one. The tags stay (they let gloo match early), distinct per Pipeline, kind, boundary and
+later one. The tags stay (gloo matches by them), distinct per Pipeline, kind, boundary and
 micro-batch.
 """
 from __future__ import annotations
@@ -182,59 +183,77 @@ def _forwarded(message: str) -> PipelineError:
     return err
 
 
-def stream_order(actions, me: int, p: int, n_stages: int) -> dict[int, list[tuple]]:
-    """What rank `me` sends while running `actions` (its compute actions), per receiving rank
-    in sending order: (kind, boundary, mb), a boundary's header before its first activation
-    and before its first gradient. Every rank can compute it for every rank, so a receiver
-    posts its receives from a peer in exactly the order the peer sends: NCCL has no tags and
-    pairs the messages between two ranks in posting order (gloo's tags then only help)."""
-    out, opened = {}, set()
-    for a in actions:
-        if a.kind == F and a.stage < n_stages - 1:
-            b, peer, kind, head = a.stage, (a.stage + 1) % p, ACT, ACT_HEADER
-        elif a.kind in (B, I) and a.stage > 0:
-            b, peer, kind, head = a.stage - 1, (a.stage - 1) % p, GRAD, GRAD_HEADER
-        else:
-            continue
-        if peer == me:
-            continue
-        msgs = out.setdefault(peer, [])
-        if (head, b) not in opened:
-            opened.add((head, b))
-            msgs.append((head, b, 0))
-        msgs.append((kind, b, a.mb))
+def pair_orders(lists: list, p: int, n_stages: int) -> dict[tuple, list[tuple]]:
+    """For every two ranks x < y that exchange messages, all of them, both ways, in one order:
+    (sender, kind, boundary, mb), a boundary's header before its first activation and before
+    its first gradient. lists: every rank's compute actions. Both ranks issue their sends and
+    receives between them in this order: NCCL pairs messages in posting order (no tags) and
+    runs the calls between two ranks one after another on one stream, so a receive issued
+    before a send on both sides, each waiting for the other's, would hang. The order is that
+    of a run of the schedule (schedules.simulate, by the time each message is sent; ties by
+    sender), so it never makes a rank wait for a message that needs its own later one."""
+    from .schedules import simulate
+    sent = []
+    for q, timeline in enumerate(simulate(lists, n_stages)["timeline"]):
+        opened = set()
+        for _, end, a in timeline:
+            if a.kind == F and a.stage < n_stages - 1:
+                b, dst, kind, head = a.stage, (a.stage + 1) % p, ACT, ACT_HEADER
+            elif a.kind in (B, I) and a.stage > 0:
+                b, dst, kind, head = a.stage - 1, (a.stage - 1) % p, GRAD, GRAD_HEADER
+            else:
+                continue
+            if dst == q:
+                continue
+            if (head, b) not in opened:
+                opened.add((head, b))
+                sent.append((end, q, len(sent), dst, head, b, 0))
+            sent.append((end, q, len(sent), dst, kind, b, a.mb))
+    out: dict[tuple, list[tuple]] = {}
+    for _, q, _, dst, kind, b, mb in sorted(sent):
+        out.setdefault((min(q, dst), max(q, dst)), []).append((q, kind, b, mb))
     return out
 
 
 class Peer:
-    """This rank's messages with one other rank in a step, both ways, in stream_order: sends
-    are checked against it, receives posted in it. A receive whose size is not known yet (the
-    boundary's header is unread) is posted later, and so is every one after it."""
+    """This rank's messages with one other rank in a step, both ways, issued in pair_orders'
+    order: a send first posts every receive due before it; a receive is posted as far ahead
+    as that order allows (never past a send of this rank not made yet) and its size is known
+    (a boundary's activations once its header is read)."""
 
-    def __init__(self, group, rank: int):
-        self.group, self.rank = group, rank  # rank: in `group`
+    def __init__(self, group, rank: int, me: int):
+        self.group, self.rank, self.me = group, rank, me  # ranks in `group`
         self.links: dict[int, Link] = {}     # boundary -> Link (each Link adds itself)
 
-    def begin(self, recv_order: list, send_order: list):
-        self.order, self.at = recv_order, {msg: i for i, msg in enumerate(recv_order)}
-        self.send_order = send_order
-        self.checked = 0  # the headers before this index in `order` have been read
+    def begin(self, order: list):
+        self.order = order
+        self.at = {(kind, b, mb): i for i, (_, kind, b, mb) in enumerate(order)}
+        self.next = 0     # the first message of `order` not issued yet
+        self.checked = 0  # the headers received before this index have been read
         self.sent: list = []    # (bytes, tag) of each message sent, for drain()
         self.posted: list = []  # (bytes, tag) of each receive posted
-        self.post(len(recv_order) - 1, block=False)  # the first header: before any compute
+        self.post(len(order) - 1, block=False)  # the first headers: before any compute
 
     def send(self, link, t, kind, mb) -> None:
-        want = self.send_order[len(self.sent)] if len(self.sent) < len(self.send_order) else None
-        if want != (kind, link.stage, mb):
-            raise PipelineError(f"internal: rank sends {(kind, link.stage, mb)} to rank "
-                                f"{self.rank} where its schedule sends {want}")
+        i = self.at.get((kind, link.stage, mb))
+        if i is None or i < self.next:
+            raise PipelineError(f"internal: rank {self.me} sends {(kind, link.stage, mb)} to "
+                                f"rank {self.rank}, which its schedule does not (or did)")
+        self.post(i - 1, block=True)
+        if self.next != i:
+            raise PipelineError(f"internal: rank {self.me} sends {(kind, link.stage, mb)} to "
+                                f"rank {self.rank} before {self.order[self.next]}")
         self.sent.append((t.numel(), link.tag(kind, mb)))
         link.isend(t, kind, mb)
+        self.next = i + 1
 
     def post(self, upto: int, block: bool) -> None:
-        """Post the receives up to index `upto`; block: read the headers that size them."""
-        while len(self.posted) <= upto:
-            kind, b, mb = self.order[len(self.posted)]
+        """Post the receives up to index `upto`, stopping at a send of this rank; block: read
+        the headers that size them."""
+        while self.next <= upto:
+            sender, kind, b, mb = self.order[self.next]
+            if sender == self.me:
+                return
             link = self.links[b]
             size = link.size(kind)
             if size is None and not block:
@@ -242,30 +261,37 @@ class Peer:
             if size is None:  # an activation whose header is unread: it precedes, posted
                 link.read_header(ACT_HEADER)
                 size = link.size(kind)
-                if size is None:
-                    raise PipelineError(f"internal: no size for {(kind, b, mb)} from rank "
-                                        f"{self.rank}")
             link.post(kind, mb, size)
             self.posted.append((size, link.tag(kind, mb)))
+            self.next += 1
 
     def take(self, kind, b, mb) -> None:
         """Make the receive of (kind, b, mb) ready to wait on: it and every earlier one
-        posted, every earlier header read (an error one raises here, so a failed peer that
-        stops sending before this message cannot leave this rank waiting for it)."""
+        posted, every header received before it read (an error one raises here, so a failed
+        peer that stops sending before this message cannot leave this rank waiting for it)."""
         i = self.at[(kind, b, mb)]
         self.post(i, block=True)
-        for kind_j, b_j, _ in self.order[self.checked:i]:
-            if kind_j in (ACT_HEADER, GRAD_HEADER):
+        if self.next <= i:
+            raise PipelineError(f"internal: rank {self.me} waits for {(kind, b, mb)} from rank "
+                                f"{self.rank} before sending {self.order[self.next]}")
+        for sender, kind_j, b_j, _ in self.order[self.checked:i]:
+            if sender != self.me and kind_j in (ACT_HEADER, GRAD_HEADER):
                 self.links[b_j].read_header(kind_j)
         self.checked = max(self.checked, i)
 
     def fail(self, message: str) -> None:
-        """The rest of this rank's stream to the peer, as failures: an error header where a
-        header is due, a FAILED message of the right size for each message after it; up to the
-        first one whose size this rank cannot know (a header it sent as an error precedes it)."""
-        for kind, b, mb in self.send_order[len(self.sent):]:
-            if not self.links[b].send_failure(kind, mb, message):
-                return
+        """The rest of this rank's messages to the peer, as failures, in order: an error
+        header where a header is due, a FAILED message of the right size for each message
+        after it; up to the first one whose size this rank cannot know (a header it sent as
+        an error precedes it). Receives are not posted any more (drain() matches them)."""
+        for sender, kind, b, mb in self.order[self.next:]:
+            if sender == self.me:
+                t = self.links[b].failure(kind, message)
+                if t is None:
+                    return
+                self.sent.append((t.numel(), self.links[b].tag(kind, mb)))
+                self.links[b].isend(t, kind, mb)
+        self.next = len(self.order)
 
     def drain(self, theirs, device) -> None:
         """After a failed step, every rank alive and done sending: receive what the peer sent
@@ -279,11 +305,10 @@ class Peer:
         ops += [dist.P2POp(dist.isend, torch.zeros(n, dtype=torch.uint8, device=device),
                            group=self.group, group_peer=self.rank, tag=t)
                 for n, t in posted[len(self.sent):]]
-        if ops:
+        if ops:  # one batch: both ways at once
             with naming(f"Pipeline: draining a failed step's messages with rank {self.rank}"):
                 for w in dist.batch_isend_irecv(ops):
                     w.wait()
-
 
 class Link:
     """Boundary stage -> stage + 1 as seen by this rank: it is the sender (it owns `stage`),
@@ -454,19 +479,16 @@ class Link:
         return gs
 
     # -- end of step -----------------------------------------------------------------------
-    def send_failure(self, kind, mb, message: str) -> bool:
-        """Send, in place of the message (kind, mb) this rank owes, an error header or a
-        FAILED message of its size (the text of the error in its payload); False where the
-        size is unknown (this step's output layout never reached this rank)."""
+    def failure(self, kind, message: str) -> torch.Tensor | None:
+        """What this rank sends in place of a message of this kind it owes: an error header
+        or a FAILED message of its size (the text of the error in its payload); None where
+        the size is unknown (this step's output layout never reached this rank)."""
         if kind in (ACT_HEADER, GRAD_HEADER):
-            t = pack_header(self.step, self.training, error=message, device=self.device)
-        elif self.meta is None:
-            return False
-        else:
-            t = failed_message(self.meta[1] if kind == ACT else self._grad_specs(), message,
-                               self.device)
-        self.peer.send(self, t, kind, mb)
-        return True
+            return pack_header(self.step, self.training, error=message, device=self.device)
+        if self.meta is None:
+            return None
+        return failed_message(self.meta[1] if kind == ACT else self._grad_specs(), message,
+                              self.device)
 
     def abandon(self):
         """After a failed step: keep this step's pending transfers alive, never wait on them."""

@@ -29,7 +29,7 @@ from . import schedules
 from pyfast.comm.agree import agree, rank_by_rank
 from pyfast.comm.failure import CommError, as_timedelta, new_group_like
 from .p2p import (MAX_MICROBATCHES, MAX_STAGES, Link, Peer, PipelineCommError, PipelineError,
-                  as_tensors, stream_order)
+                  as_tensors, pair_orders)
 from .trace import Recorder
 from .zero_bubble import input_grad, weight_grad
 
@@ -157,16 +157,15 @@ class Pipeline(nn.Module):
                 if 0 <= b < self.n_stages - 1 and b not in self.links:
                     other = (b + 1) % p if b % p == rank else b % p
                     if other != rank and other not in self.peers:
-                        self.peers[other] = Peer(group, other)
+                        self.peers[other] = Peer(group, other, rank)
                     self.links[b] = Link(group, uid, b, b % p, (b + 1) % p, rank, m,
                                          self.peers.get(other))
-        # every neighbour's messages in the order it sends them, for training and inference
-        self._orders = {}
-        for q in (rank, *self.peers):
-            acts = compute if q == rank else schedules.compute_actions(
-                schedule, q, p, m, self.n_stages // p)
-            for training, pick in ((True, list), (False, schedules.forward_only)):
-                self._orders[(training, q)] = stream_order(pick(acts), q, p, self.n_stages)
+        # the messages between this rank and each neighbour, in training and inference
+        lists = [compute if q == rank else schedules.compute_actions(
+            schedule, q, p, m, self.n_stages // p) for q in range(p)]
+        self._orders = {training: pair_orders([pick(a) for a in lists], p, self.n_stages)
+                        if self.peers else {}
+                        for training, pick in ((True, list), (False, schedules.forward_only))}
         self._steps, self._broken, self.last_stats = 0, None, {}
         # Split backward (I then W) on every stage for zero bubble; elsewhere only where Linear
         # layers are big enough for the in-place weight gradient to pay for the graph walk:
@@ -235,8 +234,7 @@ class Pipeline(nn.Module):
             for link in self.links.values():
                 link.begin(self._steps, training, self._dev)
             for q, peer in self.peers.items():
-                peer.begin(self._orders[(training, q)].get(self.rank, []),
-                           self._orders[(training, self.rank)].get(q, []))
+                peer.begin(self._orders[training].get((min(q, self.rank), max(q, self.rank)), []))
             self._take_inputs(x, target, training)
             for a in actions:
                 self._act(a)
