@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from pyfast.comm.failure import CommError, naming
-from .schedules import B, F, I
+from .schedules import B, F, I, simulate
 
 HEADER_BYTES = 1024
 MAX_STAGES, MAX_MICROBATCHES = 256, 8192  # what the tag layout below can name
@@ -192,7 +192,6 @@ def pair_orders(lists: list, p: int, n_stages: int) -> dict[tuple, list[tuple]]:
     before a send on both sides, each waiting for the other's, would hang. The order is that
     of a run of the schedule (schedules.simulate, by the time each message is sent; ties by
     sender), so it never makes a rank wait for a message that needs its own later one."""
-    from .schedules import simulate
     sent = []
     for q, timeline in enumerate(simulate(lists, n_stages)["timeline"]):
         opened = set()
