@@ -183,3 +183,42 @@ def test_async_tp(request, world):
                 summed = (kind, name) in atp.SUMMED and world > 2
                 tol = 2 * (world - 1) * atp.EPS[torch.float32] * scale if summed else 0.0
                 assert diff <= tol, (rank, kind, pieces, name, diff, tol)
+
+
+# -- the pipeline's message order, without processes -------------------------------------------
+def _sends(acts, pick, q, p, n):
+    """{receiving rank: [(kind, boundary, mb)]} that rank q sends running acts, in order."""
+    from pyfast.parallel.p2p import ACT, GRAD
+    want = {}
+    for a in pick(acts):
+        if a.kind == "F" and a.stage < n - 1 and (a.stage + 1) % p != q:
+            want.setdefault((a.stage + 1) % p, []).append((ACT, a.stage, a.mb))
+        elif a.kind in "BI" and a.stage > 0 and (a.stage - 1) % p != q:
+            want.setdefault((a.stage - 1) % p, []).append((GRAD, a.stage - 1, a.mb))
+    return want
+
+
+@pytest.mark.parametrize("schedule,v", pp.SCHEDULES)
+@pytest.mark.parametrize("p,m", [(2, 3), (3, 5), (4, 8)])
+def test_pair_orders_hold_every_message_once_in_each_senders_order(schedule, v, p, m):
+    from pyfast.parallel import schedules
+    from pyfast.parallel.p2p import ACT, ACT_HEADER, GRAD, GRAD_HEADER, pair_orders
+    if schedule == "interleaved-1f1b" and m % max(1, m // p):
+        pytest.skip("m not divisible by its rounds")
+    n = p * v
+    lists = [schedules.compute_actions(schedule, q, p, m, v) for q in range(p)]
+    for training, pick in ((True, list), (False, schedules.forward_only)):
+        orders = pair_orders([pick(a) for a in lists], p, n)
+        for q, acts in enumerate(lists):  # what q sends, in the order of its own actions
+            for dst, msgs in _sends(acts, pick, q, p, n).items():
+                got = [msg[1:] for msg in orders[(min(q, dst), max(q, dst))] if msg[0] == q]
+                assert [g for g in got if g[0] in (ACT, GRAD)] == msgs, (training, q, dst)
+                for kind, head in ((ACT, ACT_HEADER), (GRAD, GRAD_HEADER)):
+                    for b in {g[1] for g in msgs if g[0] == kind}:
+                        first = next(i for i, g in enumerate(got) if g[:2] == (kind, b))
+                        assert got.index((head, b, 0)) < first, (training, q, dst, head, b)
+        # nothing else: every activation and gradient once, each pair's entries its own
+        total = sum(len(msgs) for q, acts in enumerate(lists)
+                    for msgs in _sends(acts, pick, q, p, n).values())
+        assert sum(g[1] in (ACT, GRAD) for o in orders.values() for g in o) == total
+        assert all(g[0] in pair for pair, o in orders.items() for g in o)
