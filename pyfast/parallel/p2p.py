@@ -331,7 +331,7 @@ class Link:
         self.sends, self.act_sends = [], {}
         self.step, self.training, self.device = step, training, device
         self.meta = None  # spec_of(...) of this step's activations
-        self.opened_f = self.opened_b = False  # headers sent by this rank this step
+        self.opened_b = False  # the gradients' header sent by this rank this step
         self.grad_ok = not training  # gradient header received (or not expected)
         self.acts, self.grads, self.mailbox = {}, {}, {}
         self._hf = self._hb = None
@@ -419,7 +419,6 @@ class Link:
             if not self.local:
                 self.peer.send(self, pack_header(self.step, self.training, meta,
                                                  device=self.device), ACT_HEADER, 0)
-            self.opened_f = True
         elif meta != self.meta:  # requires_grad too: it decides what the gradient message holds
             raise PipelineError(
                 f"stage {self.stage} output for micro-batch {mb} is {describe(meta)} but earlier "
