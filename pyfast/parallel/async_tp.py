@@ -56,8 +56,14 @@ class C10dComm:
         self.timeout = timeout  # of each wait; None: the group's own
 
     def _swap(self, send, recv, tag=TAG):  # lists of (tensor, peer); sends kept until waited on
-        works = [dist.isend(t, group=self.group, group_dst=q, tag=tag) for t, q in send]
-        works += [dist.irecv(t, group=self.group, group_src=q, tag=tag) for t, q in recv]
+        # One batch: each rank sends to and receives from every peer at once, which NCCL can
+        # only do grouped (else two large sends to each other deadlock). Every piece goes to a
+        # peer in the order its receive is posted there, so nothing relies on the tag.
+        ops = [dist.P2POp(dist.isend, t, group=self.group, group_peer=q, tag=tag)
+               for t, q in send]
+        ops += [dist.P2POp(dist.irecv, t, group=self.group, group_peer=q, tag=tag)
+                for t, q in recv]
+        works = dist.batch_isend_irecv(ops) if ops else []
         if self.timeout is None:
             return lambda: [w.wait() for w in works]
         return lambda: [w.wait(self.timeout) for w in works]

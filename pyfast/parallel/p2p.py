@@ -14,6 +14,15 @@ fails sends, on each boundary, an error header if it has not opened it this step
 for it matches, and the text of the error rides in its payload). A rank that receives one
 fails in turn and passes it on, so every rank stops its schedule instead of waiting for the
 group's timeout. The Pipeline then agrees on the step's outcome with one all-reduce.
+
+Nothing relies on tags (NCCL has none; tests/test_nccl_lane.py runs with every tag 0): two
+ranks issue the messages between them, both ways, in one order that both compute
+(pair_orders), the headers included, so receives pair with sends in posting order and NCCL's
+one stream per pair of ranks never holds a receive that waits for a send queued behind it.
+A failing rank sends the rest of its messages as failures in that order, and after a failed
+step the ranks drain what is left unmatched either way, so no message of it can pair with a
+later one. The tags stay (gloo matches by them), distinct per Pipeline, kind, boundary and
+micro-batch.
 """
 from __future__ import annotations
 
@@ -24,6 +33,7 @@ import torch.distributed as dist
 
 from pyfast.comm.dry import moved_nothing, read
 from pyfast.comm.failure import CommError, naming
+from .schedules import B, F, I, simulate
 
 HEADER_BYTES = 1024
 MAX_STAGES, MAX_MICROBATCHES = 256, 8192  # what the tag layout below can name
@@ -155,7 +165,8 @@ def unpack_header(buf: torch.Tensor) -> dict:
     raw = bytes(buf.cpu().numpy())
     ints = struct.unpack_from(f"<{_INTS}q", raw)
     if ints[0] != _MAGIC:
-        raise PipelineError("corrupt pipeline header: another message used this tag")
+        raise PipelineError("corrupt pipeline header: another message arrived where the header "
+                            "was due (sends and receives paired out of order)")
     n = struct.unpack_from("<H", raw, 8 * _INTS)[0]
     specs = []
     for i in range(ints[5]):
@@ -173,14 +184,145 @@ def _forwarded(message: str) -> PipelineError:
     return err
 
 
+def pair_orders(lists: list, p: int, n_stages: int) -> dict[tuple, list[tuple]]:
+    """For every two ranks x < y that exchange messages, all of them, both ways, in one order:
+    (sender, kind, boundary, mb), a boundary's header before its first activation and before
+    its first gradient. lists: every rank's compute actions. Both ranks issue their sends and
+    receives between them in this order: NCCL pairs messages in posting order (no tags) and
+    runs the calls between two ranks one after another on one stream, so a receive issued
+    before a send on both sides, each waiting for the other's, would hang. The order is that
+    of a run of the schedule (schedules.simulate, by the time each message is sent; ties by
+    sender), so it never makes a rank wait for a message that needs its own later one."""
+    sent = []
+    for q, timeline in enumerate(simulate(lists, n_stages)["timeline"]):
+        opened = set()
+        for _, end, a in timeline:
+            if a.kind == F and a.stage < n_stages - 1:
+                b, dst, kind, head = a.stage, (a.stage + 1) % p, ACT, ACT_HEADER
+            elif a.kind in (B, I) and a.stage > 0:
+                b, dst, kind, head = a.stage - 1, (a.stage - 1) % p, GRAD, GRAD_HEADER
+            else:
+                continue
+            if dst == q:
+                continue
+            if (head, b) not in opened:
+                opened.add((head, b))
+                sent.append((end, q, len(sent), dst, head, b, 0))
+            sent.append((end, q, len(sent), dst, kind, b, a.mb))
+    out: dict[tuple, list[tuple]] = {}
+    for _, q, _, dst, kind, b, mb in sorted(sent):
+        out.setdefault((min(q, dst), max(q, dst)), []).append((q, kind, b, mb))
+    return out
+
+
+class Peer:
+    """This rank's messages with one other rank in a step, both ways, issued in pair_orders'
+    order: a send first posts every receive due before it; a receive is posted as far ahead
+    as that order allows (never past a send of this rank not made yet) and its size is known
+    (a boundary's activations once its header is read)."""
+
+    def __init__(self, group, rank: int, me: int):
+        self.group, self.rank, self.me = group, rank, me  # ranks in `group`
+        self.links: dict[int, Link] = {}     # boundary -> Link (each Link adds itself)
+
+    def begin(self, order: list):
+        self.order = order
+        self.at = {(kind, b, mb): i for i, (_, kind, b, mb) in enumerate(order)}
+        self.next = 0     # the first message of `order` not issued yet
+        self.checked = 0  # the headers received before this index have been read
+        self.sent: list = []    # (bytes, tag) of each message sent, for drain()
+        self.posted: list = []  # (bytes, tag) of each receive posted
+        self.post(len(order) - 1, block=False)  # the first headers: before any compute
+
+    def send(self, link, t, kind, mb) -> None:
+        i = self.at.get((kind, link.stage, mb))
+        if i is None or i < self.next:
+            raise PipelineError(f"internal: rank {self.me} sends {(kind, link.stage, mb)} to "
+                                f"rank {self.rank}, which its schedule does not (or did)")
+        self.post(i - 1, block=True)
+        if self.next != i:
+            raise PipelineError(f"internal: rank {self.me} sends {(kind, link.stage, mb)} to "
+                                f"rank {self.rank} before {self.order[self.next]}")
+        self.sent.append((t.numel(), link.tag(kind, mb)))
+        link.isend(t, kind, mb)
+        self.next = i + 1
+
+    def post(self, upto: int, block: bool) -> None:
+        """Post the receives up to index `upto`, stopping at a send of this rank; block: read
+        the headers that size them."""
+        while self.next <= upto:
+            sender, kind, b, mb = self.order[self.next]
+            if sender == self.me:
+                return
+            link = self.links[b]
+            size = link.size(kind)
+            if size is None and not block:
+                return
+            if size is None:  # an activation whose header is unread: it precedes, posted
+                link.read_header(ACT_HEADER)
+                size = link.size(kind)
+            link.post(kind, mb, size)
+            self.posted.append((size, link.tag(kind, mb)))
+            self.next += 1
+
+    def take(self, kind, b, mb) -> None:
+        """Make the receive of (kind, b, mb) ready to wait on: it and every earlier one
+        posted, every header received before it read (an error one raises here, so a failed
+        peer that stops sending before this message cannot leave this rank waiting for it)."""
+        i = self.at[(kind, b, mb)]
+        self.post(i, block=True)
+        if self.next <= i:
+            raise PipelineError(f"internal: rank {self.me} waits for {(kind, b, mb)} from rank "
+                                f"{self.rank} before sending {self.order[self.next]}")
+        for sender, kind_j, b_j, _ in self.order[self.checked:i]:
+            if sender != self.me and kind_j in (ACT_HEADER, GRAD_HEADER):
+                self.links[b_j].read_header(kind_j)
+        self.checked = max(self.checked, i)
+
+    def fail(self, message: str) -> None:
+        """The rest of this rank's messages to the peer, as failures, in order: an error
+        header where a header is due, a FAILED message of the right size for each message
+        after it; up to the first one whose size this rank cannot know (a header it sent as
+        an error precedes it). Receives are not posted any more (drain() matches them)."""
+        for sender, kind, b, mb in self.order[self.next:]:
+            if sender == self.me:
+                t = self.links[b].failure(kind, message)
+                if t is None:
+                    return
+                self.sent.append((t.numel(), self.links[b].tag(kind, mb)))
+                self.links[b].isend(t, kind, mb)
+        self.next = len(self.order)
+
+    def drain(self, theirs, device) -> None:
+        """After a failed step, every rank alive and done sending: receive what the peer sent
+        that this rank never posted, and send what this rank posted that the peer never sent
+        (zeros), so that no message of the step is left in the stream to pair with a later
+        one (under NCCL, a new Pipeline's). theirs: the peer's (sent, posted)."""
+        sent, posted = theirs
+        ops = [dist.P2POp(dist.irecv, torch.empty(n, dtype=torch.uint8, device=device),
+                          group=self.group, group_peer=self.rank, tag=t)
+               for n, t in sent[len(self.posted):]]
+        ops += [dist.P2POp(dist.isend, torch.zeros(n, dtype=torch.uint8, device=device),
+                           group=self.group, group_peer=self.rank, tag=t)
+                for n, t in posted[len(self.sent):]]
+        if ops:  # one batch: both ways at once
+            with naming(f"Pipeline: draining a failed step's messages with rank {self.rank}"):
+                for w in dist.batch_isend_irecv(ops):
+                    w.wait()
+
 class Link:
     """Boundary stage -> stage + 1 as seen by this rank: it is the sender (it owns `stage`),
-    the receiver (it owns `stage + 1`), or both (one rank, no messages at all)."""
+    the receiver (it owns `stage + 1`), or both (one rank, no messages at all). Its messages
+    go through the Peer of the other rank."""
 
-    def __init__(self, group, uid: int, stage: int, src: int, dst: int, me: int, m: int):
+    def __init__(self, group, uid: int, stage: int, src: int, dst: int, me: int, m: int,
+                 peer: Peer | None = None):
         self.group, self.uid, self.stage, self.m = group, uid, stage, m
         self.src, self.dst = src, dst  # ranks in `group` (None: the default group)
         self.sender, self.receiver, self.local = src == me, dst == me, src == dst
+        self.peer = peer
+        if peer is not None:
+            peer.links[stage] = self
         self.sends: list = []
         self.act_sends: dict = {}  # mb -> (work, tensor): released when the gradient returns
         self.abandoned: list = []  # a failed step's pending transfers: their buffers stay alive
@@ -191,19 +333,10 @@ class Link:
         self.sends, self.act_sends = [], {}
         self.step, self.training, self.device = step, training, device
         self.meta = None  # spec_of(...) of this step's activations
-        self.opened_f = self.opened_b = False  # headers sent by this rank this step
+        self.opened_b = False  # the gradients' header sent by this rank this step
         self.grad_ok = not training  # gradient header received (or not expected)
         self.acts, self.grads, self.mailbox = {}, {}, {}
-        self.sent_f, self.sent_b = set(), set()
         self._hf = self._hb = None
-        if self.local:
-            return
-        if self.receiver:
-            self._hf = self._irecv(torch.empty(HEADER_BYTES, dtype=torch.uint8, device=device),
-                                   ACT_HEADER, 0)
-        if self.sender and training:
-            self._hb = self._irecv(torch.empty(HEADER_BYTES, dtype=torch.uint8, device=device),
-                                   GRAD_HEADER, 0)
 
     # -- transport -------------------------------------------------------------------------
     def _what(self, kind, mb):
@@ -213,11 +346,13 @@ class Link:
                 GRAD_HEADER: f"the header of stage {self.stage}'s output gradients"}[kind]
         return name
 
-    def _isend(self, t, kind, mb):
+    def tag(self, kind, mb) -> int:
+        return tag(self.uid, kind, self.stage, mb)
+
+    def isend(self, t, kind, mb):
         peer = self.dst if kind in (ACT, ACT_HEADER) else self.src
         with naming(f"Pipeline: sending {self._what(kind, mb)} to rank {peer}"):
-            w = dist.isend(t, group=self.group, tag=tag(self.uid, kind, self.stage, mb),
-                           group_dst=peer)
+            w = dist.isend(t, group=self.group, tag=self.tag(kind, mb), group_dst=peer)
         if kind == ACT and self.training:
             self.act_sends[mb] = (w, t)
         else:
@@ -226,9 +361,32 @@ class Link:
     def _irecv(self, buf, kind, mb):
         peer = self.src if kind in (ACT, ACT_HEADER) else self.dst
         with naming(f"Pipeline: receiving {self._what(kind, mb)} from rank {peer}"):
-            work = dist.irecv(buf, group=self.group, tag=tag(self.uid, kind, self.stage, mb),
-                              group_src=peer)
+            work = dist.irecv(buf, group=self.group, tag=self.tag(kind, mb), group_src=peer)
         return work, buf, kind, mb
+
+    def size(self, kind) -> int | None:
+        """Bytes of a message of this kind coming to this rank, None while unknown."""
+        if kind in (ACT_HEADER, GRAD_HEADER):
+            return HEADER_BYTES
+        if self.meta is None:
+            return None
+        return _layout(self.meta[1] if kind == ACT else self._grad_specs())[1]
+
+    def post(self, kind, mb, size):
+        pending = self._irecv(torch.empty(size, dtype=torch.uint8, device=self.device), kind, mb)
+        if kind == ACT_HEADER:
+            self._hf = pending
+        elif kind == GRAD_HEADER:
+            self._hb = pending
+        else:
+            (self.acts if kind == ACT else self.grads)[mb] = pending
+
+    def read_header(self, kind):
+        if kind == ACT_HEADER and self.meta is None:
+            self.meta = self._header(self._hf, f"sender of stage {self.stage}")["spec"]
+        elif kind == GRAD_HEADER and not self.grad_ok:
+            self._header(self._hb, f"receiver of stage {self.stage}")
+            self.grad_ok = True
 
     def _wait(self, pending) -> torch.Tensor:
         work, buf, kind, mb = pending
@@ -269,9 +427,8 @@ class Link:
         if self.meta is None:
             self.meta = meta
             if not self.local:
-                self._isend(pack_header(self.step, self.training, meta, device=self.device),
-                            ACT_HEADER, 0)
-            self.opened_f = True
+                self.peer.send(self, pack_header(self.step, self.training, meta,
+                                                 device=self.device), ACT_HEADER, 0)
         elif meta != self.meta:  # requires_grad too: it decides what the gradient message holds
             raise PipelineError(
                 f"stage {self.stage} output for micro-batch {mb} is {describe(meta)} but earlier "
@@ -280,23 +437,18 @@ class Link:
         if self.local:
             self.mailbox[mb] = [t.detach() for t in ts]
         else:
-            self._isend(pack(ts, self.meta[1], self.device), ACT, mb)
-        self.sent_f.add(mb)
+            self.peer.send(self, pack(ts, self.meta[1], self.device), ACT, mb)
 
     def post_act(self, mb: int):
-        """Post the receive now if this step's layout is known; else take_act posts it after
-        reading the header (never block here: a receive is posted one action ahead)."""
-        if self.local or mb in self.acts or self.meta is None:
-            return
-        size = _layout(self.meta[1])[1]
-        self.acts[mb] = self._irecv(torch.empty(size, dtype=torch.uint8, device=self.device), ACT, mb)
+        """Post the receive (and the peer's earlier ones) as far as their sizes are known;
+        never blocks (a receive is posted a few actions ahead)."""
+        if not self.local:
+            self.peer.post(self.peer.at[(ACT, self.stage, mb)], block=False)
 
     def take_act(self, mb: int) -> list[torch.Tensor]:
         if self.local:
             return self.mailbox.pop(mb)
-        if self.meta is None:
-            self.meta = self._header(self._hf, f"sender of stage {self.stage}")["spec"]
-        self.post_act(mb)
+        self.peer.take(ACT, self.stage, mb)
         return unpack(self._wait(self.acts.pop(mb)), self.meta[1])
 
     # -- gradients, stage + 1 -> stage -----------------------------------------------------
@@ -308,28 +460,22 @@ class Link:
               for g, (shape, dtype, _) in zip(gs, specs)]
         if self.local:
             self.mailbox[("g", mb)] = gs
-        else:
-            if not self.opened_b:
-                self._isend(pack_header(self.step, self.training, device=self.device),
-                            GRAD_HEADER, 0)
-                self.opened_b = True
-            self._isend(pack(gs, specs, self.device), GRAD, mb)
-        self.sent_b.add(mb)
+            return
+        if not self.opened_b:
+            self.peer.send(self, pack_header(self.step, self.training, device=self.device),
+                           GRAD_HEADER, 0)
+            self.opened_b = True
+        self.peer.send(self, pack(gs, specs, self.device), GRAD, mb)
 
     def post_grad(self, mb: int):
-        """Post the receive once this step's activation layout is known (the gradient has it)."""
-        if not self.local and mb not in self.grads and self.meta is not None:
-            size = _layout(self._grad_specs())[1]
-            self.grads[mb] = self._irecv(torch.empty(size, dtype=torch.uint8, device=self.device),
-                                         GRAD, mb)
+        """As post_act (the gradient's size is known once this step's output was sent)."""
+        if not self.local:
+            self.peer.post(self.peer.at[(GRAD, self.stage, mb)], block=False)
 
     def take_grad(self, mb: int) -> list[torch.Tensor]:
         if self.local:
             return self.mailbox.pop(("g", mb))
-        if not self.grad_ok:
-            self._header(self._hb, f"receiver of stage {self.stage}")
-            self.grad_ok = True
-        self.post_grad(mb)
+        self.peer.take(GRAD, self.stage, mb)  # the gradients' header is read by now
         gs = unpack(self._wait(self.grads.pop(mb)), self._grad_specs())
         # Its gradient is back, so the activation has arrived: this wait returns at once, and
         # dropping the send keeps 1F1B's bound of p micro-batches held (work.is_completed()
@@ -341,30 +487,16 @@ class Link:
         return gs
 
     # -- end of step -----------------------------------------------------------------------
-    def fail(self, message: str):
-        """Tell the neighbours: an error header on each boundary this rank has not opened this
-        step, else a FAILED message for every micro-batch it still owes there, so whichever
-        receive a neighbour waits on returns."""
-        if self.local:
-            return
-        if self.sender:
-            if not self.opened_f:
-                self._isend(pack_header(self.step, self.training, error=message,
-                                        device=self.device), ACT_HEADER, 0)
-                self.opened_f = True
-            else:
-                for mb in sorted(set(range(self.m)) - self.sent_f):
-                    self._isend(failed_message(self.meta[1], message, self.device), ACT, mb)
-                    self.sent_f.add(mb)
-        if self.receiver and self.training:
-            if not self.opened_b:
-                self._isend(pack_header(self.step, self.training, error=message,
-                                        device=self.device), GRAD_HEADER, 0)
-                self.opened_b = True
-            else:
-                for mb in sorted(set(range(self.m)) - self.sent_b):
-                    self._isend(failed_message(self._grad_specs(), message, self.device), GRAD, mb)
-                    self.sent_b.add(mb)
+    def failure(self, kind, message: str) -> torch.Tensor | None:
+        """What this rank sends in place of a message of this kind it owes: an error header
+        or a FAILED message of its size (the text of the error in its payload); None where
+        the size is unknown (this step's output layout never reached this rank)."""
+        if kind in (ACT_HEADER, GRAD_HEADER):
+            return pack_header(self.step, self.training, error=message, device=self.device)
+        if self.meta is None:
+            return None
+        return failed_message(self.meta[1] if kind == ACT else self._grad_specs(), message,
+                              self.device)
 
     def abandon(self):
         """After a failed step: keep this step's pending transfers alive, never wait on them."""
@@ -378,4 +510,3 @@ class Link:
             for w, _ in self.sends + list(self.act_sends.values()):
                 w.wait()
         self.sends, self.act_sends = [], {}
-

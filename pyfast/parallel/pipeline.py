@@ -29,8 +29,8 @@ from . import schedules
 from pyfast.comm.agree import agree, rank_by_rank
 from pyfast.comm.dry import read
 from pyfast.comm.failure import CommError, as_timedelta, new_group_like
-from .p2p import (MAX_MICROBATCHES, MAX_STAGES, Link, PipelineCommError, PipelineError,
-                  as_tensors)
+from .p2p import (MAX_MICROBATCHES, MAX_STAGES, Link, Peer, PipelineCommError, PipelineError,
+                  as_tensors, pair_orders)
 from .trace import Recorder
 from .zero_bubble import input_grad, weight_grad
 
@@ -152,11 +152,21 @@ class Pipeline(nn.Module):
         self.actions = schedules.lower(compute, self.n_stages, RECV_LOOKAHEAD)
         self.forward_actions = schedules.lower(schedules.forward_only(compute), self.n_stages,
                                                RECV_LOOKAHEAD)
-        self.links = {}
+        self.links, self.peers = {}, {}
         for s in stages:
             for b in (s - 1, s):
                 if 0 <= b < self.n_stages - 1 and b not in self.links:
-                    self.links[b] = Link(group, uid, b, b % p, (b + 1) % p, rank, m)
+                    other = (b + 1) % p if b % p == rank else b % p
+                    if other != rank and other not in self.peers:
+                        self.peers[other] = Peer(group, other, rank)
+                    self.links[b] = Link(group, uid, b, b % p, (b + 1) % p, rank, m,
+                                         self.peers.get(other))
+        # the messages between this rank and each neighbour, in training and inference
+        lists = [compute if q == rank else schedules.compute_actions(
+            schedule, q, p, m, self.n_stages // p) for q in range(p)]
+        self._orders = {training: pair_orders([pick(a) for a in lists], p, self.n_stages)
+                        if self.peers else {}
+                        for training, pick in ((True, list), (False, schedules.forward_only))}
         self._steps, self._broken, self.last_stats = 0, None, {}
         # Split backward (I then W) on every stage for zero bubble; elsewhere only where Linear
         # layers are big enough for the in-place weight gradient to pay for the graph walk:
@@ -231,6 +241,8 @@ class Pipeline(nn.Module):
         try:
             for link in self.links.values():
                 link.begin(self._steps, training, self._dev)
+            for q, peer in self.peers.items():
+                peer.begin(self._orders[training].get((min(q, self.rank), max(q, self.rank)), []))
             self._take_inputs(x, target, training)
             for a in actions:
                 self._act(a)
@@ -238,9 +250,9 @@ class Pipeline(nn.Module):
                 self._backward_into_x()
         except Exception as e:  # noqa: BLE001  (every failure must reach the other ranks)
             error = e
-            for link in self.links.values():
+            for peer in self.peers.values():
                 with contextlib.suppress(Exception):  # the group itself may be what failed
-                    link.fail(self._message(e))
+                    peer.fail(self._message(e))
         finally:
             self._state, self._gin, self._x, self._t, self._x_root = {}, {}, None, None, None
         self._agree(op, error)
@@ -273,12 +285,16 @@ class Pipeline(nn.Module):
                 flag = torch.tensor([int(failed)], dtype=torch.int32, device=self._dev)
                 dist.all_reduce(flag, dist.ReduceOp.MAX, group=self.group)
                 if read(flag, [int(failed)], self.group)[0]:  # dry run: every rank is this one
+                    # with what each rank sent to and posted from each other, for drain()
                     seen = [None] * self.world_size
-                    mine = (self._message(error), not getattr(error, "forwarded", False)) \
-                        if failed else None
+                    mine = (self._message(error) if failed else None,
+                            failed and not getattr(error, "forwarded", False),
+                            {q: (peer.sent, peer.posted) for q, peer in self.peers.items()})
                     dist.all_gather_object(seen, mine, group=self.group)
-                    why = next((m for m, origin in filter(None, seen) if origin),
-                               next(m for m, _ in filter(None, seen)))
+                    why = next((m for m, origin, _ in seen if origin),
+                               next(m for m, _, _ in seen if m is not None))
+                    for q, peer in self.peers.items():
+                        peer.drain(seen[q][2][self.rank], self._dev)
             except Exception as e:  # noqa: BLE001  (a dead or silent peer: the group failed)
                 local = self._message(error) if failed else f"rank {self.rank}: no error here"
                 self._broken = f"{local}; {type(e).__name__}: {e}"

@@ -21,6 +21,12 @@ around and reaches its owner after the last; each rank's own share of its own bl
 local. Each share is computed from the merged out and lse saved by forward
 (block_attention_backward), so no scores are kept between the passes.
 
+Transfers: each step's sends (to the next rank) and receives (from the previous one) go in one
+batch_isend_irecv, and every rank orders them alike: the accumulator passed on from the step
+before, then k, then v. So the receives pair with the sends in posting order, as NCCL pairs
+them (it has no tags; tests/test_nccl_lane.py runs the ring so), and two ranks sending to each
+other at once cannot deadlock under NCCL.
+
 Heads are processed in passes of `heads_per_pass`: the send/receive buffers hold one pass's
 heads (memory per rank ~ the shards plus 7/passes of one shard), and each pass's final dK/dV
 transfer overlaps the next pass's compute, so only the last pass's is exposed.
@@ -130,20 +136,36 @@ class _Ring:
         self.pending: list = []  # sends of this step
         self.older: list = []    # sends of the step before: waited one step later
 
-    def send(self, t, tag):
-        self.pending.append(dist.isend(t, group=self.group, group_dst=(self.r + 1) % self.n,
-                                       tag=tag))
+    def exchange(self, sends, recvs) -> list:
+        """One batch of transfers: `sends` [(tensor, tag)] to the next rank, `recvs` into
+        buffers from the previous one; the receives' works, in order. Every rank sends and
+        posts in the same order (its receives pair with the previous rank's sends in posting
+        order, as NCCL pairs them: the tags only help gloo), and in one batch_isend_irecv, so
+        that at two ranks, where each sends to the other, NCCL cannot deadlock send against
+        send. A backend that coalesces (NCCL) returns one work for the batch: it stands for
+        every receive, and its sends complete with it."""
+        nxt, prv = (self.r + 1) % self.n, (self.r - 1) % self.n
+        ops = [dist.P2POp(dist.isend, t, group=self.group, group_peer=nxt, tag=tag)
+               for t, tag in sends]
+        ops += [dist.P2POp(dist.irecv, t, group=self.group, group_peer=prv, tag=tag)
+                for t, tag in recvs]
+        if not ops:
+            return []
+        works = dist.batch_isend_irecv(ops)
+        if len(works) != len(ops):
+            self.pending += works
+            return works[-1:] * len(recvs)
+        self.pending += works[:len(sends)]
+        return works[len(sends):]
 
-    def recv(self, t, tag):
-        return dist.irecv(t, group=self.group, group_src=(self.r - 1) % self.n, tag=tag)
-
-    def pass_kv(self, kv):
-        """Send this (k, v) block on to the next rank; (buffers of the one coming from the
-        previous rank, its receives). k and v go separately: no copy to pack them."""
+    def pass_kv(self, kv, sends=(), recvs=()):
+        """Send this (k, v) block on to the next rank (after `sends`, in one batch with them);
+        (buffers of the one coming from the previous rank, the works of `recvs` and of k and
+        v). k and v go separately: no copy to pack them."""
         nxt = tuple(torch.empty_like(t) for t in kv)
-        for t, tag in zip(kv, (TAG_K, TAG_V)):
-            self.send(t, tag)
-        return nxt, [self.recv(t, tag) for t, tag in zip(nxt, (TAG_K, TAG_V))]
+        works = self.exchange([*sends, *zip(kv, (TAG_K, TAG_V))],
+                              [*recvs, *zip(nxt, (TAG_K, TAG_V))])
+        return nxt, works
 
     def check(self) -> None:
         """CommError if this ring failed in an earlier call on this rank."""
@@ -273,21 +295,23 @@ class RingAttention(torch.autograd.Function):
                 b, h, _, d = kv[0].shape
                 mine = acc_rows(r, (r - 1) % n, n, s_local, causal, layout)  # comes home last
                 got_home = home = dq_acc = own = None
+                acc_out = []  # the accumulator this rank passes on: sent before the next block
                 for s in range(n):
                     src = (r - s) % n
-                    if s < n - 1:
-                        nxt, got = ring.pass_kv(kv)
                     incoming = acc_rows(src, (r - 1) % n, n, s_local, causal, layout) \
                         if s >= 2 else None
                     acc_in = got_acc = None
-                    if incoming is not None:
+                    recvs = []
+                    if incoming is not None:  # sent before this step's block: received first
                         acc_in = q.new_empty((2, b, h, incoming.stop - incoming.start, d),
                                              dtype=torch.float32)
-                        got_acc = ring.recv(acc_in, TAG_ACC)
-                    if s == n - 1 and mine is not None:
-                        home = q.new_empty((2, b, h, mine.stop - mine.start, d),
-                                           dtype=torch.float32)
-                        got_home = ring.recv(home, TAG_ACC)
+                        recvs = [(acc_in, TAG_ACC)]
+                    if s < n - 1:
+                        nxt, got = ring.pass_kv(kv, acc_out, recvs)
+                    else:
+                        got = ring.exchange(acc_out, recvs)
+                    got_acc, got = (got[0] if recvs else None), got[len(recvs):]
+                    acc_out = []
                     part = visible(r, src, n, s_local, causal, layout)
                     grads = None
                     if part is not None:
@@ -306,12 +330,19 @@ class RingAttention(torch.autograd.Function):
                             finish()
                             finish = None  # frees its buffers now, not after this pass
                     else:
-                        _pass_on(ring, src, r, n, s_local, causal, layout, part, grads,
-                                 acc_in, got_acc, incoming)
+                        acc = _pass_on(ring, src, r, n, s_local, causal, layout, part, grads,
+                                       acc_in, got_acc, incoming)
+                        acc_out = [(acc, TAG_ACC)] if acc is not None else []
                     if s < n - 1:
                         ring.wait(*got)
                         ring.step_done()
                         kv = nxt
+                # the last step's accumulator goes to its owner (the next rank) as this
+                # rank's own comes home from the previous one
+                if mine is not None:
+                    home = q.new_empty((2, b, h, mine.stop - mine.start, d), dtype=torch.float32)
+                got_home = ring.exchange(acc_out, [(home, TAG_ACC)] if mine is not None else [])
+                got_home = got_home[0] if got_home else None
                 if not f32:
                     dq[:, hs] = dq_acc
                 finish = _homecoming(ring, dk, dv, hs, own, got_home, home, mine)
@@ -347,10 +378,11 @@ def _homecoming(ring, dk, dv, hs, own, got_home, home, mine):
 
 def _pass_on(ring, src, r, n, s_local, causal, layout, part, grads, acc_in, got_acc, incoming):
     """Add this rank's dK/dV share of block src to the accumulator that came from the previous
-    rank (or start one) and send it on to the next (the owner, after the last step)."""
+    rank (or start one): the accumulator to send on to the next rank (the owner, after the last
+    step), or None."""
     rows = acc_rows(src, r, n, s_local, causal, layout)
     if rows is None:
-        return
+        return None
     if acc_in is not None and incoming == rows:
         ring.wait(got_acc)
         acc = acc_in
@@ -369,7 +401,7 @@ def _pass_on(ring, src, r, n, s_local, causal, layout, part, grads, acc_in, got_
         lo, hi = kr[0] - rows.start, kr[1] - rows.start
         acc[0, :, :, lo:hi] += grads[1]
         acc[1, :, :, lo:hi] += grads[2]
-    ring.send(acc, TAG_ACC)
+    return acc
 
 
 def check_broken(group) -> None:
