@@ -30,7 +30,9 @@ def _default_device(found: dict) -> torch.device:
     """The device the group's backend exchanges small tensors on: CPU unless only CUDA has one."""
     if "cpu" in found or found.get("*", "nccl") != "nccl":  # cpu-literal: backend per device
         return torch.device("cpu")  # cpu-literal: the group has a CPU backend
-    return torch.device("cuda", torch.cuda.current_device())
+    if "cuda" in found or "*" in found:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(next(iter(found)))  # one device type only: a dry run's "meta:fake"
 
 
 def exchange_device(group=None, device: torch.device | None = None) -> torch.device:

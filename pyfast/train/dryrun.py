@@ -173,7 +173,9 @@ def dry_world(world: int, rank: int):
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
     # any store serves the fake backend; a HashStore also answers check(), which ring attention
     # asks while a transfer keeps it waiting (torch's FakeStore does not implement it)
-    dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world)
+    # meta only: batch_isend_irecv (ring attention, async TP) asks the backend of its tensors'
+    # device, and a CPU tensor in a collective then fails by name instead of moving nothing
+    dist.init_process_group("meta:fake", store=dist.HashStore(), rank=rank, world_size=world)
     try:
         with _Named(rank) as named:
             yield named
