@@ -220,7 +220,10 @@ def test_a_dead_rank_fails_the_others_within_seconds():
     for rank in (0, 1):
         text, took, again, took2 = got[rank]
         assert text.startswith("CommError: context_parallel_attention(ring)"), text
-        assert causes[rank] in text and "Connection reset" in text, text
+        # gloo names a SIGKILLed peer "Connection reset" when its socket held unread data as it
+        # died, else "Connection closed by peer": a race with the kill (closed: 1 run in 8)
+        assert causes[rank] in text and ("Connection reset" in text
+                                         or "Connection closed by peer" in text), text
         assert took < 10.0, took  # measured 0.07 s; 10 s: a loaded machine
         assert again.startswith("CommError: ") and "rank 0 failed" in again and took2 < 1.0, \
             (again, took2)
