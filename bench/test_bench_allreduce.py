@@ -70,7 +70,11 @@ def test_emulated_link(tmp_path):
     why = netns.unavailable()
     if why:
         pytest.skip(why)
-    numel = min(NUMEL, 1 << 20)  # 4 MB: 8 MB on the wire, 67 ms of link time at W=2
+    # 4 MB: 8 MB on the wire, 67 ms of link time at W=2, whatever PYFAST_BENCH_NUMEL says. At
+    # make test's 64K elements (512 KB on the wire) the bounds below were too tight for a
+    # loaded machine: the time bound was vacuous and the packets' headers and barriers, 4-13 KB
+    # a call measured under load (more, smaller packets), nearly filled the 14.5 KB allowed
+    numel = 1 << 20
     out = tmp_path / "ar"
     rc = allreduce.main(["--world", "2", "--link", "1gbit", "--numel", str(numel),
                          "--specs", "none,int8", "--repeats", "2", "--out", str(out)])
@@ -81,7 +85,12 @@ def test_emulated_link(tmp_path):
     for r in rows:
         # the namespace's lo saw what the model says gloo sends (headers, barriers: < 2%)
         assert r["wire_bytes"] <= r["link_bytes"] < 1.02 * r["wire_bytes"] + 4096, r
-        assert r["median_s"] >= (r["wire_bytes"] - 512 * 1024) * 8 / 1e9, r  # tbf is real
+        # tbf is real, whatever the load: a call's time is the slowest rank's, and the rank
+        # that starts first cannot finish before its share of the traffic (wire_bytes / W, all
+        # sent after it started) passed the shared bucket: 512 KB free, then 1 Gbit/s. Load
+        # only adds time, but it skews the ranks' starts, and the old bound on all of
+        # wire_bytes assumed none (this test failed once under load; which check, unrecorded)
+        assert r["median_s"] >= (r["wire_bytes"] / 2 - 512 * 1024) * 8 / 1e9, r
     assert "int8" in (tmp_path / "ar.txt").read_text()
 
 

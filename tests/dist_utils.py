@@ -7,18 +7,24 @@ a timeout, and collect what each rank returned or raised.
     with RankPool(2) as pool:                     # ranks kept alive across many small cases
         pool.run(fn, arg1)
 
-`fn` must be importable by name (a module-level function of a test module): ranks are spawned
-(or forked from a forkserver), never forked from the test process, so no torch thread pool or
+`fn` must be importable by name (a module-level function of a test module): ranks are forked
+from a forkserver (or spawned), never forked from the test process, so no torch thread pool or
 gloo state leaks from the parent. The parent hosts the TCPStore on a port the OS picks, so
 parallel test runs never race for a "free" port. Every rank runs with one torch thread and a
 process group timeout (`pg_timeout`), so a bug fails instead of hanging. A rank that raises
 reports its exception type, message and traceback; a rank that dies (SIGKILL in a dead-peer
 test, a segfault) reports as RankError of kind "died" with its exit code.
 
-Spawning costs about 2 s per rank on a 2-core machine (importing torch): RankPool keeps the
-ranks alive across calls for suites that run many small cases. Tests that kill a rank need
-fresh ranks per case: `RankPool(world, start_method="forkserver", preload=[...])` forks them
-from a server that imported torch (and `preload`) once, well under a second for three ranks.
+Start-up: spawning costs about 2 s per rank on a 2-core machine (a fresh interpreter imports
+torch and pyfast), which was most of the suite's time. So ranks are forked by default from one
+forkserver per test process that imported torch, pyfast's packages and pytest once (PRELOAD)
+and never ran an op or made a group: it holds no thread (OMP_NUM_THREADS=1 while it starts,
+else numpy's OpenBLAS starts a pool at import), no gloo state and no TCPStore, so a fork of it
+is what a spawn would build, minus the imports. Each rank takes the test process's environment
+as it is at RankPool() (as a spawn would; the server's own is from its start). Three ranks
+start in well under a second. `start_method="spawn"` (or PYFAST_TEST_START=spawn for a whole
+run) spawns them as before. RankPool keeps ranks alive across calls for suites that run many
+small cases (the `pool2`/`pool4` fixtures); tests that kill a rank take fresh ones per case.
 """
 from __future__ import annotations
 
@@ -31,6 +37,33 @@ import time
 import traceback
 
 import torch.distributed as dist
+
+# imported once by the forkserver (a name that fails to import is skipped by multiprocessing);
+# torch._dynamo: torch imports it lazily when a rank first builds an optimizer or inits a meta
+# tensor, 1.5-3 s a process on 2 cores
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "numpy", "pytest", "dist_utils",
+           "pyfast.comm", "pyfast.comm.engine", "pyfast.compress", "pyfast.ops",
+           "pyfast.parallel", "pyfast.models")
+
+
+def _context(start_method: str | None, preload=()):
+    """The multiprocessing context; for a forkserver, started here (once per process) with
+    PRELOAD + preload imported and one OpenMP/OpenBLAS thread."""
+    start_method = start_method or os.environ.get("PYFAST_TEST_START", "forkserver")
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        from multiprocessing import forkserver
+        ctx.set_forkserver_preload(list(dict.fromkeys([*PRELOAD, *preload])))
+        saved = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = "1"  # the server's env, read as it imports torch
+        try:
+            forkserver.ensure_running()  # a no-op once running (its preload is then fixed)
+        finally:
+            if saved is None:
+                del os.environ["OMP_NUM_THREADS"]
+            else:
+                os.environ["OMP_NUM_THREADS"] = saved
+    return ctx
 
 
 class RankError(Exception):
@@ -56,7 +89,10 @@ def _unpack(data: bytes):
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def _worker(rank, world, port, pg_timeout, inbox, outbox):
+def _worker(rank, world, port, pg_timeout, inbox, outbox, env=None):
+    if env is not None:  # the parent's environment now, not the forkserver's at its start
+        os.environ.clear()
+        os.environ.update(env)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     torch.set_num_threads(1)
@@ -84,11 +120,11 @@ class RankPool:
     times out or dies takes the pool down: later jobs are refused, and close() kills the
     processes this pool started, by their handles."""
 
-    def __init__(self, world_size: int, pg_timeout: float = 30.0, start_method: str = "spawn",
+    def __init__(self, world_size: int, pg_timeout: float = 30.0, start_method: str | None = None,
                  preload: list[str] | tuple[str, ...] = ()):
-        ctx = mp.get_context(start_method)
-        if start_method == "forkserver":
-            ctx.set_forkserver_preload(["torch", "torch.distributed", "dist_utils", *preload])
+        """start_method: "forkserver" (the default, see the module) or "spawn"; preload: more
+        modules for the forkserver, used only by the call that starts it."""
+        ctx = _context(start_method, preload)
         self.world_size = world_size
         self._store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
                                     wait_for_workers=False)
@@ -96,7 +132,8 @@ class RankPool:
         self._ins = [ctx.Queue() for _ in range(world_size)]
         port = self._store.port
         self._procs = [ctx.Process(target=_worker, daemon=True,
-                                   args=(r, world_size, port, pg_timeout, self._ins[r], self._out))
+                                   args=(r, world_size, port, pg_timeout, self._ins[r], self._out,
+                                         dict(os.environ)))
                        for r in range(world_size)]
         for p in self._procs:
             p.start()
@@ -169,7 +206,7 @@ class RankPool:
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: float = 30.0,
-              expect_errors: bool = False, start_method: str = "spawn", **kwargs) -> list:
+              expect_errors: bool = False, start_method: str | None = None, **kwargs) -> list:
     """fn(rank, world_size, *args, **kwargs) on `world_size` fresh ranks; a list per rank."""
     with RankPool(world_size, pg_timeout, start_method) as pool:
         return pool.run(fn, *args, timeout=timeout, expect_errors=expect_errors, **kwargs)

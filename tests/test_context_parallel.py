@@ -84,14 +84,18 @@ def _backends_and_passes(rank, world):
         got = [o.detach()] + [m.grad for m in mine]
         out[name] = max(float((g - w).abs().max() / w.abs().max()) for g, w in zip(got, want))
         grads[name] = got
-    same = all(torch.equal(a, b) for a, b in zip(grads["passes1"], grads["passes3"]))
-    return out, same
+    apart = max(float((a - b).abs().max() / b.abs().max())
+                for a, b in zip(grads["passes1"], grads["passes3"]))
+    return out, apart
 
 
 def test_block_backends_and_head_passes(pool2):
-    for errs, same in pool2.run(_backends_and_passes):
+    for errs, apart in pool2.run(_backends_and_passes):
         assert max(errs.values()) <= 1e-5, errs
-        assert same
+        # one head a pass against three: the same blocks through aten's kernel, whose vector
+        # code differs with the head count on AVX2 (1-2e-7 apart there, bitwise on AVX-512):
+        # 1e-6 of the largest value is ~8 fp32 ulps, 10x below the 1e-5 bound on each
+        assert apart <= 1e-6, apart
 
 
 def _bad_inputs(rank, world):
@@ -241,7 +245,10 @@ def test_a_dead_rank_fails_the_others_within_seconds():
     for rank in (0, 1):
         text, took, again, took2 = got[rank]
         assert text.startswith("CommError: context_parallel_attention(ring)"), text
-        assert causes[rank] in text and "Connection reset" in text, text
+        # gloo names a SIGKILLed peer "Connection reset" when its socket held unread data as it
+        # died, else "Connection closed by peer": a race with the kill (closed: 1 run in 8)
+        assert causes[rank] in text and ("Connection reset" in text
+                                         or "Connection closed by peer" in text), text
         assert took < 10.0, took  # measured 0.07 s; 10 s: a loaded machine
         assert again.startswith("CommError: ") and "rank 0 failed" in again and took2 < 1.0, \
             (again, took2)

@@ -5,9 +5,12 @@ from_linear and runs one case after another in a single spawn per world size; th
 runs the dense layer and compares each rank's output and every gradient (input, weight shard,
 bias) with the matching slice of the dense one.
 
-Tolerances. fp32: rtol 1e-5, atol 1e-6. A row layer's output is tp partial dot products (in/tp
+Tolerances. fp32: rtol 1e-5, atol 1e-5. A row layer's output is tp partial dot products (in/tp
 terms each) summed by the all-reduce, in another order than the dense GEMM's one accumulation,
-so it differs by a few ulps of the partials (atol covers outputs near zero by cancellation).
+so it differs by a few ulps of the partials; atol covers values near zero by cancellation,
+whose error is relative to the terms, not to the value: a weight gradient is 24 products of
+unit normals (sum of |terms| ~15), reordered error ~sqrt(24) x 6e-8 x 15 = 4e-6 (measured
+1.7e-6 on a 0.07 value with ATEN_CPU_CAPABILITY=default, which failed the former atol 1e-6).
 bf16: rtol 1.6e-2 (torch's bf16 default, 2^-6) and atol 2e-2: each rank's partial is rounded
 to bf16 (8 significant bits) before the sum, and so is the sum.
 """
@@ -19,7 +22,7 @@ from dist_utils import run_ranks, value_error_text
 
 COL = (37, 24)  # dense (in, out) of the column cases: out split; in odd
 ROW = (24, 37)  # of the row cases: in split; out odd
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=1.6e-2, atol=2e-2)}
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=2e-2)}
 
 # name: (layer, kwargs, leading dims of x, dtype, bias)
 CASES = {
