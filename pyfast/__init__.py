@@ -14,7 +14,8 @@ __version__ = "0.1.0"
 
 # The oldest torch pyfast runs on: point-to-point calls and broadcasts name their peer by its
 # rank in the group (isend/irecv/broadcast's group_src= / group_dst=: pytorch#140460 and
-# #140843, merged November 2024, first released in torch 2.6.0). Every other torch API pyfast
+# #140843; P2POp's group_peer=, which batch_isend_irecv takes: #141054; all merged November
+# 2024, first released in torch 2.6.0). Every other torch API pyfast
 # uses is older (torch.distributed.tensor public in 2.5, torch.library.register_fake in 2.4).
 TORCH_MIN = (2, 6)
 
