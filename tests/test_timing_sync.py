@@ -87,3 +87,16 @@ def test_exposed_comm_time_reads_the_parameters_device(monkeypatch):
     net._finish()
     assert read == [torch.device("meta")] * 2, read  # exposed_comm_ms: clock at both ends
     net.close()
+
+
+def test_pipeline_layer_times_read_the_clock_on_the_examples_device(monkeypatch):
+    """balance="time" partitions by these times: on CUDA, unsynchronized, they would be launch
+    times and every stage boundary would move. Both ends of each timed run read perf.clock with
+    the example's device (a CPU example runs here; the device is what is checked)."""
+    from pyfast.parallel import schedules
+    seen = []
+    monkeypatch.setattr(schedules, "clock", lambda d=None: seen.append(torch.device(d)) or 0.0)
+    seq = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
+    times = schedules.layer_times(seq, torch.randn(4, 5), repeats=3)
+    assert len(times) == 3
+    assert seen == [torch.device("cpu")] * (2 * 3 * 3)  # 2 reads x 3 repeats x 3 layers
