@@ -79,7 +79,7 @@ def _worker() -> None:
                          "link_bytes": sent if os.environ.get("PYFAST_NETNS") else None})
     if rank == 0:
         atomic_write_text(job["out"], json.dumps(rows))
-    dist.destroy_process_group()
+    netns.finish_group()
 
 
 def _mirror() -> None:
@@ -103,7 +103,7 @@ def _mirror() -> None:
         t.copy_(x)
         dist.barrier()
         all_reduce(t, box[0], name="g")
-    dist.destroy_process_group()
+    netns.finish_group()
 
 
 def _derive(rows: list[dict], world: int, link: str) -> list[dict]:

@@ -215,7 +215,7 @@ def _worker() -> None:
         atomic_write_text(job["out"], json.dumps(got))
     if world > 1:
         dist.barrier()
-        dist.destroy_process_group()
+        netns.finish_group()
 
 
 # -- the driver (parent process) ---------------------------------------------------------------

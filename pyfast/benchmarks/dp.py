@@ -148,7 +148,7 @@ def _worker() -> None:
         del net, opt
     if rank == 0:
         atomic_write_text(job["out"], json.dumps(rows))
-    dist.destroy_process_group()
+    netns.finish_group()
 
 
 def run(links=("1gbit", "loopback"), configs=CONFIGS, batch: int = 128, steps: int = 8,

@@ -82,7 +82,7 @@ def _worker() -> None:
             net.close()
     if rank == 0:
         atomic_write_text(job["out"], json.dumps(out))
-    dist.destroy_process_group()
+    netns.finish_group()
 
 
 def _components(net, dist, n: int = 40) -> dict:

@@ -120,7 +120,7 @@ def _worker() -> None:
         native.close()
     if rank == 0:
         atomic_write_text(job["out"], json.dumps(rows))
-    dist.destroy_process_group()
+    netns.finish_group()
 
 
 def _derive(rows, link):

@@ -271,7 +271,7 @@ def _worker() -> None:
     # active exception", 1 run in 8 of the tiny block): free them first, then leave together.
     gc.collect()
     dist.barrier()
-    dist.destroy_process_group()
+    netns.finish_group()
 
 
 # -- the driver (parent process) ---------------------------------------------------------------

@@ -101,7 +101,7 @@ def _solo(conn, j, names) -> None:
         conn.send(jobs[msg[0]][0](msg[1]))
     for _, close in jobs.values():
         close()
-    dist.destroy_process_group()
+    netns.finish_group()
 
 
 def _solo_steps(j, names, rank):
@@ -285,7 +285,7 @@ def _worker() -> None:
     if rank == 0:
         atomic_write_text(j["out"], json.dumps(list(rows.values())))
     dist.barrier()
-    dist.destroy_process_group()
+    netns.finish_group()
 
 
 def _launch(world, link, job, timeout) -> list[dict]:

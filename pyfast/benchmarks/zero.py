@@ -267,7 +267,7 @@ def _worker() -> None:
     rows = (_memory if job["phase"] == "memory" else _timing)(job, rank, data)
     if rank == 0:
         atomic_write_text(job["out"], json.dumps(rows))
-    dist.destroy_process_group()
+    netns.finish_group()
 
 
 def _launch(phase: str, link: str, job: dict, env: dict | None = None) -> list[dict]:
