@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from pyfast import models
+from pyfast.comm.dry import read
 from pyfast.data import Batches, load_corpus
 from pyfast.perf import clock
 from pyfast.parallel import DataParallel, Mesh, Pipeline, parallelize, vocab_parallel_cross_entropy
@@ -265,9 +266,7 @@ class Job:
     def _read(self, vec: torch.Tensor) -> list[float]:
         """vec's values on the host. A dry run's meta tensors hold none: a finite step whose
         gradient norm is clipped (twice --clip) stands in, so every branch of a step runs."""
-        if vec.is_meta:
-            return [0.0, (2.0 * max(self.cfg.clip, 1.0)) ** 2, 0.0, 0.0]
-        return vec.tolist()
+        return read(vec, [0.0, (2.0 * max(self.cfg.clip, 1.0)) ** 2, 0.0, 0.0])
 
     def _zero_norm(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(this rank's share of the squared global gradient norm, NaN/Inf flag) under zero:
