@@ -35,10 +35,40 @@ MODELS = {"gpt-tiny": _gpt("gpt-tiny"), "gpt-small": _gpt("gpt-small"),
           "hf-llama-tiny": _hf_llama_tiny}
 
 
+# `gpt:layers=L,heads=H,hidden=D[,mlp=R]`: the reference GPT at any shape (the planner's
+# validation dry-runs 7B-shaped ones; a preset name is kept for what the tests and demo train)
+SHAPE_KEYS = {"layers": "n_layer", "heads": "n_head", "hidden": "d_model", "mlp": "mlp_ratio"}
+
+
+def gpt_shape(name: str) -> dict:
+    """GPTConfig fields of a `gpt:layers=L,heads=H,hidden=D[,mlp=R]` name; ValueError naming
+    what is wrong."""
+    fields = {}
+    for part in name[len("gpt:"):].split(","):
+        key, _, value = part.partition("=")
+        if key.strip() not in SHAPE_KEYS or not value.strip().isdigit() or int(value) < 1:
+            raise ValueError(f"{name!r}: expected gpt:layers=L,heads=H,hidden=D[,mlp=R] with "
+                             f"positive integers, got {part!r}")
+        fields[SHAPE_KEYS[key.strip()]] = int(value)
+    missing = {"n_layer", "n_head", "d_model"} - set(fields)
+    if missing:
+        names = [k for k, v in SHAPE_KEYS.items() if v in missing]
+        raise ValueError(f"{name!r}: missing {', '.join(names)}")
+    return fields
+
+
+def known(name: str) -> bool:
+    return name in MODELS or name.startswith("gpt:")
+
+
 def build(name: str, vocab_size: int, seq_len: int, **options) -> nn.Module:
     """The full model, initialised from torch's default generator (seed it first)."""
+    if name.startswith("gpt:"):
+        return GPT(GPTConfig(**gpt_shape(name), seq_len=seq_len, vocab_size=vocab_size,
+                             **options))
     if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}, "
+                         "gpt:layers=L,heads=H,hidden=D")
     return MODELS[name](vocab_size, seq_len, **options)
 
 
@@ -46,4 +76,4 @@ def pipelinable(model: nn.Module) -> bool:
     return isinstance(model, nn.Sequential)
 
 
-__all__ = ["GPT", "GPTConfig", "MODELS", "PRESETS", "build", "pipelinable"]
+__all__ = ["GPT", "GPTConfig", "MODELS", "PRESETS", "build", "gpt_shape", "known", "pipelinable"]

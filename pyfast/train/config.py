@@ -110,7 +110,8 @@ def parser() -> argparse.ArgumentParser:
                         "latest checkpoint")
     g.add_argument("--print-launch", action="store_true", help="print the torchrun command "
                    "of every node and exit")
-    a("--model", default=d.model, help="gpt-tiny, gpt-small, hf-llama-tiny")
+    a("--model", default=d.model, help="gpt-tiny, gpt-small, hf-llama-tiny, or the GPT at any "
+      "shape: gpt:layers=L,heads=H,hidden=D[,mlp=R]")
     a("--dp", type=int, default=d.dp)
     a("--tp", type=int, default=d.tp)
     a("--pp", type=int, default=d.pp)
@@ -346,8 +347,9 @@ def build_model(cfg: TrainConfig, vocab_size: int, device=None):
     import torch
 
     from pyfast import models
-    if cfg.model not in models.MODELS:
-        raise ConfigError(f"--model {cfg.model!r} is unknown; known: {', '.join(models.MODELS)}")
+    if not models.known(cfg.model):
+        raise ConfigError(f"--model {cfg.model!r} is unknown; known: {', '.join(models.MODELS)}, "
+                          "gpt:layers=L,heads=H,hidden=D[,mlp=R]")
     try:
         with torch.device(device) if device is not None else contextlib.nullcontext():
             return models.build(cfg.model, vocab_size, cfg.seq, positions=cfg.positions,
