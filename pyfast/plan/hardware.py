@@ -1,0 +1,120 @@
+"""The hardware the planner sizes plans for: a table of GPUs and a cluster of them.
+
+Sources of the GPU numbers (dense, no structured sparsity; per GPU):
+- h100 (SXM5): NVIDIA H100 datasheet: 80 GB HBM3 at 3.35 TB/s, 989 TFLOPS bf16/fp16, 67 fp32
+  (non-tensor); NVLink 4: 900 GB/s bidirectional, 450 GB/s each way.
+- h200 (SXM): NVIDIA H200 datasheet: 141 GB HBM3e at 4.8 TB/s; compute and NVLink as H100.
+- a100-80gb / a100-40gb (SXM4): NVIDIA A100 datasheet: 312 TFLOPS bf16, 19.5 fp32; HBM2e
+  2.039 TB/s (80 GB), HBM2 1.555 TB/s (40 GB); NVLink 3: 600 GB/s bidirectional.
+- l40s: NVIDIA L40S datasheet: 48 GB GDDR6 at 864 GB/s, 362 TFLOPS bf16, 91.6 fp32; no
+  NVLink: PCIe 4.0 x16, 64 GB/s bidirectional.
+- mi300x: AMD Instinct MI300X datasheet: 192 GB HBM3 at 5.3 TB/s, 1307 TFLOPS bf16, 163 fp32;
+  Infinity Fabric 896 GB/s aggregate (7 peers x 128 GB/s bidirectional).
+- cpu: no datasheet: `pyfast plan --measure` times this machine (its entry is a placeholder
+  that --measure replaces; plans for "cpu" without it say so).
+Memory is what the device reports (nvidia-smi's MiB for the NVIDIA parts, as the dry run's
+--gpu table), so a plan's per-rank bytes are compared with what an allocator can get.
+Bandwidths are stored in bytes/s one way per GPU: what a ring collective's each step moves.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+
+MiB, GB = 2**20, 1e9
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    memory_bytes: int
+    flops_16: float        # dense bf16/fp16 tensor-core FLOP/s
+    flops_32: float        # fp32 FLOP/s (no TF32)
+    hbm_bps: float         # memory bandwidth, bytes/s
+    intra_bps: float       # to a peer in the same node, one way, bytes/s
+    measured: bool = False  # numbers timed on this machine (--measure), not a datasheet
+
+
+GPUS = {
+    "h100": Gpu("h100", 81559 * MiB, 989e12, 67e12, 3.35e12, 450 * GB),
+    "h200": Gpu("h200", 143771 * MiB, 989e12, 67e12, 4.8e12, 450 * GB),
+    "a100-80gb": Gpu("a100-80gb", 81920 * MiB, 312e12, 19.5e12, 2.039e12, 300 * GB),
+    "a100-40gb": Gpu("a100-40gb", 40960 * MiB, 312e12, 19.5e12, 1.555e12, 300 * GB),
+    "l40s": Gpu("l40s", 46068 * MiB, 362e12, 91.6e12, 864 * GB, 32 * GB),
+    "mi300x": Gpu("mi300x", 192 * 1024 * MiB, 1307e12, 163e12, 5.3e12, 448 * GB),
+    # placeholder: 24 GiB, 50 GFLOP/s per rank, memcpy-class bandwidths; --measure replaces it
+    "cpu": Gpu("cpu", 24 * 1024 * MiB, 50e9, 50e9, 10 * GB, 2 * GB),
+}
+
+# Achieved fraction of peak FLOP/s for transformer layers at a good shape (Megatron-LM reports
+# 40-52% MFU on A100/H100 for 7B-175B GPTs; Llama 3 405B: 38-43% on H100): 0.45, scaled down for
+# small matmuls by compute.efficiency(). Measured plans (--measure, --calibrate) replace it.
+MFU = 0.45
+# per-message latency of a collective step: NVLink ~5 us (NCCL's small-message all-reduce
+# within a DGX H100 node is ~10 us for 2 steps), InfiniBand/RoCE ~10 us, TCP ~50 us
+INTRA_LATENCY_S = 5e-6
+INTER_LATENCY_S = 10e-6
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpus: int
+    gpus_per_node: int
+    gpu: Gpu
+    intra_bps: float                 # one way, per GPU, between GPUs of a node
+    inter_bps: float                 # one way, per GPU (its NIC), between nodes
+    intra_latency_s: float = INTRA_LATENCY_S
+    inter_latency_s: float = INTER_LATENCY_S
+    mfu: float = MFU
+    calibration: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self):
+        if self.gpus < 1 or self.gpus_per_node < 1:
+            raise ValueError(f"--gpus {self.gpus} and --gpus-per-node {self.gpus_per_node} "
+                             "must be >= 1")
+        if self.gpus % self.gpus_per_node and self.gpus > self.gpus_per_node:
+            raise ValueError(f"--gpus {self.gpus} is not a multiple of --gpus-per-node "
+                             f"{self.gpus_per_node}")
+
+    @property
+    def nodes(self) -> int:
+        return max(1, self.gpus // self.gpus_per_node)
+
+    def within_node(self, span: int) -> bool:
+        """A group whose ranks are `span` consecutive ranks stays inside one node."""
+        return span <= self.gpus_per_node
+
+    def link(self, span: int) -> tuple[float, float]:
+        """(latency s, bytes/s one way) of a group spanning `span` consecutive ranks."""
+        if self.within_node(span):
+            return self.intra_latency_s, self.intra_bps
+        return self.inter_latency_s, self.inter_bps
+
+    def replace(self, **kw) -> "Cluster":
+        return replace(self, **kw)
+
+
+_UNITS = {"b/s": 1 / 8, "bit": 1 / 8, "bit/s": 1 / 8, "bps": 1 / 8, "gbit": 1e9 / 8,
+          "gbit/s": 1e9 / 8, "gbps": 1e9 / 8, "mbit": 1e6 / 8, "mbit/s": 1e6 / 8,
+          "mbps": 1e6 / 8, "tbit": 1e12 / 8, "gb/s": 1e9, "mb/s": 1e6, "tb/s": 1e12,
+          "gib/s": 2**30, "mib/s": 2**20, "b": 1.0, "bytes/s": 1.0}
+
+
+def parse_bandwidth(text: str) -> float:
+    """'900GB/s', '400gbit', '100 Mbit/s', '25Gbps' -> bytes/s (bit units are /8; GB = 1e9)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z/]+)\s*", str(text))
+    unit = m and m.group(2).lower()
+    if not m or unit not in _UNITS:
+        raise ValueError(f"bandwidth {text!r}: a number and a unit, e.g. 900GB/s, 400gbit, "
+                         "100mbit, 25Gbps")
+    value = float(m.group(1)) * _UNITS[unit]
+    if value <= 0:
+        raise ValueError(f"bandwidth {text!r} must be > 0")
+    return value
+
+
+def gpu(name: str) -> Gpu:
+    if name not in GPUS:
+        raise ValueError(f"--gpu {name!r} is unknown; known: {', '.join(GPUS)} (or describe it "
+                         "in a --cluster TOML file)")
+    return GPUS[name]
