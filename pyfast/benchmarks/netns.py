@@ -303,13 +303,21 @@ def ranks(py_argv: list[str], world: int, link: str = "loopback", timeout: float
 
 
 def finish_group() -> None:
-    """A rank's last step: free what still holds the group, then destroy it. torch DDP's and
-    FSDP2's wrappers sit in reference cycles; freed at interpreter exit, after the group, their
-    gloo work aborted the rank ("terminate called without an active exception") in 2 of 8
-    runs each of `pyfast bench zero`'s tiny case; collected first, 0 of 20 and 0 of 16."""
+    """A benchmark rank's last step (it ends the process): free what still holds the group,
+    destroy it and exit at once (no barrier: a rank 0 that lives on in pytest joins none).
+    torch DDP's and FSDP2's wrappers sit in reference cycles; freed at interpreter exit, after
+    the group, their gloo work aborted the rank ("terminate called without an active
+    exception") in 2 of 8 runs each of `pyfast bench zero`'s tiny case; collected first, 0 of
+    20 and 0 of 16 here, yet CI saw it once more (rank 1 of the memory phase, after its results
+    were in). So nothing runs after the group is gone: os._exit skips the interpreter's
+    teardown, whose C++ destructors were the last suspects. Results are written before this
+    is called (atomic_write_text); stdout and stderr are flushed first."""
     import torch.distributed as dist
     gc.collect()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 CALLS = "pyfast-calls"  # store keys of Launch.call: CALLS/<i> the job, CALLS/<i>/<rank> the answers
