@@ -291,3 +291,20 @@ def test_hf_llama_without_transformers_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # makes the import fail
     with pytest.raises(ImportError, match=r"pip install 'pyfast\[hf\]'"):
         build("hf-llama-tiny", 256, 16)
+
+
+def test_gpt_at_any_shape_by_name():
+    """`gpt:layers=L,heads=H,hidden=D[,mlp=R]` is the reference GPT at that shape (the planner
+    dry-runs 7B-shaped ones); odd sizes, a non-default MLP ratio, and each bad name refused."""
+    from pyfast import models
+    m = models.build("gpt:layers=3,heads=6,hidden=96,mlp=2", 257, 40, tie_embeddings=True)
+    assert (m.cfg.n_layer, m.cfg.n_head, m.cfg.d_model, m.cfg.mlp_ratio) == (3, 6, 96, 2)
+    assert m(torch.randint(0, 257, (2, 40))).shape == (2, 40, 257)
+    assert m[-1].lm_head.weight is m[0].tok.weight
+    assert models.known("gpt:layers=1,heads=1,hidden=8") and not models.known("gpt-huge")
+    for bad, why in [("gpt:layers=2,heads=4", "missing hidden"),
+                     ("gpt:layers=2,heads=4,hidden=0", "positive integers"),
+                     ("gpt:layers=2,heads=4,hidden=64,depth=3", "'depth=3'"),
+                     ("gpt:layers=2,heads=3,hidden=64", "not divisible by n_head")]:
+        with pytest.raises(ValueError, match=why):
+            models.build(bad, 256, 16)
