@@ -91,7 +91,7 @@ def nothing_fits(res: Result, shape: ModelShape, work: Workload, cl) -> str:
     bigger = [n for n, g in GPUS.items() if g.memory_bytes > s.peak and n != "cpu"]
     zero = "" if s.plan.zero == 3 else "ZeRO 3 on a data-parallel mesh (tp = pp = 1), "
     return (f"nothing fits: the smallest plan ({describe(s)}) needs {s.peak / GiB:.1f} GiB a "
-            f"rank on {s.memory['where']}, {s.peak / cap:.1f}x the {cap / GiB:.1f} GiB of a "
+            f"rank on {s.memory['where']}, {s.peak / cap:.1f}x the {cap / GiB:.1f} GiB of one "
             f"{cl.gpu.name}; try {zero}more GPUs"
             + (f", a GPU with more memory (--gpu {', '.join(bigger)})" if bigger else "")
             + ", or a shorter --seq / smaller --global-batch")
@@ -211,8 +211,8 @@ def render(res: Result, shape, work, cl, console) -> None:
         t.add_row(str(i), f"{p.dp}x{p.cp}x{p.tp}x{p.pp}", str(p.zero), p.compress,
                   f"{p.micro_batches}x{p.micro_batch}",
                   " ".join([p.schedule] * (p.pp > 1) + [p.cp_method] * (p.cp > 1)) or "-",
-                  "yes" if p.activation_checkpointing else "no", size(s.peak), f"{s.time['step_s']:.3g}",
-                  f"{s.time['tokens_per_s']:,.0f}", why(s, best))
+                  "yes" if p.activation_checkpointing else "no", size(s.peak),
+                  f"{s.time['step_s']:.3g}", f"{s.time['tokens_per_s']:,.0f}", why(s, best))
     console.print(t)
     if res.rejected:
         r = Table(title="rejected (per mesh and ZeRO stage where nothing fits: its smallest "

@@ -138,9 +138,11 @@ def mesh_plans(shape: ModelShape, work: Workload, dp: int, cp: int, tp: int, pp:
 
 
 def search(shape: ModelShape, work: Workload, cluster: Cluster, top: int = 10,
-           cross_node: bool = False, rejected: int | None = None) -> Result:
-    """Score every plan (module doc); the top `top` that fit and up to `rejected` (default
-    top) rejected examples: per mesh and ZeRO stage with nothing that fits, its smallest plan."""
+           cross_node: bool = False, rejected: int | None = None,
+           distinct: bool = True) -> Result:
+    """Score every plan (module doc); the top `top` that fit (distinct: leaving out a plan that
+    scores as one already listed, to 0.1%) and up to `rejected` (default top) rejected
+    examples: per mesh and ZeRO stage with nothing that fits, its smallest plan."""
     t0 = time.perf_counter()
     cap = cluster.gpu.memory_bytes
     res = Result([], [])
@@ -171,7 +173,7 @@ def search(shape: ModelShape, work: Workload, cluster: Cluster, top: int = 10,
     seen = set()
     for s in fits:  # the top N distinct: a plan scoring as one listed (to 0.1%) is a tie
         k = (round(math.log(s.to_target_s) * 1000), round(math.log(max(s.peak, 1)) * 1000))
-        if k in seen:
+        if distinct and k in seen:
             res.ties += 1
             continue
         seen.add(k)
