@@ -13,7 +13,7 @@ import pytest
 from pyfast.plan import cli, search as S, shapes
 from pyfast.plan.cluster import build
 from pyfast.plan.hardware import GPUS
-from pyfast.plan.spec import Workload
+from pyfast.plan.spec import Plan, Workload
 
 TINY = ["--model", "gpt-tiny", "--gpus", "2", "--gpus-per-node", "2", "--gpu", "cpu",
         "--seq", "64", "--global-batch", "4", "--precision", "fp32"]
@@ -181,7 +181,8 @@ def test_json_schema_and_the_best_first(capsys):
     for p in d["plans"]:
         assert list(p) == KEYS
         assert p["dp"] * p["cp"] * p["tp"] * p["pp"] == 2
-        assert p["command"].startswith("pyfast train --model gpt-tiny ") and "--nproc 2" in p["command"]
+        assert p["command"].startswith("pyfast train --model gpt-tiny ")
+        assert p["command"].endswith("--nproc 2")
     steps = [p["step_s"] for p in d["plans"]]
     assert steps[0] == min(steps)
 
@@ -303,3 +304,23 @@ def test_the_best_plans_command_runs(tmp_path, capsys):
     with open(tmp_path / "metrics.jsonl") as f:
         steps = [json.loads(line)["step"] for line in f]
     assert steps == [1, 2]
+
+
+def test_bench_plan_search_scores_10000_and_writes_the_docs_table(tmp_path):
+    from pyfast.benchmarks import plan as B
+    res = B.run_search(1)
+    assert all(r["configurations"] >= 10_000 for r in res["rows"])
+    assert [B.kind(p) for p in (Plan(dp=8), Plan(dp=2, tp=8), Plan(2, 1, 4, 2),
+                                Plan(1, 1, 8, 8))] == ["dp", "tp+dp", "3d", "other"]
+    doc = tmp_path / "plan.md"
+    doc.write_text("# x\n## The folklore, checked\nintro\n<!-- table -->\nold\n## Next\nkept\n")
+    row = {"size": "7b", "gpus": 8, "link": "10gbit", "plan": "dp1 tp8 8x1", "memory_bytes":
+           2 * 2**30, "step_s": 1.5, "rule": "under 15B: data parallel", "agrees": "no",
+           "differs": "needs 100 GiB", "why": ""}
+    B.write_docs(str(doc), {"family": "gpt", "seq": 64, "global_batch": 8, "date": "d",
+                            "pyfast": "0", "rows": [row]})
+    text = doc.read_text()
+    assert "intro\n<!-- table -->\n" in text and "old" not in text and text.endswith(
+        "## Next\nkept\n")
+    assert "| 7B | 8 | 10gbit | dp1 tp8 8x1 | 2 | 1.5 | under 15B: data parallel | **no** | " \
+           "needs 100 GiB |" in text

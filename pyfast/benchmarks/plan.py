@@ -107,8 +107,9 @@ def disagreement(size, shape, res, fits, kinds, cap) -> str:
     theirs = [s for s in fits if kind(s.plan) in kinds]
     if theirs:
         t = theirs[0]
+        loss = cli.lost(t, fits[0])
         return (f"the rule's best, {plan_text(t)}, takes {t.to_target_s / fits[0].to_target_s:.2f}"
-                f"x as long: {cli.why(t, fits[0]).split('; ')[0]}")
+                "x as long" + (f" ({loss})" if loss else ""))
     oom = [s for s in res.rejected if kind(s.plan) in kinds]
     if "dp" in kinds and state > cap:
         why = (f"{size.upper()} with AdamW needs {state / GiB:.0f} GiB of model state (16 bytes "

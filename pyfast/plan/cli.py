@@ -132,6 +132,17 @@ def size(n: float) -> str:
     return f"{n / GiB:.1f} GiB" if n >= 0.1 * GiB else f"{n / 2**20:.1f} MiB"
 
 
+def lost(s: Scored, best: Scored) -> str:
+    """The (at most two) parts of the time to target where `s` loses most to `best`."""
+    t, b = s.time, best.time
+    d = {name: t.get(k, 0) - b.get(k, 0) for k, name in (
+        ("compute_s", "compute"), ("exposed_comm_s", "exposed comm"), ("bubble_s", "bubble"),
+        ("recompute_s", "recompute"), ("codec_s", "codec"))}
+    d["extra steps"] = s.to_target_s - t["step_s"] - (best.to_target_s - b["step_s"])
+    worst = sorted(((v, k) for k, v in d.items() if v > 1e-9), reverse=True)[:2]
+    return ", ".join(f"{k} +{v:.3g}s" for v, k in worst)
+
+
 def why(s: Scored, best: Scored) -> str:
     """What the plan's time is made of, and for all but the best, what it loses to the best."""
     t = s.time
@@ -144,16 +155,9 @@ def why(s: Scored, best: Scored) -> str:
         parts.append(f"x{t['steps_factor']:.2f} steps ({s.plan.compress})")
     if s is best:
         return "best: " + ", ".join(parts)
-    b = best.time
-    d = {name: t.get(k, 0) - b.get(k, 0) for k, name in (
-        ("compute_s", "compute"), ("exposed_comm_s", "exposed comm"), ("bubble_s", "bubble"),
-        ("recompute_s", "recompute"), ("codec_s", "codec"))}
-    d["extra steps"] = s.to_target_s - t["step_s"] - (best.to_target_s - b["step_s"])
-    worst = sorted(((v, k) for k, v in d.items() if v > 1e-9), reverse=True)[:2]
-    lost = ", ".join(f"{k} +{v:.3g}s" for v, k in worst)
-    gap = s.to_target_s / best.to_target_s - 1
-    return (f"+{gap:.1%} vs #1" + (f" ({lost})" if lost else " (as fast, more memory)")
-            + "; " + ", ".join(parts))
+    loss = lost(s, best)
+    return (f"+{s.to_target_s / best.to_target_s - 1:.1%} vs #1"
+            + (f" ({loss})" if loss else " (as fast, more memory)") + "; " + ", ".join(parts))
 
 
 def row(s: Scored, shape, work, cl, rejected: bool = False) -> dict:
