@@ -244,6 +244,8 @@ def test_cluster_file(tmp_path, capsys):
     (["--inter-bw", "fast"], "bandwidth 'fast'"),
     (["--model", "hf:/nonexistent/dir"], "no such directory"),
     (["--seq", "0"], "--seq must be >= 1"),
+    (["--params", "1e9"], "--model PRESET|hf:DIR or as --params N (one of them)"),
+    (["--kv-heads", "3"], "--kv-heads 3 does not divide --heads 4"),
     (["--model", "gpt-70b", "--gpus", "1", "--gpu", "h100"],
      "nothing fits: the smallest plan (dp 1 x cp 1 x tp 1 x pp 1"),
     # 16 GPUs: tp <= 4 heads, pp <= 2 layers, cp 1 (--seq 6 splits into 2 x cp chunks only for
@@ -254,6 +256,19 @@ def test_cluster_file(tmp_path, capsys):
 def test_bad_input_exits_2_naming_the_problem(argv, message, capsys):
     rc, out, err = plan(TINY + argv, capsys)
     assert rc == 2 and message in err, err
+
+
+def test_no_gpus_and_a_bad_cluster_file(tmp_path, capsys):
+    rc, out, err = plan(["--model", "gpt-tiny", "--seq", "64", "--global-batch", "4"], capsys)
+    assert rc == 2 and "--gpus N" in err
+    f = tmp_path / "c.toml"
+    f.write_text("gpus = [")
+    rc, out, err = plan(["--model", "gpt-tiny", "--seq", "64", "--global-batch", "4",
+                         "--cluster", str(f)], capsys)
+    assert rc == 2 and "not valid TOML" in err
+    rc, out, err = plan(["--model", "gpt-tiny", "--seq", "64", "--global-batch", "4",
+                         "--cluster", str(tmp_path / "none.toml")], capsys)
+    assert rc == 2 and "none.toml" in err
 
 
 def test_nothing_fits_says_by_how_much(capsys):
