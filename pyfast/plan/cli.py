@@ -89,10 +89,10 @@ def nothing_fits(res: Result, shape: ModelShape, work: Workload, cl) -> str:
                 f"--global-batch {work.global_batch}: {'; '.join(why[:4])}{more}")
     s, cap = res.smallest, cl.gpu.memory_bytes
     bigger = [n for n, g in GPUS.items() if g.memory_bytes > s.peak and n != "cpu"]
-    zero = "" if s.plan.zero == 3 else "ZeRO 3 on a data-parallel mesh (tp = pp = 1), "
     return (f"nothing fits: the smallest plan ({describe(s)}) needs {s.peak / GiB:.1f} GiB a "
             f"rank on {s.memory['where']}, {s.peak / cap:.1f}x the {cap / GiB:.1f} GiB of one "
-            f"{cl.gpu.name}; try {zero}more GPUs"
+            f"{cl.gpu.name} (of {res.memory_scored:,} plans scored: every ZeRO stage, split "
+            "and recompute the job can run); try more GPUs"
             + (f", a GPU with more memory (--gpu {', '.join(bigger)})" if bigger else "")
             + ", or a shorter --seq / smaller --global-batch")
 
