@@ -1,4 +1,4 @@
-"""The `pyfast` command: train, ablate, info, bench."""
+"""The `pyfast` command: plan, train, ablate, info, bench."""
 from __future__ import annotations
 
 import argparse
@@ -20,6 +20,8 @@ BENCHMARKS = {
     "train": "the training job's tokens/s per mesh vs one process and torch-native",
     "zero": "ZeRO stages 1/2/3 vs torch DDP, ZeroRedundancyOptimizer and FSDP2: step, memory",
     "cp": "context parallelism (ring, Ulysses) vs one process: causal attention, memory",
+    "plan": "pyfast plan: search speed, the folklore checked (and --part memory/time: the "
+            "models against the dry run and measured runs)",
     "report": "write docs/benchmarks.md from bench/results/ (no benchmark is run)",
 }
 
@@ -35,6 +37,9 @@ def main(argv=None) -> int:
     if argv and argv[0] == "train":  # its own parser: pyfast.train.config
         from pyfast.train import main as train
         return train(argv[1:])
+    if argv and argv[0] == "plan":  # its own parser: pyfast.plan.cli
+        from pyfast.plan import main as plan
+        return plan(argv[1:])
     if argv and argv[0] == "ablate":  # its own parser: pyfast.ablate.config
         from pyfast.ablate import main as ablate
         return ablate(argv[1:])
@@ -42,6 +47,9 @@ def main(argv=None) -> int:
         return importlib.import_module(f"pyfast.benchmarks.{argv[1]}").main(argv[2:])
     p = argparse.ArgumentParser(prog="pyfast", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("plan", help="which dp x cp x tp x pp, ZeRO, compressor, micro-batching for "
+                   "a model on a cluster: predicted memory and step time, the best's `pyfast "
+                   "train` command (pyfast plan -h)")
     sub.add_parser("train", help="train a model on a dp x cp x tp x pp mesh (pyfast train -h)")
     sub.add_parser("ablate", help="compression ablations: time to a target loss per compressor "
                    "and link, vs bf16 (pyfast ablate -h)")

@@ -3,3 +3,9 @@ configurations (dp x cp x tp x pp, ZeRO stage, compressor, micro-batching, sched
 activation checkpointing), predicts each one's memory per rank (memory.py) and step time
 (timing.py), and ranks what fits; checked against the dry run and against measured runs
 (`pyfast bench plan`, docs/plan.md)."""
+
+
+def main(argv=None) -> int:
+    """`pyfast plan ARGS` (pyfast.plan.cli)."""
+    from .cli import main as plan
+    return plan(argv)

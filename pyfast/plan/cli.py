@@ -1,0 +1,299 @@
+"""`pyfast plan`: the ranked plans for a model on a cluster, why each ranks where it does, the
+rejected ones with the reason, and the `pyfast train` command of the best (--json: as data)."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import sys
+from dataclasses import replace
+
+from . import cluster as clusters
+from . import shapes
+from .hardware import GPUS
+from .memory import predict_memory
+from .search import GiB, Result, Scored, search
+from .spec import ModelShape, Workload, gpt_model_flag
+
+PLAN_KEYS = ("dp", "cp", "tp", "pp", "zero", "compress", "micro_batch", "micro_batches",
+             "schedule", "activation_checkpointing")
+VERIFY_MAX_RANKS = 4   # dry-run ranks per verified plan (the first roles and the last)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pyfast plan", description=__doc__.split("\n\n")[0],
+        epilog=shapes.PARAMS_RULE + ". Cluster file keys: gpus, gpus_per_node, gpu (a name) or "
+        "a [gpu] table (base, memory_gib, flops_16, flops_32, hbm or hbm_bps, intra_bw), "
+        "intra_bw, inter_bw, intra_latency_us, inter_latency_us, mfu (docs/plan.md).")
+    g = p.add_argument_group("model (one of --model, --params; the rest override its fields)")
+    g.add_argument("--model", help=f"a preset ({', '.join(shapes.PRESETS)}) or hf:DIR (a "
+                   "Hugging Face config.json)")
+    g.add_argument("--params", type=float, help="a parameter count, e.g. 70e9 (the rule below)")
+    for k in shapes.OVERRIDES:
+        g.add_argument("--" + k.replace("_", "-"), type=int)
+    g = p.add_argument_group("cluster (flags override --cluster FILE)")
+    g.add_argument("--gpus", type=int, help="GPUs in all")
+    g.add_argument("--gpus-per-node", type=int, help="default 8 (or --gpus when fewer)")
+    g.add_argument("--gpu", help=f"{', '.join(GPUS)} (default h100)")
+    g.add_argument("--intra-bw", help="one way per GPU inside a node, e.g. 450GB/s (default: "
+                   "the GPU's NVLink/PCIe)")
+    g.add_argument("--inter-bw", help=f"one way per GPU between nodes, e.g. 400gbit, 10gbit "
+                   f"(default {clusters.DEFAULT_INTER})")
+    g.add_argument("--cluster", metavar="FILE.toml", help="the cluster as a TOML file")
+    g.add_argument("--allow-cross-node-tp", action="store_true",
+                   help="let tp and cp groups span nodes (default: inside one node)")
+    g.add_argument("--measure", nargs="?", const="loopback", metavar="LINK",
+                   help="time this machine's compute and its link (loopback, or an emulated "
+                   "rate such as 1gbit) instead of the table's numbers")
+    g.add_argument("--calibrate", metavar="RUNDIR", help="refit compute and communication from "
+                   "a `pyfast train` run's metrics.jsonl")
+    g = p.add_argument_group("workload and output")
+    g.add_argument("--seq", type=int, required=True, help="tokens per sequence")
+    g.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer "
+                   "step (= dp x micro_batch x micro_batches)")
+    g.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
+    g.add_argument("--top", type=int, default=10, help="plans to show (default 10)")
+    g.add_argument("--verify", action="store_true", help="dry-run the top plans (up to 3) and "
+                   "print predicted vs traced peak memory per rank")
+    g.add_argument("--json", action="store_true", help="print {\"plans\": [...], \"rejected\": "
+                   "[...]} instead of the tables")
+    return p
+
+
+def inputs(ns) -> tuple[ModelShape, Workload, object]:
+    """Shape, workload and cluster from the flags (measured/refit if asked); ValueError."""
+    shape = shapes.resolve(ns.model, ns.params, **{k: getattr(ns, k) for k in shapes.OVERRIDES})
+    for flag, v in (("--seq", ns.seq), ("--global-batch", ns.global_batch), ("--top", ns.top)):
+        if v < 1:
+            raise ValueError(f"{flag} must be >= 1, got {v}")
+    work = Workload(ns.seq, ns.global_batch, ns.precision)
+    cl = clusters.build(ns.gpus, ns.gpus_per_node, ns.gpu, ns.intra_bw, ns.inter_bw, ns.cluster)
+    if ns.measure:
+        from .calibrate import measure
+        cl = measure(shape, work, cl, link=ns.measure)
+    if ns.calibrate:
+        from .calibrate import refit
+        cl = refit(cl, ns.calibrate)
+    return shape, work, cl
+
+
+def nothing_fits(res: Result, shape: ModelShape, work: Workload, cl) -> str:
+    """The error when no plan is left: no mesh the job can run, or none fits in memory."""
+    where = f"{cl.gpus} x {cl.gpu.name}"
+    if res.smallest is None:
+        why = list(dict.fromkeys(res.mesh_problems.values()))
+        more = f"; and {len(why) - 4} more" if len(why) > 4 else ""
+        return (f"no dp x cp x tp x pp of {where} can run {shape.name} with --seq {work.seq} "
+                f"--global-batch {work.global_batch}: {'; '.join(why[:4])}{more}")
+    s, cap = res.smallest, cl.gpu.memory_bytes
+    bigger = [n for n, g in GPUS.items() if g.memory_bytes > s.peak and n != "cpu"]
+    return (f"nothing fits: the smallest plan ({describe(s)}) needs {s.peak / GiB:.1f} GiB a "
+            f"rank on {s.memory['where']}, {s.peak / cap:.1f}x the {cap / GiB:.1f} GiB of one "
+            f"{cl.gpu.name} (of {res.memory_scored:,} plans scored: every ZeRO stage, split "
+            "and recompute the job can run); try more GPUs"
+            + (f", a GPU with more memory (--gpu {', '.join(bigger)})" if bigger else "")
+            + ", or a shorter --seq / smaller --global-batch")
+
+
+def describe(s: Scored) -> str:
+    p = s.plan
+    parts = [f"dp {p.dp} x cp {p.cp} x tp {p.tp} x pp {p.pp}"]
+    if p.zero:
+        parts.append(f"zero {p.zero}")
+    if p.compress != "none":
+        parts.append(p.compress)
+    parts.append(f"{p.micro_batches} x {p.micro_batch} seq")
+    if p.pp > 1:
+        parts.append(p.schedule)
+    if p.activation_checkpointing:
+        parts.append("recompute")
+    return ", ".join(parts)
+
+
+def command(s: Scored, shape: ModelShape, work: Workload, cl) -> str | None:
+    """The `pyfast train` command of a plan; None for a model `pyfast train` cannot build.
+    Several nodes: torchrun's static rendezvous, run on every node with its own rank."""
+    try:
+        flag = gpt_model_flag(shape)
+    except ValueError:
+        return None
+    n = s.plan.ranks
+    per = min(n, cl.gpus_per_node)
+    cmd = shlex.join(["pyfast", "train", *s.plan.train_flags(flag, work), "--nproc", str(per)])
+    if n > per:
+        cmd += f" --nnodes {math.ceil(n / per)} --node-rank $NODE_RANK " \
+               "--rdzv-endpoint $MASTER_ADDR:29500"
+    return cmd
+
+
+def size(n: float) -> str:
+    return f"{n / GiB:.1f} GiB" if n >= 0.1 * GiB else f"{n / 2**20:.1f} MiB"
+
+
+def lost(s: Scored, best: Scored) -> str:
+    """The (at most two) parts of the time to target where `s` loses most to `best`."""
+    t, b = s.time, best.time
+    d = {name: t.get(k, 0) - b.get(k, 0) for k, name in (
+        ("compute_s", "compute"), ("exposed_comm_s", "exposed comm"), ("bubble_s", "bubble"),
+        ("recompute_s", "recompute"), ("codec_s", "codec"))}
+    d["extra steps"] = s.to_target_s - t["step_s"] - (best.to_target_s - b["step_s"])
+    worst = sorted(((v, k) for k, v in d.items() if v > 1e-9), reverse=True)[:2]
+    return ", ".join(f"{k} +{v:.3g}s" for v, k in worst)
+
+
+def why(s: Scored, best: Scored) -> str:
+    """What the plan's time is made of, and for all but the best, what it loses to the best."""
+    t = s.time
+    parts = [f"compute {t['compute_s']:.3g}s"]
+    for k, name in (("exposed_comm_s", "exposed comm"), ("bubble_s", "bubble"),
+                    ("recompute_s", "recompute"), ("codec_s", "codec")):
+        if t.get(k, 0) > 1e-3 * t["step_s"]:
+            parts.append(f"{name} {t[k]:.3g}s")
+    if t["steps_factor"] != 1.0:
+        parts.append(f"x{t['steps_factor']:.2f} steps ({s.plan.compress})")
+    if s is best:
+        return "best: " + ", ".join(parts)
+    loss = lost(s, best)
+    return (f"+{s.to_target_s / best.to_target_s - 1:.1%} vs #1"
+            + (f" ({loss})" if loss else " (as fast, more memory)") + "; " + ", ".join(parts))
+
+
+def row(s: Scored, shape, work, cl, rejected: bool = False) -> dict:
+    d = {k: getattr(s.plan, k) for k in PLAN_KEYS}
+    d["memory_bytes_per_rank"] = int(s.peak)
+    d["step_s"] = s.time["step_s"] if s.time else None
+    d["tokens_per_s"] = s.time["tokens_per_s"] if s.time else None
+    d["command"] = None if rejected else command(s, shape, work, cl)
+    if rejected:
+        d["reason"] = s.reason
+    return d
+
+
+def notes(shape: ModelShape, cl) -> list[str]:
+    out = []
+    try:
+        gpt_model_flag(shape)
+        if shape.vocab != 256:
+            out.append(f"planned with a {shape.vocab:,}-token vocabulary: `pyfast train` takes "
+                       "its vocabulary from --data (256 bytes by default); pass a tokenized "
+                       "--data (uint16 .bin) of that vocabulary for the same model")
+    except ValueError as e:
+        out.append(f"{e}, so no command is printed; `pyfast plan --params "
+                   f"{shape.params():.4g} --layers {shape.layers} --hidden {shape.hidden} --heads "
+                   f"{shape.heads} ...` plans the reference GPT of its depth and width, which "
+                   "it can")
+    if cl.gpu.name == "cpu" and not cl.gpu.measured and not cl.calibration:
+        out.append("--gpu cpu is a placeholder (50 GFLOP/s, 2 GB/s): --measure times this "
+                   "machine, --calibrate RUNDIR refits from a run")
+    return out
+
+
+def render(res: Result, shape, work, cl, console) -> None:
+    from rich.table import Table
+    link = f"{cl.intra_bps / 1e9:g} GB/s in a node" + (
+        f", {cl.inter_bps * 8 / 1e9:g} Gbit/s between nodes" if cl.nodes > 1 else "")
+    console.print(f"[bold]{shape.name}[/]: {shape.params() / 1e9:.3g}B parameters ({shape.arch}, "
+                  f"{shape.layers} layers x {shape.hidden}, {shape.heads} heads / "
+                  f"{shape.kv_heads} kv, ffn {shape.ffn}, vocab {shape.vocab:,}); "
+                  f"{cl.gpus} x {cl.gpu.name} on {cl.nodes} node(s), {link}; --seq {work.seq} "
+                  f"--global-batch {work.global_batch} {work.precision}")
+    console.print(f"scored {res.memory_scored:,} configurations in {res.seconds:.2f} s: "
+                  f"{res.fitting:,} fit, {res.memory_scored - res.time_scored:,} over memory, "
+                  f"{res.pruned:,} pruned (a larger micro-batch than one that does not fit); "
+                  f"{len(res.mesh_problems)} meshes the job cannot run; {res.ties:,} plans "
+                  "left out of the top: they score as one listed (to 0.1%)")
+    t = Table(title="plans, best first (time to the target loss = step x compression's extra "
+              "steps)")
+    for c in ("#", "dp x cp x tp x pp", "zero", "compress", "micro", "schedule / cp",
+              "recompute", "memory/rank", "step s", "tokens/s", "why"):
+        t.add_column(c, justify="left" if c in ("why", "compress", "schedule / cp") else "right")
+    best = res.plans[0]
+    for i, s in enumerate(res.plans, 1):
+        p = s.plan
+        t.add_row(str(i), f"{p.dp}x{p.cp}x{p.tp}x{p.pp}", str(p.zero), p.compress,
+                  f"{p.micro_batches}x{p.micro_batch}",
+                  " ".join([p.schedule] * (p.pp > 1) + [p.cp_method] * (p.cp > 1)) or "-",
+                  "yes" if p.activation_checkpointing else "no", size(s.peak),
+                  f"{s.time['step_s']:.3g}", f"{s.time['tokens_per_s']:,.0f}", why(s, best))
+    console.print(t)
+    if res.rejected:
+        r = Table(title="rejected (per mesh and ZeRO stage where nothing fits: its smallest "
+                  "plan), fastest-if-it-fitted first")
+        for c in ("dp x cp x tp x pp", "zero", "compress", "micro", "recompute", "step s",
+                  "reason"):
+            r.add_column(c, justify="left" if c == "reason" else "right")
+        for s in res.rejected:
+            p = s.plan
+            r.add_row(f"{p.dp}x{p.cp}x{p.tp}x{p.pp}", str(p.zero), p.compress,
+                      f"{p.micro_batches}x{p.micro_batch}",
+                      "yes" if p.activation_checkpointing else "no",
+                      f"{s.time['step_s']:.3g}" if s.time else "-", s.reason)
+        console.print(r)
+    if res.mesh_problems:
+        uniq = list(dict.fromkeys(res.mesh_problems.values()))
+        console.print("meshes refused: " + "; ".join(uniq[:5])
+                      + (f"; and {len(uniq) - 5} more" if len(uniq) > 5 else ""))
+    for n in notes(shape, cl):
+        console.print(f"note: {n}")
+    cmd = command(best, shape, work, cl)
+    if cmd:
+        console.print("the best plan's command" + (" (on every node, NODE_RANK 0.."
+                      f"{cl.nodes - 1}, MASTER_ADDR node 0's address)" if "$NODE_RANK" in cmd
+                      else "") + ":")
+        console.print(cmd, markup=False, highlight=False, soft_wrap=True)
+
+
+def verify(res: Result, shape: ModelShape, work: Workload, console, n: int = 3) -> list[dict]:
+    """Dry-run the top `n` plans (fp32: the dry run's only precision) and compare each one's
+    traced per-rank peak with the prediction for the same fp32 plan and the dry run's
+    vocabulary (the data's: 256 bytes)."""
+    from pyfast.train.config import from_args
+    from pyfast.train.config import parser as train_parser
+    from pyfast.train.dryrun import dry_run, roles
+    try:
+        flag = gpt_model_flag(shape)
+    except ValueError as e:
+        console.print(f"--verify: {e}: nothing to dry-run")
+        return []
+    w32, dry_shape = replace(work, precision="fp32"), replace(shape, vocab=256)
+    if work.precision != "fp32":
+        console.print(f"--verify: the dry run traces fp32 only (autocast has no meta device): "
+                      f"each {work.precision} plan is compared as its fp32 twin")
+    out = []
+    for s in res.plans[:n]:
+        cfg = from_args(train_parser().parse_args(s.plan.train_flags(flag, w32)))
+        ranks = roles(cfg)
+        if len(ranks) > VERIFY_MAX_RANKS:
+            ranks = ranks[:VERIFY_MAX_RANKS - 1] + ranks[-1:]
+        traced = max(r["peak_bytes"] for r in dry_run(cfg, cfg.ranks, ranks))
+        pred = predict_memory(dry_shape, s.plan, w32)["peak_bytes"]
+        out.append({"plan": describe(s), "predicted_bytes": pred, "traced_bytes": traced,
+                    "ranks": ranks, "error": pred / traced - 1})
+        console.print(f"--verify {describe(s)} (fp32, vocab 256, ranks {ranks}): predicted "
+                      f"{pred / 2**20:,.1f} MiB, traced {traced / 2**20:,.1f} MiB "
+                      f"({pred / traced - 1:+.1%})")
+    return out
+
+
+def main(argv=None) -> int:
+    ns = parser().parse_args(argv)
+    try:
+        shape, work, cl = inputs(ns)
+        res = search(shape, work, cl, ns.top, ns.allow_cross_node_tp)
+        if not res.plans:
+            raise ValueError(nothing_fits(res, shape, work, cl))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"pyfast plan: error: {e}", file=sys.stderr)
+        return 2
+    from rich.console import Console
+    console = Console(stderr=ns.json, width=200)
+    if ns.json:
+        print(json.dumps({"plans": [row(s, shape, work, cl) for s in res.plans],
+                          "rejected": [row(s, shape, work, cl, True) for s in res.rejected]}))
+    else:
+        render(res, shape, work, cl, console)
+    if ns.verify:
+        verify(res, shape, work, console)
+    return 0

@@ -1,0 +1,194 @@
+"""Every `pyfast train` configuration a job can run on a cluster, scored and ranked.
+
+A mesh dp x cp x tp x pp (product = the GPUs) is kept if the job can build it
+(pyfast.train.config.check and the model's tp_check, restated here without torch): dp divides
+the global batch; tp divides heads, kv heads, ffn (and the vocabulary when it is split, from
+VOCAB_PARALLEL_MIN up); pp <= layers; the sequence splits into 2 x cp zigzag chunks; tp x cp
+ranks (tp innermost, then cp: consecutive ranks) stay inside a node unless allowed across.
+On each mesh: ZeRO 1-3 (tp = pp = 1, dp x cp > 1, not fp16), the compressors (dp x cp > 1, each
+with error feedback; not powersgd under ZeRO), micro-batch sizes (powers of two dividing the
+rank's batch; the count follows from global = dp x micro_batch x micro_batches), the schedules
+when pp > 1, ring or Ulysses attention when cp > 1, activation checkpointing on and off.
+
+Each is scored by memory.predict_memory; one over the GPU's memory is rejected with the amount
+and where; the rest by timing.predict_time, ranked by time to the target loss (step_s x
+steps_factor: a lossy compressor's extra steps), ties by memory. Pruning: a larger micro-batch
+than one that does not fit is not scored (activations grow with it, everything else is equal).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from .hardware import Cluster
+from .memory import predict_memory
+from .spec import ModelShape, Plan, Workload, divisors, powers_of_two
+from .timing import predict_time
+
+GiB = 2**30
+COMPRESSORS = ("none", "bf16", "int8", "int4", "topk:0.01", "powersgd:4")
+# pyfast.train.config.SCHEDULES, 1f1b first: among equal scores the sort keeps the first
+SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1")
+# pyfast.models.gpt.VOCAB_PARALLEL_MIN, restated so the search imports no torch (a test checks
+# they are equal): from this vocabulary up, tp splits the embedding and head, so tp divides it
+VOCAB_PARALLEL_MIN = 2048
+MAX_STAGES, MAX_MICROBATCHES = 256, 8192  # pyfast.parallel.p2p's (tag layout)
+
+
+@dataclass
+class Scored:
+    plan: Plan
+    memory: dict | None = None
+    time: dict | None = None
+    reason: str = ""             # rejected: why
+
+    @property
+    def peak(self) -> int:
+        return self.memory["peak_bytes"] if self.memory else 0
+
+    @property
+    def to_target_s(self) -> float:
+        return self.time["step_s"] * self.time["steps_factor"] if self.time else float("inf")
+
+    def key(self):
+        return (self.to_target_s, self.peak)
+
+
+@dataclass
+class Result:
+    plans: list[Scored]          # fitting, best first, the top N
+    rejected: list[Scored]       # examples, the fastest-if-they-fitted first
+    fitting: int = 0             # plans that fit (all, not only the top N)
+    memory_scored: int = 0       # predict_memory calls
+    time_scored: int = 0         # predict_time calls
+    pruned: int = 0              # not scored: a smaller micro-batch already did not fit
+    ties: int = 0                # fitting plans left out of the top N: they score as one in it
+    seconds: float = 0.0
+    smallest: Scored | None = None   # the least memory of any plan scored
+    mesh_problems: dict = field(default_factory=dict)  # (dp, cp, tp, pp) -> why not
+
+    @property
+    def scored(self) -> int:
+        return self.memory_scored
+
+
+def meshes(gpus: int):
+    """Every (dp, cp, tp, pp) with dp x cp x tp x pp = gpus."""
+    for tp in divisors(gpus):
+        for cp in divisors(gpus // tp):
+            for pp in divisors(gpus // (tp * cp)):
+                yield gpus // (tp * cp * pp), cp, tp, pp
+
+
+def mesh_problem(shape: ModelShape, work: Workload, cluster: Cluster, dp: int, cp: int, tp: int,
+                 pp: int, cross_node: bool = False) -> str | None:
+    """Why `pyfast train` cannot run this mesh (the first reason), or None."""
+    if work.global_batch % dp:
+        return f"--global-batch {work.global_batch} is not divisible by dp {dp}"
+    split_vocab = shape.vocab >= VOCAB_PARALLEL_MIN
+    for what, n in (("heads", shape.heads), ("kv heads", shape.kv_heads), ("ffn", shape.ffn),
+                    ("vocab", shape.vocab if split_vocab else tp)):
+        if n % tp:
+            return f"tp {tp} does not divide the {n} {what}"
+    if pp > shape.layers:
+        return f"pp {pp}: more pipeline stages than the {shape.layers} layers"
+    if pp > 1 and shape.tied:
+        return f"pp {pp} with tied embeddings (the job cannot tie weights across stages)"
+    if pp > MAX_STAGES:
+        return f"pp {pp}: at most {MAX_STAGES} pipeline stages"
+    if cp > 1 and work.seq % (2 * cp):
+        return f"cp {cp}: --seq {work.seq} does not split into 2 x cp = {2 * cp} zigzag chunks"
+    span = tp * cp
+    if not cross_node and cluster.gpus > cluster.gpus_per_node and \
+            cluster.gpus_per_node % span:
+        what = "tp" if cp == 1 else "tp x cp" if tp > 1 else "cp"
+        return (f"{what} = {span} ranks would cross nodes of {cluster.gpus_per_node} GPUs "
+                "(--allow-cross-node-tp allows it)")
+    return None
+
+
+def mesh_plans(shape: ModelShape, work: Workload, dp: int, cp: int, tp: int, pp: int):
+    """The plans of one valid mesh, grouped: each group is a list ordered by micro-batch size
+    (ascending), all else equal."""
+    shard = dp * cp
+    zeros = (0, 1, 2, 3) if tp == pp == 1 and shard > 1 and work.precision != "fp16" else (0,)
+    scheds = [s for s in SCHEDULES if s != "interleaved-1f1b" or 2 * pp <= shape.layers + 2] \
+        if pp > 1 else ["1f1b"]
+    methods = ["ring"] + (["ulysses"] if cp > 1 and (shape.heads // tp) % cp == 0 else []) \
+        if cp > 1 else ["ring"]
+    rows = work.global_batch // dp
+    sizes = [b for b in powers_of_two(rows) if rows % b == 0 and rows // b < MAX_MICROBATCHES]
+    for zero in zeros:
+        for comp in COMPRESSORS if shard > 1 else ("none",):
+            if zero and comp.startswith("powersgd"):
+                continue
+            for sched in scheds:
+                for method in methods:
+                    for ac in (False, True):
+                        group = []
+                        for b in sizes:
+                            m = rows // b
+                            if sched == "interleaved-1f1b" and m % max(1, m // pp):
+                                continue
+                            group.append(Plan(dp, cp, tp, pp, zero, comp, b, m, sched, ac,
+                                              method))
+                        if group:
+                            yield group
+
+
+def search(shape: ModelShape, work: Workload, cluster: Cluster, top: int = 10,
+           cross_node: bool = False, rejected: int | None = None,
+           distinct: bool = True) -> Result:
+    """Score every plan (module doc); the top `top` that fit (distinct: leaving out a plan that
+    scores as one already listed, to 0.1%) and up to `rejected` (default top) rejected
+    examples: per mesh and ZeRO stage with nothing that fits, its smallest plan."""
+    t0 = time.perf_counter()
+    cap = cluster.gpu.memory_bytes
+    res = Result([], [])
+    fits, oom = [], {}
+    for dp, cp, tp, pp in meshes(cluster.gpus):
+        why = mesh_problem(shape, work, cluster, dp, cp, tp, pp, cross_node)
+        if why:
+            res.mesh_problems[(dp, cp, tp, pp)] = why
+            continue
+        for group in mesh_plans(shape, work, dp, cp, tp, pp):
+            for i, plan in enumerate(group):
+                mem = predict_memory(shape, plan, work)
+                res.memory_scored += 1
+                s = Scored(plan, mem)
+                if res.smallest is None or s.peak < res.smallest.peak:
+                    res.smallest = s
+                if s.peak > cap:
+                    k = (dp, cp, tp, pp, plan.zero)
+                    if k not in oom or s.peak < oom[k].peak:
+                        oom[k] = s
+                    res.pruned += len(group) - i - 1
+                    break
+                s.time = predict_time(shape, plan, work, cluster)
+                res.time_scored += 1
+                fits.append(s)
+    fits.sort(key=Scored.key)
+    res.fitting = len(fits)
+    seen = set()
+    for s in fits:  # the top N distinct: a plan scoring as one listed (to 0.1%) is a tie
+        k = (round(math.log(s.to_target_s) * 1000), round(math.log(max(s.peak, 1)) * 1000))
+        if distinct and k in seen:
+            res.ties += 1
+            continue
+        seen.add(k)
+        res.plans.append(s)
+        if len(res.plans) == top:
+            break
+    fitting_meshes = {(s.plan.dp, s.plan.cp, s.plan.tp, s.plan.pp, s.plan.zero) for s in fits}
+    for k, s in oom.items():
+        if k in fitting_meshes:
+            continue
+        s.reason = (f"OOM by {(s.peak - cap) / GiB:.1f} GiB on {s.memory['where']} "
+                    f"({s.peak / GiB:.1f} of {cap / GiB:.1f} GiB)")
+        s.time = predict_time(shape, s.plan, work, cluster)
+        res.rejected.append(s)
+    res.rejected.sort(key=Scored.key)
+    res.rejected = res.rejected[:top if rejected is None else rejected]
+    res.seconds = time.perf_counter() - t0
+    return res
