@@ -1,27 +1,388 @@
-"""Step time of a plan. FIRST CUT (the interface; the full model replaces the body): compute
-from FLOPs at the cluster's MFU, ring collectives at the group's link, the pipeline bubble.
+"""Step time of a plan: what pyfast's job (pyfast.train.job) does on one rank, part by part.
+Pure arithmetic (no torch): ~100 us a plan. docs/plan.md "Time model" explains it.
 
 predict_time(shape, plan, work, cluster) -> {"step_s", "compute_s", "comm_s", "exposed_comm_s",
-    "bubble_s", "recompute_s", "codec_s", "tokens_per_s", "steps_factor"}: steps_factor is the
-    extra steps to a target loss the compressor costs (1.0 for none).
+    "bubble_s", "recompute_s", "codec_s", "tokens_per_s", "steps_factor", "optimizer_s",
+    "tp_comm_s", "cp_comm_s", "pp_comm_s", "dp_comm_s", "zero_comm_s", "why"}
+    compute_s: forward + backward (+ recompute) of every micro-batch on the slowest stage;
+    comm_s: every collective's seconds; exposed_comm_s: the part compute does not hide;
+    steps_factor: steps to a target loss relative to no compression (1 + STEPS_PER_ERROR x the
+    compressor's relative error).
+
+The step, as the job runs it (1 rank; `m` micro-batches of `micro_batch` sequences, seq/cp tokens
+each): forward + backward of each micro-batch through this stage's modules (embedding, blocks,
+head + loss), with tp's all-reduces inside (blocking: 2 per block forward, 2 backward, 2 more in
+a recomputed forward), cp's ring K/V exchange (overlapped with the attention it feeds) or
+Ulysses' all-to-alls (blocking), pp's activations and gradients between stages plus the bubble;
+then the dp x cp gradient reduction: DataParallel's buckets (first 1 MB, then 4 MB, in reverse
+registration order; top-k and PowerSGD per parameter) reduced in order on one communication
+thread while the last micro-batch's backward runs (after the pipeline when pp > 1), each bucket
+encode + wire + decode as pyfast.comm.cost.comm_seconds; or ZeRO's reduce-scatter (stage 1 at
+the step, 2 and 3 overlapped) and parameter all-gathers (stages 1-2 after the step, stage 3 per
+module in forward and backward, prefetched one ahead); then the small all-reduce of the step's
+loss/norm and the optimizer.
+
+cluster.calibration (pyfast.plan.calibrate documents the keys): measured per-module seconds at
+local shapes ("compute"), the measured FLOP rate ("flops_s"), the optimizer's seconds per
+parameter, a fitted link per group ("link_intra", "link_inter": cost.LinkModel's fits),
+codec seconds per element ("codec"), and the refit's "compute_scale" / "comm_scale".
 """
 from __future__ import annotations
+
+import math
 
 from .hardware import Cluster
 from .spec import ModelShape, Plan, Workload
 
+# pyfast.comm.cost.STEPS_PER_ERROR (kept equal by tests/test_plan_timing.py; no torch here)
+STEPS_PER_ERROR = 0.5
+# Relative error ||D(C(g)) - g|| / ||g|| of one compression of a gradient, per compressor family:
+# int8 0.013, fp8 0.026, int4 0.165: bench/results/ablate on gpt-tiny (pyfast/comm/cost.py's
+# STEPS_PER_ERROR note); bf16 0.0023 and fp16 0.0003: round-to-nearest's rms error of 8 and 11
+# mantissa bits (2^-p / sqrt(12) x ~1.15 for the exponent spread), the same as cost.relative_error
+# gives on gpt-tiny's gradients (0.0022 / 0.0003, tests/test_plan_timing.py checks within 2x);
+# topk:R and randomk:R ~ sqrt(1 - R) (the dropped energy of a heavy-tailed gradient: measured
+# 0.97 at R=0.01 on gpt-tiny), powersgd:r ~ 0.6 (rank-4 on gpt-tiny's 64x64 and 64x256
+# matrices; ternary/sign 0.5-0.8). Error feedback makes up most of it over steps: these numbers
+# times STEPS_PER_ERROR are the extra steps, as the ablation's model has them.
+REL_ERROR = {"none": 0.0, "bf16": 0.0023, "fp16": 0.0003, "int8": 0.013, "fp8": 0.026,
+             "int4": 0.165, "sign": 0.8, "ternary": 0.5, "powersgd": 0.6}
+# Bytes on the wire per gradient element of the dense compressors (pyfast.compress wire_bytes:
+# int8/fp8 1 byte + a 4-byte scale per 512-element block, int4 half a byte + the same)
+DENSE_BYTES = {"bf16": 2.0, "fp16": 2.0, "int8": 1 + 4 / 512, "fp8": 1 + 4 / 512,
+               "int4": 0.5 + 4 / 512, "sign": 1 / 8 + 4 / 512, "ternary": 0.25 + 4 / 512}
+FIRST_BUCKET_MB, BUCKET_MB = 1.0, 4.0  # pyfast.comm.buckets / pyfast.parallel.data
+ALLGATHER_MAX_BYTES = 1 << 20          # collectives.choose: dense payloads up to this all-gather
+VOCAB_PARALLEL_MIN = 2048              # pyfast.models.gpt: smaller vocabularies stay whole on tp
+BWD_PER_FWD = 2.0                      # backward = 2 forwards of matmul FLOPs (uncalibrated)
+SMALL_BYTES = 16.0
 
-def predict_time(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster) -> dict:
+
+def rel_error(spec: str) -> float:
+    name, _, arg = spec.partition(":")
+    if name in ("topk", "randomk"):
+        return math.sqrt(max(0.0, 1.0 - float(arg or 0.01)))
+    if name not in REL_ERROR:
+        raise ValueError(f"no relative error known for compressor {spec!r}")
+    return REL_ERROR[name]
+
+
+def steps_factor(spec: str) -> float:
+    return 1.0 + STEPS_PER_ERROR * rel_error(spec)
+
+
+# ---------------------------------------------------------------- links
+class Link:
+    """seconds(prim, nbytes one rank contributes) on a group of `world` ranks: a fitted
+    cost.LinkModel (calibration) or the alpha-beta ring model of (latency, bytes/s)."""
+
+    def __init__(self, cluster: Cluster, span: int, world: int):
+        self.world = world
+        lat, bw = cluster.link(span)
+        self.fit = cluster.calibration.get("link_intra" if cluster.within_node(span)
+                                           else "link_inter")
+        self.lat, self.bw = lat, bw
+        self.scale = cluster.calibration.get("comm_scale", 1.0)
+
+    def seconds(self, prim: str, nbytes: float) -> float:
+        if self.world <= 1:
+            return 0.0
+        w = self.world
+        if self.fit is not None:
+            if prim == "small":
+                return self.scale * self.fit["small_s"]
+            a, b, free = self.fit["fits"]["all_reduce" if prim == "p2p" else prim]
+            return self.scale * (a + b * max(0.0, nbytes - free))
+        calls, moved = {"all_reduce": (2 * (w - 1), 2 * (w - 1) / w * nbytes),
+                        "all_gather": (w - 1, (w - 1) * nbytes),
+                        "all_to_all": (w - 1, (w - 1) / w * nbytes),
+                        "p2p": (1, nbytes), "small": (2 * (w - 1), 0.0)}[prim]
+        return self.scale * (calls * self.lat + moved / self.bw)
+
+
+# ---------------------------------------------------------------- the local model
+def _block_params(shape: ModelShape, tp: int) -> list[tuple[int, tuple]]:
+    """(elements, matrix shape or ()) of one block's parameters on a tp rank, registration order."""
+    h, f, kv = shape.hidden, shape.ffn, shape.kv_dim
+    if shape.arch == "gpt":
+        return [(h, ()), (h, ()), (h * (h + 2 * kv) // tp, ((h + 2 * kv) // tp, h)),
+                ((h + 2 * kv) // tp, ()), (h * h // tp, (h, h // tp)), (h, ()), (h, ()), (h, ()),
+                (f * h // tp, (f // tp, h)), (f // tp, ()), (h * f // tp, (h, f // tp)), (h, ())]
+    return [(h, ()), (h * h // tp, (h // tp, h)), (kv * h // tp, (kv // tp, h)),
+            (kv * h // tp, (kv // tp, h)), (h * h // tp, (h, h // tp)), (h, ()),
+            (f * h // tp, (f // tp, h)), (f * h // tp, (f // tp, h)), (h * f // tp, (h, f // tp))]
+
+
+def _modules(shape: ModelShape, plan: Plan, stage: int) -> list[tuple[str, list]]:
+    """This pipeline stage's modules in forward order: (kind, params) with kind embed/block/head.
+    Layers split as the pipeline cuts them (evenly, the remainder to the first stages)."""
+    tp, pp = plan.tp, plan.pp
+    v = shape.vocab // tp if shape.vocab >= VOCAB_PARALLEL_MIN else shape.vocab
+    per = shape.layers // pp + (1 if stage < shape.layers % pp else 0)
+    mods = []
+    if stage == 0:
+        mods.append(("embed", [(v * shape.hidden, (v, shape.hidden))]))
+    mods += [("block", _block_params(shape, tp)) for _ in range(per)]
+    if stage == pp - 1:
+        norm = [(shape.hidden, ())] * (2 if shape.arch == "gpt" else 1)
+        mods.append(("head", norm + ([] if shape.tied else [(v * shape.hidden, (v, shape.hidden))])))
+    return mods
+
+
+def compute_key(kind: str, plan: Plan, work: Workload) -> str:
+    """The calibration key of a module's forward + backward at this plan's local shape."""
+    s = work.seq // plan.cp
+    ck = ":ckpt" if kind == "block" and plan.activation_checkpointing else ""
+    return f"{kind}:tp{plan.tp}:b{plan.micro_batch}:s{s}:{work.precision}{ck}"
+
+
+def _module_s(kind: str, params: list, shape: ModelShape, plan: Plan, work: Workload,
+              cluster: Cluster) -> tuple[float, float, float]:
+    """(forward, backward, recompute) seconds of one micro-batch through one module."""
+    cal = cluster.calibration
+    scale = cal.get("compute_scale", 1.0)
+    toks = plan.micro_batch * work.seq // plan.cp
     peak = cluster.gpu.flops_32 if work.precision == "fp32" else cluster.gpu.flops_16
-    flops = shape.flops_per_token(work.seq) * work.tokens / plan.ranks
-    recompute = flops / 3 if plan.activation_checkpointing else 0.0
-    compute = (flops + recompute) / (peak * cluster.mfu)
-    lat, bw = cluster.link(plan.tp * plan.cp * plan.dp)
-    grad_bytes = 4 * shape.params() / (plan.tp * plan.pp)
-    n = plan.dp * plan.cp
-    comm = 2 * (n - 1) / n * grad_bytes / bw + 2 * (n - 1) * lat if n > 1 else 0.0
-    bubble = compute * (plan.pp - 1) / plan.micro_batches if plan.pp > 1 else 0.0
-    step = compute + comm + bubble
-    return {"step_s": step, "compute_s": compute, "comm_s": comm, "exposed_comm_s": comm,
-            "bubble_s": bubble, "recompute_s": recompute / (peak * cluster.mfu), "codec_s": 0.0,
-            "tokens_per_s": work.tokens / step, "steps_factor": 1.0}
+    rate = cal.get("flops_s") or peak * cluster.mfu
+    matmul = sum(n for n, m in params if m)
+    fwd_flops = 2.0 * matmul * toks
+    extra = 0.0  # cp: attention over the other ranks' keys, beyond the local causal block
+    if kind == "block":
+        hl = shape.hidden // plan.tp
+        fwd_flops += 2.0 * hl * work.seq / plan.cp * toks  # causal: QK^T + AV over s/2 keys
+        extra = 2.0 * hl * (work.seq - work.seq / plan.cp) * toks * (1 + BWD_PER_FWD) / rate
+    if kind == "embed":  # a gather: memory-bound, ~3 passes over the activations
+        fwd_flops = 0.0
+    measured = cal.get("compute", {}).get(compute_key(kind, plan, work))
+    if measured is not None:
+        f, b = measured  # b includes the recompute under activation checkpointing
+        rec = f if kind == "block" and plan.activation_checkpointing else 0.0
+        return scale * f, scale * (b - rec + extra), scale * rec
+    mem = 3.0 * toks * shape.hidden * 4 / cluster.gpu.hbm_bps
+    f = fwd_flops / rate + mem
+    rec = f if kind == "block" and plan.activation_checkpointing else 0.0
+    return scale * f, scale * (BWD_PER_FWD * f + extra), scale * rec
+
+
+# ---------------------------------------------------------------- gradient reduction
+def _codec(spec: str, n: float, cluster: Cluster) -> tuple[float, float]:
+    """(encode, decode) seconds of spec on n elements: calibrated a + b n, or 2 passes of
+    fp32 over memory each (read, write)."""
+    if spec == "none":
+        return 0.0, 0.0
+    fit = cluster.calibration.get("codec", {}).get(spec)
+    sc = cluster.calibration.get("compute_scale", 1.0)
+    if fit is not None:
+        ea, eb, da, db = fit
+        return sc * (ea + eb * n), sc * (da + db * n)
+    t = 8.0 * n / cluster.gpu.hbm_bps
+    return t, t
+
+
+def reduction_s(spec: str, n: int, mat: tuple, link: Link, cluster: Cluster) -> tuple[float, float]:
+    """(total, codec) seconds of one all_reduce of n elements through spec (cost.comm_seconds's
+    algorithm: wire calls as collectives runs them, codec passes per algorithm)."""
+    w = link.world
+    name = spec.partition(":")[0]
+    if name == "none" or (name == "powersgd" and not mat):
+        return link.seconds("all_reduce", 4.0 * n), 0.0
+    enc, dec = _codec(spec, n, cluster)
+    if name == "powersgd":
+        r = min(int(spec.partition(":")[2] or 1), mat[0], mat[1])
+        wire = link.seconds("all_reduce", 4.0 * mat[0] * r) + link.seconds(
+            "all_reduce", 4.0 * mat[1] * r)
+        return wire + enc + dec, enc + dec
+    if name in ("topk", "randomk"):
+        k = math.ceil(float(spec.partition(":")[2]) * n)
+        if name == "randomk":  # shared-index: a finiteness all-reduce, then the values
+            return link.seconds("small", SMALL_BYTES) + link.seconds("all_reduce", 4.0 * k) \
+                + enc + dec, enc + dec
+        wire = link.seconds("small", SMALL_BYTES) + link.seconds("all_gather", 8.0 * k + 4)
+        return wire + enc + w * dec, enc + w * dec
+    payload = DENSE_BYTES[name] * n
+    if w <= 2 or payload <= ALLGATHER_MAX_BYTES:  # allgather: W payloads decoded
+        wire = link.seconds("small", SMALL_BYTES) + link.seconds("all_gather", payload)
+        return wire + enc + w * dec, enc + w * dec
+    wire = link.seconds("all_to_all", payload) + link.seconds("small", SMALL_BYTES) + \
+        link.seconds("all_gather", payload / w)  # two-phase
+    return wire + enc * (1 + 1 / w) + 2 * dec, enc * (1 + 1 / w) + 2 * dec
+
+
+def _buckets(mods: list, per_param: bool, first_mb: float = FIRST_BUCKET_MB,
+             bucket_mb: float = BUCKET_MB) -> list[tuple[int, list, int]]:
+    """pyfast.comm.buckets: (elements, [(n, matrix)], index of the module whose backward
+    completes the bucket) in reduction order: parameters in reverse registration order."""
+    flat = [(n, m, i) for i, (_, ps) in enumerate(mods) for n, m in ps]
+    out, cur, size = [], [], 0.0
+    for n, m, i in reversed(flat):
+        if per_param:
+            out.append((n, [(n, m)], i))
+            continue
+        cur.append((n, m, i))
+        size += 4.0 * n
+        if size >= (first_mb if not out else bucket_mb) * 2 ** 20:
+            out.append((sum(x[0] for x in cur), [(x[0], x[1]) for x in cur], cur[-1][2]))
+            cur, size = [], 0.0
+    if cur:
+        out.append((sum(x[0] for x in cur), [(x[0], x[1]) for x in cur], cur[-1][2]))
+    return out
+
+
+def _fifo(ready: list[float], cost: list[float]) -> float:
+    """cost.predict_step's queue: op i starts when ready and the previous one is done."""
+    end = 0.0
+    for r, s in zip(ready, cost):
+        end = max(r, end) + s
+    return end
+
+
+# ---------------------------------------------------------------- the step
+def predict_time(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster) -> dict:
+    m, p, v = plan.micro_batches, plan.pp, plan.virtual_stages
+    act = 2 if work.precision in ("bf16", "fp16") else 4   # autocast outputs
+    toks = plan.micro_batch * work.seq // plan.cp
+    tp_link = Link(cluster, plan.tp, plan.tp)
+    cp_link = Link(cluster, plan.tp * plan.cp, plan.cp)
+    dp_link = Link(cluster, plan.tp * plan.cp * plan.dp, plan.dp * plan.cp)
+    pp_link = Link(cluster, plan.ranks, 2 if p > 1 else 1)
+    # per stage: (fwd, bwd, recompute) of one micro-batch, with tp and cp inside each block
+    stages = []
+    tp_ar = tp_link.seconds("all_reduce", toks * shape.hidden * act)
+    kv = 2.0 * toks * shape.kv_dim // plan.tp * act
+    if plan.cp > 1 and plan.cp_method == "ulysses":  # q, k, v in and the output back; x2 bwd
+        cp_f = 4 * cp_link.seconds("all_to_all", toks * shape.hidden // plan.tp * act)
+        cp_b = cp_f
+    else:  # ring: cp-1 K/V exchanges forward, K/V + dK/dV backward, hidden behind attention
+        cp_f = (plan.cp - 1) * cp_link.seconds("p2p", kv)
+        cp_b = (plan.cp - 1) * cp_link.seconds("p2p", 2 * kv)
+    for st in range(p):
+        mods = _modules(shape, plan, st)
+        f = b = r = tpc = cpc = 0.0
+        for kind, ps in mods:
+            mf, mb, mr = _module_s(kind, ps, shape, plan, work, cluster)
+            f, b, r = f + mf, b + mb, r + mr
+            if kind == "block":
+                if plan.tp > 1:
+                    tpc += (4 + (2 if plan.activation_checkpointing else 0)) * tp_ar
+                if plan.cp > 1:
+                    ring = plan.cp_method != "ulysses"
+                    hide = (mf * 0.3 if ring else 0.0)  # attention's share of the block
+                    cpc += max(0.0, cp_f - hide) + max(0.0, cp_b - 2 * hide)
+                    if plan.activation_checkpointing:
+                        cpc += max(0.0, cp_f - hide)
+        stages.append((mods, f, b, r, tpc, cpc))
+    per_mb = [f + b + r + tpc + cpc for _, f, b, r, tpc, cpc in stages]
+    slow = max(range(p), key=lambda i: per_mb[i])
+    mods, f, b, r, tpc, cpc = stages[slow]
+    t_mb = per_mb[slow]
+    compute = m * (f + b + r)
+    # pipeline: activations forward and gradients backward over each boundary, per micro-batch
+    pp_c = 0.0
+    bubble = 0.0
+    if p > 1:
+        pp_c = 2 * m * v * pp_link.seconds("p2p", toks * shape.hidden * 4)
+        bub = (p - 1) / v * t_mb
+        bubble = bub / 3 if plan.schedule == "zb-h1" else bub
+    body = m * t_mb + bubble + pp_c
+    # data parallel over dp x cp
+    world = plan.dp * plan.cp
+    dp_c = zero_c = codec = exposed_dp = 0.0
+    n_local = sum(n for _, ps in mods for n, _ in ps)
+    if world > 1 and not plan.zero:
+        per_param = plan.compress.partition(":")[0] in ("topk", "powersgd")
+        bks = _buckets(mods, per_param)
+        cost, cdc = zip(*(_bucket_cost(plan.compress, bk, dp_link, cluster) for bk in bks))
+        dp_c, codec = sum(cost), sum(cdc)
+        if p > 1:  # reduce_gradients() after the pipeline: nothing to hide behind
+            exposed_dp = dp_c
+        else:  # the last micro-batch's backward, module by module from the head down
+            start = body - b - r - (tpc + cpc) * (b + r) / max(f + b + r, 1e-30)
+            done, t = {}, start
+            for i in reversed(range(len(mods))):
+                kf, kb, kr = _module_s(mods[i][0], mods[i][1], shape, plan, work, cluster)
+                t += (kb + kr) * (1 + (tpc + cpc) / max(f + b + r, 1e-30))
+                done[i] = t
+            end = _fifo([done[i] for _, _, i in bks], cost)
+            exposed_dp = max(0.0, end - body)
+    elif world > 1:
+        zero_c, exposed_dp = _zero(plan, mods, dp_link, cluster, body, shape, work)
+        codec = 0.0
+    # the step's small all-reduce (loss, norm, flag, bytes) over every rank, and the optimizer
+    small = Link(cluster, plan.ranks, plan.ranks).seconds("small", 32.0)
+    n_opt = n_local / world if plan.zero else n_local
+    opt_rate = cluster.calibration.get("optim_s_per_param")
+    optim = (opt_rate * n_opt if opt_rate is not None else 64.0 * n_opt / cluster.gpu.hbm_bps) \
+        * cluster.calibration.get("compute_scale", 1.0)
+    step = body + exposed_dp + small + optim
+    comm = m * (tpc + cpc) + pp_c + dp_c + zero_c + small
+    exposed = step - compute - bubble - optim
+    why = []
+    for k, x in (("exposed comm", exposed), ("bubble", bubble), ("recompute", m * r),
+                 ("codec", codec), ("optimizer", optim)):
+        if x > 0.05 * step:
+            why.append(f"{k} {100 * x / step:.0f}%")
+    return {"step_s": step, "compute_s": compute, "comm_s": comm, "exposed_comm_s": exposed,
+            "bubble_s": bubble, "recompute_s": m * r, "codec_s": codec,
+            "tokens_per_s": work.tokens / step, "steps_factor": steps_factor(plan.compress),
+            "optimizer_s": optim, "tp_comm_s": m * tpc, "cp_comm_s": m * cpc, "pp_comm_s": pp_c,
+            "dp_comm_s": dp_c, "zero_comm_s": zero_c, "stage": slow,
+            "why": ", ".join(why) or "compute-bound"}
+
+
+def _bucket_cost(spec: str, bk, link: Link, cluster: Cluster) -> tuple[float, float]:
+    n, params, _ = bk
+    if spec.partition(":")[0] in ("topk", "powersgd"):
+        return reduction_s(spec, params[0][0], params[0][1], link, cluster)
+    return reduction_s(spec, n, (), link, cluster)
+
+
+def _zero(plan: Plan, mods: list, link: Link, cluster: Cluster, body: float,
+          shape: ModelShape, work: Workload) -> tuple[float, float]:
+    """(comm seconds, exposed seconds) of ZeRO's reduce-scatters and parameter all-gathers.
+    Reduce-scatter of n elements ~ an all-to-all of its (compressed) buffer; stage 3's
+    all-gathers carry param_compress's payload, stages 1-2's exact fp32 after the step."""
+    w = link.world
+    gbytes = 4.0 if plan.compress == "none" else DENSE_BYTES[plan.compress.partition(":")[0]]
+    pbytes = 4.0 if plan.param_compress == "none" else DENSE_BYTES[plan.param_compress]
+
+    def rs(n):
+        enc, dec = _codec(plan.compress, n, cluster)
+        return link.seconds("all_to_all", gbytes * n) + enc + dec
+
+    def ag(n, by):
+        enc, dec = _codec("none" if by == 4.0 else plan.param_compress, n / w, cluster)
+        return link.seconds("all_gather", by * n / w) + enc + w * dec
+
+    if plan.zero < 3:
+        bks = _buckets(mods, False)
+        red = [rs(n) for n, _, _ in bks]
+        gat = sum(ag(n, 4.0) for n, _, _ in bks)
+        if plan.zero == 1:  # at the step, after backward
+            return sum(red) + gat, sum(red) + gat
+        # stage 2: as DataParallel's buckets during the last backward (ready ~ evenly spread)
+        bwd = [_module_s(k, ps, shape, plan, work, cluster) for k, ps in mods]
+        tb = sum(x[1] + x[2] for x in bwd)
+        t, done = body - tb, {}
+        for i in reversed(range(len(mods))):
+            t += bwd[i][1] + bwd[i][2]
+            done[i] = t
+        end = _fifo([done[i] for _, _, i in bks], red)
+        return sum(red) + gat, max(0.0, end - body) + gat
+    # stage 3: one unit per module; gathers one ahead of compute on the FIFO, forward and
+    # backward, reduce-scatters behind each unit's backward
+    units = [sum(n for n, _ in ps) for _, ps in mods]
+    times = [_module_s(k, ps, shape, plan, work, cluster) for k, ps in mods]
+    comm_free, t, total = 0.0, 0.0, 0.0
+    for micro in range(plan.micro_batches):
+        for order, phase in ((range(len(units)), 0), (reversed(range(len(units))), 1)):
+            for i in order:
+                g = ag(units[i], pbytes)
+                total += g
+                comm_free = max(comm_free, t - (times[i - 1][phase] if i else 0.0)) + g
+                t = max(t, comm_free) + (times[i][0] if phase == 0 else times[i][1] + times[i][2])
+                if phase == 1 and micro == plan.micro_batches - 1:
+                    rsi = rs(units[i])
+                    total += rsi
+                    comm_free = max(comm_free, t) + rsi
+    comp = plan.micro_batches * sum(x[0] + x[1] + x[2] for x in times)
+    return total, max(0.0, max(t, comm_free) - comp)
