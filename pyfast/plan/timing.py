@@ -83,6 +83,8 @@ class Link:
                                            else "link_inter")
         self.lat, self.bw = lat, bw
         self.scale = cluster.calibration.get("comm_scale", 1.0)
+        # a blocking wait that follows compute: waking the waiting thread (calibrate.wake_seconds)
+        self.wake = self.scale * (self.fit or {}).get("wake_s", 0.0) if world > 1 else 0.0
 
     def seconds(self, prim: str, nbytes: float) -> float:
         if self.world <= 1:
@@ -247,14 +249,15 @@ def predict_time(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster
     pp_link = Link(cluster, plan.ranks, 2 if p > 1 else 1)
     # per stage: (fwd, bwd, recompute) of one micro-batch, with tp and cp inside each block
     stages = []
-    tp_ar = tp_link.seconds("all_reduce", toks * shape.hidden * act)
+    tp_ar = tp_link.seconds("all_reduce", toks * shape.hidden * act) + tp_link.wake
     kv = 2.0 * toks * shape.kv_dim // plan.tp * act
     if plan.cp > 1 and plan.cp_method == "ulysses":  # q, k, v in and the output back; x2 bwd
-        cp_f = 4 * cp_link.seconds("all_to_all", toks * shape.hidden // plan.tp * act)
+        cp_f = 4 * (cp_link.seconds("all_to_all", toks * shape.hidden // plan.tp * act)
+                    + cp_link.wake)
         cp_b = cp_f
     else:  # ring: cp-1 K/V exchanges forward, K/V + dK/dV backward, hidden behind attention
-        cp_f = (plan.cp - 1) * cp_link.seconds("p2p", kv)
-        cp_b = (plan.cp - 1) * cp_link.seconds("p2p", 2 * kv)
+        cp_f = (plan.cp - 1) * (cp_link.seconds("p2p", kv) + cp_link.wake)
+        cp_b = (plan.cp - 1) * (cp_link.seconds("p2p", 2 * kv) + cp_link.wake)
     for st in range(p):
         mods = _modules(shape, plan, st)
         f = b = r = tpc = cpc = 0.0
@@ -280,7 +283,11 @@ def predict_time(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster
     pp_c = 0.0
     bubble = 0.0
     if p > 1:
-        pp_c = 2 * m * v * pp_link.seconds("p2p", toks * shape.hidden * 4)
+        pp_c = 2 * m * v * (pp_link.seconds("p2p", toks * shape.hidden * 4) + pp_link.wake)
+        # a 1 KB header each way on the step's first message, and the step's outcome agreed by
+        # one all-reduce (pyfast.parallel.p2p / Pipeline)
+        pp_c += 2 * (pp_link.seconds("p2p", 1024) + pp_link.wake) + \
+            pp_link.seconds("small", SMALL_BYTES) + pp_link.wake
         bub = (p - 1) / v * t_mb
         bubble = bub / 3 if plan.schedule == "zb-h1" else bub
     body = m * t_mb + bubble + pp_c
@@ -288,6 +295,9 @@ def predict_time(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster
     world = plan.dp * plan.cp
     dp_c = zero_c = codec = exposed_dp = 0.0
     n_local = sum(n for _, ps in mods for n, _ in ps)
+    cal = cluster.calibration
+    cont = cal.get("cpu_contention", 0.0)
+    cpu_link = _cpu_link(cluster, world)
     if world > 1 and not plan.zero:
         per_param = plan.compress.partition(":")[0] in ("topk", "powersgd")
         bks = _buckets(mods, per_param)
@@ -304,15 +314,27 @@ def predict_time(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster
                 done[i] = t
             end = _fifo([done[i] for _, _, i in bks], cost)
             exposed_dp = max(0.0, end - body)
+            # what the overlap cannot hide where the ranks fill the cores: the communication
+            # thread's own CPU work (codec, gloo's copies at loopback speed)
+            if cont:
+                exposed_dp += cont * sum(_bucket_cost(plan.compress, bk, cpu_link, cluster)[0]
+                                         for bk in bks)
+        # then the side band's small all-reduce and the copy of the buckets into .grad
+        exposed_dp += dp_link.seconds("small", SMALL_BYTES) + dp_link.wake + 4.0 * n_local * cal.get(
+            "copy_s_per_byte", 1.0 / cluster.gpu.hbm_bps) * cal.get("compute_scale", 1.0)
     elif world > 1:
         zero_c, exposed_dp = _zero(plan, mods, dp_link, cluster, body, shape, work)
-        codec = 0.0
+        if cont and plan.zero >= 2:
+            zero_c_cpu, _ = _zero(plan, mods, cpu_link, cluster, body, shape, work)
+            exposed_dp += cont * zero_c_cpu
     # the step's small all-reduce (loss, norm, flag, bytes) over every rank, and the optimizer
-    small = Link(cluster, plan.ranks, plan.ranks).seconds("small", 32.0)
+    every = Link(cluster, plan.ranks, plan.ranks)
+    small = every.seconds("small", 32.0) + every.wake
     n_opt = n_local / world if plan.zero else n_local
     opt_rate = cluster.calibration.get("optim_s_per_param")
     optim = (opt_rate * n_opt if opt_rate is not None else 64.0 * n_opt / cluster.gpu.hbm_bps) \
         * cluster.calibration.get("compute_scale", 1.0)
+    optim += cal.get("step_overhead_s", 0.0) * cal.get("compute_scale", 1.0)  # the job's own
     step = body + exposed_dp + small + optim
     comm = m * (tpc + cpc) + pp_c + dp_c + zero_c + small
     exposed = step - compute - bubble - optim
@@ -327,6 +349,13 @@ def predict_time(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster
             "optimizer_s": optim, "tp_comm_s": m * tpc, "cp_comm_s": m * cpc, "pp_comm_s": pp_c,
             "dp_comm_s": dp_c, "zero_comm_s": zero_c, "stage": slow,
             "why": ", ".join(why) or "compute-bound"}
+
+
+def _cpu_link(cluster: Cluster, world: int) -> "Link":
+    """The link whose seconds are a collective's CPU work (calibration's link_cpu)."""
+    link = Link(cluster, 1, world)
+    link.fit = cluster.calibration.get("link_cpu")
+    return link
 
 
 def _bucket_cost(spec: str, bk, link: Link, cluster: Cluster) -> tuple[float, float]:

@@ -1,0 +1,392 @@
+"""Plans for this machine, measured rather than assumed: `pyfast plan --measure` (measure) and
+`pyfast plan --calibrate RUNDIR` (refit).
+
+Keys of Cluster.calibration (all optional; pyfast.plan.timing reads them):
+    "compute": {timing.compute_key(kind, plan, work): [forward_s, backward_s]} one micro-batch
+        through one module (kind embed | block | head, the head with its loss) at the plan's
+        local shape (tp's shards, seq/cp tokens, micro_batch sequences, the precision's
+        autocast; a checkpointed block's backward includes its recompute), 1 thread per rank
+        as `pyfast train --nproc N` runs (torchrun sets OMP_NUM_THREADS=1)
+    "flops_s": the blocks' measured FLOP/s (median), for shapes not measured
+    "optim_s_per_param": AdamW step + the job's gradient-norm pass, seconds per parameter
+        (timed on the whole model, so the CPU loop's per-tensor cost is spread as in the job)
+    "copy_s_per_byte": a 16 MB tensor copy (DataParallel's reduced buckets back into .grad)
+    "link_cpu": the loopback link's model: the CPU time of a collective's copies
+    "step_overhead_s": a step of the job beyond modules + optimizer (measure_job_overhead)
+    "cpu_contention": 1.0 on a CPU "cluster" (this machine): the communication thread's CPU
+        work (codec + link_cpu) is not hidden behind compute on cores the ranks already fill
+    "codec": {spec: [enc_a, enc_b, dec_a, dec_b]}: encode/decode seconds = a + b x elements
+        (pyfast.comm.cost.codec_seconds at two sizes)
+    "link_intra", "link_inter": {"fits": {primitive: [alpha, beta, free]}, "small_s": s}, a
+        pyfast.comm.cost.LinkModel fitted by measure_link on 2 gloo ranks ("link": its name)
+    "compute_scale", "comm_scale": refit's measured / predicted (multipliers on the above)
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+from .hardware import Cluster
+from .spec import ModelShape, Plan, Workload, gpt_model_flag
+from . import timing
+
+REPEATS = 5   # median of 5 after a warm call: the 2-core machine's noise is ~5-10% per call
+
+
+def _time(fn, repeats: int = REPEATS) -> float:
+    import time
+    fn()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def _local_block(shape: ModelShape, plan: Plan, work: Workload):
+    """pyfast's GPT Block at a tp rank's shard sizes (qkv/fc columns and proj rows / tp:
+    Attention takes its local head count from qkv's rows, as under parallelize)."""
+    import torch
+    from pyfast import models
+    model = models.build(gpt_model_flag(replace(shape, layers=1)), shape.vocab, work.seq)
+    block = model[1]
+    t, h, f = plan.tp, shape.hidden, shape.ffn
+    if t > 1:
+        block.attn.qkv = torch.nn.Linear(h, 3 * h // t)
+        block.attn.proj = torch.nn.Linear(h // t, h)
+        block.mlp.fc = torch.nn.Linear(h, f // t)
+        block.mlp.proj = torch.nn.Linear(f // t, h)
+    block.checkpointed = plan.activation_checkpointing
+    return model, block
+
+
+def _fwd_bwd(module, make_in, loss_of=None) -> tuple[float, float]:
+    """(forward, backward) seconds, medians."""
+    import time
+    fs, bs = [], []
+    for i in range(REPEATS + 1):
+        x = make_in()
+        t0 = time.perf_counter()
+        y = module(x)
+        out = loss_of(y) if loss_of else y
+        t1 = time.perf_counter()
+        if loss_of:
+            out.backward()
+        else:
+            out.backward(torch_randn_like(out))
+        t2 = time.perf_counter()
+        if i:
+            fs.append(t1 - t0)
+            bs.append(t2 - t1)
+    return statistics.median(fs), statistics.median(bs)
+
+
+def torch_randn_like(t):
+    import torch
+    return torch.randn_like(t)
+
+
+def measure_compute(shape: ModelShape, work: Workload, plans) -> dict:
+    """{"compute": ..., "flops_s": ..., "optim_s_per_param": ...} timed here, 1 thread."""
+    import torch
+    import torch.nn.functional as F
+    from pyfast.train.job import AMP
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    out, rates = {}, []
+    for plan in plans:
+        s, b = work.seq // plan.cp, plan.micro_batch
+        model, block = _local_block(shape, plan, work)
+
+        def run(mod):  # the job autocasts each top-level layer's forward (autocast_layers)
+            if work.precision not in AMP:
+                return mod
+            return torch.autocast("cpu", dtype=AMP[work.precision])(mod.forward)
+
+        key = timing.compute_key("block", plan, work)
+        if key not in out:
+            fb = _fwd_bwd(run(block), lambda: torch.randn(b, s, shape.hidden, requires_grad=True))
+            out[key] = list(fb)
+            _, ps = timing._modules(shape, plan, 0)[1]
+            fl = timing._module_s("block", ps, shape, plan, work, _unit_cluster())[0]
+            rates.append(fl / fb[0])  # _unit_cluster: 1 FLOP/s, so forward "seconds" = FLOPs
+        key = timing.compute_key("embed", plan, work)
+        if key not in out:
+            ids = lambda: torch.randint(0, shape.vocab, (b, s))  # noqa: E731
+            emb = model[0]
+            out[key] = list(_fwd_bwd(run(emb), ids, lambda y: y.float().square().mean()))
+        key = timing.compute_key("head", plan, work)
+        if key not in out:
+            head = model[-1]
+            if plan.tp > 1 and shape.vocab >= timing.VOCAB_PARALLEL_MIN:
+                head.lm_head = torch.nn.Linear(shape.hidden, shape.vocab // plan.tp, bias=False)
+            v = head.lm_head.out_features
+            tgt = torch.randint(0, v, (b * s,))
+            out[key] = list(_fwd_bwd(run(head), lambda: torch.randn(b, s, shape.hidden,
+                                                                    requires_grad=True),
+                                     lambda y: F.cross_entropy(y.flatten(0, -2).float(), tgt)))
+    # the optimizer over the whole model's parameters (per-tensor Python costs included: the
+    # CPU AdamW loops over tensors), with the job's fused norm pass and zero_grad
+    from pyfast import models
+    model = models.build(gpt_model_flag(shape), shape.vocab, work.seq)
+    params = list(model.parameters())
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95))
+
+    def step():
+        torch.stack(torch._foreach_norm([p.grad for p in params])).double().square().sum()
+        opt.step()
+    n = sum(p.numel() for p in params)
+    big = torch.randn(1 << 22)  # 16 MB: DataParallel's copy of the reduced buckets into .grad
+    dst = torch.empty_like(big)
+    copy = _time(lambda: dst.copy_(big)) / big.nbytes
+    return {"compute": out, "flops_s": statistics.median(rates) if rates else None,
+            "optim_s_per_param": _time(step) / n, "copy_s_per_byte": copy}
+
+
+def _unit_cluster() -> Cluster:
+    from .hardware import Gpu
+    one = Gpu("unit", 1, 1.0, 1.0, float("inf"), 1.0)
+    return Cluster(1, 1, one, 1.0, 1.0, mfu=1.0)
+
+
+def measure_codecs(specs, shape: ModelShape) -> dict:
+    """{spec: [enc_a, enc_b, dec_a, dec_b]} from cost.codec_seconds at two sizes (PowerSGD on
+    hidden x k matrices, the others flat)."""
+    import torch
+    import pyfast.compress as C
+    from pyfast.comm import cost
+    torch.set_num_threads(1)
+    out = {}
+    for spec in sorted(set(specs) - {"none", ""}):
+        pts = []
+        for cols in (shape.hidden, 4 * shape.hidden):
+            x = torch.randn(shape.hidden, cols)
+            x = x if spec.startswith("powersgd") else x.reshape(-1)
+            # with its error-feedback memory, as the job's DataParallel runs it
+            enc, dec = cost.codec_seconds(C.wrap(C.get(spec)), x, repeats=REPEATS)
+            pts.append((x.numel(), enc, dec))
+        (n0, e0, d0), (n1, e1, d1) = pts
+        eb, db = max(0.0, (e1 - e0) / (n1 - n0)), max(0.0, (d1 - d0) / (n1 - n0))
+        out[spec] = [max(0.0, e0 - eb * n0), eb, max(0.0, d0 - db * n0), db]
+    return out
+
+
+# ---------------------------------------------------------------- the link
+def link_probe(path: str, pause: bool) -> None:
+    """A rank of the link probe (env:// rendezvous, gloo): cost.measure_link, rank 0 writes
+    {"fits", "small_s"} as JSON to `path`. Launched by measure() on loopback, and by
+    pyfast.benchmarks.plan_time inside a shaped namespace."""
+    import datetime
+    import torch
+    import torch.distributed as dist
+    from pyfast.comm import cost
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    lm = cost.measure_link(pause=pause)
+    wake = wake_seconds(lm.small_s)
+    if dist.get_rank() == 0:
+        Path(path).write_text(json.dumps({"fits": {k: list(v) for k, v in lm.fits.items()},
+                                          "small_s": lm.small_s, "wake_s": wake}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def wake_seconds(small_s: float, works=(0.5e-3, 1e-3, 2e-3, 4e-3), repeats: int = 15) -> float:
+    """Extra seconds of a blocking collective that follows compute, over the same call back
+    to back (small_s): the waiting rank's thread sleeps, its (virtual) core idles, and waking
+    it costs this much. Measured here with 2 gloo ranks after 0.5-4 ms of matmuls each (a
+    layer's compute at the validation's shapes): per-call medians from 0.2 to 2 ms from one
+    probe to the next against 0.3 ms back to back, so the mean over all works and calls (10%
+    trimmed each side) is kept. The job pays it at every blocking wait: tp's all-reduces,
+    pp's receives, the step's small all-reduce, DataParallel's final wait."""
+    import time
+    import torch
+    import torch.distributed as dist
+    a, x = torch.randn(128, 128), torch.zeros(4)
+    ts = []
+    for work_s in works:
+        t0, n = time.perf_counter(), 0
+        while time.perf_counter() - t0 < work_s:  # how many matmuls make work_s here
+            a @ a
+            n += 1
+        for _ in range(repeats):
+            for _ in range(n):
+                a @ a
+            t = time.perf_counter()
+            dist.all_reduce(x)
+            ts.append(time.perf_counter() - t)
+    ts.sort()
+    cut = len(ts) // 10
+    w = torch.tensor([statistics.mean(ts[cut:len(ts) - cut])], dtype=torch.float64)
+    dist.all_reduce(w, op=dist.ReduceOp.MAX)
+    return max(0.0, float(w) - small_s)
+
+
+def probe_argv(path: str, pause: bool) -> list[str]:
+    return ["-c", f"from pyfast.plan.calibrate import link_probe; link_probe({path!r}, {pause})"]
+
+
+def measure_loopback_link(timeout: float = 120) -> dict:
+    """The link model of 2 gloo ranks on plain loopback (2 child processes)."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "link.json")
+        _child(probe_argv(path, False), timeout, world=2)
+        return json.loads(Path(path).read_text())
+
+
+def job_probe(path: str, model: str, seq: int, batch: int, precision: str, steps: int = 8) -> None:
+    """One rank (world 1) of pyfast's Job at this local batch: its median step seconds after
+    3 warm-up steps, written as JSON to `path` (measure_job_overhead's child process)."""
+    import datetime
+    import torch
+    import torch.distributed as dist
+    from pyfast.train.config import TrainConfig
+    from pyfast.train.job import Job
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    cfg = TrainConfig(model=model, seq=seq, batch=batch, steps=steps, precision=precision)
+    job = Job(cfg, torch.device("cpu"))
+    ms = [job.train_step(i + 1)["step_ms"] for i in range(steps)]
+    job.close()
+    Path(path).write_text(json.dumps({"step_s": statistics.median(ms[3:]) / 1e3}))
+    dist.destroy_process_group()
+
+
+def _child(argv: list[str], timeout: float, world: int = 1) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, *argv], env={**env, "RANK": str(r),
+                                                            "LOCAL_RANK": str(r)})
+             for r in range(world)]
+    try:
+        codes = [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    if any(codes):
+        raise RuntimeError(f"{' '.join(argv)[:80]}: exit codes {codes}")
+
+
+def measure_job_overhead(shape: ModelShape, work: Workload, cluster: Cluster,
+                         micro_batch: int, timeout: float = 120) -> float:
+    """Seconds a step of the job costs beyond its modules' compute and the optimizer (the
+    batch, zero_grad, the norm pass, the scheduler, Python between layers): a 1-rank Job's
+    measured step minus predict_time of the same 1-rank plan with `cluster`'s calibration."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "job.json")
+        argv = ["-c", "from pyfast.plan.calibrate import job_probe; job_probe("
+                f"{path!r}, {gpt_model_flag(shape)!r}, {work.seq}, {micro_batch}, "
+                f"{work.precision!r})"]
+        _child(argv, timeout)
+        step = json.loads(Path(path).read_text())["step_s"]
+    one = Plan(micro_batch=micro_batch)
+    pred = timing.predict_time(shape, one, Workload(work.seq, micro_batch, work.precision),
+                               cluster)
+    return max(0.0, step - pred["step_s"])
+
+
+def default_plans(shape: ModelShape, work: Workload, world: int = 2) -> list[Plan]:
+    out = []
+    for tp in (1, world):
+        for cp in (1, world):
+            if tp * cp <= world and work.global_batch % (world // (tp * cp)) == 0:
+                out.append(Plan(dp=world // (tp * cp), tp=tp, cp=cp,
+                                micro_batch=work.global_batch // (world // (tp * cp))))
+    return out
+
+
+def measure(shape: ModelShape, work: Workload, cluster: Cluster, link: str = "loopback",
+            plans=None, link_model: dict | None = None) -> Cluster:
+    """This machine's numbers for these plans (default: dp/tp/cp over 2 ranks, one micro-batch):
+    compute at each plan's local shape, the link (loopback measured here; a shaped link's model
+    is measured by whoever can make the namespace, pyfast.benchmarks.plan_time, and passed as
+    link_model), codec seconds of the plans' compressors. The result's calibration holds them
+    for both intra and inter links (2 ranks on one machine)."""
+    plans = list(plans) if plans else default_plans(shape, work)
+    if link_model is None:
+        if link != "loopback":
+            raise ValueError(f"link {link!r}: measure() probes plain loopback only; a shaped "
+                             "link is probed inside its namespace (pyfast.benchmarks.plan_time"
+                             ".probe_link) and passed as link_model=")
+        link_model = measure_loopback_link()
+    cal = dict(cluster.calibration)
+    cal.update(measure_compute(shape, work, plans))
+    specs = {p.compress for p in plans} | {p.param_compress for p in plans}
+    cal["codec"] = {**cal.get("codec", {}), **measure_codecs(specs, shape)}
+    cal["link_intra"] = cal["link_inter"] = link_model
+    # the communication's CPU work (gloo's copies through the kernel, the codec): on this
+    # machine's cores it competes with compute (cluster.gpu "cpu": 2 ranks x 2 threads)
+    cal["link_cpu"] = link_model if link == "loopback" else measure_loopback_link()
+    cal["cpu_contention"] = 1.0 if cluster.gpu.name == "cpu" else 0.0
+    cal["link"] = link
+    mb = max(p.micro_batch for p in plans if p.cp == 1 and p.tp == 1) if any(
+        p.cp == 1 and p.tp == 1 for p in plans) else plans[0].micro_batch
+    cal["step_overhead_s"] = measure_job_overhead(shape, work, cluster.replace(calibration=cal), mb)
+    return cluster.replace(calibration=cal)
+
+
+# ---------------------------------------------------------------- refit from a run
+def run_plan(rundir) -> tuple[ModelShape, Plan, Workload, dict]:
+    """(shape, plan, workload, config) of the run in `rundir`, from its checkpoint's record."""
+    from pyfast.train import checkpoint as ck
+    found = ck.latest(rundir)
+    if found is None:
+        raise ValueError(f"{rundir}: no complete checkpoint (the run's flags are recorded in "
+                         "its checkpoints' meta.json; run `pyfast train` to the end)")
+    meta = ck.read_meta(found[1])
+    c = meta["config"]
+    shape = shape_of(c["model"], meta["vocab_size"], c["seq"], c.get("tie_embeddings", False))
+    m = c["micro_batches"] or (1 if c["pp"] == 1 else 2 * c["pp"])
+    pieces = m * c["grad_accum"]
+    plan = Plan(dp=c["dp"], cp=c["cp"], tp=c["tp"], pp=c["pp"], zero=c["zero"],
+                compress=c["compress"], micro_batch=c["batch"] // (c["dp"] * pieces),
+                micro_batches=pieces, schedule=c["schedule"],
+                activation_checkpointing=c["activation_checkpointing"],
+                cp_method=c["cp_method"], param_compress=c["param_compress"])
+    return shape, plan, Workload(c["seq"], c["batch"], c["precision"]), c
+
+
+def shape_of(model: str, vocab: int, seq: int, tied: bool = False) -> ModelShape:
+    """The ModelShape of a `pyfast train --model` (built on the meta device: no memory)."""
+    import torch
+    from pyfast import models
+    with torch.device("meta"):
+        m = models.build(model, vocab, seq, tie_embeddings=tied)
+    g = m.cfg
+    return ModelShape(g.n_layer, g.d_model, g.n_head, g.n_head, g.mlp_ratio * g.d_model, vocab,
+                      tied=tied, name=model)
+
+
+def refit(cluster: Cluster, rundir, skip: int = 2) -> Cluster:
+    """compute_scale / comm_scale = measured / predicted for the run in `rundir`: medians over
+    its steps after the first `skip` of compute_ms and exposed_comm_ms (job.train_step's split:
+    exposed = seconds waited on communication) against the plan's prediction with `cluster`."""
+    from pyfast.train.metrics import read
+    recs = read(Path(rundir) / "metrics.jsonl")[skip:]
+    if not recs:
+        raise ValueError(f"{rundir}/metrics.jsonl: no steps after the first {skip}")
+    shape, plan, work, _ = run_plan(rundir)
+    base = {k: v for k, v in cluster.calibration.items() if k not in ("compute_scale",
+                                                                       "comm_scale")}
+    pred = timing.predict_time(shape, plan, work, cluster.replace(calibration=base))
+    comp = statistics.median(r["compute_ms"] for r in recs) / 1e3
+    comm = statistics.median(r["exposed_comm_ms"] for r in recs) / 1e3
+    p_comp = pred["step_s"] - pred["exposed_comm_s"]
+    cal = dict(base, compute_scale=comp / p_comp)
+    if pred["exposed_comm_s"] > 0:
+        cal["comm_scale"] = comm / pred["exposed_comm_s"] if comm > 0 else 1.0
+    return cluster.replace(calibration=cal)
