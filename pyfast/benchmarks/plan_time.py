@@ -31,7 +31,8 @@ from pyfast.plan import calibrate, hardware, timing
 from pyfast.plan.spec import Workload
 
 SEQ, BATCH = 64, 8
-STEPS = {"gpt-tiny": 12, "gpt-small": 8}
+STEPS = {"gpt-tiny": 25, "gpt-small": 8}
+REFERENCE = "dp2"  # each model's loopback run that refit_records takes the compute scale from
 WARMUP = 3  # steps left out of the median: first-step allocations, connection set-up
 TINY = ("dp2", "dp2 int8", "dp2 powersgd:4", "dp2 topk:0.01", "tp2", "pp2")
 FLAGS = {"dp2": ["--dp", "2"], "tp2": ["--tp", "2"],
@@ -72,13 +73,16 @@ def measure_run(link: str, model: str, config: str, timeout: float = 300) -> dic
         if r.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} on {link}: exit {r.returncode}\n"
                                f"{r.stderr[-2000:]}")
-        recs = read(os.path.join(out, "metrics.jsonl"))[WARMUP:]
+        every = read(os.path.join(out, "metrics.jsonl"))
+        recs = every[WARMUP:]
         shape, plan, work, _ = calibrate.run_plan(out)
-    ms = [x["step_ms"] for x in recs]
-    return {"link": link, "model": model, "config": config, "measured_s": statistics.median(ms) / 1e3,
-            "q10_s": sorted(ms)[len(ms) // 10] / 1e3, "q90_s": sorted(ms)[-1 - len(ms) // 10] / 1e3,
+    ms = sorted(x["step_ms"] for x in recs)
+    return {"link": link, "model": model, "config": config,
+            "measured_s": statistics.median(ms) / 1e3, "q10_s": ms[len(ms) // 10] / 1e3,
+            "q90_s": ms[-1 - len(ms) // 10] / 1e3,
             "exposed_s": statistics.median(x["exposed_comm_ms"] for x in recs) / 1e3,
-            "wall_s": time.monotonic() - t0, "plan": plan.fields(), "shape": shape, "work": work}
+            "wall_s": time.monotonic() - t0, "plan": plan.fields(), "shape": shape,
+            "work": work, "records": every}
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -104,31 +108,39 @@ def run(configs=CONFIGS, timeout: float = 300) -> dict:
         netns.rate_bps(link)
     work = Workload(SEQ, BATCH, "fp32")
     base = hardware.Cluster(2, 2, hardware.gpu("cpu"), 1.0, 1.0)
-    rows, skipped = [], []
+    rows, skipped, fits = [], [], {}
     for link in links:
-        todo = [c for c in configs if c[0] == link]
         try:
-            fit = None if link == "loopback" else probe_link(link)
+            fits[link] = None if link == "loopback" else probe_link(link)
         except netns.LinkUnavailable as e:
             skipped.append({"link": link, "skipped": str(e)})
             continue
-        for cfg in todo:
-            rows.append(measure_run(*cfg, timeout=timeout))
-        # the calibration of this link's plans, measured after their runs in the same process
-        # (compute at every local shape they use, the codecs, the link, the job's own cost)
+        rows += [measure_run(*c, timeout=timeout) for c in configs if c[0] == link]
+    # the calibration, measured after the runs in the same process: compute at every local
+    # shape the plans use, the codecs, each link, the job's own cost (calibrate.measure), and
+    # the compute scale of the reference run (REFERENCE on loopback: calibrate.refit_records,
+    # compute only: what the 2 ranks cost each other's compute on this machine)
+    for link in links:
+        fit = fits.get(link)
         for model in sorted({r["model"] for r in rows if r["link"] == link}):
             mine = [r for r in rows if r["link"] == link and r["model"] == model]
             plans = [_plan(r) for r in mine]
             cluster = calibrate.measure(mine[0]["shape"], work, base, link, plans, fit)
+            ref = next((r for r in rows if r["link"] == "loopback" and r["model"] == model
+                        and r["config"] == REFERENCE), None)
+            if ref is not None:
+                cluster = calibrate.refit_records(cluster, ref["shape"], _plan(ref), work,
+                                                  ref["records"], WARMUP, comm=False)
             for r, plan in zip(mine, plans):
                 p = timing.predict_time(r["shape"], plan, work, cluster)
                 r.update(predicted_s=p["step_s"], pred=_short(p),
-                         error=p["step_s"] / r["measured_s"] - 1,
+                         error=p["step_s"] / r["measured_s"] - 1, reference=r is ref,
                          calibration={k: v for k, v in cluster.calibration.items()
                                       if k != "compute"})
     for r in rows:
         r["shape"] = r["shape"].name
         r.pop("work")
+        r.pop("records")
     return {"machine": perf.machine(),
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "pyfast": pyfast.__version__, "seq": SEQ, "batch": BATCH, "steps": STEPS,
@@ -190,7 +202,7 @@ def table(result: dict):
                                  "exposed ms (pred)", "why"), left=("link", "model", "config",
                                                                     "why"))
     for r in result["rows"]:
-        t.add_row(r["link"], r["model"], r["config"], f"{r['measured_s'] * 1e3:.1f}",
+        t.add_row(r["link"], r["model"], r["config"] + (" (ref)" if r.get("reference") else ""), f"{r['measured_s'] * 1e3:.1f}",
                   f"{r['q10_s'] * 1e3:.0f}-{r['q90_s'] * 1e3:.0f}",
                   f"{r['predicted_s'] * 1e3:.1f}" if "predicted_s" in r else "-",
                   f"{r['error']:+.0%}" if "error" in r else "-",

@@ -3,7 +3,8 @@
 
 Keys of Cluster.calibration (all optional; pyfast.plan.timing reads them):
     "compute": {timing.compute_key(kind, plan, work): [forward_s, backward_s]} one micro-batch
-        through one module (kind embed | block | head, the head with its loss) at the plan's
+        through one module (kind embed | block | head, the head with its loss; a block key
+        ending ":cp": a cp plan's block timed on cp ranks, its loopback traffic included) at the plan's
         local shape (tp's shards, seq/cp tokens, micro_batch sequences, the precision's
         autocast; a checkpointed block's backward includes its recompute), 1 thread per rank
         as `pyfast train --nproc N` runs (torchrun sets OMP_NUM_THREADS=1)
@@ -12,7 +13,7 @@ Keys of Cluster.calibration (all optional; pyfast.plan.timing reads them):
         (timed on the whole model, so the CPU loop's per-tensor cost is spread as in the job)
     "copy_s_per_byte": a 16 MB tensor copy (DataParallel's reduced buckets back into .grad)
     "link_cpu": the loopback link's model: the CPU time of a collective's copies
-    "step_overhead_s": a step of the job beyond modules + optimizer (measure_job_overhead)
+    "step_overhead_s": a step of the job beyond modules + optimizer (measure_job)
     "cpu_contention": 1.0 on a CPU "cluster" (this machine): the communication thread's CPU
         work (codec + link_cpu) is not hidden behind compute on cores the ranks already fill
     "codec": {spec: [enc_a, enc_b, dec_a, dec_b]}: encode/decode seconds = a + b x elements
@@ -30,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -201,35 +203,40 @@ def link_probe(path: str, pause: bool) -> None:
     dist.destroy_process_group()
 
 
-def wake_seconds(small_s: float, works=(0.5e-3, 1e-3, 2e-3, 4e-3), repeats: int = 15) -> float:
-    """Extra seconds of a blocking collective that follows compute, over the same call back
-    to back (small_s): the waiting rank's thread sleeps, its (virtual) core idles, and waking
-    it costs this much. Measured here with 2 gloo ranks after 0.5-4 ms of matmuls each (a
-    layer's compute at the validation's shapes): per-call medians from 0.2 to 2 ms from one
-    probe to the next against 0.3 ms back to back, so the mean over all works and calls (10%
-    trimmed each side) is kept. The job pays it at every blocking wait: tp's all-reduces,
-    pp's receives, the step's small all-reduce, DataParallel's final wait."""
+WORKS = (0.1e-3, 0.3e-3, 1e-3, 3e-3)  # compute before the wait: tp's half block .. a stage
+
+
+def wake_seconds(small_s: float, works=WORKS, repeats: int = 15) -> list[list[float]]:
+    """[[work_s, extra_s], ...]: the extra seconds of a blocking collective that follows
+    work_s of compute, over the same call back to back (small_s): the waiting rank's thread
+    sleeps, its (virtual) core idles, and waking it costs this much. Measured here with 2
+    gloo ranks: per-call medians of 0.2-2 ms against 0.3 ms back to back, varying from one
+    probe to the next and with the work before the call, so each work's mean (10% trimmed
+    each side) is kept. The job pays it at every blocking wait: tp's all-reduces, pp's
+    receives, the step's small all-reduce, DataParallel's final wait."""
     import time
     import torch
     import torch.distributed as dist
-    a, x = torch.randn(128, 128), torch.zeros(4)
-    ts = []
+    a, x = torch.randn(64, 64), torch.zeros(4)
+    out = []
     for work_s in works:
         t0, n = time.perf_counter(), 0
         while time.perf_counter() - t0 < work_s:  # how many matmuls make work_s here
             a @ a
             n += 1
+        ts = []
         for _ in range(repeats):
             for _ in range(n):
                 a @ a
             t = time.perf_counter()
             dist.all_reduce(x)
             ts.append(time.perf_counter() - t)
-    ts.sort()
-    cut = len(ts) // 10
-    w = torch.tensor([statistics.mean(ts[cut:len(ts) - cut])], dtype=torch.float64)
+        ts.sort()
+        cut = len(ts) // 10
+        out.append(statistics.mean(ts[cut:len(ts) - cut]))
+    w = torch.tensor(out, dtype=torch.float64)
     dist.all_reduce(w, op=dist.ReduceOp.MAX)
-    return max(0.0, float(w) - small_s)
+    return [[work_s, max(0.0, float(v) - small_s)] for work_s, v in zip(works, w)]
 
 
 def probe_argv(path: str, pause: bool) -> list[str]:
@@ -242,6 +249,64 @@ def measure_loopback_link(timeout: float = 120) -> dict:
         path = os.path.join(d, "link.json")
         _child(probe_argv(path, False), timeout, world=2)
         return json.loads(Path(path).read_text())
+
+
+def cp_probe(path: str, model: str, seq: int, micro_batch: int, method: str,
+             precision: str) -> None:
+    """A rank of the cp block probe (env://, gloo, world = cp): pyfast's Block under
+    context_parallel (zigzag, as the job) on this rank's seq/cp tokens, forward and backward
+    timed (medians, max over ranks); rank 0 writes [forward_s, backward_s] to `path`. The
+    ring's attention runs its own kernels and merges, not the local causal SDPA: gpt-tiny's
+    cp2 step measured 44 ms against 22 predicted from the local block."""
+    import datetime
+    import torch
+    import torch.distributed as dist
+    from pyfast import models
+    from pyfast.train.job import AMP
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    torch.manual_seed(0)
+    m = models.build(model, 256, seq)
+    m.context_parallel(dist.group.WORLD, layout="zigzag", method=method)
+    block = m[1]
+    fwd = torch.autocast("cpu", dtype=AMP[precision])(block.forward) if precision in AMP \
+        else block
+    s = seq // dist.get_world_size()
+    fs, bs = [], []
+    for i in range(REPEATS + 2):
+        x = torch.randn(micro_batch, s, m.cfg.d_model, requires_grad=True)
+        dist.barrier()
+        t0 = time.perf_counter()
+        y = fwd(x)
+        t1 = time.perf_counter()
+        y.backward(torch.randn_like(y))
+        t2 = time.perf_counter()
+        if i > 1:
+            fs.append(t1 - t0)
+            bs.append(t2 - t1)
+    w = torch.tensor([statistics.median(fs), statistics.median(bs)], dtype=torch.float64)
+    dist.all_reduce(w, op=dist.ReduceOp.MAX)
+    if dist.get_rank() == 0:
+        Path(path).write_text(json.dumps(w.tolist()))
+    dist.destroy_process_group()
+
+
+def measure_cp_blocks(shape: ModelShape, work: Workload, plans, timeout: float = 180) -> dict:
+    """{compute_key + ":cp": [forward_s, backward_s]} of each cp plan's block (tp 1), timed on
+    cp gloo ranks on loopback: the ring's (or Ulysses') compute with its loopback traffic."""
+    out = {}
+    for plan in plans:
+        key = timing.compute_key("block", plan, work) + ":cp"
+        if plan.cp == 1 or plan.tp > 1 or key in out:
+            continue
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "cp.json")
+            argv = ["-c", "from pyfast.plan.calibrate import cp_probe; cp_probe("
+                    f"{path!r}, {gpt_model_flag(replace(shape, layers=1))!r}, {work.seq}, "
+                    f"{plan.micro_batch}, {plan.cp_method!r}, {work.precision!r})"]
+            _child(argv, timeout, world=plan.cp)
+            out[key] = json.loads(Path(path).read_text())
+    return out
 
 
 def job_probe(path: str, model: str, seq: int, batch: int, precision: str, steps: int = 8) -> None:
@@ -263,6 +328,7 @@ def job_probe(path: str, model: str, seq: int, batch: int, precision: str, steps
 
 
 def _child(argv: list[str], timeout: float, world: int = 1) -> None:
+    """`python *argv` as `world` ranks of one gloo group (env://) on loopback."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -281,11 +347,13 @@ def _child(argv: list[str], timeout: float, world: int = 1) -> None:
         raise RuntimeError(f"{' '.join(argv)[:80]}: exit codes {codes}")
 
 
-def measure_job_overhead(shape: ModelShape, work: Workload, cluster: Cluster,
-                         micro_batch: int, timeout: float = 120) -> float:
-    """Seconds a step of the job costs beyond its modules' compute and the optimizer (the
+def measure_job(shape: ModelShape, work: Workload, cluster: Cluster, micro_batch: int,
+                timeout: float = 180) -> float:
+    """The seconds a step of the job costs beyond its modules' compute and the optimizer (the
     batch, zero_grad, the norm pass, the scheduler, Python between layers): a 1-rank Job's
-    measured step minus predict_time of the same 1-rank plan with `cluster`'s calibration."""
+    measured step minus predict_time of the same 1-rank plan with `cluster`. What the ranks
+    of one machine cost each other (measured here: two 1-rank gpt-tiny jobs at once step in
+    16 ms against 7.0 ms alone, on the 2 cores) is not in it: refit() from a run has it."""
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "job.json")
         argv = ["-c", "from pyfast.plan.calibrate import job_probe; job_probe("
@@ -325,6 +393,7 @@ def measure(shape: ModelShape, work: Workload, cluster: Cluster, link: str = "lo
         link_model = measure_loopback_link()
     cal = dict(cluster.calibration)
     cal.update(measure_compute(shape, work, plans))
+    cal["compute"].update(measure_cp_blocks(shape, work, plans))
     specs = {p.compress for p in plans} | {p.param_compress for p in plans}
     cal["codec"] = {**cal.get("codec", {}), **measure_codecs(specs, shape)}
     cal["link_intra"] = cal["link_inter"] = link_model
@@ -335,7 +404,7 @@ def measure(shape: ModelShape, work: Workload, cluster: Cluster, link: str = "lo
     cal["link"] = link
     mb = max(p.micro_batch for p in plans if p.cp == 1 and p.tp == 1) if any(
         p.cp == 1 and p.tp == 1 for p in plans) else plans[0].micro_batch
-    cal["step_overhead_s"] = measure_job_overhead(shape, work, cluster.replace(calibration=cal), mb)
+    cal["step_overhead_s"] = measure_job(shape, work, cluster.replace(calibration=cal), mb)
     return cluster.replace(calibration=cal)
 
 
@@ -371,22 +440,31 @@ def shape_of(model: str, vocab: int, seq: int, tied: bool = False) -> ModelShape
                       tied=tied, name=model)
 
 
-def refit(cluster: Cluster, rundir, skip: int = 2) -> Cluster:
-    """compute_scale / comm_scale = measured / predicted for the run in `rundir`: medians over
-    its steps after the first `skip` of compute_ms and exposed_comm_ms (job.train_step's split:
-    exposed = seconds waited on communication) against the plan's prediction with `cluster`."""
+def refit(cluster: Cluster, rundir, skip: int = 2, comm: bool = True) -> Cluster:
+    """compute_scale (and comm_scale unless comm=False) = measured / predicted for the run in
+    `rundir` (its metrics.jsonl and the flags its checkpoint recorded): refit_records."""
     from pyfast.train.metrics import read
-    recs = read(Path(rundir) / "metrics.jsonl")[skip:]
-    if not recs:
-        raise ValueError(f"{rundir}/metrics.jsonl: no steps after the first {skip}")
+    recs = read(Path(rundir) / "metrics.jsonl")
     shape, plan, work, _ = run_plan(rundir)
+    return refit_records(cluster, shape, plan, work, recs, skip, comm)
+
+
+def refit_records(cluster: Cluster, shape: ModelShape, plan: Plan, work: Workload,
+                  recs: list[dict], skip: int = 2, comm: bool = True) -> Cluster:
+    """Medians over the steps after the first `skip` of compute_ms (step - the waits on
+    communication, job.train_step's split) and exposed_comm_ms, against the plan's prediction
+    with `cluster` (its earlier scales dropped): compute_scale = measured / predicted compute
+    (everything but the exposed communication), comm_scale = measured / predicted exposed
+    communication (kept at 1 when the prediction has none or comm=False)."""
+    recs = recs[skip:]
+    if not recs:
+        raise ValueError(f"no steps after the first {skip} to refit from")
     base = {k: v for k, v in cluster.calibration.items() if k not in ("compute_scale",
                                                                        "comm_scale")}
     pred = timing.predict_time(shape, plan, work, cluster.replace(calibration=base))
     comp = statistics.median(r["compute_ms"] for r in recs) / 1e3
-    comm = statistics.median(r["exposed_comm_ms"] for r in recs) / 1e3
-    p_comp = pred["step_s"] - pred["exposed_comm_s"]
-    cal = dict(base, compute_scale=comp / p_comp)
-    if pred["exposed_comm_s"] > 0:
-        cal["comm_scale"] = comm / pred["exposed_comm_s"] if comm > 0 else 1.0
+    waited = statistics.median(r["exposed_comm_ms"] for r in recs) / 1e3
+    cal = dict(base, compute_scale=comp / (pred["step_s"] - pred["exposed_comm_s"]))
+    if comm and pred["exposed_comm_s"] > 0 and waited > 0:
+        cal["comm_scale"] = waited / pred["exposed_comm_s"]
     return cluster.replace(calibration=cal)

@@ -84,9 +84,27 @@ class Link:
         self.lat, self.bw = lat, bw
         self.scale = cluster.calibration.get("comm_scale", 1.0)
         # a blocking wait that follows compute: waking the waiting thread (calibrate.wake_seconds)
-        self.wake = self.scale * (self.fit or {}).get("wake_s", 0.0) if world > 1 else 0.0
+        self.table = (self.fit or {}).get("wake_s") if world > 1 else None
 
-    def seconds(self, prim: str, nbytes: float) -> float:
+    def wake(self, after_s: float) -> float:
+        """Extra seconds of a blocking wait after `after_s` of compute (the calibration's
+        table, interpolated linearly in log(after_s), held at its ends)."""
+        t = self.table
+        if not t:
+            return 0.0
+        if after_s <= t[0][0]:
+            return self.scale * t[0][1]
+        for (x0, y0), (x1, y1) in zip(t, t[1:]):
+            if after_s <= x1:
+                u = math.log(after_s / x0) / math.log(x1 / x0)
+                return self.scale * (y0 + u * (y1 - y0))
+        return self.scale * t[-1][1]
+
+    def seconds(self, prim: str, nbytes: float, calls: float = 1.0) -> float:
+        """One of `calls` such calls a step makes: a token-bucket link's `free` bytes (its
+        burst, refilled while the step computes) are shared by the step's calls: gpt-tiny's
+        tp2 at 100 Mbit/s makes 8 all-reduces of 131 KB about 0.5 ms apart, measured 166 ms
+        a step = its 2.1 MB at the rate, not 8 x 131 KB let through free."""
         if self.world <= 1:
             return 0.0
         w = self.world
@@ -94,7 +112,10 @@ class Link:
             if prim == "small":
                 return self.scale * self.fit["small_s"]
             a, b, free = self.fit["fits"]["all_reduce" if prim == "p2p" else prim]
-            return self.scale * (a + b * max(0.0, nbytes - free))
+            # p2p: one rank sends nbytes; a 2-rank all-reduce of nbytes puts 2 x nbytes on
+            # the (shared) link, both ranks sending half of it twice
+            b = b / 2 if prim == "p2p" else b
+            return self.scale * (a + b * max(0.0, nbytes - free / max(calls, 1.0)))
         calls, moved = {"all_reduce": (2 * (w - 1), 2 * (w - 1) / w * nbytes),
                         "all_gather": (w - 1, (w - 1) * nbytes),
                         "all_to_all": (w - 1, (w - 1) / w * nbytes),
@@ -142,7 +163,7 @@ def _module_s(kind: str, params: list, shape: ModelShape, plan: Plan, work: Work
               cluster: Cluster) -> tuple[float, float, float]:
     """(forward, backward, recompute) seconds of one micro-batch through one module."""
     cal = cluster.calibration
-    scale = cal.get("compute_scale", 1.0)
+    scale = _compute_scale(cluster, plan)
     toks = plan.micro_batch * work.seq // plan.cp
     peak = cluster.gpu.flops_32 if work.precision == "fp32" else cluster.gpu.flops_16
     rate = cal.get("flops_s") or peak * cluster.mfu
@@ -156,6 +177,10 @@ def _module_s(kind: str, params: list, shape: ModelShape, plan: Plan, work: Work
     if kind == "embed":  # a gather: memory-bound, ~3 passes over the activations
         fwd_flops = 0.0
     measured = cal.get("compute", {}).get(compute_key(kind, plan, work))
+    if kind == "block" and plan.cp > 1:  # the cp block as timed on cp ranks (ring included)
+        ring = cal.get("compute", {}).get(compute_key(kind, plan, work) + ":cp")
+        if ring is not None:  # timed with its cp ranks running at once: no compute_scale
+            return ring[0], ring[1], 0.0
     if measured is not None:
         f, b = measured  # b includes the recompute under activation checkpointing
         rec = f if kind == "block" and plan.activation_checkpointing else 0.0
@@ -166,6 +191,12 @@ def _module_s(kind: str, params: list, shape: ModelShape, plan: Plan, work: Work
     return scale * f, scale * (BWD_PER_FWD * f + extra), scale * rec
 
 
+def _compute_scale(cluster: Cluster, plan: Plan) -> float:
+    """refit's compute_scale: measured / predicted compute of a run of this job (what the
+    ranks sharing one machine cost each other's compute is in it)."""
+    return cluster.calibration.get("compute_scale", 1.0)
+
+
 # ---------------------------------------------------------------- gradient reduction
 def _codec(spec: str, n: float, cluster: Cluster) -> tuple[float, float]:
     """(encode, decode) seconds of spec on n elements: calibrated a + b n, or 2 passes of
@@ -173,7 +204,7 @@ def _codec(spec: str, n: float, cluster: Cluster) -> tuple[float, float]:
     if spec == "none":
         return 0.0, 0.0
     fit = cluster.calibration.get("codec", {}).get(spec)
-    sc = cluster.calibration.get("compute_scale", 1.0)
+    sc = cluster.calibration.get("compute_scale", 1.0)  # the comm thread's: no slowdown twice
     if fit is not None:
         ea, eb, da, db = fit
         return sc * (ea + eb * n), sc * (da + db * n)
@@ -181,32 +212,33 @@ def _codec(spec: str, n: float, cluster: Cluster) -> tuple[float, float]:
     return t, t
 
 
-def reduction_s(spec: str, n: int, mat: tuple, link: Link, cluster: Cluster) -> tuple[float, float]:
+def reduction_s(spec: str, n: int, mat: tuple, link: Link, cluster: Cluster,
+                calls: int = 1) -> tuple[float, float]:
     """(total, codec) seconds of one all_reduce of n elements through spec (cost.comm_seconds's
     algorithm: wire calls as collectives runs them, codec passes per algorithm)."""
     w = link.world
     name = spec.partition(":")[0]
     if name == "none" or (name == "powersgd" and not mat):
-        return link.seconds("all_reduce", 4.0 * n), 0.0
+        return link.seconds("all_reduce", 4.0 * n, calls), 0.0
     enc, dec = _codec(spec, n, cluster)
     if name == "powersgd":
         r = min(int(spec.partition(":")[2] or 1), mat[0], mat[1])
-        wire = link.seconds("all_reduce", 4.0 * mat[0] * r) + link.seconds(
-            "all_reduce", 4.0 * mat[1] * r)
+        wire = link.seconds("all_reduce", 4.0 * mat[0] * r, 2 * calls) + link.seconds(
+            "all_reduce", 4.0 * mat[1] * r, 2 * calls)
         return wire + enc + dec, enc + dec
     if name in ("topk", "randomk"):
         k = math.ceil(float(spec.partition(":")[2]) * n)
         if name == "randomk":  # shared-index: a finiteness all-reduce, then the values
-            return link.seconds("small", SMALL_BYTES) + link.seconds("all_reduce", 4.0 * k) \
+            return link.seconds("small", SMALL_BYTES) + link.seconds("all_reduce", 4.0 * k, calls) \
                 + enc + dec, enc + dec
-        wire = link.seconds("small", SMALL_BYTES) + link.seconds("all_gather", 8.0 * k + 4)
+        wire = link.seconds("small", SMALL_BYTES) + link.seconds("all_gather", 8.0 * k + 4, calls)
         return wire + enc + w * dec, enc + w * dec
     payload = DENSE_BYTES[name] * n
     if w <= 2 or payload <= ALLGATHER_MAX_BYTES:  # allgather: W payloads decoded
-        wire = link.seconds("small", SMALL_BYTES) + link.seconds("all_gather", payload)
+        wire = link.seconds("small", SMALL_BYTES) + link.seconds("all_gather", payload, calls)
         return wire + enc + w * dec, enc + w * dec
-    wire = link.seconds("all_to_all", payload) + link.seconds("small", SMALL_BYTES) + \
-        link.seconds("all_gather", payload / w)  # two-phase
+    wire = link.seconds("all_to_all", payload, calls) + link.seconds("small", SMALL_BYTES) + \
+        link.seconds("all_gather", payload / w, calls)  # two-phase
     return wire + enc * (1 + 1 / w) + 2 * dec, enc * (1 + 1 / w) + 2 * dec
 
 
@@ -249,15 +281,32 @@ def predict_time(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster
     pp_link = Link(cluster, plan.ranks, 2 if p > 1 else 1)
     # per stage: (fwd, bwd, recompute) of one micro-batch, with tp and cp inside each block
     stages = []
-    tp_ar = tp_link.seconds("all_reduce", toks * shape.hidden * act) + tp_link.wake
+    # one block's (forward, backward, recompute): the compute a blocking wait follows
+    bf, bb, _ = _module_s("block", _block_params(shape, plan.tp), shape, plan, work, cluster)
+    nblocks = -(-shape.layers // p)
+    ck = plan.activation_checkpointing
+    tp_ar = tp_link.seconds("all_reduce", toks * shape.hidden * act,
+                            calls=m * nblocks * (6 if ck else 4))
+    tp_f = 2 * (tp_ar + tp_link.wake(bf / 2))   # attention's and the MLP's output, forward
+    tp_b = 2 * (tp_ar + tp_link.wake(bb / 2))   # their inputs' gradients, backward
     kv = 2.0 * toks * shape.kv_dim // plan.tp * act
-    if plan.cp > 1 and plan.cp_method == "ulysses":  # q, k, v in and the output back; x2 bwd
-        cp_f = 4 * (cp_link.seconds("all_to_all", toks * shape.hidden // plan.tp * act)
-                    + cp_link.wake)
-        cp_b = cp_f
+    if plan.cp > 1 and plan.cp_method == "ulysses":  # q, k, v in and the output back
+        a2a = cp_link.seconds("all_to_all", toks * shape.hidden // plan.tp * act,
+                              m * nblocks * 8)
+        cp_f, cp_b = 4 * (a2a + cp_link.wake(bf / 4)), 4 * (a2a + cp_link.wake(bb / 4))
     else:  # ring: cp-1 K/V exchanges forward, K/V + dK/dV backward, hidden behind attention
-        cp_f = (plan.cp - 1) * (cp_link.seconds("p2p", kv) + cp_link.wake)
-        cp_b = (plan.cp - 1) * (cp_link.seconds("p2p", 2 * kv) + cp_link.wake)
+        calls = m * nblocks * (plan.cp - 1) * (3 if ck else 2)
+        cp_f = (plan.cp - 1) * (cp_link.seconds("p2p", kv, calls) + cp_link.wake(bf / 2))
+        cp_b = (plan.cp - 1) * (cp_link.seconds("p2p", 2 * kv, calls) + cp_link.wake(bb / 2))
+    cp_measured = compute_key("block", plan, work) + ":cp" in cluster.calibration.get(
+        "compute", {})
+    if cp_measured:  # the same exchanges at loopback speed (what the measured block holds)
+        lo = _cpu_link(cluster, plan.cp)
+        cp_cpu = (plan.cp - 1) * (lo.seconds("p2p", kv) + lo.seconds("p2p", 2 * kv)) \
+            if plan.cp_method != "ulysses" else 4 * 2 * lo.seconds(
+                "all_to_all", toks * shape.hidden // plan.tp * act)
+        cp_cpu += 2 * (plan.cp - 1) * lo.wake(bf / 2) if plan.cp_method != "ulysses" else \
+            4 * (lo.wake(bf / 4) + lo.wake(bb / 4))
     for st in range(p):
         mods = _modules(shape, plan, st)
         f = b = r = tpc = cpc = 0.0
@@ -266,8 +315,10 @@ def predict_time(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster
             f, b, r = f + mf, b + mb, r + mr
             if kind == "block":
                 if plan.tp > 1:
-                    tpc += (4 + (2 if plan.activation_checkpointing else 0)) * tp_ar
-                if plan.cp > 1:
+                    tpc += tp_f + tp_b + (tp_f if plan.activation_checkpointing else 0.0)
+                if plan.cp > 1 and cp_measured:  # the block's timing holds loopback's traffic
+                    cpc += max(0.0, cp_f + cp_b - cp_cpu)
+                elif plan.cp > 1:
                     ring = plan.cp_method != "ulysses"
                     hide = (mf * 0.3 if ring else 0.0)  # attention's share of the block
                     cpc += max(0.0, cp_f - hide) + max(0.0, cp_b - 2 * hide)
@@ -283,11 +334,14 @@ def predict_time(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster
     pp_c = 0.0
     bubble = 0.0
     if p > 1:
-        pp_c = 2 * m * v * (pp_link.seconds("p2p", toks * shape.hidden * 4) + pp_link.wake)
+        hop = pp_link.seconds("p2p", toks * shape.hidden * 4, 2 * m * v)
+        # each rank waits on one receive per micro-batch (the first stage for gradients, the
+        # last for activations; sends are isend), each transfer on the critical path once
+        pp_c = m * v * (2 * hop + pp_link.wake((f + b) / (2 * v)))
         # a 1 KB header each way on the step's first message, and the step's outcome agreed by
         # one all-reduce (pyfast.parallel.p2p / Pipeline)
-        pp_c += 2 * (pp_link.seconds("p2p", 1024) + pp_link.wake) + \
-            pp_link.seconds("small", SMALL_BYTES) + pp_link.wake
+        pp_c += 2 * (pp_link.seconds("p2p", 1024) + pp_link.wake(f / v)) + \
+            pp_link.seconds("small", SMALL_BYTES) + pp_link.wake(0.0)
         bub = (p - 1) / v * t_mb
         bubble = bub / 3 if plan.schedule == "zb-h1" else bub
     body = m * t_mb + bubble + pp_c
@@ -301,7 +355,8 @@ def predict_time(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster
     if world > 1 and not plan.zero:
         per_param = plan.compress.partition(":")[0] in ("topk", "powersgd")
         bks = _buckets(mods, per_param)
-        cost, cdc = zip(*(_bucket_cost(plan.compress, bk, dp_link, cluster) for bk in bks))
+        cost, cdc = zip(*(_bucket_cost(plan.compress, bk, dp_link, cluster, len(bks))
+                          for bk in bks))
         dp_c, codec = sum(cost), sum(cdc)
         if p > 1:  # reduce_gradients() after the pipeline: nothing to hide behind
             exposed_dp = dp_c
@@ -320,21 +375,22 @@ def predict_time(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster
                 exposed_dp += cont * sum(_bucket_cost(plan.compress, bk, cpu_link, cluster)[0]
                                          for bk in bks)
         # then the side band's small all-reduce and the copy of the buckets into .grad
-        exposed_dp += dp_link.seconds("small", SMALL_BYTES) + dp_link.wake + 4.0 * n_local * cal.get(
-            "copy_s_per_byte", 1.0 / cluster.gpu.hbm_bps) * cal.get("compute_scale", 1.0)
+        exposed_dp += dp_link.seconds("small", SMALL_BYTES) + dp_link.wake(bb) + 4.0 * n_local * cal.get(
+            "copy_s_per_byte", 1.0 / cluster.gpu.hbm_bps) * _compute_scale(cluster, plan)
     elif world > 1:
         zero_c, exposed_dp = _zero(plan, mods, dp_link, cluster, body, shape, work)
+        exposed_dp += dp_link.wake(bb)  # the step's wait for the last reduce-scatter
         if cont and plan.zero >= 2:
             zero_c_cpu, _ = _zero(plan, mods, cpu_link, cluster, body, shape, work)
             exposed_dp += cont * zero_c_cpu
     # the step's small all-reduce (loss, norm, flag, bytes) over every rank, and the optimizer
     every = Link(cluster, plan.ranks, plan.ranks)
-    small = every.seconds("small", 32.0) + every.wake
+    small = every.seconds("small", 32.0) + every.wake(0.0)  # after the norm pass
     n_opt = n_local / world if plan.zero else n_local
     opt_rate = cluster.calibration.get("optim_s_per_param")
     optim = (opt_rate * n_opt if opt_rate is not None else 64.0 * n_opt / cluster.gpu.hbm_bps) \
-        * cluster.calibration.get("compute_scale", 1.0)
-    optim += cal.get("step_overhead_s", 0.0) * cal.get("compute_scale", 1.0)  # the job's own
+        * _compute_scale(cluster, plan)
+    optim += cal.get("step_overhead_s", 0.0) * _compute_scale(cluster, plan)  # the job's own
     step = body + exposed_dp + small + optim
     comm = m * (tpc + cpc) + pp_c + dp_c + zero_c + small
     exposed = step - compute - bubble - optim
@@ -358,11 +414,12 @@ def _cpu_link(cluster: Cluster, world: int) -> "Link":
     return link
 
 
-def _bucket_cost(spec: str, bk, link: Link, cluster: Cluster) -> tuple[float, float]:
+def _bucket_cost(spec: str, bk, link: Link, cluster: Cluster,
+                 calls: int = 1) -> tuple[float, float]:
     n, params, _ = bk
     if spec.partition(":")[0] in ("topk", "powersgd"):
-        return reduction_s(spec, params[0][0], params[0][1], link, cluster)
-    return reduction_s(spec, n, (), link, cluster)
+        return reduction_s(spec, params[0][0], params[0][1], link, cluster, calls)
+    return reduction_s(spec, n, (), link, cluster, calls)
 
 
 def _zero(plan: Plan, mods: list, link: Link, cluster: Cluster, body: float,
@@ -408,7 +465,9 @@ def _zero(plan: Plan, mods: list, link: Link, cluster: Cluster, body: float,
                 g = ag(units[i], pbytes)
                 total += g
                 comm_free = max(comm_free, t - (times[i - 1][phase] if i else 0.0)) + g
-                t = max(t, comm_free) + (times[i][0] if phase == 0 else times[i][1] + times[i][2])
+                # the unit waits on its gather's handle: a blocking wait after the last unit
+                t = max(t, comm_free) + link.wake(times[i - 1][phase] if i else 0.0) + \
+                    (times[i][0] if phase == 0 else times[i][1] + times[i][2])
                 if phase == 1 and micro == plan.micro_batches - 1:
                     rsi = rs(units[i])
                     total += rsi
