@@ -202,7 +202,8 @@ def table(result: dict):
                                  "exposed ms (pred)", "why"), left=("link", "model", "config",
                                                                     "why"))
     for r in result["rows"]:
-        t.add_row(r["link"], r["model"], r["config"] + (" (ref)" if r.get("reference") else ""), f"{r['measured_s'] * 1e3:.1f}",
+        name = r["config"] + (" (ref)" if r.get("reference") else "")
+        t.add_row(r["link"], r["model"], name, f"{r['measured_s'] * 1e3:.1f}",
                   f"{r['q10_s'] * 1e3:.0f}-{r['q90_s'] * 1e3:.0f}",
                   f"{r['predicted_s'] * 1e3:.1f}" if "predicted_s" in r else "-",
                   f"{r['error']:+.0%}" if "error" in r else "-",

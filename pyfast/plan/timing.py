@@ -148,7 +148,8 @@ def _modules(shape: ModelShape, plan: Plan, stage: int) -> list[tuple[str, list]
     mods += [("block", _block_params(shape, tp)) for _ in range(per)]
     if stage == pp - 1:
         norm = [(shape.hidden, ())] * (2 if shape.arch == "gpt" else 1)
-        mods.append(("head", norm + ([] if shape.tied else [(v * shape.hidden, (v, shape.hidden))])))
+        lm = [] if shape.tied else [(v * shape.hidden, (v, shape.hidden))]
+        mods.append(("head", norm + lm))
     return mods
 
 
@@ -282,7 +283,13 @@ def predict_time(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster
     # per stage: (fwd, bwd, recompute) of one micro-batch, with tp and cp inside each block
     stages = []
     # one block's (forward, backward, recompute): the compute a blocking wait follows
-    bf, bb, _ = _module_s("block", _block_params(shape, plan.tp), shape, plan, work, cluster)
+    memo = {}
+
+    def mod_s(kind, params):  # every block of a plan is the same: one computation per kind
+        if kind not in memo:
+            memo[kind] = _module_s(kind, params, shape, plan, work, cluster)
+        return memo[kind]
+    bf, bb, _ = mod_s("block", _block_params(shape, plan.tp))
     nblocks = -(-shape.layers // p)
     ck = plan.activation_checkpointing
     tp_ar = tp_link.seconds("all_reduce", toks * shape.hidden * act,
@@ -311,7 +318,7 @@ def predict_time(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster
         mods = _modules(shape, plan, st)
         f = b = r = tpc = cpc = 0.0
         for kind, ps in mods:
-            mf, mb, mr = _module_s(kind, ps, shape, plan, work, cluster)
+            mf, mb, mr = mod_s(kind, ps)
             f, b, r = f + mf, b + mb, r + mr
             if kind == "block":
                 if plan.tp > 1:
@@ -364,7 +371,7 @@ def predict_time(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster
             start = body - b - r - (tpc + cpc) * (b + r) / max(f + b + r, 1e-30)
             done, t = {}, start
             for i in reversed(range(len(mods))):
-                kf, kb, kr = _module_s(mods[i][0], mods[i][1], shape, plan, work, cluster)
+                kf, kb, kr = mod_s(*mods[i])
                 t += (kb + kr) * (1 + (tpc + cpc) / max(f + b + r, 1e-30))
                 done[i] = t
             end = _fifo([done[i] for _, _, i in bks], cost)
@@ -375,13 +382,14 @@ def predict_time(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster
                 exposed_dp += cont * sum(_bucket_cost(plan.compress, bk, cpu_link, cluster)[0]
                                          for bk in bks)
         # then the side band's small all-reduce and the copy of the buckets into .grad
-        exposed_dp += dp_link.seconds("small", SMALL_BYTES) + dp_link.wake(bb) + 4.0 * n_local * cal.get(
-            "copy_s_per_byte", 1.0 / cluster.gpu.hbm_bps) * _compute_scale(cluster, plan)
+        copy = cal.get("copy_s_per_byte", 1.0 / cluster.gpu.hbm_bps)
+        exposed_dp += dp_link.seconds("small", SMALL_BYTES) + dp_link.wake(bb) + \
+            4.0 * n_local * copy * _compute_scale(cluster, plan)
     elif world > 1:
-        zero_c, exposed_dp = _zero(plan, mods, dp_link, cluster, body, shape, work)
+        zero_c, exposed_dp = _zero(plan, mods, dp_link, cluster, body, mod_s)
         exposed_dp += dp_link.wake(bb)  # the step's wait for the last reduce-scatter
         if cont and plan.zero >= 2:
-            zero_c_cpu, _ = _zero(plan, mods, cpu_link, cluster, body, shape, work)
+            zero_c_cpu, _ = _zero(plan, mods, cpu_link, cluster, body, mod_s)
             exposed_dp += cont * zero_c_cpu
     # the step's small all-reduce (loss, norm, flag, bytes) over every rank, and the optimizer
     every = Link(cluster, plan.ranks, plan.ranks)
@@ -423,12 +431,18 @@ def _bucket_cost(spec: str, bk, link: Link, cluster: Cluster,
 
 
 def _zero(plan: Plan, mods: list, link: Link, cluster: Cluster, body: float,
-          shape: ModelShape, work: Workload) -> tuple[float, float]:
+          mod_s) -> tuple[float, float]:
     """(comm seconds, exposed seconds) of ZeRO's reduce-scatters and parameter all-gathers.
     Reduce-scatter of n elements ~ an all-to-all of its (compressed) buffer; stage 3's
     all-gathers carry param_compress's payload, stages 1-2's exact fp32 after the step."""
     w = link.world
-    gbytes = 4.0 if plan.compress == "none" else DENSE_BYTES[plan.compress.partition(":")[0]]
+    name, _, arg = plan.compress.partition(":")
+    if name == "powersgd":
+        raise ValueError(f"--zero {plan.zero} with --compress {plan.compress}: the job's "
+                         "reduce-scatter takes a compressor that works on a shard, not powersgd")
+    # top-k/random-k select within each rank's segment: value + index per kept element
+    gbytes = 4.0 if name == "none" else 8.0 * float(arg) if name in ("topk", "randomk") \
+        else DENSE_BYTES[name]
     pbytes = 4.0 if plan.param_compress == "none" else DENSE_BYTES[plan.param_compress]
 
     def rs(n):
@@ -446,7 +460,7 @@ def _zero(plan: Plan, mods: list, link: Link, cluster: Cluster, body: float,
         if plan.zero == 1:  # at the step, after backward
             return sum(red) + gat, sum(red) + gat
         # stage 2: as DataParallel's buckets during the last backward (ready ~ evenly spread)
-        bwd = [_module_s(k, ps, shape, plan, work, cluster) for k, ps in mods]
+        bwd = [mod_s(k, ps) for k, ps in mods]
         tb = sum(x[1] + x[2] for x in bwd)
         t, done = body - tb, {}
         for i in reversed(range(len(mods))):
@@ -457,7 +471,7 @@ def _zero(plan: Plan, mods: list, link: Link, cluster: Cluster, body: float,
     # stage 3: one unit per module; gathers one ahead of compute on the FIFO, forward and
     # backward, reduce-scatters behind each unit's backward
     units = [sum(n for n, _ in ps) for _, ps in mods]
-    times = [_module_s(k, ps, shape, plan, work, cluster) for k, ps in mods]
+    times = [mod_s(k, ps) for k, ps in mods]
     comm_free, t, total = 0.0, 0.0, 0.0
     for micro in range(plan.micro_batches):
         for order, phase in ((range(len(units)), 0), (reversed(range(len(units))), 1)):
