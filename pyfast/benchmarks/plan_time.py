@@ -1,7 +1,8 @@
 """The planner's step-time model against measured runs (`pyfast bench plan_time`): configurations
 of `pyfast train --nproc 2` (dp with none/bf16/int8/top-k/PowerSGD, tp, pp, ZeRO 1-3, cp;
 gpt-tiny and gpt-small) on plain loopback and on emulated 1 Gbit/s and 100 Mbit/s links, each
-measured (median step_ms of metrics.jsonl after the warm-up steps) and predicted by
+measured (median step_ms of metrics.jsonl after the warm-up steps; gpt-tiny's dp/tp/pp also
+on 10 Gbit/s for the sensitivity check) and predicted by
 pyfast.plan.timing with the calibration measured in the same run (pyfast.plan.calibrate.measure:
 compute of the modules at the local shapes, the link fitted on 2 gloo ranks in a namespace of
 the same rate, codec seconds, the job's own per-step cost).
@@ -43,7 +44,10 @@ CONFIGS = [("loopback", "gpt-tiny", c) for c in
            ("dp2", "dp2 int8", "tp2", "pp2", "cp2", "zero1", "zero3")] + \
           [("loopback", "gpt-small", c) for c in ("dp2", "dp2 bf16", "tp2", "pp2", "zero2")] + \
           [("1gbit", "gpt-tiny", c) for c in TINY] + [("1gbit", "gpt-small", "dp2 int8")] + \
-          [("100mbit", "gpt-tiny", c) for c in TINY]
+          [("100mbit", "gpt-tiny", c) for c in TINY] + \
+          [("10gbit", "gpt-tiny", c) for c in ("dp2", "dp2 int8", "tp2", "pp2")]
+# the sensitivity check: gpt-tiny's choice among the configurations run on both links of a pair
+CUTS = (("10gbit", "1gbit"), ("1gbit", "100mbit"))
 
 
 def flags(config: str) -> list[str]:
@@ -174,18 +178,25 @@ def summarize(rows: list[dict]) -> dict:
         best.append({"model": model, "link": link, "predicted_best": pb["config"],
                      "measured_best": mb["config"],
                      "gap": pb["measured_s"] / mb["measured_s"] - 1})
-    sens = {}
-    tiny = {link: {r["config"]: r for r in done if r["model"] == "gpt-tiny" and r["link"] == link}
-            for link in ("1gbit", "100mbit")}
-    if tiny["1gbit"] and tiny["100mbit"]:
-        fast = min(tiny["1gbit"].values(), key=lambda r: r["predicted_s"])["config"]
-        slow = min(tiny["100mbit"].values(), key=lambda r: r["predicted_s"])["config"]
-        a, b = tiny["100mbit"].get(fast), tiny["100mbit"][slow]
-        sens = {"choice_1gbit": fast, "choice_100mbit": slow}
-        if a is not None and fast != slow:
-            sens.update(predicted_gain=a["predicted_s"] / b["predicted_s"] - 1,
-                        measured_gain=a["measured_s"] / b["measured_s"] - 1)
-            sens["same_sign"] = (sens["predicted_gain"] > 0) == (sens["measured_gain"] > 0)
+    sens = []
+    for fast_link, slow_link in CUTS:
+        tiny = {link: {r["config"]: r for r in done if r["model"] == "gpt-tiny"
+                       and r["link"] == link} for link in (fast_link, slow_link)}
+        both = set(tiny[fast_link]) & set(tiny[slow_link])
+        if len(both) < 2:
+            continue
+        fast = min(both, key=lambda c: tiny[fast_link][c]["predicted_s"])
+        slow = min(both, key=lambda c: tiny[slow_link][c]["predicted_s"])
+        v = {"from": fast_link, "to": slow_link, "candidates": sorted(both),
+             "choice_fast": fast, "choice_slow": slow,
+             "measured_choice_fast": min(both, key=lambda c: tiny[fast_link][c]["measured_s"]),
+             "measured_choice_slow": min(both, key=lambda c: tiny[slow_link][c]["measured_s"])}
+        if fast != slow:  # on the slow link: the old choice against the new one
+            a_, b_ = tiny[slow_link][fast], tiny[slow_link][slow]
+            v.update(predicted_gain=a_["predicted_s"] / b_["predicted_s"] - 1,
+                     measured_gain=a_["measured_s"] / b_["measured_s"] - 1)
+            v["same_sign"] = (v["predicted_gain"] > 0) == (v["measured_gain"] > 0)
+        sens.append(v)
     return {"n": len(done), "median_abs_error": statistics.median(errs), "max_abs_error": max(errs),
             "within_20": sum(e <= 0.2 for e in errs), "within_10": sum(e <= 0.1 for e in errs),
             "spearman": spearman([r["predicted_s"] for r in done], [r["measured_s"] for r in done]),
@@ -223,13 +234,16 @@ def table(result: dict):
             lines.append(f"best of {b['model']} on {b['link']}: predicted {b['predicted_best']}, "
                          f"measured {b['measured_best']}: predicted-best is {b['gap']:+.1%} "
                          "off the measured best (target <= 10%)")
-        v = s.get("sensitivity") or {}
-        if v:
-            lines.append(f"sensitivity (gpt-tiny, 1gbit -> 100mbit): choice {v['choice_1gbit']} "
-                         f"-> {v['choice_100mbit']}" + (
-                             f"; on 100mbit the old choice is {v['predicted_gain']:+.0%} slower "
-                             f"predicted, {v['measured_gain']:+.0%} measured (same sign: "
-                             f"{v['same_sign']})" if "same_sign" in v else ""))
+        for v in s.get("sensitivity", []):
+            line = (f"sensitivity (gpt-tiny, {v['from']} -> {v['to']}, among "
+                    f"{', '.join(v['candidates'])}): predicted choice {v['choice_fast']} -> "
+                    f"{v['choice_slow']} (measured best {v['measured_choice_fast']} -> "
+                    f"{v['measured_choice_slow']})")
+            if "same_sign" in v:
+                line += (f"; on {v['to']} the old choice is {v['predicted_gain']:+.0%} slower "
+                         f"predicted, {v['measured_gain']:+.0%} measured (same sign: "
+                         f"{v['same_sign']})")
+            lines.append(line)
     lines.append(f"wall {result['wall_s']:.0f} s; 1-min load average before: "
                  f"{result['load_before']:.2f} (2 cores shared with other work: re-run quiet)")
     return Group(t, "\n".join(lines))
@@ -237,7 +251,7 @@ def table(result: dict):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="pyfast bench plan_time", description=__doc__.split("\n\n")[0])
-    p.add_argument("--links", default="loopback,1gbit,100mbit")
+    p.add_argument("--links", default="loopback,10gbit,1gbit,100mbit")
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
     links = a.links.split(",")
