@@ -1,0 +1,274 @@
+"""The planner's step-time model against measured runs (`pyfast bench plan_time`): configurations
+of `pyfast train --nproc 2` (dp with none/bf16/int8/top-k/PowerSGD, tp, pp, ZeRO 1-3, cp;
+gpt-tiny and gpt-small) on plain loopback and on emulated 1 Gbit/s and 100 Mbit/s links, each
+measured (median step_ms of metrics.jsonl after the warm-up steps; gpt-tiny's dp/tp/pp also
+on 10 Gbit/s for the sensitivity check) and predicted by
+pyfast.plan.timing with the calibration measured in the same run (pyfast.plan.calibrate.measure:
+compute of the modules at the local shapes, the link fitted on 2 gloo ranks in a namespace of
+the same rate, codec seconds, the job's own per-step cost).
+
+Reported: per configuration predicted vs measured; median and max |error|; Spearman rank
+correlation over all configurations; per (model, link) group whether the predicted-best plan's
+measured step is within 10% of the measured best; and the sensitivity check: gpt-tiny's
+candidates at 1 Gbit/s and at 100 Mbit/s, the predicted choice on each, and the measured gain
+of the 100 Mbit/s choice over the 1 Gbit/s one on the slower link (it must have the sign the
+model predicts).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import pyfast
+from pyfast import perf
+from pyfast.benchmarks import netns
+from pyfast.plan import calibrate, hardware, timing
+from pyfast.plan.spec import Workload
+
+SEQ, BATCH = 64, 8
+STEPS = {"gpt-tiny": 25, "gpt-small": 8}
+REFERENCE = "dp2"  # each (link, model)'s run that refit_records takes the compute scale from
+WARMUP = 3  # steps left out of the median: first-step allocations, connection set-up
+TINY = ("dp2", "dp2 int8", "dp2 powersgd:4", "dp2 topk:0.01", "tp2", "pp2")
+FLAGS = {"dp2": ["--dp", "2"], "tp2": ["--tp", "2"],
+         "pp2": ["--pp", "2", "--micro-batches", "4"], "cp2": ["--cp", "2"],
+         "zero1": ["--dp", "2", "--zero", "1"], "zero2": ["--dp", "2", "--zero", "2"],
+         "zero3": ["--dp", "2", "--zero", "3"]}
+CONFIGS = [("loopback", "gpt-tiny", c) for c in
+           ("dp2", "dp2 int8", "tp2", "pp2", "cp2", "zero1", "zero3")] + \
+          [("loopback", "gpt-small", c) for c in ("dp2", "dp2 bf16", "tp2", "pp2", "zero2")] + \
+          [("1gbit", "gpt-tiny", c) for c in TINY] + [("1gbit", "gpt-small", "dp2 int8")] + \
+          [("100mbit", "gpt-tiny", c) for c in TINY] + \
+          [("10gbit", "gpt-tiny", c) for c in ("dp2", "dp2 int8", "tp2", "pp2")]
+# the sensitivity check: gpt-tiny's choice among the configurations run on both links of a pair
+CUTS = (("10gbit", "1gbit"), ("1gbit", "100mbit"))
+
+
+def flags(config: str) -> list[str]:
+    base, _, comp = config.partition(" ")
+    return FLAGS[base] + (["--compress", comp] if comp else [])
+
+
+def probe_link(link: str, timeout: float = 180) -> dict:
+    """The link model (calibrate.link_probe) of 2 gloo ranks inside a namespace of `link`
+    (a token bucket: the probe pauses before its large calls, as steps do)."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "link.json")
+        netns.run_ranks(calibrate.probe_argv(path, True), 2, link, timeout)
+        return json.loads(open(path).read())
+
+
+def measure_run(link: str, model: str, config: str, timeout: float = 300) -> dict:
+    """`pyfast train --nproc 2` on `link`: its median step over the steps after WARMUP and the
+    plan the run recorded (calibrate.run_plan reads it back)."""
+    from pyfast.train.metrics import read
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, "-m", "pyfast", "train", "--nproc", "2", "--model", model,
+               "--seq", str(SEQ), "--batch", str(BATCH), "--steps", str(STEPS[model]),
+               "--eval-batches", "1", "--out", out, *flags(config)]
+        t0 = time.monotonic()
+        r = netns.run(cmd, link, timeout)
+        if r.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} on {link}: exit {r.returncode}\n"
+                               f"{r.stderr[-2000:]}")
+        every = read(os.path.join(out, "metrics.jsonl"))
+        recs = every[WARMUP:]
+        shape, plan, work, _ = calibrate.run_plan(out)
+    ms = sorted(x["step_ms"] for x in recs)
+    return {"link": link, "model": model, "config": config,
+            "measured_s": statistics.median(ms) / 1e3, "q10_s": ms[len(ms) // 10] / 1e3,
+            "q90_s": ms[-1 - len(ms) // 10] / 1e3,
+            "exposed_s": statistics.median(x["exposed_comm_ms"] for x in recs) / 1e3,
+            "wall_s": time.monotonic() - t0, "plan": plan.fields(), "shape": shape,
+            "work": work, "records": every}
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    def ranks(x):
+        order = sorted(range(len(x)), key=lambda i: x[i])
+        r = [0.0] * len(x)
+        for k, i in enumerate(order):
+            r[i] = float(k)
+        return r
+    ra, rb = ranks(a), ranks(b)
+    n = len(a)
+    ma, mb = sum(ra) / n, sum(rb) / n
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    va = sum((x - ma) ** 2 for x in ra) ** 0.5
+    vb = sum((y - mb) ** 2 for y in rb) ** 0.5
+    return cov / (va * vb) if va and vb else float("nan")
+
+
+def run(configs=CONFIGS, timeout: float = 300) -> dict:
+    t_start, load = time.monotonic(), os.getloadavg()[0]
+    links = sorted({c[0] for c in configs}, key=lambda l: (l != "loopback", l))
+    for link in links:
+        netns.rate_bps(link)
+    work = Workload(SEQ, BATCH, "fp32")
+    base = hardware.Cluster(2, 2, hardware.gpu("cpu"), 1.0, 1.0)
+    rows, skipped, fits = [], [], {}
+    for link in links:
+        try:
+            fits[link] = None if link == "loopback" else probe_link(link)
+        except netns.LinkUnavailable as e:
+            skipped.append({"link": link, "skipped": str(e)})
+            continue
+        rows += [measure_run(*c, timeout=timeout) for c in configs if c[0] == link]
+    # the calibration, measured after the runs in the same process: compute at every local
+    # shape the plans use, the codecs, each link, the job's own cost (calibrate.measure), and
+    # the compute scale of the reference run (REFERENCE on the same link, else on loopback:
+    # calibrate.refit_records, compute only: what the 2 ranks cost each other's compute here)
+    for link in links:
+        fit = fits.get(link)
+        for model in sorted({r["model"] for r in rows if r["link"] == link}):
+            mine = [r for r in rows if r["link"] == link and r["model"] == model]
+            plans = [_plan(r) for r in mine]
+            cluster = calibrate.measure(mine[0]["shape"], work, base, link, plans, fit)
+            # this link's own reference run, else loopback's: namespaced runs stepped faster
+            # than loopback ones here (gpt-tiny dp2 14 ms on 10gbit, 22 ms on loopback)
+            ref = next((r for lk in (link, "loopback") for r in rows if r["link"] == lk
+                        and r["model"] == model and r["config"] == REFERENCE), None)
+            if ref is not None:
+                cluster = calibrate.refit_records(cluster, ref["shape"], _plan(ref), work,
+                                                  ref["records"], WARMUP, comm=False)
+            for r, plan in zip(mine, plans):
+                p = timing.predict_time(r["shape"], plan, work, cluster)
+                r.update(predicted_s=p["step_s"], pred=_short(p),
+                         error=p["step_s"] / r["measured_s"] - 1, reference=r is ref,
+                         calibration={k: v for k, v in cluster.calibration.items()
+                                      if k != "compute"})
+    for r in rows:
+        r["shape"] = r["shape"].name
+        r.pop("work")
+        r.pop("records")
+    return {"machine": perf.machine(),
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "pyfast": pyfast.__version__, "seq": SEQ, "batch": BATCH, "steps": STEPS,
+            "warmup": WARMUP, "rows": rows, "skipped": skipped, "summary": summarize(rows),
+            "load_before": load, "wall_s": time.monotonic() - t_start}
+
+
+def _plan(row):
+    from pyfast.plan.spec import Plan
+    return Plan(**row["plan"])
+
+
+def _short(p: dict) -> dict:
+    return {k: v for k, v in p.items() if isinstance(v, float)} | {"why": p["why"]}
+
+
+def summarize(rows: list[dict]) -> dict:
+    done = [r for r in rows if "predicted_s" in r]
+    if not done:
+        return {}
+    errs = [abs(r["error"]) for r in done]
+    groups = {}
+    for r in done:
+        groups.setdefault((r["model"], r["link"]), []).append(r)
+    best = []
+    for (model, link), g in sorted(groups.items()):
+        if len(g) < 2:
+            continue
+        pb = min(g, key=lambda r: r["predicted_s"])
+        mb = min(g, key=lambda r: r["measured_s"])
+        best.append({"model": model, "link": link, "predicted_best": pb["config"],
+                     "measured_best": mb["config"],
+                     "gap": pb["measured_s"] / mb["measured_s"] - 1})
+    sens = []
+    for fast_link, slow_link in CUTS:
+        tiny = {link: {r["config"]: r for r in done if r["model"] == "gpt-tiny"
+                       and r["link"] == link} for link in (fast_link, slow_link)}
+        both = set(tiny[fast_link]) & set(tiny[slow_link])
+        if len(both) < 2:
+            continue
+        fast = min(both, key=lambda c: tiny[fast_link][c]["predicted_s"])
+        slow = min(both, key=lambda c: tiny[slow_link][c]["predicted_s"])
+        v = {"from": fast_link, "to": slow_link, "candidates": sorted(both),
+             "choice_fast": fast, "choice_slow": slow,
+             "measured_choice_fast": min(both, key=lambda c: tiny[fast_link][c]["measured_s"]),
+             "measured_choice_slow": min(both, key=lambda c: tiny[slow_link][c]["measured_s"])}
+        if fast != slow:  # on the slow link: the old choice against the new one
+            a_, b_ = tiny[slow_link][fast], tiny[slow_link][slow]
+            v.update(predicted_gain=a_["predicted_s"] / b_["predicted_s"] - 1,
+                     measured_gain=a_["measured_s"] / b_["measured_s"] - 1)
+            v["same_sign"] = (v["predicted_gain"] > 0) == (v["measured_gain"] > 0)
+        sens.append(v)
+    free = [abs(r["error"]) for r in done if not r.get("reference")]
+    return {"n": len(done), "median_abs_error": statistics.median(errs), "max_abs_error": max(errs),
+            "n_not_reference": len(free), "median_abs_error_not_reference":
+            statistics.median(free) if free else None,
+            "max_abs_error_not_reference": max(free) if free else None,
+            "within_20": sum(e <= 0.2 for e in errs), "within_10": sum(e <= 0.1 for e in errs),
+            "spearman": spearman([r["predicted_s"] for r in done], [r["measured_s"] for r in done]),
+            "best": best, "sensitivity": sens}
+
+
+def table(result: dict):
+    from rich.console import Group
+    t = perf.rich_table(f"step time, predicted (pyfast.plan.timing, calibrated in this run) vs "
+                        f"measured (`pyfast train --nproc 2`, median after {result['warmup']} "
+                        f"steps), seq {result['seq']}, global batch {result['batch']}, fp32",
+                        result, ("link", "model", "config", "measured ms", "q10-q90",
+                                 "predicted ms", "error", "exposed ms (meas)",
+                                 "exposed ms (pred)", "why"), left=("link", "model", "config",
+                                                                    "why"))
+    for r in result["rows"]:
+        name = r["config"] + (" (ref)" if r.get("reference") else "")
+        t.add_row(r["link"], r["model"], name, f"{r['measured_s'] * 1e3:.1f}",
+                  f"{r['q10_s'] * 1e3:.0f}-{r['q90_s'] * 1e3:.0f}",
+                  f"{r['predicted_s'] * 1e3:.1f}" if "predicted_s" in r else "-",
+                  f"{r['error']:+.0%}" if "error" in r else "-",
+                  f"{r['exposed_s'] * 1e3:.1f}",
+                  f"{r['pred']['exposed_comm_s'] * 1e3:.1f}" if "pred" in r else "-",
+                  r.get("pred", {}).get("why", ""))
+    for s in result["skipped"]:
+        t.add_row(s["link"], "-", f"skipped: {s['skipped']}")
+    s = result["summary"]
+    lines = []
+    if s:
+        lines.append(f"{s['n']} configurations: median |error| {s['median_abs_error']:.1%} "
+                     f"(target <= 10%), max {s['max_abs_error']:.1%} (target <= 20%), "
+                     f"{s['within_10']} within 10%, {s['within_20']} within 20%; Spearman "
+                     f"{s['spearman']:.3f} (target >= 0.8)")
+        if s.get("n_not_reference"):
+            lines.append(f"without the {s['n'] - s['n_not_reference']} reference runs (their "
+                         f"compute scale is fitted): median |error| "
+                         f"{s['median_abs_error_not_reference']:.1%}, max "
+                         f"{s['max_abs_error_not_reference']:.1%} over {s['n_not_reference']}")
+        for b in s["best"]:
+            lines.append(f"best of {b['model']} on {b['link']}: predicted {b['predicted_best']}, "
+                         f"measured {b['measured_best']}: predicted-best is {b['gap']:+.1%} "
+                         "off the measured best (target <= 10%)")
+        for v in s.get("sensitivity", []):
+            line = (f"sensitivity (gpt-tiny, {v['from']} -> {v['to']}, among "
+                    f"{', '.join(v['candidates'])}): predicted choice {v['choice_fast']} -> "
+                    f"{v['choice_slow']} (measured best {v['measured_choice_fast']} -> "
+                    f"{v['measured_choice_slow']})")
+            if "same_sign" in v:
+                line += (f"; on {v['to']} the old choice is {v['predicted_gain']:+.0%} slower "
+                         f"predicted, {v['measured_gain']:+.0%} measured (same sign: "
+                         f"{v['same_sign']})")
+            lines.append(line)
+    lines.append(f"wall {result['wall_s']:.0f} s; 1-min load average before: "
+                 f"{result['load_before']:.2f} (2 cores shared with other work: re-run quiet)")
+    return Group(t, "\n".join(lines))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="pyfast bench plan_time", description=__doc__.split("\n\n")[0])
+    p.add_argument("--links", default="loopback,10gbit,1gbit,100mbit")
+    p.add_argument("--out", default="")
+    a = p.parse_args(argv)
+    links = a.links.split(",")
+    res = run([c for c in CONFIGS if c[0] in links])
+    return perf.finish(res, table, a.out, width=190)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,159 @@
+"""pyfast.plan.timing (the step-time model, pure arithmetic) and pyfast.plan.calibrate's
+compute measurement and refit, on gpt-tiny. No speed assertions: timings are machine's."""
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+
+import pyfast.compress as C
+from pyfast.comm import cost
+from pyfast.plan import calibrate, hardware, timing
+from pyfast.plan.spec import ModelShape, Plan, Workload
+
+TINY = ModelShape(2, 64, 4, 4, 256, 256, name="gpt-tiny")
+SMALL = ModelShape(6, 384, 8, 8, 1536, 256, name="gpt-small")
+
+
+def cluster(inter="400gbit", gpus=16, per_node=8, gpu="h100", **kw):
+    return hardware.Cluster(gpus, per_node, hardware.gpu(gpu), hardware.gpu(gpu).intra_bps,
+                            hardware.parse_bandwidth(inter), **kw)
+
+
+@pytest.mark.parametrize("schedule,divisor", [("gpipe", 1), ("1f1b", 1),
+                                              ("interleaved-1f1b", 2), ("zb-h1", 3)])
+def test_bubble_per_schedule(schedule, divisor):
+    # 8 layers over 4 stages: the slowest stage (the head's) sets both the compute and the
+    # bubble, so bubble / compute = (p - 1) / (m x virtual stages), zb-h1 a third of 1f1b's
+    # (backward split into input and weight gradients, each ~ one forward: ZB-H1's
+    # (p-1)(F+B-W) against (p-1)(F+B+W))
+    shape = ModelShape(8, 256, 4, 4, 1024, 256)
+    m = 7
+    plan = Plan(pp=4, micro_batch=2, micro_batches=m, schedule=schedule)
+    out = timing.predict_time(shape, plan, Workload(128, 14, "bf16"), cluster(gpus=4))
+    assert plan.virtual_stages == (2 if schedule == "interleaved-1f1b" else 1)
+    assert out["bubble_s"] / out["compute_s"] == pytest.approx(3 / (m * divisor), rel=1e-9)
+
+
+@pytest.mark.parametrize("world", [2, 3, 8])
+def test_ring_all_reduce_bytes(world):
+    # no latency: an uncalibrated link's all-reduce of n bytes is the ring's
+    # 2 (W-1)/W n bytes at the link's rate, the bytes cost.sent_bytes counts for it
+    c = cluster(per_node=world, gpus=world).replace(intra_latency_s=0.0)
+    link = timing.Link(c, world, world)
+    n = 1000 + 37 * world  # ragged: not a multiple of W
+    want = cost.sent_bytes(C.get("none"), n, world) / c.intra_bps
+    assert link.seconds("all_reduce", 4.0 * n) == pytest.approx(want, rel=1e-3)  # sent_bytes rounds
+
+
+@pytest.mark.parametrize("spec", ["bf16", "int8", "int4", "fp8"])
+def test_dense_payload_matches_compressor(spec):
+    # timing's per-element wire bytes (no torch at prediction time) against the compressor's
+    n = 5 * 512 + 311
+    assert timing.DENSE_BYTES[spec] * n == pytest.approx(C.get(spec).wire_bytes(n), abs=4.0)
+
+
+def test_compression_cuts_dp_time_on_a_slow_link_and_costs_steps():
+    c = cluster(inter="1gbit", gpus=16, per_node=1)  # every dp peer on another node
+    work = Workload(1024, 64, "bf16")
+    pred = {s: timing.predict_time(SMALL, Plan(dp=16, micro_batch=4, compress=s), work, c)
+            for s in ("none", "bf16", "int8", "topk:0.01", "powersgd:4")}
+    for s in ("bf16", "int8", "topk:0.01", "powersgd:4"):
+        assert pred[s]["dp_comm_s"] < pred["none"]["dp_comm_s"], s
+        assert pred[s]["steps_factor"] > 1.0, s
+    assert pred["none"]["steps_factor"] == 1.0
+    assert pred["int8"]["dp_comm_s"] < pred["bf16"]["dp_comm_s"]
+    assert pred["int8"]["steps_factor"] < pred["topk:0.01"]["steps_factor"]
+    with pytest.raises(ValueError, match="no relative error known"):
+        timing.steps_factor("zstd")
+
+
+def test_relative_errors_of_the_table_are_the_compressors():
+    # the table's bf16/fp16/int8 against cost.relative_error on a gradient-like tensor: within
+    # 2x (int8's 0.013 is gpt-tiny's heavier-tailed gradients; a Gaussian gives ~0.008)
+    x = torch.randn(3 * 512 + 77) * torch.rand(1) * 1e-2
+    for spec in ("bf16", "fp16", "int8"):
+        got = cost.relative_error(C.get(spec), x)
+        assert 0.5 <= timing.rel_error(spec) / got <= 2.0, (spec, got)
+    assert timing.STEPS_PER_ERROR == cost.STEPS_PER_ERROR
+
+
+@pytest.mark.parametrize("plan", [Plan(dp=8, micro_batch=2, micro_batches=2),
+                                  Plan(dp=4, tp=2, micro_batch=4, compress="int8"),
+                                  Plan(dp=2, pp=4, micro_batch=2, micro_batches=8),
+                                  Plan(dp=4, cp=2, micro_batch=4),
+                                  Plan(dp=8, zero=3, micro_batch=2, micro_batches=2)])
+def test_more_bandwidth_is_never_slower(plan):
+    work = Workload(2048, 32, "bf16")
+    prev = math.inf
+    for bw in ("100mbit", "1gbit", "10gbit", "100gbit", "400gbit"):
+        step = timing.predict_time(SMALL, plan, work, cluster(inter=bw, per_node=2))["step_s"]
+        assert step <= prev * (1 + 1e-12), bw
+        prev = step
+
+
+def test_predict_keys_and_speed_of_arithmetic():
+    out = timing.predict_time(SMALL, Plan(dp=16, micro_batch=4), Workload(1024, 64), cluster())
+    for k in ("step_s", "compute_s", "comm_s", "exposed_comm_s", "bubble_s", "recompute_s",
+              "codec_s", "tokens_per_s", "steps_factor", "optimizer_s", "dp_comm_s", "why"):
+        assert k in out
+    assert out["tokens_per_s"] == pytest.approx(1024 * 64 / out["step_s"])
+    ck = timing.predict_time(SMALL, Plan(dp=16, micro_batch=4, activation_checkpointing=True),
+                             Workload(1024, 64), cluster())
+    assert ck["recompute_s"] > 0 and ck["step_s"] > out["step_s"]
+
+
+def _fake_run(tmp_path, shape_flag="gpt-tiny"):
+    """A run directory as `pyfast train` leaves it: a checkpoint's meta.json with the run's
+    flags (the shard files only as placeholders) and metrics.jsonl written by the test."""
+    from pyfast.train.config import TrainConfig
+    cfg = TrainConfig(model=shape_flag, dp=2, seq=64, batch=8, steps=6, out=str(tmp_path))
+    d = tmp_path / "checkpoints" / "step-6"
+    d.mkdir(parents=True)
+    (d / "meta.json").write_text(json.dumps({"step": 6, "model_key": cfg.model_key(),
+                                             "vocab_size": 256,
+                                             "config": dataclasses.asdict(cfg)}))
+    (d / ".metadata").write_bytes(b"x")
+    (d / "__0_0.distcp").write_bytes(b"x")
+    return cfg
+
+
+def test_calibrate_and_refit_on_gpt_tiny(tmp_path):
+    cfg = _fake_run(tmp_path)
+    shape, plan, work, _ = calibrate.run_plan(tmp_path)
+    assert (shape.layers, shape.hidden, shape.heads, shape.vocab) == (2, 64, 4, 256)
+    assert (plan.dp, plan.micro_batch, plan.micro_batches, work.seq) == (2, 4, 1, 64)
+    base = hardware.Cluster(2, 2, hardware.gpu("cpu"), 1e9, 1e9)
+    cal = calibrate.measure_compute(shape, work, [plan])
+    for kind in ("embed", "block", "head"):
+        f, b = cal["compute"][timing.compute_key(kind, plan, work)]
+        assert f > 0 and b > 0, kind
+    c = base.replace(calibration=cal)
+    pred = timing.predict_time(shape, plan, work, c)
+    comp = pred["step_s"] - pred["exposed_comm_s"]
+    assert pred["exposed_comm_s"] > 0
+    # a run that computed 1.7x and waited 2.3x what the model predicts, after 2 warm-up steps
+    # whose numbers must not count
+    recs = [{"step": i + 1, "compute_ms": 1e3 * comp * (9.0 if i < 2 else 1.7 + 0.01 * i),
+             "exposed_comm_ms": 1e3 * pred["exposed_comm_s"] * (9.0 if i < 2 else 2.3),
+             "step_ms": 0.0, "bytes_sent": 0} for i in range(7)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    fit = calibrate.refit(c, tmp_path)
+    # medians over steps 3..7: 1.7 + 0.01 x (2..6) -> 1.74
+    assert fit.calibration["compute_scale"] == pytest.approx(1.74, rel=1e-9)
+    assert fit.calibration["comm_scale"] == pytest.approx(2.3, rel=1e-9)
+    again = calibrate.refit(fit, tmp_path)  # refit drops the old scales first: same answer
+    assert again.calibration["compute_scale"] == pytest.approx(1.74, rel=1e-9)
+    assert cfg.model == "gpt-tiny"
+
+
+def test_refit_without_steps_is_an_error(tmp_path):
+    _fake_run(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "compute_ms": 1.0,
+                                                        "exposed_comm_ms": 1.0}) + "\n")
+    c = hardware.Cluster(2, 2, hardware.gpu("cpu"), 1e9, 1e9)
+    with pytest.raises(ValueError, match="no steps after the first 2"):
+        calibrate.refit(c, tmp_path)
+    with pytest.raises(ValueError, match="no complete checkpoint"):
+        calibrate.refit(c, tmp_path / "nothing")
