@@ -22,6 +22,8 @@ BENCHMARKS = {
     "cp": "context parallelism (ring, Ulysses) vs one process: causal attention, memory",
     "plan": "pyfast plan: search speed, the folklore checked (and --part memory/time: the "
             "models against the dry run and measured runs)",
+    "plan_memory": "the planner's memory model vs the dry run and vs measured CPU allocations",
+    "plan_time": "the planner's step-time model vs measured pyfast train runs on 3 links",
     "report": "write docs/benchmarks.md from bench/results/ (no benchmark is run)",
 }
 

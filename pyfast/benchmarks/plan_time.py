@@ -55,13 +55,7 @@ def flags(config: str) -> list[str]:
     return FLAGS[base] + (["--compress", comp] if comp else [])
 
 
-def probe_link(link: str, timeout: float = 180) -> dict:
-    """The link model (calibrate.link_probe) of 2 gloo ranks inside a namespace of `link`
-    (a token bucket: the probe pauses before its large calls, as steps do)."""
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "link.json")
-        netns.run_ranks(calibrate.probe_argv(path, True), 2, link, timeout)
-        return json.loads(open(path).read())
+probe_link = calibrate.probe_link  # the namespace-shaped link probe lives with measure()
 
 
 def measure_run(link: str, model: str, config: str, timeout: float = 300) -> dict:

@@ -259,6 +259,18 @@ def probe_argv(path: str, pause: bool) -> list[str]:
     return ["-c", f"from pyfast.plan.calibrate import link_probe; link_probe({path!r}, {pause})"]
 
 
+def probe_link(link: str, timeout: float = 180) -> dict:
+    """The link model of 2 gloo ranks inside a fresh namespace whose loopback is shaped to
+    `link` ("1gbit", "100mbit": pyfast.benchmarks.netns, as pyfast.ablate runs its cells; needs
+    root), pausing before its large calls as steps do (a token bucket refills between them)."""
+    from pyfast.benchmarks import netns
+    netns.rate_bps(link)  # a bad link string fails before anything starts
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "link.json")
+        netns.run_ranks(probe_argv(path, True), 2, link, timeout)
+        return json.loads(Path(path).read_text())
+
+
 def measure_loopback_link(timeout: float = 120) -> dict:
     """The link model of 2 gloo ranks on plain loopback (2 child processes)."""
     with tempfile.TemporaryDirectory() as d:
@@ -396,17 +408,12 @@ def default_plans(shape: ModelShape, work: Workload, world: int = 2) -> list[Pla
 def measure(shape: ModelShape, work: Workload, cluster: Cluster, link: str = "loopback",
             plans=None, link_model: dict | None = None) -> Cluster:
     """This machine's numbers for these plans (default: dp/tp/cp over 2 ranks, one micro-batch):
-    compute at each plan's local shape, the link (loopback measured here; a shaped link's model
-    is measured by whoever can make the namespace, pyfast.benchmarks.plan_time, and passed as
-    link_model), codec seconds of the plans' compressors. The result's calibration holds them
+    compute at each plan's local shape, the link (plain loopback, or a namespace shaped to
+    `link` by probe_link; link_model: one already measured), codec seconds of the plans' compressors. The result's calibration holds them
     for both intra and inter links (2 ranks on one machine)."""
     plans = list(plans) if plans else default_plans(shape, work)
     if link_model is None:
-        if link != "loopback":
-            raise ValueError(f"link {link!r}: measure() probes plain loopback only; a shaped "
-                             "link is probed inside its namespace (pyfast.benchmarks.plan_time"
-                             ".probe_link) and passed as link_model=")
-        link_model = measure_loopback_link()
+        link_model = measure_loopback_link() if link == "loopback" else probe_link(link)
     cal = dict(cluster.calibration)
     cal.update(measure_compute(shape, work, plans))
     cal["compute"].update(measure_cp_blocks(shape, work, plans))
