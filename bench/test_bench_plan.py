@@ -1,0 +1,37 @@
+"""`pyfast bench plan` and `plan_time` run end to end on small cases (search: one 10k-plan case;
+folklore: one cell; time: two gpt-tiny runs on loopback): they cannot rot."""
+import io
+
+from pyfast import perf
+from pyfast.benchmarks import plan, plan_time
+
+
+def test_plan_search_and_folklore_run(monkeypatch):
+    monkeypatch.setattr(plan, "SEARCH_CASES", plan.SEARCH_CASES[:1])
+    res = plan.run_search(1)
+    (row,) = res["rows"]
+    assert row["configurations"] >= 10_000 and row["median_s"] > 0
+    monkeypatch.setattr(plan, "SIZES", ("7b",))
+    monkeypatch.setattr(plan, "GPU_COUNTS", (8,))
+    monkeypatch.setattr(plan, "LINKS", ("400gbit",))
+    fk = plan.run_folklore("gpt")
+    (cell,) = fk["rows"]
+    # 7B with AdamW (16 bytes a parameter: 100 GiB) fits 8 x 80 GB only sharded or split
+    assert cell["plan"] is not None and cell["memory_bytes"] <= 81559 * 2**20
+    assert cell["fields"]["dp"] * cell["fields"]["cp"] < 8 or cell["fields"]["zero"] >= 1
+    text = io.StringIO()
+    perf.show(fk, plan.folklore_table, width=240, file=text)
+    assert "7B" in text.getvalue()
+    assert "| 7B | 8 |" in plan.markdown(fk)
+
+
+def test_plan_time_runs():
+    res = plan_time.run([("loopback", "gpt-tiny", "dp2"), ("loopback", "gpt-tiny", "tp2")])
+    rows = {r["config"]: r for r in res["rows"]}
+    assert set(rows) == {"dp2", "tp2"}
+    assert all(r["measured_s"] > 0 and r["predicted_s"] > 0 for r in rows.values())
+    assert rows["dp2"]["reference"] and not rows["tp2"]["reference"]
+    assert res["summary"]["n"] == 2
+    text = io.StringIO()
+    perf.show(res, plan_time.table, width=190, file=text)
+    assert "tp2" in text.getvalue()
