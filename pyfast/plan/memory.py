@@ -59,6 +59,9 @@ LOSSY = BLOCKED + ("topk", "randomk", "powersgd")
 BUCKET_MB = 4.0        # pyfast.parallel.data.BUCKET_MB (ZeRO's units too)
 VOCAB_PARALLEL_MIN = 2048  # pyfast.models.gpt.VOCAB_PARALLEL_MIN
 DEVICES = ("cuda", "cpu", "meta")
+# a compressor's payload per fp32 bucket byte (codes + scales; top-k's values and indices)
+PAYLOAD = {"none": 0.0, "bf16": 0.5, "fp16": 0.5, "fp8": 0.26, "int8": 0.26, "int4": 0.13,
+           "sign": 0.04, "ternary": 0.07, "topk": 0.02, "randomk": 0.02, "powersgd": 0.5}
 KINDS = ("parameters", "gradients", "optimizer", "activations", "comm_buffers", "feedback")
 
 
@@ -129,6 +132,10 @@ def _held(schedule: str, rank: int, p: int, m: int, v: int, weights: tuple,
     micro-batch keeps everything until its W, plus the output gradients W starts from. The
     last such moment: whether a backward ran before it (then the gradients are all there)."""
     ev = []  # (kind, local stage): F holds, B releases, I converts, W releases the converted
+    if schedule == "gpipe":  # closed forms of the two common ones (the replay agrees)
+        return (m,), 0, False
+    if schedule == "1f1b":
+        return (min(p - rank, m),), 0, m > p - rank
     if schedule == "gpipe":
         ev = [("F", 0)] * m + [("B", 0)] * m
     elif schedule in ("1f1b", "zb-h1"):
@@ -246,8 +253,15 @@ def _static(shape: ModelShape, tp: int, pp: int, v: int, n_shard: int, zero: int
     return tuple(out)
 
 
-def _aligned(tensors, align: int) -> int:
-    return sum(-(-n // align) * align for n in tensors)
+@lru_cache(maxsize=65536)
+def _sizes(tensors: tuple, n: int, align: int, vec: int) -> tuple[int, ...]:
+    """(elements, the largest tensor, elements with each tensor padded to `align` (a bucket),
+    ZeRO shard rank 0's (ceil(t / n), padded), the same two for the matrices only)."""
+    pad = lambda x: -(-x // align) * align  # noqa: E731
+    mats = [t for t in tensors if t > vec]
+    return (sum(tensors), max(tensors, default=0), sum(map(pad, tensors)),
+            sum(pad(-(-t // n)) for t in tensors), sum(map(pad, mats)),
+            sum(pad(-(-t // n)) for t in mats))
 
 
 def _comp(spec: str) -> str:
@@ -277,26 +291,24 @@ def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = 
     rows = []
     for r, (tensors, stage_layers, first, last) in enumerate(
             _static(shape, tp, pp, v, n, zero, plan.compress, work.seq)):
-        P = sum(tensors)
         layers = sum(stage_layers)
-        big = max(tensors) if tensors else 0
         # ZeRO's shard of each tensor on shard rank 0 (the longest: ceil), padded to align
-        if zero:
-            shard = sum(-(-(-(-t // n)) // align) * align for t in tensors)
+        vec = max(h, shape.ffn // tp, (h + 2 * shape.kv_dim) // tp)  # the longest vector
+        P, big, aligned, shard, mats_aligned, mats_shard = _sizes(tensors, n, align, vec)
         k = dict.fromkeys(KINDS, 0.0)
         k["parameters"] = F32 * (P if zero < 3 else shard) + rotary * layers
         k["optimizer"] = 2 * F32 * (P if not zero else shard) + F32 * len(tensors)
         if lossy and n > 1:
-            vec = max(h, shape.ffn // tp, (h + 2 * shape.kv_dim) // tp)  # the longest vector
-            mats = [t for t in tensors if t > vec] if comp == "powersgd" else tensors
+            pw = comp == "powersgd"  # it factors the matrices only
             # DataParallel's all-reduce: each rank compresses every chunk it sends in the
             # reduce-scatter (the whole bucket) and, blockwise codecs, its reduced chunk again
             # for the all-gather (1/N more); ZeRO's reduce-scatter only the former
-            again = 1 + 1 / n if (comp in BLOCKED and not zero) else 1
-            k["feedback"] = F32 * again * (_aligned(mats, align) if not zero else
-                                           n * sum(-(-(-(-t // n)) // align) * align
-                                                   for t in mats))
-        buckets = F32 * _aligned(tensors, align) if (n > 1 and not zero) else 0
+            # (python engine: meta, and CUDA without a CUDA build of pyfast._C; the native
+            # engine on CPU keeps only the former: measured on 2 gloo ranks)
+            again = 1 + 1 / n if (comp in BLOCKED and not zero and device != "cpu") else 1
+            k["feedback"] = F32 * again * ((mats_aligned if pw else aligned) if not zero else
+                                           n * (mats_shard if pw else shard))
+        buckets = F32 * aligned if (n > 1 and not zero) else 0
         k["comm_buffers"] = buckets
         grads_full = F32 * P
         grads_end = F32 * shard if zero >= 2 else grads_full
@@ -308,9 +320,11 @@ def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = 
             # mlp.proj outputs
             w_split = (2 * h * F32 + F32 * ((3 * h + shape.ffn) / tp + 2 * h)) * tok * \
                 stage_layers[0]
-            weights = tuple(tok * per_layer * nl for nl in stage_layers)
+            # the replay needs only the ratios of the weights: rounded, they cache well
+            unit = tok * per_layer * max(1, stage_layers[0])
+            weights = tuple(round(nl / max(1, stage_layers[0]), 3) for nl in stage_layers)
             held, n_split, grads_on = _held(plan.schedule, r, pp, plan.micro_batches, v,
-                                            weights, w_split)
+                                            weights, round(w_split / unit, 3))
         else:
             held, n_split, grads_on = (1,), 0, plan.micro_batches > 1
         held_layers = sum(c * nl for c, nl in zip(held, stage_layers)) + \
@@ -333,16 +347,23 @@ def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = 
             k["comm_buffers"] += 2 * tok * F32 * h
         if zero == 3:  # the gathered units of the forward (this one and the prefetched)
             act += 2 * F32 * max(sum(_layer_tensors(shape, tp)), big)
-        # a compressor's buffers while a bucket (ZeRO: a unit) is in flight: at most about one
-        # bucket (measured in the dry run: 0-3 MB of 4 MB buckets)
-        comm_t = min(BUCKET_MB * 2**20, F32 * P) if (n > 1 and comp != "none") else 0
+        # a compressor's buffers while a bucket is in flight: its payload, a fraction of the
+        # bucket (measured in the dry run, gpt-small: int8 1 MB, PowerSGD 0-3 MB, top-k 0.02
+        # MB of 4 MB buckets); ZeRO's are the packed unit of `end` below
+        comm_t = min(BUCKET_MB * 2**20, F32 * P) * PAYLOAD.get(comp, 0.5) \
+            if (n > 1 and not zero) else 0
         # a pipeline's later micro-batches and accumulation run a forward after a backward:
         # the gradients are all there at the activations' peak
         g_at_start = (grads_end if zero >= 2 else grads_full) if grads_on else 0.0
         start = (g_at_start, act + max(t_block, t_head))  # (gradients, activations)
         # end of the backward: all gradients, the first layer's activations only
-        end = (grads_full if zero < 2 else grads_end + 2 * BUCKET_MB * 2**20,
-               tok * per_layer + (tok * saved if ckpt else 0) + t_block)
+        # (ZeRO 2/3: the shards, and a unit's packed gradients with its reduced segment), less
+        # the gradients of the layer still running when none came before it; its input is
+        # the checkpoint's, counted once
+        g_end = grads_full if zero < 2 else grads_end + 2 * min(BUCKET_MB * 2**20, F32 * P)
+        if not grads_on and layers:
+            g_end -= F32 * sum(_layer_tensors(shape, tp)) / (n if zero >= 2 else 1)
+        end = (g_end, (tok * saved if ckpt else tok * per_layer) + t_block)
         g, ac = max(start, end, key=sum)
         static = sum(k.values())
         fwd = static + g + ac + comm_t
@@ -366,6 +387,11 @@ def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = 
         row = {kk: int(vv) for kk, vv in k.items()}
         row["peak_bytes"] = sum(row[kk] for kk in KINDS)
         row["where"], row["phase"] = f"pp stage {r}", phase
+        # the model state once backward is over (ZeRO's formula): fp32 weights (+ the rotary
+        # buffers), gradients, AdamW's two moments (+ a 4-byte step per tensor)
+        row["state"] = {"parameters": int(k["parameters"]), "gradients": int(grads_end),
+                        "optimizer": int(2 * F32 * (P if not zero else shard)
+                                         + F32 * len(tensors))}
         rows.append(row)
     worst = max(rows, key=lambda x: x["peak_bytes"])
     return {**worst, "per_stage": [x["peak_bytes"] for x in rows]}
