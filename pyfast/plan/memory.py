@@ -61,7 +61,7 @@ VOCAB_PARALLEL_MIN = 2048  # pyfast.models.gpt.VOCAB_PARALLEL_MIN
 DEVICES = ("cuda", "cpu", "meta")
 # a compressor's payload per fp32 bucket byte (codes + scales; top-k's values and indices)
 PAYLOAD = {"none": 0.0, "bf16": 0.5, "fp16": 0.5, "fp8": 0.26, "int8": 0.26, "int4": 0.13,
-           "sign": 0.04, "ternary": 0.07, "topk": 0.02, "randomk": 0.02, "powersgd": 0.5}
+           "sign": 0.04, "ternary": 0.07, "topk": 0.02, "randomk": 0.02, "powersgd": 0.25}
 KINDS = ("parameters", "gradients", "optimizer", "activations", "comm_buffers", "feedback")
 
 
@@ -350,7 +350,7 @@ def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = 
         # a compressor's buffers while a bucket is in flight: its payload, a fraction of the
         # bucket (measured in the dry run, gpt-small: int8 1 MB, PowerSGD 0-3 MB, top-k 0.02
         # MB of 4 MB buckets); ZeRO's are the packed unit of `end` below
-        comm_t = min(BUCKET_MB * 2**20, F32 * P) * PAYLOAD.get(comp, 0.5) \
+        comm_t = min(BUCKET_MB * 2**20, F32 * P) * PAYLOAD.get(comp, 0.25) \
             if (n > 1 and not zero) else 0
         # a pipeline's later micro-batches and accumulation run a forward after a backward:
         # the gradients are all there at the activations' peak
