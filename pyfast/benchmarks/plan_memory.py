@@ -13,6 +13,7 @@ and against real CPU allocations.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import tempfile
@@ -263,7 +264,7 @@ def table(res: dict):
                       mib(r["predicted"]), f"{r['error']:+.1%}",
                       *((mib(r["rss_growth"]),) if part == "real" else ()))
         parts.append(t)
-    parts.append(summary(res))
+    parts.append(f"{summary(res)}\n{res.get('machine', '')}; {res.get('date', '')}")
     return Group(*parts)
 
 
@@ -275,7 +276,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
     names = set(a.configs.split(",")) if a.configs else None
-    res = {}
+    res = {"machine": perf.machine(),
+           "date": datetime.datetime.now().isoformat(timespec="seconds")}
     if "dry" in a.part:
         res["dry"] = run_dry(names)
     if "real" in a.part:

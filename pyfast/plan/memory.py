@@ -124,18 +124,20 @@ def _partition(shape: ModelShape, n: int, tp: int) -> tuple[int, ...]:
 
 @lru_cache(maxsize=4096)
 def _held(schedule: str, rank: int, p: int, m: int, v: int, weights: tuple,
-          w_split: float) -> tuple[tuple[int, ...], int, bool]:
+          w_split: float, w_sent: float = 0.0) -> tuple[tuple[int, ...], int, int]:
     """(micro-batches each local (virtual) stage of `rank` holds from F until its backward,
     micro-batches held between I and W) at the moment their bytes (weights[stage] each;
-    w_split more for each between I and W) add up most: pyfast.parallel.schedules' action
+    w_split more for each between I and W, w_sent for each gradient sent) add up most: pyfast.parallel.schedules' action
     lists replayed as schedules.held does. zb-h1's I runs autograd with retain_graph=True, so a
     micro-batch keeps everything until its W, plus the output gradients W starts from. The
-    last such moment: whether a backward ran before it (then the gradients are all there)."""
+    last such moment, and the backward passes that sent a gradient before it (the gradients
+    exist once one ran; each sent gradient's buffer is kept until the step's end)."""
     ev = []  # (kind, local stage): F holds, B releases, I converts, W releases the converted
     if schedule == "gpipe":  # closed forms of the two common ones (the replay agrees)
-        return (m,), 0, False
+        return (m,), 0, 0
     if schedule == "1f1b":
-        return (min(p - rank, m),), 0, m > p - rank
+        return (min(p - rank, m),), 0, max(0, m - (p - rank)) if rank > 0 else \
+            int(m > p)
     if schedule == "gpipe":
         ev = [("F", 0)] * m + [("B", 0)] * m
     elif schedule in ("1f1b", "zb-h1"):
@@ -145,14 +147,16 @@ def _held(schedule: str, rank: int, p: int, m: int, v: int, weights: tuple,
         for k in range(m):
             if k < m - warm:
                 ev.append(("F", 0))
-            if schedule == "1f1b":
+            # global stage 0 takes token ids, no input to split the backward at
+            # (Pipeline._f: no handle): its I is the whole backward, its W a no-op
+            if schedule == "1f1b" or rank == 0:
                 ev.append(("B", 0))
             else:
                 ev.append(("I", 0))
                 if k >= rank:
                     ev.append(("W", 0))
                     done_w += 1
-        ev += [("W", 0)] * (m - done_w if schedule == "zb-h1" else 0)
+        ev += [("W", 0)] * (m - done_w if schedule == "zb-h1" and rank else 0)
     elif schedule == "interleaved-1f1b":
         rounds = max(1, m // p)
         per = m // rounds
@@ -165,9 +169,12 @@ def _held(schedule: str, rank: int, p: int, m: int, v: int, weights: tuple,
                 ev.append(("B", v - 1 - (i - warm) // per % v))
     else:
         raise ValueError(f"unknown schedule {schedule!r}")
-    live, split, best, at, grads = [0] * v, 0, -1.0, ((0,) * v, 0, False), False
+    live, split, best, at, sent = [0] * v, 0, -1.0, ((0,) * v, 0, 0), 0
     for kind, s in ev:
-        grads = grads or kind in ("B", "I")
+        # backward passes so far that sent a gradient back (any but global stage 0); rank 0's
+        # first stage sends none, but one there means the gradients exist: count it once
+        if kind in ("B", "I"):
+            sent += 1 if (s * p + rank > 0 or sent == 0) else 0
         if kind == "F":
             live[s] += 1
         elif kind == "B":
@@ -175,11 +182,12 @@ def _held(schedule: str, rank: int, p: int, m: int, v: int, weights: tuple,
         elif kind == "I":
             live[s] -= 1
             split += 1
-        else:
+        elif kind == "W":
             split -= 1
-        cost = sum(c * w for c, w in zip(live, weights)) + split * (weights[0] + w_split)
+        cost = sum(c * w for c, w in zip(live, weights)) + split * (weights[0] + w_split) + \
+            sent * w_sent
         if cost >= best:
-            best, at = cost, (tuple(live), split, grads)
+            best, at = cost, (tuple(live), split, sent)
     return at
 
 
@@ -323,8 +331,9 @@ def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = 
             # the replay needs only the ratios of the weights: rounded, they cache well
             unit = tok * per_layer * max(1, stage_layers[0])
             weights = tuple(round(nl / max(1, stage_layers[0]), 3) for nl in stage_layers)
-            held, n_split, grads_on = _held(plan.schedule, r, pp, plan.micro_batches, v,
-                                            weights, round(w_split / unit, 3))
+            held, n_split, sent = _held(plan.schedule, r, pp, plan.micro_batches, v, weights,
+                                        round(w_split / unit, 3), round(tok * F32 * h / unit, 3))
+            grads_on = sent > 0
         else:
             held, n_split, grads_on = (1,), 0, plan.micro_batches > 1
         held_layers = sum(c * nl for c, nl in zip(held, stage_layers)) + \
@@ -335,8 +344,14 @@ def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = 
             act += n_split * w_split
         if ckpt:  # one block recomputed at a time
             act += tok * saved
-        if pp > 1 and not last:  # a stage keeps its output until its backward
-            act += tok * F32 * h * held_mb
+        if pp > 1:
+            # pyfast.parallel.p2p: a stage keeps its output, and the packed copy it sent, until
+            # the output's gradient returns; the packed gradients it sent back stay until the
+            # step ends (Link.finish); a received activation is the next layer's saved input
+            outs = sum(c for i, c in enumerate(held) if i * pp + r != pp * v - 1) + \
+                (n_split if not last else 0)
+            act += tok * F32 * h * outs
+            k["comm_buffers"] += tok * F32 * h * (outs + (sent if r > 0 or v > 1 else 0))
         t_block = tok * temp
         t_head = 0.0
         if last:
