@@ -127,9 +127,10 @@ def _held(schedule: str, rank: int, p: int, m: int, v: int, weights: tuple,
           w_split: float, w_sent: float = 0.0) -> tuple[tuple[int, ...], int, int]:
     """(micro-batches each local (virtual) stage of `rank` holds from F until its backward,
     micro-batches held between I and W) at the moment their bytes (weights[stage] each;
-    w_split more for each between I and W, w_sent for each gradient sent) add up most: pyfast.parallel.schedules' action
-    lists replayed as schedules.held does. zb-h1's I runs autograd with retain_graph=True, so a
-    micro-batch keeps everything until its W, plus the output gradients W starts from. The
+    w_split more for each between I and W, w_sent for each gradient sent) add up most:
+    pyfast.parallel.schedules' action lists replayed as schedules.held does. zb-h1's I runs
+    autograd with retain_graph=True, so a micro-batch keeps everything until its W, plus the
+    output gradients W starts from. The
     last such moment, and the backward passes that sent a gradient before it (the gradients
     exist once one ran; each sent gradient's buffer is kept until the step's end)."""
     ev = []  # (kind, local stage): F holds, B releases, I converts, W releases the converted
