@@ -4,8 +4,10 @@ activations, comm_buffers, feedback). Pure arithmetic: no torch import; ~50 us a
 
 predict_memory(shape, plan, work, device="cuda") -> {"parameters", "gradients", "optimizer",
     "activations", "comm_buffers", "feedback", "peak_bytes", "where", "phase", "per_stage"}:
-    the kinds at the peak of the rank that needs the most ("where": "pp stage 2", with
-    " (ZeRO shard 0)" when shards differ; "phase": "forward/backward" or "optimizer step").
+    the kinds at the peak of the rank that needs the most ("where": "pp stage 2"; under ZeRO
+    shard 0, whose torch.chunk shards are the longest; "phase": "forward/backward" or
+    "optimizer step"); "per_stage": each stage's peak; "state": the model state after
+    backward (parameters, gradients, optimizer: ZeRO's formula).
 
 What each rank holds (fp32; P = this rank's parameters: its pipeline stage's layers, split by
 tp -- qkv, proj, fc, mlp.proj by tp, LayerNorms and row-parallel biases whole, embedding and
@@ -230,9 +232,9 @@ def _block_saved(shape: ModelShape, tp: int, s_attn: int, device: str, cp_method
 
 
 @lru_cache(maxsize=65536)
-def _static(shape: ModelShape, tp: int, pp: int, v: int, n_shard: int, zero: int,
-            compress: str, seq: int) -> tuple:
-    """Per pipeline rank: (params elements, tensor sizes, rotary bytes, layers, first, last)."""
+def _static(shape: ModelShape, tp: int, pp: int, v: int) -> tuple:
+    """Per pipeline rank: (its parameter tensors' sizes, the blocks of each of its local
+    stages, whether it holds the last stage)."""
     counts = _partition(shape, pp * v, tp)
     vt = _vocab_split(shape, tp)
     layer = _layer_tensors(shape, tp)
@@ -242,7 +244,7 @@ def _static(shape: ModelShape, tp: int, pp: int, v: int, n_shard: int, zero: int
         bounds.append(bounds[-1] + c)
     n_seq = shape.layers + 2
     for r in range(pp):
-        tensors, layers, stage_layers = [], 0, []
+        tensors, stage_layers = [], []
         for s in range(r, pp * v, pp):
             nl = 0
             for i in range(bounds[s], bounds[s + 1]):
@@ -256,9 +258,7 @@ def _static(shape: ModelShape, tp: int, pp: int, v: int, n_shard: int, zero: int
                     tensors += layer
                     nl += 1
             stage_layers.append(nl)
-            layers += nl
-        out.append((tuple(tensors), tuple(stage_layers), bounds[r] == 0,
-                    bounds[(pp * v - pp) + r + 1] == n_seq))
+        out.append((tuple(tensors), tuple(stage_layers), bounds[(pp * v - pp) + r + 1] == n_seq))
     return tuple(out)
 
 
@@ -298,8 +298,7 @@ def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = 
                                else s_local, device, plan.cp_method, cp, bpe, plan.micro_batch)
     ckpt = plan.activation_checkpointing
     rows = []
-    for r, (tensors, stage_layers, first, last) in enumerate(
-            _static(shape, tp, pp, v, n, zero, plan.compress, work.seq)):
+    for r, (tensors, stage_layers, last) in enumerate(_static(shape, tp, pp, v)):
         layers = sum(stage_layers)
         # ZeRO's shard of each tensor on shard rank 0 (the longest: ceil), padded to align
         vec = max(h, shape.ffn // tp, (h + 2 * shape.kv_dim) // tp)  # the longest vector
@@ -339,7 +338,6 @@ def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = 
             held, n_split, grads_on = (1,), 0, plan.micro_batches > 1
         held_layers = sum(c * nl for c, nl in zip(held, stage_layers)) + \
             n_split * stage_layers[0]
-        held_mb = sum(held) + n_split
         act = tok * per_layer * held_layers
         if n_split:
             act += n_split * w_split
@@ -357,7 +355,7 @@ def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = 
         t_head = 0.0
         if last:
             v_local = shape.vocab / vt
-            act += tok * (F32 * 2 * h + 8 + F32 * v_local) * 1  # LN in/out, log-softmax out
+            act += tok * (F32 * 2 * h + 8 + F32 * v_local)  # LN in/out, log-softmax out
             t_head = tok * F32 * 2 * v_local  # dlogits, the loss's gradient
         if pp > 1:  # received activations and gradients in flight (p2p buffers)
             k["comm_buffers"] += 2 * tok * F32 * h
