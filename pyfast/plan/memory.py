@@ -1,46 +1,411 @@
-"""Memory per rank of a plan. FIRST CUT (the interface; the full model replaces the body):
-ZeRO's 16 bytes per parameter split by stage, Korthikanti et al.'s activations.
+"""Memory per rank of a plan: what pyfast's own job (pyfast.train.job.Job) holds at the peak of
+one optimizer step, by the kinds pyfast.train.memory counts (parameters, gradients, optimizer,
+activations, comm_buffers, feedback). Pure arithmetic: no torch import; ~50 us a plan.
 
-predict_memory(shape, plan, work) -> {"parameters", "gradients", "optimizer", "activations",
-    "comm_buffers", "feedback", "peak_bytes", "where"}: bytes on the rank that needs the most
-    ("where" names it, e.g. "pp stage 0").
+predict_memory(shape, plan, work, device="cuda") -> {"parameters", "gradients", "optimizer",
+    "activations", "comm_buffers", "feedback", "peak_bytes", "where", "phase", "per_stage"}:
+    the kinds at the peak of the rank that needs the most ("where": "pp stage 2"; under ZeRO
+    shard 0, whose torch.chunk shards are the longest; "phase": "forward/backward" or
+    "optimizer step"); "per_stage": each stage's peak; "state": the model state after
+    backward (parameters, gradients, optimizer: ZeRO's formula).
+
+What each rank holds (fp32; P = this rank's parameters: its pipeline stage's layers, split by
+tp -- qkv, proj, fc, mlp.proj by tp, LayerNorms and row-parallel biases whole, embedding and
+LM head by tp only when vocab >= 2048, models/gpt.py VOCAB_PARALLEL_MIN):
+- parameters 4P (+ the rotary cos/sin buffers, seq x head_dim per layer); ZeRO 3: the fp32
+  master shards 4P/N (N = dp x cp), the gathered units counted as activations, as the dry run.
+- gradients 4P (.grad); ZeRO 2/3: the reduced shards 4P/N once backward is over.
+- optimizer: AdamW's exp_avg and exp_avg_sq, 8P (ZeRO 1-3: 8P/N), and in the optimizer step
+  its temporaries: torch's single-tensor AdamW (CPU, and the dry run's meta device) makes 3
+  tensors of the largest parameter at once (measured in the dry run); on CUDA torch picks the
+  foreach AdamW, whose sqrt of exp_avg_sq is one tensor per group: + 4 bytes a parameter.
+- comm_buffers: DataParallel's fp32 buckets (pyfast.comm.buckets), 4P rounded up per parameter
+  to the compressor's block (512 for int8/int4/fp8/sign); 3 buckets (4 MB) of compressor
+  buffers in flight while backward runs; a pipeline's received activations and gradients.
+- feedback: error-feedback memory (pyfast.compress.feedback) of a lossy compressor, one fp32
+  element per bucket element: 4P (PowerSGD: the matrices it factors only); under ZeRO each rank
+  compresses every chunk it sends in the reduce-scatter, so again 4P, padded per shard.
+- activations: per token of a micro-batch, per layer, the tensors pyfast's Block saves for
+  backward (the derivation in _block_saved, Korthikanti et al. 2022's method on this GPT's own
+  layers), times the micro-batches a pipeline stage holds (schedule: gpipe m, 1F1B p - rank,
+  zb-h1 until each W, interleaved by simulation), plus the head (LayerNorm, logits and
+  log-softmax, fp32 [tokens, vocab/tp]) and the largest temporary of the backward. With
+  activation checkpointing a layer keeps only its input, and one layer is recomputed at a time.
+
+The peak is the larger of two phases: forward/backward (activations at the start of the last
+micro-batch's backward, or the full gradients at its end when those outweigh them) and the
+optimizer step (no activations, AdamW's temporaries); the worst pipeline stage and ZeRO shard.
+
+device: "cuda" (the default: what a GPU job holds: flash / memory-efficient attention, saving
+q, k, v, the output and the log-sum-exp per token; foreach AdamW), "cpu" (flash attention too,
+single-tensor AdamW) or "meta" (the dry run: torch runs scaled_dot_product_attention on meta
+tensors as its math decomposition, which keeps the fp32 softmax, heads x seq x seq per sequence
+-- what pyfast train --dry-run counts, far more than a GPU at long sequences).
+
+Precision: fp32 is modelled exactly (what the dry run checks). bf16 / fp16 (autocast with fp32
+master weights) are analytic and cannot be checked by the dry run (torch's autocast has no meta
+device): parameters, gradients and optimizer state stay fp32, the matmul outputs and the inputs
+the linears save are 16-bit, the LayerNorm and softmax outputs fp32 (autocast's fp32 ops).
 """
 from __future__ import annotations
 
+import math
+from functools import lru_cache
+
 from .spec import ModelShape, Plan, Workload
 
+F32 = 4
+QUANT_BLOCK = 512      # pyfast.ops.quantize.DEFAULT_BLOCK: int8/int4/fp8/sign code blocks
+BLOCKED = ("int8", "int4", "fp8", "sign", "ternary")
+LOSSY = BLOCKED + ("topk", "randomk", "powersgd")
+BUCKET_MB = 4.0        # pyfast.parallel.data.BUCKET_MB (ZeRO's units too)
+VOCAB_PARALLEL_MIN = 2048  # pyfast.models.gpt.VOCAB_PARALLEL_MIN
+DEVICES = ("cuda", "cpu", "meta")
+# a compressor's payload per fp32 bucket byte (codes + scales; top-k's values and indices)
+PAYLOAD = {"none": 0.0, "bf16": 0.5, "fp16": 0.5, "fp8": 0.26, "int8": 0.26, "int4": 0.13,
+           "sign": 0.04, "ternary": 0.07, "topk": 0.02, "randomk": 0.02, "powersgd": 0.25}
+KINDS = ("parameters", "gradients", "optimizer", "activations", "comm_buffers", "feedback")
 
-def stage_params(shape: ModelShape, plan: Plan, stage: int) -> int:
-    """Parameters (elements) one rank of pipeline stage `stage` holds, before ZeRO-3."""
-    per = shape.layers // plan.pp + (1 if stage < shape.layers % plan.pp else 0)
-    n = per * shape.layer_params() // plan.tp
-    if stage == 0:
-        n += shape.embed_params() // plan.tp
-    if stage == plan.pp - 1:
-        n += shape.head_params() // plan.tp
-    return n
+
+def korthikanti_activation_bytes(s: int, b: int, h: int, a: int, tp: int = 1, sp: bool = False,
+                                 recompute: str = "none") -> float:
+    """Activation bytes of one transformer layer per Korthikanti et al. 2022 ("Reducing
+    Activation Recomputation in Large Transformer Models", eqs. 1-4, 16-bit activations,
+    dropout masks 1 byte): sbh(34 + 5as/h) without parallelism; tensor parallelism
+    sbh(10 + 24/t + 5as/(ht)); with sequence parallelism sbh(34/t + 5as/(ht)); selective
+    recompute drops the 5as/h attention term; full recompute keeps the layer input, 2sbh."""
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
+    if recompute == "full":
+        return 2.0 * s * b * h / (tp if sp else 1)
+    attn = 0.0 if recompute == "selective" else 5.0 * a * s / (h * tp)
+    lin = 34.0 / tp if sp else 10.0 + 24.0 / tp
+    return s * b * h * (lin + attn)
 
 
-def predict_memory(shape: ModelShape, plan: Plan, work: Workload) -> dict:
-    best = None
-    shard = plan.dp * plan.cp
-    for stage in range(plan.pp):
-        p = stage_params(shape, plan, stage)
-        params = 4 * p / (shard if plan.zero >= 3 else 1)
-        grads = 4 * p / (shard if plan.zero >= 2 else 1)
-        optim = 8 * p / (shard if plan.zero >= 1 else 1)
-        s, b, h, a = work.seq // plan.cp, plan.micro_batch, shape.hidden, shape.heads
-        per_layer = s * b * h * (34 + 5 * a * s / h) / plan.tp * (2 if work.precision == "fp32"
-                                                                  else 1)
-        layers = shape.layers // plan.pp
-        inflight = plan.micro_batches if plan.schedule == "gpipe" else min(
-            plan.micro_batches, plan.pp - stage) if plan.pp > 1 else 1
-        act = per_layer * layers * inflight
-        row = {"parameters": params, "gradients": grads, "optimizer": optim,
-               "activations": act, "comm_buffers": 0.0, "feedback": 0.0}
-        row = {k: int(v) for k, v in row.items()}
-        row["peak_bytes"] = sum(row.values())
-        row["where"] = f"pp stage {stage}"
-        if best is None or row["peak_bytes"] > best["peak_bytes"]:
-            best = row
-    return best
+def _vocab_split(shape: ModelShape, tp: int) -> int:
+    return tp if shape.vocab >= VOCAB_PARALLEL_MIN else 1
+
+
+def _layer_tensors(shape: ModelShape, tp: int) -> tuple[int, ...]:
+    """Element counts of one Block's parameters on one tp rank (registration order)."""
+    h, f, kv = shape.hidden, shape.ffn, shape.kv_dim
+    return (h, h, (h + 2 * kv) * h // tp, (h + 2 * kv) // tp, h * h // tp, h,
+            h, h, f * h // tp, f // tp, h * f // tp, h)
+
+
+@lru_cache(maxsize=4096)
+def _partition(shape: ModelShape, n: int, tp: int) -> tuple[int, ...]:
+    """Layers of each of n stages as Pipeline.from_sequential(balance="params") cuts
+    [Embed, Block x L, Head] (pyfast.parallel.schedules.partition: the heaviest stage's
+    parameters minimised, ties to the most even layer counts)."""
+    vt = _vocab_split(shape, tp)
+    block = sum(_layer_tensors(shape, tp))
+    head = 2 * shape.hidden + (0 if shape.tied else shape.vocab * shape.hidden // vt)
+    w = [shape.vocab * shape.hidden // vt] + [block] * shape.layers + [head]
+    k_all = len(w)
+    pre = [0]
+    for x in w:
+        pre.append(pre[-1] + x)
+    inf = (math.inf, k_all)
+    best = [[inf] * (k_all + 1) for _ in range(n + 1)]
+    cut = [[0] * (k_all + 1) for _ in range(n + 1)]
+    best[0][0] = (0, 0)
+    for k in range(1, n + 1):
+        for i in range(k, k_all - (n - k) + 1):
+            for j in range(k - 1, i):
+                c = max(best[k - 1][j], (pre[i] - pre[j], i - j))
+                if c < best[k][i]:
+                    best[k][i], cut[k][i] = c, j
+    counts, i = [], k_all
+    for k in range(n, 0, -1):
+        counts.append(i - cut[k][i])
+        i = cut[k][i]
+    return tuple(counts[::-1])
+
+
+@lru_cache(maxsize=4096)
+def _held(schedule: str, rank: int, p: int, m: int, v: int, weights: tuple,
+          w_split: float, w_sent: float = 0.0) -> tuple[tuple[int, ...], int, int]:
+    """(micro-batches each local (virtual) stage of `rank` holds from F until its backward,
+    micro-batches held between I and W) at the moment their bytes (weights[stage] each;
+    w_split more for each between I and W, w_sent for each gradient sent) add up most:
+    pyfast.parallel.schedules' action lists replayed as schedules.held does. zb-h1's I runs
+    autograd with retain_graph=True, so a micro-batch keeps everything until its W, plus the
+    output gradients W starts from. The
+    last such moment, and the backward passes that sent a gradient before it (the gradients
+    exist once one ran; each sent gradient's buffer is kept until the step's end)."""
+    ev = []  # (kind, local stage): F holds, B releases, I converts, W releases the converted
+    if schedule == "gpipe":  # closed forms of the two common ones (the replay agrees)
+        return (m,), 0, 0
+    if schedule == "1f1b":
+        return (min(p - rank, m),), 0, max(0, m - (p - rank)) if rank > 0 else \
+            int(m > p)
+    if schedule == "gpipe":
+        ev = [("F", 0)] * m + [("B", 0)] * m
+    elif schedule in ("1f1b", "zb-h1"):
+        warm = min(p - 1 - rank, m)
+        ev = [("F", 0)] * warm
+        done_w = 0
+        for k in range(m):
+            if k < m - warm:
+                ev.append(("F", 0))
+            # global stage 0 takes token ids, no input to split the backward at
+            # (Pipeline._f: no handle): its I is the whole backward, its W a no-op
+            if schedule == "1f1b" or rank == 0:
+                ev.append(("B", 0))
+            else:
+                ev.append(("I", 0))
+                if k >= rank:
+                    ev.append(("W", 0))
+                    done_w += 1
+        ev += [("W", 0)] * (m - done_w if schedule == "zb-h1" and rank else 0)
+    elif schedule == "interleaved-1f1b":
+        rounds = max(1, m // p)
+        per = m // rounds
+        total = m * v
+        warm = min((v - 1) * per + 2 * (p - 1 - rank), total)
+        for i in range(total + warm):
+            if i < total:
+                ev.append(("F", (i // per) % v))
+            if i >= warm:
+                ev.append(("B", v - 1 - (i - warm) // per % v))
+    else:
+        raise ValueError(f"unknown schedule {schedule!r}")
+    live, split, best, at, sent = [0] * v, 0, -1.0, ((0,) * v, 0, 0), 0
+    for kind, s in ev:
+        # backward passes so far that sent a gradient back (any but global stage 0); rank 0's
+        # first stage sends none, but one there means the gradients exist: count it once
+        if kind in ("B", "I"):
+            sent += 1 if (s * p + rank > 0 or sent == 0) else 0
+        if kind == "F":
+            live[s] += 1
+        elif kind == "B":
+            live[s] -= 1
+        elif kind == "I":
+            live[s] -= 1
+            split += 1
+        elif kind == "W":
+            split -= 1
+        cost = sum(c * w for c, w in zip(live, weights)) + split * (weights[0] + w_split) + \
+            sent * w_sent
+        if cost >= best:
+            best, at = cost, (tuple(live), split, sent)
+    return at
+
+
+def _block_saved(shape: ModelShape, tp: int, s_attn: int, device: str, cp_method: str,
+                 cp: int, bpe: float, rows: int) -> tuple[float, float]:
+    """(bytes one Block saves for backward per token, its largest backward temporary per
+    token). Saved per token, h = hidden, f = ffn, a = heads, t = tp, fp32 (derived by listing
+    the storages autograd keeps for pyfast.models.gpt.Block, Korthikanti's method):
+      LayerNorms: input and output of each, h each (replicated over tp) + mean, rstd: 4h + 4
+      MLP: fc output and GELU output, 2f/t
+      attention, math SDPA (the dry run): q, k scaled, v contiguous, the proj input: 4h/t, and
+        the softmax a s/t (s: the keys it attends to); with one sequence per micro-batch v is a
+        view of the qkv output (b x heads merge without a copy), which then stays: +2h/t
+      attention, flash SDPA / ring attention (cuda, cpu): q, k rotated 2h/t, the qkv output
+        3h/t (v is a view of it), the output and the proj input 2h/t, log-sum-exp a/t.
+    Temporaries of the backward: the MLP's 2f/t + 2h, the math softmax's 2 a s/t."""
+    h, f, a = shape.hidden, shape.ffn, shape.heads
+    kv = shape.kv_dim
+    ln = 4 * h + 4  # fp32 even under autocast (layer_norm is an fp32 op)
+    mlp = 2 * f / tp
+    math_attn = device == "meta" and not (cp > 1 and cp_method == "ring")
+    if math_attn:
+        attn = (2 * h + (kv if rows > 1 else h + 2 * kv) + h) / tp
+        soft = a * s_attn / tp
+        if cp > 1:  # ulysses: all-to-all outputs, the output sent back
+            attn += h / tp
+    else:
+        attn = (2 * h + (h + 2 * kv) + 2 * h) / tp + a / tp * (F32 / bpe)
+        soft = 0.0
+        if cp > 1 and cp_method == "ulysses":
+            attn += h / tp
+    saved = F32 * ln + bpe * (mlp + attn) + F32 * soft
+    # the softmax's two s-wide temporaries come while the layer's MLP half (both LayerNorm-2
+    # tensors, fc and GELU outputs, the proj input) is not made yet (forward) or freed already
+    # (backward); the MLP's come with everything saved
+    mlp_half = F32 * (2 * h + 2) + bpe * (2 * f + h) / tp
+    temp = max(bpe * (2 * f / tp) + F32 * 2 * h, F32 * 2 * soft - mlp_half)
+    return saved, temp
+
+
+@lru_cache(maxsize=65536)
+def _static(shape: ModelShape, tp: int, pp: int, v: int) -> tuple:
+    """Per pipeline rank: (its parameter tensors' sizes, the blocks of each of its local
+    stages, whether it holds the last stage)."""
+    counts = _partition(shape, pp * v, tp)
+    vt = _vocab_split(shape, tp)
+    layer = _layer_tensors(shape, tp)
+    out = []
+    bounds = [0]
+    for c in counts:
+        bounds.append(bounds[-1] + c)
+    n_seq = shape.layers + 2
+    for r in range(pp):
+        tensors, stage_layers = [], []
+        for s in range(r, pp * v, pp):
+            nl = 0
+            for i in range(bounds[s], bounds[s + 1]):
+                if i == 0:
+                    tensors.append(shape.vocab * shape.hidden // vt)
+                elif i == n_seq - 1:
+                    tensors += [shape.hidden, shape.hidden]
+                    if not shape.tied:
+                        tensors.append(shape.vocab * shape.hidden // vt)
+                else:
+                    tensors += layer
+                    nl += 1
+            stage_layers.append(nl)
+        out.append((tuple(tensors), tuple(stage_layers), bounds[(pp * v - pp) + r + 1] == n_seq))
+    return tuple(out)
+
+
+@lru_cache(maxsize=65536)
+def _sizes(tensors: tuple, n: int, align: int, vec: int) -> tuple[int, ...]:
+    """(elements, the largest tensor, elements with each tensor padded to `align` (a bucket),
+    ZeRO shard rank 0's (ceil(t / n), padded), the same two for the matrices only)."""
+    pad = lambda x: -(-x // align) * align  # noqa: E731
+    mats = [t for t in tensors if t > vec]
+    return (sum(tensors), max(tensors, default=0), sum(map(pad, tensors)),
+            sum(pad(-(-t // n)) for t in tensors), sum(map(pad, mats)),
+            sum(pad(-(-t // n)) for t in mats))
+
+
+def _comp(spec: str) -> str:
+    return spec.split(":")[0]
+
+
+def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = "cuda") -> dict:
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+    if work.precision not in ("fp32", "bf16", "fp16"):
+        raise ValueError(f"precision must be fp32, bf16 or fp16, got {work.precision!r}")
+    tp, pp, cp, dp, v = plan.tp, plan.pp, plan.cp, plan.dp, plan.virtual_stages
+    n = dp * cp  # the gradient-averaging group (DataParallel or ZeRO's shards)
+    zero = plan.zero if n > 1 else 0
+    comp = _comp(plan.compress)
+    bpe = F32 if work.precision == "fp32" else 2  # autocast: 16-bit matmul outputs
+    h, a = shape.hidden, shape.heads
+    s_local = work.seq // cp
+    tok = plan.micro_batch * s_local  # tokens per micro-batch on this rank
+    vt = _vocab_split(shape, tp)
+    rotary = 2 * work.seq * (shape.head_dim // 2) * F32  # cos, sin per layer (buffers)
+    align = QUANT_BLOCK if comp in BLOCKED else 1
+    lossy = comp in LOSSY
+    saved, temp = _block_saved(shape, tp, work.seq if not (cp > 1 and plan.cp_method == "ring")
+                               else s_local, device, plan.cp_method, cp, bpe, plan.micro_batch)
+    ckpt = plan.activation_checkpointing
+    rows = []
+    for r, (tensors, stage_layers, last) in enumerate(_static(shape, tp, pp, v)):
+        layers = sum(stage_layers)
+        # ZeRO's shard of each tensor on shard rank 0 (the longest: ceil), padded to align
+        vec = max(h, shape.ffn // tp, (h + 2 * shape.kv_dim) // tp)  # the longest vector
+        P, big, aligned, shard, mats_aligned, mats_shard = _sizes(tensors, n, align, vec)
+        k = dict.fromkeys(KINDS, 0.0)
+        k["parameters"] = F32 * (P if zero < 3 else shard) + rotary * layers
+        k["optimizer"] = 2 * F32 * (P if not zero else shard) + F32 * len(tensors)
+        if lossy and n > 1:
+            pw = comp == "powersgd"  # it factors the matrices only
+            # DataParallel's all-reduce: each rank compresses every chunk it sends in the
+            # reduce-scatter (the whole bucket) and, blockwise codecs, its reduced chunk again
+            # for the all-gather (1/N more); ZeRO's reduce-scatter only the former
+            # (python engine: meta, and CUDA without a CUDA build of pyfast._C; the native
+            # engine on CPU keeps only the former: measured on 2 gloo ranks)
+            again = 1 + 1 / n if (comp in BLOCKED and not zero and device != "cpu") else 1
+            k["feedback"] = F32 * again * ((mats_aligned if pw else aligned) if not zero else
+                                           n * (mats_shard if pw else shard))
+        buckets = F32 * aligned if (n > 1 and not zero) else 0
+        k["comm_buffers"] = buckets
+        grads_full = F32 * P
+        grads_end = F32 * shard if zero >= 2 else grads_full
+
+        # ---- forward/backward: held micro-batches x layers
+        per_layer = F32 * h if ckpt else saved
+        if pp > 1:
+            # a layer's output gradients W starts from (zb-h1): LayerNorms 2h, qkv, proj, fc,
+            # mlp.proj outputs
+            w_split = (2 * h * F32 + F32 * ((3 * h + shape.ffn) / tp + 2 * h)) * tok * \
+                stage_layers[0]
+            # the replay needs only the ratios of the weights: rounded, they cache well
+            unit = tok * per_layer * max(1, stage_layers[0])
+            weights = tuple(round(nl / max(1, stage_layers[0]), 3) for nl in stage_layers)
+            held, n_split, sent = _held(plan.schedule, r, pp, plan.micro_batches, v, weights,
+                                        round(w_split / unit, 3), round(tok * F32 * h / unit, 3))
+            grads_on = sent > 0
+        else:
+            held, n_split, grads_on = (1,), 0, plan.micro_batches > 1
+        held_layers = sum(c * nl for c, nl in zip(held, stage_layers)) + \
+            n_split * stage_layers[0]
+        act = tok * per_layer * held_layers
+        if n_split:
+            act += n_split * w_split
+        if ckpt:  # one block recomputed at a time
+            act += tok * saved
+        if pp > 1:
+            # pyfast.parallel.p2p: a stage keeps its output, and the packed copy it sent, until
+            # the output's gradient returns; the packed gradients it sent back stay until the
+            # step ends (Link.finish); a received activation is the next layer's saved input
+            outs = sum(c for i, c in enumerate(held) if i * pp + r != pp * v - 1) + \
+                (n_split if not last else 0)
+            act += tok * F32 * h * outs
+            k["comm_buffers"] += tok * F32 * h * (outs + (sent if r > 0 or v > 1 else 0))
+        t_block = tok * temp
+        t_head = 0.0
+        if last:
+            v_local = shape.vocab / vt
+            act += tok * (F32 * 2 * h + 8 + F32 * v_local)  # LN in/out, log-softmax out
+            t_head = tok * F32 * 2 * v_local  # dlogits, the loss's gradient
+        if pp > 1:  # received activations and gradients in flight (p2p buffers)
+            k["comm_buffers"] += 2 * tok * F32 * h
+        if zero == 3:  # the gathered units of the forward (this one and the prefetched)
+            act += 2 * F32 * max(sum(_layer_tensors(shape, tp)), big)
+        # a compressor's buffers while a bucket is in flight: its payload, a fraction of the
+        # bucket (measured in the dry run, gpt-small: int8 1 MB, PowerSGD 0-3 MB, top-k 0.02
+        # MB of 4 MB buckets); ZeRO's are the packed unit of `end` below
+        comm_t = min(BUCKET_MB * 2**20, F32 * P) * PAYLOAD.get(comp, 0.25) \
+            if (n > 1 and not zero) else 0
+        # a pipeline's later micro-batches and accumulation run a forward after a backward:
+        # the gradients are all there at the activations' peak
+        g_at_start = (grads_end if zero >= 2 else grads_full) if grads_on else 0.0
+        start = (g_at_start, act + max(t_block, t_head))  # (gradients, activations)
+        # end of the backward: all gradients, the first layer's activations only
+        # (ZeRO 2/3: the shards, and a unit's packed gradients with its reduced segment), less
+        # the gradients of the layer still running when none came before it; its input is
+        # the checkpoint's, counted once
+        g_end = grads_full if zero < 2 else grads_end + 2 * min(BUCKET_MB * 2**20, F32 * P)
+        if not grads_on and layers:
+            g_end -= F32 * sum(_layer_tensors(shape, tp)) / (n if zero >= 2 else 1)
+        end = (g_end, (tok * saved if ckpt else tok * per_layer) + t_block)
+        g, ac = max(start, end, key=sum)
+        static = sum(k.values())
+        fwd = static + g + ac + comm_t
+        # ---- optimizer step: full gradients (ZeRO: shards), AdamW's temporaries
+        if device == "cuda":
+            opt_t = F32 * (P if not zero else shard)  # foreach: sqrt(exp_avg_sq) per group
+        else:
+            opt_t = 3 * F32 * (big if not zero else -(-big // n))
+        if zero in (1, 2):  # after the step, all-gather: two units in flight (seg + full)
+            opt_t = max(opt_t, 2 * min(BUCKET_MB * 2**20 * (1 + 1 / n), F32 * P))
+        # ZeRO 1 reduce-scatters at step(): the full .grad until each unit is packed
+        grads_opt = grads_full + F32 * shard if zero == 1 else grads_end
+        opt = static + grads_opt + opt_t
+        if fwd >= opt:
+            k["gradients"], k["activations"] = g, ac
+            k["comm_buffers"] += comm_t
+            phase = "forward/backward"
+        else:
+            k["gradients"], k["optimizer"] = grads_opt, k["optimizer"] + opt_t
+            phase = "optimizer step"
+        row = {kk: int(vv) for kk, vv in k.items()}
+        row["peak_bytes"] = sum(row[kk] for kk in KINDS)
+        row["where"], row["phase"] = f"pp stage {r}", phase
+        # the model state once backward is over (ZeRO's formula): fp32 weights (+ the rotary
+        # buffers), gradients, AdamW's two moments (+ a 4-byte step per tensor)
+        row["state"] = {"parameters": int(k["parameters"]), "gradients": int(grads_end),
+                        "optimizer": int(2 * F32 * (P if not zero else shard)
+                                         + F32 * len(tensors))}
+        rows.append(row)
+    worst = max(rows, key=lambda x: x["peak_bytes"])
+    return {**worst, "per_stage": [x["peak_bytes"] for x in rows]}

@@ -81,7 +81,9 @@ class Job:
         self.data = data if data is not None else check_data(cfg)
         self.corpus = load_corpus(cfg.data)
         torch.manual_seed(cfg.seed)  # before the model: every mesh draws the same full weights
-        model = build_model(cfg, self.corpus.vocab_size)
+        # a dry run builds on the meta device directly: a 7B-shaped model's fp32 init (28 GB)
+        # would not fit in the host's memory, and meta tensors hold no values to draw anyway
+        model = build_model(cfg, self.corpus.vocab_size, device if device.type == "meta" else None)
         check_model(cfg, model)
         self.n_params = sum(p.numel() for p in model.parameters())
         model.to(device)
