@@ -268,7 +268,8 @@ def verify(res: Result, shape: ModelShape, work: Workload, console, n: int = 3) 
         if len(ranks) > VERIFY_MAX_RANKS:
             ranks = ranks[:VERIFY_MAX_RANKS - 1] + ranks[-1:]
         traced = max(r["peak_bytes"] for r in dry_run(cfg, cfg.ranks, ranks))
-        pred = predict_memory(dry_shape, s.plan, w32)["peak_bytes"]
+        # as the dry run runs it: on meta tensors (math attention, single-tensor AdamW)
+        pred = predict_memory(dry_shape, s.plan, w32, "meta")["peak_bytes"]
         out.append({"plan": describe(s), "predicted_bytes": pred, "traced_bytes": traced,
                     "ranks": ranks, "error": pred / traced - 1})
         console.print(f"--verify {describe(s)} (fp32, vocab 256, ranks {ranks}): predicted "

@@ -147,6 +147,9 @@ def search(shape: ModelShape, work: Workload, cluster: Cluster, top: int = 10,
     cap = cluster.gpu.memory_bytes
     res = Result([], [])
     fits, oom = [], {}
+    # what the ranks run on: CPU ranks keep the math attention's softmax and single-tensor AdamW's
+    # temporaries, GPUs flash attention and foreach AdamW (memory.py's DEVICES)
+    device = "cpu" if cluster.gpu.name == "cpu" else "cuda"
     for dp, cp, tp, pp in meshes(cluster.gpus):
         why = mesh_problem(shape, work, cluster, dp, cp, tp, pp, cross_node)
         if why:
@@ -154,7 +157,7 @@ def search(shape: ModelShape, work: Workload, cluster: Cluster, top: int = 10,
             continue
         for group in mesh_plans(shape, work, dp, cp, tp, pp):
             for i, plan in enumerate(group):
-                mem = predict_memory(shape, plan, work)
+                mem = predict_memory(shape, plan, work, device)
                 res.memory_scored += 1
                 s = Scored(plan, mem)
                 if res.smallest is None or s.peak < res.smallest.peak:
