@@ -206,8 +206,8 @@ def render(res: Result, shape, work, cl, console) -> None:
                   "left out of the top: they score as one listed (to 0.1%)")
     t = Table(title="plans, best first (time to the target loss = step x compression's extra "
               "steps)")
-    for c in ("#", "dp x cp x tp x pp", "zero", "compress", "micro", "schedule / cp",
-              "recompute", "memory/rank", "step s", "tokens/s", "why"):
+    for c in ("#", "dp x cp x tp x pp", "zero", "compress", "micro-batches x seqs",
+              "schedule / cp", "recompute", "memory/rank", "step s", "tokens/s", "why"):
         t.add_column(c, justify="left" if c in ("why", "compress", "schedule / cp") else "right")
     best = res.plans[0]
     for i, s in enumerate(res.plans, 1):
@@ -221,8 +221,8 @@ def render(res: Result, shape, work, cl, console) -> None:
     if res.rejected:
         r = Table(title="rejected (per mesh and ZeRO stage where nothing fits: its smallest "
                   "plan), fastest-if-it-fitted first")
-        for c in ("dp x cp x tp x pp", "zero", "compress", "micro", "recompute", "step s",
-                  "reason"):
+        for c in ("dp x cp x tp x pp", "zero", "compress", "micro-batches x seqs", "recompute",
+                  "step s", "reason"):
             r.add_column(c, justify="left" if c == "reason" else "right")
         for s in res.rejected:
             p = s.plan
