@@ -409,8 +409,9 @@ def measure(shape: ModelShape, work: Workload, cluster: Cluster, link: str = "lo
             plans=None, link_model: dict | None = None) -> Cluster:
     """This machine's numbers for these plans (default: dp/tp/cp over 2 ranks, one micro-batch):
     compute at each plan's local shape, the link (plain loopback, or a namespace shaped to
-    `link` by probe_link; link_model: one already measured), codec seconds of the plans' compressors. The result's calibration holds them
-    for both intra and inter links (2 ranks on one machine)."""
+    `link` by probe_link; link_model: one already measured), codec seconds of the plans'
+    compressors. The result's calibration holds them for both intra and inter links (2 ranks
+    on one machine)."""
     plans = list(plans) if plans else default_plans(shape, work)
     if link_model is None:
         link_model = measure_loopback_link() if link == "loopback" else probe_link(link)
