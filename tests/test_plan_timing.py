@@ -206,3 +206,26 @@ def test_token_bucket_small_messages_pass_within_the_refill_big_ones_wait():
     n = 400_000  # a 2-rank all-reduce: 800 KB on the qdisc, 275,712 B beyond the burst
     assert link.seconds("all_reduce", n) == pytest.approx(
         2e-4 + 2.5e-10 * n + (2 * n - 512 * 1024) / 1e9, rel=1e-12)
+
+
+@pytest.mark.parametrize("spec", ["topk:0.01", "powersgd:4"])
+def test_per_parameter_calls_take_the_measured_call(spec):
+    # calibrate.reduce_seconds' fit of one whole per-parameter call (a + b x elements) replaces
+    # the latency fit + codec for top-k / PowerSGD: DataParallel's dp_comm_s is its sum over
+    # gpt-tiny's parameters, one call each (29 of ragged sizes: 64 .. 64 x 256)
+    c = _tbf_cluster(None)
+    a, b, v = 1.3e-3 + 1e-4 * torch.rand(1).item(), 2e-8, 9e-4
+    c.calibration["link_intra"] = c.calibration["link_inter"] = dict(
+        c.calibration["link_cpu"], reduce={spec: [a, b, v]})
+    plan = Plan(dp=2, micro_batch=4, compress=spec)
+    got = timing.predict_time(TINY, plan, Workload(64, 8, "fp32"), c)["dp_comm_s"]
+    params = [(n, m) for _, ps in timing._modules(TINY, plan, 0) for n, m in ps]
+    assert len(params) > 20
+    # PowerSGD all-reduces vectors (biases, norms) uncompressed: their own measured call
+    want = sum(a + b * n if m or spec.startswith("topk") else v for n, m in params)
+    assert got == pytest.approx(want, rel=1e-12)
+    # another compressor's fit is not this one's: the latency model prices it
+    c.calibration["link_intra"] = c.calibration["link_inter"] = dict(
+        c.calibration["link_cpu"], reduce={"topk:0.5": [a, b, v]})
+    other = timing.predict_time(TINY, plan, Workload(64, 8, "fp32"), c)["dp_comm_s"]
+    assert other != pytest.approx(got, rel=1e-3)

@@ -109,7 +109,8 @@ def run(configs=CONFIGS, timeout: float = 300) -> dict:
     rows, skipped, fits = [], [], {}
     for link in links:
         try:
-            fits[link] = None if link == "loopback" else probe_link(link)
+            specs = [c[2].partition(" ")[2] for c in configs if c[0] == link]
+            fits[link] = None if link == "loopback" else probe_link(link, specs=specs)
         except netns.LinkUnavailable as e:
             skipped.append({"link": link, "skipped": str(e)})
             continue

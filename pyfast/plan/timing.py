@@ -263,9 +263,21 @@ def reduction_s(spec: str, n: int, mat: tuple, link: Link, cluster: Cluster,
     algorithm: wire calls as collectives runs them, codec passes per algorithm)."""
     w = link.world
     name = spec.partition(":")[0]
-    if name == "none" or (name == "powersgd" and not mat):
+    if name == "none":
         return link.seconds("all_reduce", 4.0 * n, calls), 0.0
-    enc, dec = _codec(spec, n, cluster)
+    enc, dec = _codec(spec, n, cluster) if name != "powersgd" or mat else (0.0, 0.0)
+    measured = (link.fit or {}).get("reduce", {}).get(spec) if w == 2 else None
+    if measured is not None:  # top-k / PowerSGD: DataParallel's per-parameter calls
+        # as calibrate.reduce_seconds timed the whole call on this link (codec included:
+        # its dependent collectives, helper-thread hand-offs and wake-ups are what the
+        # latency fit misses, ~1-2.5 ms a gpt-tiny parameter); PowerSGD's vectors (plain
+        # all-reduces) their own measured call
+        if name == "powersgd" and not mat:
+            return link.scale * measured[2], 0.0
+        return link.scale * (measured[0] + measured[1] * n), enc + dec * (
+            w if name == "topk" else 1)
+    if name == "powersgd" and not mat:  # a vector: PowerSGD all-reduces it as it is
+        return link.seconds("all_reduce", 4.0 * n, calls), 0.0
     if name == "powersgd":
         r = min(int(spec.partition(":")[2] or 1), mat[0], mat[1])
         wire = link.seconds("all_reduce", 4.0 * mat[0] * r, 2 * calls) + link.seconds(
