@@ -157,3 +157,75 @@ def test_refit_without_steps_is_an_error(tmp_path):
         calibrate.refit(c, tmp_path)
     with pytest.raises(ValueError, match="no complete checkpoint"):
         calibrate.refit(c, tmp_path / "nothing")
+
+
+def _tbf_cluster(rate_bps: float | None):
+    """2 ranks on this machine's cpu "GPU" with a loopback-like link fit (alpha 0.2 ms, 4 GB/s,
+    no free bytes) and, with a rate, that link shaped by a token bucket of 512 KiB."""
+    lo = {"fits": {p: [2e-4, 2.5e-10, 0.0] for p in cost.PRIMITIVES}, "small_s": 1.5e-4,
+          "wake_s": [[1e-4, 5e-5], [3e-3, 2e-3]]}
+    shaped = dict(lo, fits={p: [9e-4, 1.6e-7, 1e5] for p in cost.PRIMITIVES})  # ignored: tbf
+    if rate_bps is not None:
+        shaped["tbf"] = [rate_bps / 8, 512 * 1024]
+    cal = {"link_intra": shaped, "link_inter": shaped, "link_cpu": lo}
+    return hardware.Cluster(2, 2, hardware.gpu("cpu"), 1.0, 1.0, calibration=cal)
+
+
+def test_token_bucket_rate_bound_step_is_its_bytes_at_the_rate():
+    # gpt-tiny tp2 (8 all-reduces of 8 x 64 tokens x 64 x 4 B = 131 KB a step, 262 KB each on
+    # the shared qdisc): at 10 Mbit/s every call's share of the refill is below its bytes, so
+    # the fluid bucket's step is the step's bytes / rate exactly (the tokens gained while the
+    # step waits are the bytes it sends), whatever the compute and latencies are
+    work, plan = Workload(64, 8, "fp32"), Plan(tp=2, micro_batch=8)
+    step = timing.predict_time(TINY, plan, work, _tbf_cluster(10e6))["step_s"]
+    wire = 8 * 2 * (8 * 64 * 64 * 4)
+    assert step == pytest.approx(wire / (10e6 / 8), rel=1e-9)
+    # an unshaped-fast bucket (its share of the refill covers every call): the loopback fit's
+    # step, bit for bit the same arithmetic (no free bytes in it)
+    fast = timing.predict_time(TINY, plan, work, _tbf_cluster(1e15))["step_s"]
+    lo = _tbf_cluster(None)
+    lo.calibration["link_intra"] = lo.calibration["link_inter"] = lo.calibration["link_cpu"]
+    assert fast == pytest.approx(timing.predict_time(TINY, plan, work, lo)["step_s"], rel=1e-12)
+
+
+def test_token_bucket_small_messages_pass_within_the_refill_big_ones_wait():
+    work = Workload(64, 8, "fp32")
+    pp = Plan(pp=2, micro_batch=2, micro_batches=4)  # 8 transfers of 2 x 64 x 64 x 4 = 32 KB
+    lo = _tbf_cluster(None)
+    lo.calibration["link_intra"] = lo.calibration["link_inter"] = lo.calibration["link_cpu"]
+    free = timing.predict_time(TINY, pp, work, lo)["step_s"]
+    # the refill a call gets, rate x free step / 8 calls, is >= 32 KB from 8 x 32 KB a step
+    # (in bits/s: x 8) on
+    rate = 8 * 32768 / free * 8
+    for r, slower in ((rate * 1.01, False), (rate * 0.5, True)):
+        got = timing.predict_time(TINY, pp, work, _tbf_cluster(r))["step_s"]
+        assert (got > free * (1 + 1e-9)) == slower, r
+    # one call above the 512 KiB burst pays its excess at the rate however long the step is
+    link = timing.Link(_tbf_cluster(8e9), 2, 2)
+    link.refill = math.inf
+    n = 400_000  # a 2-rank all-reduce: 800 KB on the qdisc, 275,712 B beyond the burst
+    assert link.seconds("all_reduce", n) == pytest.approx(
+        2e-4 + 2.5e-10 * n + (2 * n - 512 * 1024) / 1e9, rel=1e-12)
+
+
+@pytest.mark.parametrize("spec", ["topk:0.01", "powersgd:4"])
+def test_per_parameter_calls_take_the_measured_call(spec):
+    # calibrate.reduce_seconds' fit of one whole per-parameter call (a + b x elements) replaces
+    # the latency fit + codec for top-k / PowerSGD: DataParallel's dp_comm_s is its sum over
+    # gpt-tiny's parameters, one call each (29 of ragged sizes: 64 .. 64 x 256)
+    c = _tbf_cluster(None)
+    a, b, v = 1.3e-3 + 1e-4 * torch.rand(1).item(), 2e-8, 9e-4
+    c.calibration["link_intra"] = c.calibration["link_inter"] = dict(
+        c.calibration["link_cpu"], reduce={spec: [a, b, v]})
+    plan = Plan(dp=2, micro_batch=4, compress=spec)
+    got = timing.predict_time(TINY, plan, Workload(64, 8, "fp32"), c)["dp_comm_s"]
+    params = [(n, m) for _, ps in timing._modules(TINY, plan, 0) for n, m in ps]
+    assert len(params) > 20
+    # PowerSGD all-reduces vectors (biases, norms) uncompressed: their own measured call
+    want = sum(a + b * n if m or spec.startswith("topk") else v for n, m in params)
+    assert got == pytest.approx(want, rel=1e-12)
+    # another compressor's fit is not this one's: the latency model prices it
+    c.calibration["link_intra"] = c.calibration["link_inter"] = dict(
+        c.calibration["link_cpu"], reduce={"topk:0.5": [a, b, v]})
+    other = timing.predict_time(TINY, plan, Workload(64, 8, "fp32"), c)["dp_comm_s"]
+    assert other != pytest.approx(got, rel=1e-3)

@@ -36,6 +36,7 @@ IP, TC = "ip", "tc"
 # 512 KB of burst: enough for the 64 KB segments of lo's 65536 MTU; 100 ms of queue before
 # tbf drops (drops would turn a bandwidth test into a TCP-retransmit test).
 BURST, LATENCY = "512kb", "100ms"
+BURST_BYTES = 512 * 1024  # tc sizes: "kb" is kilobytes of 1024 bytes (pyfast.plan.timing)
 PREFIX = "pyfast-"
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
           "ki": 1024, "mi": 1024 ** 2, "gi": 1024 ** 3, "ti": 1024 ** 4}

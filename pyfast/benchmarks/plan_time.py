@@ -109,7 +109,8 @@ def run(configs=CONFIGS, timeout: float = 300) -> dict:
     rows, skipped, fits = [], [], {}
     for link in links:
         try:
-            fits[link] = None if link == "loopback" else probe_link(link)
+            specs = [c[2].partition(" ")[2] for c in configs if c[0] == link]
+            fits[link] = None if link == "loopback" else probe_link(link, specs=specs)
         except netns.LinkUnavailable as e:
             skipped.append({"link": link, "skipped": str(e)})
             continue
@@ -135,8 +136,7 @@ def run(configs=CONFIGS, timeout: float = 300) -> dict:
                 p = timing.predict_time(r["shape"], plan, work, cluster)
                 r.update(predicted_s=p["step_s"], pred=_short(p),
                          error=p["step_s"] / r["measured_s"] - 1, reference=r is ref,
-                         calibration={k: v for k, v in cluster.calibration.items()
-                                      if k != "compute"})
+                         calibration=dict(cluster.calibration))  # a replay needs it all
     for r in rows:
         r["shape"] = r["shape"].name
         r.pop("work")
@@ -257,10 +257,20 @@ def table(result: dict):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="pyfast bench plan_time", description=__doc__.split("\n\n")[0])
     p.add_argument("--links", default="loopback,10gbit,1gbit,100mbit")
+    p.add_argument("--configs", default="", help="only these configurations, comma-separated "
+                   "(e.g. 'dp2,pp2,dp2 topk:0.01'; a subset run: the reference dp2 fits the "
+                   "compute scale only where it is included)")
+    p.add_argument("--models", default="", help="only these models, comma-separated")
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
     links = a.links.split(",")
-    res = run([c for c in CONFIGS if c[0] in links])
+    configs = [c for c in CONFIGS if c[0] in links
+               and (not a.configs or c[2] in a.configs.split(","))
+               and (not a.models or c[1] in a.models.split(","))]
+    if not configs:
+        p.error(f"no configuration matches --links {a.links} --configs {a.configs!r} "
+                f"--models {a.models!r}")
+    res = run(configs)
     return perf.finish(res, table, a.out, width=190)
 
 

@@ -19,8 +19,11 @@ Keys of Cluster.calibration (all optional; pyfast.plan.timing reads them):
     "codec": {spec: [enc_a, enc_b, dec_a, dec_b]}: encode/decode seconds = a + b x elements
         (pyfast.comm.cost.codec_seconds at two sizes)
     "link_intra", "link_inter": {"fits": {primitive: [alpha, beta, free]}, "small_s": s,
-        "wake_s": [[work_s, extra_s], ...]}, a pyfast.comm.cost.LinkModel fitted by
-        measure_link on 2 gloo ranks ("link": its name) and wake_seconds' table
+        "wake_s": [[work_s, extra_s], ...], "tbf": [rate_bytes_s, burst_bytes],
+        "reduce": {spec: [a, b, vector_s]} (reduce_seconds: top-k's / PowerSGD's call a
+        parameter)}, a
+        pyfast.comm.cost.LinkModel fitted by measure_link on 2 gloo ranks ("link": its name),
+        wake_seconds' table, and on a namespace-shaped link its token bucket (probe_link)
     "compute_scale", "comm_scale": refit's measured / predicted (multipliers on the above)
 """
 from __future__ import annotations
@@ -185,7 +188,50 @@ def measure_codecs(specs, shape: ModelShape) -> dict:
 
 
 # ---------------------------------------------------------------- the link
-def link_probe(path: str, pause: bool) -> None:
+PER_TENSOR = ("topk", "powersgd")  # DataParallel reduces these one parameter at a time
+
+
+def reduce_seconds(specs, hidden: int = 64, chain: int = 8, repeats: int = REPEATS) -> dict:
+    """{spec: [a, b, vector_s]}: seconds = a + b x elements of one compressed all-reduce of a
+    matrix parameter, vector_s: of a vector (PowerSGD all-reduces those uncompressed)
+    (pyfast.comm.collectives.all_reduce with the compressor and its error feedback, as
+    DataParallel reduces top-k's and PowerSGD's parameters one by one on its thread), timed
+    as a chain of `chain` such calls back to back (median of `repeats` chains, the max over
+    ranks) on hidden x hidden and hidden x 4 hidden matrices. Each parameter's call is a few
+    dependent collectives with codec work and helper-thread hand-offs between them: gpt-tiny's
+    29 parameters under topk:0.01 stepped in 64-106 ms at 1 Gbit/s and 100 Mbit/s against
+    36-45 ms from the latency fit + codec, i.e. ~1.5-3 ms a parameter, not the 0.4 ms that
+    two back-to-back calls cost."""
+    import torch
+    import torch.distributed as dist
+    import pyfast.compress as C
+    from pyfast.comm import collectives
+    out = {}
+    for spec in sorted({s for s in specs if s.partition(":")[0] in PER_TENSOR}):
+        c = C.wrap(C.get(spec))
+        pts = []
+        for cols in (hidden, 4 * hidden, 0):  # 0: a vector (a bias, a norm's weight)
+            xs = [torch.randn(hidden, cols) if cols else torch.randn(hidden + 7)
+                  for _ in range(chain)]
+            ts = []
+            for i in range(repeats + 1):
+                dist.barrier()
+                t0 = time.perf_counter()
+                for k, x in enumerate(xs):
+                    collectives.all_reduce(x, c, name=f"probe{cols}.{k}")
+                if i:  # the first chain warms the feedback memories and compressor states
+                    ts.append((time.perf_counter() - t0) / chain)
+            pts.append((hidden * cols, statistics.median(ts)))
+        w = torch.tensor([t for _, t in pts], dtype=torch.float64)
+        dist.all_reduce(w, op=dist.ReduceOp.MAX)
+        (n0, _), (n1, _), _ = pts
+        t0_, t1_, vec = w.tolist()
+        b = max(0.0, (t1_ - t0_) / (n1 - n0))
+        out[spec] = [max(0.0, t0_ - b * n0), b, vec]
+    return out
+
+
+def link_probe(path: str, pause: bool, specs=()) -> None:
     """A rank of the link probe (env:// rendezvous, gloo): cost.measure_link, rank 0 writes
     {"fits", "small_s"} as JSON to `path`. Launched by measure() on loopback, and by
     pyfast.benchmarks.plan_time inside a shaped namespace."""
@@ -202,11 +248,23 @@ def link_probe(path: str, pause: bool) -> None:
     best = {p: min((lm.fits[p] for lm in fits),
                    key=lambda f: f[0] + f[1] * max(0.0, (1 << 18) - f[2]))
             for p in cost.PRIMITIVES}
+    # each primitive's latency: the faster probe's 256 B call (a slow first probe priced a
+    # 2-rank 256 B all-reduce at 100 Mbit/s at 1.9 ms against 0.66 ms in another run)
+    best = {p: [min(lm.fits[p][0] for lm in fits), *f[1:]] for p, f in best.items()}
     small = min(lm.small_s for lm in fits)
+    # a 256 B and a 16 B all-reduce are the same call (one packet each way): the faster of
+    # the two timings is its latency (a loopback probe under load timed the 256 B one at
+    # 2.8 ms and the 16 B one at 0.24 ms, which priced PowerSGD's step +195%)
+    best["all_reduce"][0] = min(best["all_reduce"][0], small)
     wake = wake_seconds()
+    # the median of 10 chains, not the faster of two probes: a chain's time is what the job's
+    # thread meets (0.3-3 ms a top-k call from one chain to the next here), and the faster of
+    # two probes priced gpt-tiny's top-k step at 35 ms against 59 measured
+    per_tensor = reduce_seconds(specs, repeats=2 * REPEATS)
     if dist.get_rank() == 0:
         Path(path).write_text(json.dumps({"fits": {k: list(v) for k, v in best.items()},
-                                          "small_s": small, "wake_s": wake}))
+                                          "small_s": small, "wake_s": wake,
+                                          "reduce": per_tensor}))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -255,11 +313,12 @@ def wake_seconds(works=WORKS, repeats: int = 15) -> list[list[float]]:
     return [[work_s, max(0.0, v - w[-1])] for work_s, v in zip(works, w)]
 
 
-def probe_argv(path: str, pause: bool) -> list[str]:
-    return ["-c", f"from pyfast.plan.calibrate import link_probe; link_probe({path!r}, {pause})"]
+def probe_argv(path: str, pause: bool, specs=()) -> list[str]:
+    return ["-c", "from pyfast.plan.calibrate import link_probe; "
+            f"link_probe({path!r}, {pause}, {sorted(set(specs))!r})"]
 
 
-def probe_link(link: str, timeout: float = 180) -> dict:
+def probe_link(link: str, timeout: float = 180, specs=()) -> dict:
     """The link model of 2 gloo ranks inside a fresh namespace whose loopback is shaped to
     `link` ("1gbit", "100mbit": pyfast.benchmarks.netns, as pyfast.ablate runs its cells; needs
     root), pausing before its large calls as steps do (a token bucket refills between them)."""
@@ -267,15 +326,18 @@ def probe_link(link: str, timeout: float = 180) -> dict:
     netns.rate_bps(link)  # a bad link string fails before anything starts
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "link.json")
-        netns.run_ranks(probe_argv(path, True), 2, link, timeout)
-        return json.loads(Path(path).read_text())
+        netns.run_ranks(probe_argv(path, True, specs), 2, link, timeout)
+        fit = json.loads(Path(path).read_text())
+    # the bucket itself (timing.Link._bucket_s): tc's rate in bytes/s and its burst
+    fit["tbf"] = [netns.rate_bps(link) / 8, netns.BURST_BYTES]
+    return fit
 
 
-def measure_loopback_link(timeout: float = 120) -> dict:
+def measure_loopback_link(timeout: float = 120, specs=()) -> dict:
     """The link model of 2 gloo ranks on plain loopback (2 child processes)."""
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "link.json")
-        _child(probe_argv(path, False), timeout, world=2)
+        _child(probe_argv(path, False, specs), timeout, world=2)
         return json.loads(Path(path).read_text())
 
 
@@ -414,7 +476,9 @@ def measure(shape: ModelShape, work: Workload, cluster: Cluster, link: str = "lo
     on one machine)."""
     plans = list(plans) if plans else default_plans(shape, work)
     if link_model is None:
-        link_model = measure_loopback_link() if link == "loopback" else probe_link(link)
+        specs = [p.compress for p in plans]
+        link_model = measure_loopback_link(specs=specs) if link == "loopback" else \
+            probe_link(link, specs=specs)
     cal = dict(cluster.calibration)
     cal.update(measure_compute(shape, work, plans))
     cal["compute"].update(measure_cp_blocks(shape, work, plans))

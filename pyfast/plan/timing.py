@@ -85,6 +85,48 @@ class Link:
         self.scale = cluster.calibration.get("comm_scale", 1.0)
         # a blocking wait that follows compute: waking the waiting thread (calibrate.wake_seconds)
         self.table = (self.fit or {}).get("wake_s") if world > 1 else None
+        self.set_fit(self.fit, cluster.calibration.get("link_cpu"))
+        # bytes the bucket regains in a step (predict_time's 2nd pass); None: no wait for the
+        # rate at all (the 1st pass: the step's time with the link at wire speed)
+        self.refill = None
+
+    def set_fit(self, fit, base=None) -> None:
+        """A fit with "tbf": [rate bytes/s, burst bytes] is a token-bucket link (the
+        namespaces' tc tbf, calibrate.probe_link): its bytes pass at wire speed (`base`: the
+        loopback fit's slope) while the bucket has tokens, and at the rate beyond them."""
+        self.fit = fit
+        self.tbf = (fit or {}).get("tbf") if base is not None else None
+        self.base = base
+        if self.tbf and self.table is not None:  # waking a thread is the machine's, not the link's
+            self.table = base.get("wake_s", self.table)
+
+    def wire_bytes(self, prim: str, nbytes: float) -> float:
+        """Bytes all ranks put on one shared link for a call (a namespace's lo: both
+        directions cross one qdisc): ring all-reduce 2(W-1) n, all-gather W(W-1) n,
+        all-to-all (W-1) n, p2p n."""
+        w = self.world
+        return {"all_reduce": 2 * (w - 1), "all_gather": w * (w - 1), "all_to_all": w - 1,
+                "p2p": 1}[prim] * nbytes
+
+    def _bucket_s(self, prim: str, nbytes: float, calls: float) -> float:
+        """One of `calls` calls of a step on a token bucket of rate R and burst B: the call as
+        on loopback (the `base` fit: tbf passes packets untouched while it has tokens; the
+        shaped probe's own 256 B calls came out 0.2-1.9 ms from one probe to the next against
+        0.25 on loopback, and gpt-tiny's pp2 stepped in 29 ms on loopback, 1 Gbit/s and
+        100 Mbit/s alike), and the bytes beyond the call's tokens at R. A call's tokens: its share
+        of what the bucket regains while the step computes (refill / calls: the step's calls
+        come spread over it), at most B. gpt-tiny at 100 Mbit/s (12.5 MB/s, B 512 KiB):
+        pp2's 8 transfers of 32 KB in a 29 ms step get 45 KB each, pass free (measured 29 ms
+        as on loopback); tp2's 8 all-reduces of 131 KB (262 KB on the wire) get 47 KB and
+        wait 17 ms each: 168 ms predicted, 166 measured."""
+        key = "all_reduce" if prim == "p2p" else prim
+        a, b, _ = self.base["fits"][key]
+        b = b / (2 if prim == "p2p" else 1)
+        rate, burst = self.tbf
+        if self.refill is None:
+            return a + b * nbytes
+        tokens = min(burst, self.refill / max(calls, 1.0))
+        return a + b * nbytes + max(0.0, self.wire_bytes(prim, nbytes) - tokens) / rate
 
     def wake(self, after_s: float) -> float:
         """Extra seconds of a blocking wait after `after_s` of compute (the calibration's
@@ -110,7 +152,9 @@ class Link:
         w = self.world
         if self.fit is not None:
             if prim == "small":
-                return self.scale * self.fit["small_s"]
+                return self.scale * (self.base if self.tbf else self.fit)["small_s"]
+            if self.tbf:
+                return self.scale * self._bucket_s(prim, nbytes, calls)
             a, b, free = self.fit["fits"]["all_reduce" if prim == "p2p" else prim]
             # p2p: one rank sends nbytes; a 2-rank all-reduce of nbytes puts 2 x nbytes on
             # the (shared) link, both ranks sending half of it twice
@@ -219,9 +263,21 @@ def reduction_s(spec: str, n: int, mat: tuple, link: Link, cluster: Cluster,
     algorithm: wire calls as collectives runs them, codec passes per algorithm)."""
     w = link.world
     name = spec.partition(":")[0]
-    if name == "none" or (name == "powersgd" and not mat):
+    if name == "none":
         return link.seconds("all_reduce", 4.0 * n, calls), 0.0
-    enc, dec = _codec(spec, n, cluster)
+    enc, dec = _codec(spec, n, cluster) if name != "powersgd" or mat else (0.0, 0.0)
+    measured = (link.fit or {}).get("reduce", {}).get(spec) if w == 2 else None
+    if measured is not None:  # top-k / PowerSGD: DataParallel's per-parameter calls
+        # as calibrate.reduce_seconds timed the whole call on this link (codec included:
+        # its dependent collectives, helper-thread hand-offs and wake-ups are what the
+        # latency fit misses, ~1-2.5 ms a gpt-tiny parameter); PowerSGD's vectors (plain
+        # all-reduces) their own measured call
+        if name == "powersgd" and not mat:
+            return link.scale * measured[2], 0.0
+        return link.scale * (measured[0] + measured[1] * n), enc + dec * (
+            w if name == "topk" else 1)
+    if name == "powersgd" and not mat:  # a vector: PowerSGD all-reduces it as it is
+        return link.seconds("all_reduce", 4.0 * n, calls), 0.0
     if name == "powersgd":
         r = min(int(spec.partition(":")[2] or 1), mat[0], mat[1])
         wire = link.seconds("all_reduce", 4.0 * mat[0] * r, 2 * calls) + link.seconds(
@@ -273,6 +329,18 @@ def _fifo(ready: list[float], cost: list[float]) -> float:
 
 # ---------------------------------------------------------------- the step
 def predict_time(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster) -> dict:
+    first = _predict(shape, plan, work, cluster, None)
+    if not Link(cluster, plan.ranks, 2).tbf:
+        return first
+    # a token-bucket link: the bucket regains rate x the step's time at wire speed (the
+    # first pass), shared by the step's calls; what a call sends beyond its share (or beyond
+    # the burst) waits for the rate (Link._bucket_s). A rate-bound step so takes its bytes /
+    # rate, as a fluid bucket: the tokens gained while it waits are the ones it sends.
+    return _predict(shape, plan, work, cluster, first["step_s"])
+
+
+def _predict(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster,
+             free_step_s: float | None) -> dict:
     m, p, v = plan.micro_batches, plan.pp, plan.virtual_stages
     act = 2 if work.precision in ("bf16", "fp16") else 4   # autocast outputs
     toks = plan.micro_batch * work.seq // plan.cp
@@ -280,6 +348,9 @@ def predict_time(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster
     cp_link = Link(cluster, plan.tp * plan.cp, plan.cp)
     dp_link = Link(cluster, plan.tp * plan.cp * plan.dp, plan.dp * plan.cp)
     pp_link = Link(cluster, plan.ranks, 2 if p > 1 else 1)
+    for lk in (tp_link, cp_link, dp_link, pp_link):
+        if lk.tbf and free_step_s is not None:
+            lk.refill = lk.tbf[0] * free_step_s
     # per stage: (fwd, bwd, recompute) of one micro-batch, with tp and cp inside each block
     stages = []
     # one block's (forward, backward, recompute): the compute a blocking wait follows
@@ -418,7 +489,7 @@ def predict_time(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster
 def _cpu_link(cluster: Cluster, world: int) -> "Link":
     """The link whose seconds are a collective's CPU work (calibration's link_cpu)."""
     link = Link(cluster, 1, world)
-    link.fit = cluster.calibration.get("link_cpu")
+    link.set_fit(cluster.calibration.get("link_cpu"))
     return link
 
 
