@@ -18,35 +18,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pyfast._partition import partition  # noqa: F401  (Pipeline's stage cut, torch-free)
 from pyfast.perf import clock
 
 F, B, I, W = "F", "B", "I", "W"  # noqa: E741  (torch's name for the input-gradient backward)
 SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
 COMPUTE = (F, B, I, W)
-
-
-def partition(weights: list[float], n_stages: int) -> list[int]:
-    """Layer counts of `n_stages` contiguous stages that minimise the heaviest stage, ties going
-    to the most even layer counts (Linear+ReLU pairs then split between a ReLU and a Linear)."""
-    n = len(weights)
-    pre = [0]
-    for w in weights:
-        pre.append(pre[-1] + w)
-    worst = (float("inf"), n)
-    best = [[worst] * (n + 1) for _ in range(n_stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
-    best[0][0] = (0, 0)
-    for k in range(1, n_stages + 1):
-        for i in range(k, n - (n_stages - k) + 1):
-            for j in range(k - 1, i):
-                c = max(best[k - 1][j], (pre[i] - pre[j], i - j))
-                if c < best[k][i]:
-                    best[k][i], cut[k][i] = c, j
-    counts, i = [], n
-    for k in range(n_stages, 0, -1):
-        counts.append(i - cut[k][i])
-        i = cut[k][i]
-    return counts[::-1]
 
 
 def layer_times(seq: nn.Sequential, example: torch.Tensor, group=None, repeats: int = 3) -> list[float]:

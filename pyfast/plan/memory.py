@@ -49,8 +49,9 @@ the linears save are 16-bit, the LayerNorm and softmax outputs fp32 (autocast's 
 """
 from __future__ import annotations
 
-import math
 from functools import lru_cache
+
+from pyfast._partition import partition
 
 from .spec import ModelShape, Plan, Workload
 
@@ -97,31 +98,13 @@ def _layer_tensors(shape: ModelShape, tp: int) -> tuple[int, ...]:
 @lru_cache(maxsize=4096)
 def _partition(shape: ModelShape, n: int, tp: int) -> tuple[int, ...]:
     """Layers of each of n stages as Pipeline.from_sequential(balance="params") cuts
-    [Embed, Block x L, Head] (pyfast.parallel.schedules.partition: the heaviest stage's
-    parameters minimised, ties to the most even layer counts)."""
+    [Embed, Block x L, Head] (pyfast._partition.partition, the pipeline's own: the heaviest
+    stage's parameters minimised, ties to the most even layer counts)."""
     vt = _vocab_split(shape, tp)
     block = sum(_layer_tensors(shape, tp))
     head = 2 * shape.hidden + (0 if shape.tied else shape.vocab * shape.hidden // vt)
     w = [shape.vocab * shape.hidden // vt] + [block] * shape.layers + [head]
-    k_all = len(w)
-    pre = [0]
-    for x in w:
-        pre.append(pre[-1] + x)
-    inf = (math.inf, k_all)
-    best = [[inf] * (k_all + 1) for _ in range(n + 1)]
-    cut = [[0] * (k_all + 1) for _ in range(n + 1)]
-    best[0][0] = (0, 0)
-    for k in range(1, n + 1):
-        for i in range(k, k_all - (n - k) + 1):
-            for j in range(k - 1, i):
-                c = max(best[k - 1][j], (pre[i] - pre[j], i - j))
-                if c < best[k][i]:
-                    best[k][i], cut[k][i] = c, j
-    counts, i = [], k_all
-    for k in range(n, 0, -1):
-        counts.append(i - cut[k][i])
-        i = cut[k][i]
-    return tuple(counts[::-1])
+    return tuple(partition(w, n))
 
 
 @lru_cache(maxsize=4096)
