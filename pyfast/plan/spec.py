@@ -164,10 +164,6 @@ def gpt_model_flag(shape: ModelShape) -> str:
             + (f",mlp={ratio}" if ratio != 4 else ""))
 
 
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
