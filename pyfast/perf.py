@@ -21,7 +21,9 @@ def machine() -> str:
                 cpu = line.split(":", 1)[1].strip()
                 break
     n = torch.get_num_threads()
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {n} thread{'s' * (n != 1)}"
+    gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    return (f"{cpu}, {os.cpu_count()} cores{gpu}, torch {torch.__version__}, "
+            f"{n} thread{'s' * (n != 1)}")
 
 
 def sync(device=None) -> None:

@@ -36,27 +36,28 @@ def gradient(numel: int, seed: int = 0) -> torch.Tensor:
     return x.view(rows, -1)
 
 
-def backends_for(spec: str) -> list[tuple[str, bool, str]]:
+def backends_for(spec: str, device: torch.device = torch.device("cpu")
+                 ) -> list[tuple[str, bool, str]]:
     if spec not in KERNEL_SPECS:
         return [("torch", True, "")]
     out = []
     for b in ("torch", "cpp", "triton"):
-        ok, why = status(b, torch.device("cpu"))
-        if b == "triton" and ok:
+        ok, why = status(b, device)
+        if b == "triton" and ok and device.type == "cpu":
             ok, why = False, "CUDA only; on CPU its interpreter is tested, not timed"
         out.append((b, ok, why))
     return out
 
 
-def run(numel: int = 1 << 24, specs=SPECS, repeats: int = 5) -> dict:
+def run(numel: int = 1 << 24, specs=SPECS, repeats: int = 5, device: str = "cpu") -> dict:
     load0 = os.getloadavg()[0]
-    x = gradient(numel)
+    x = gradient(numel).to(device)  # drawn on the CPU: the same values on every device
     xb = x.numel() * x.element_size()
     roof = perf.copy_bandwidth(x, repeats)
     rows = []
     for spec in specs:
         ref_time = None
-        for b, ok, why in backends_for(spec):
+        for b, ok, why in backends_for(spec, x.device):
             row = {"spec": spec, "backend": b}
             if not ok:
                 rows.append({**row, "skipped": why})
@@ -88,7 +89,7 @@ def run(numel: int = 1 << 24, specs=SPECS, repeats: int = 5) -> dict:
     for r in rows:
         if r["spec"] == "topk:0.01" and "compress_s" in r:
             r["speedup_vs_torch_topk"] = t_topk / r["compress_s"]
-    return {"machine": perf.machine(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+    return {"machine": perf.machine(), "device": str(x.device), "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "load_average": [load0, os.getloadavg()[0]],  # a shared machine: say how shared
             "pyfast": pyfast.__version__, "numel": numel, "copy_GBps": roof / 1e9,
             "torch_topk_s": t_topk, "rows": rows}
@@ -97,7 +98,8 @@ def run(numel: int = 1 << 24, specs=SPECS, repeats: int = 5) -> dict:
 def table(result: dict):
     from rich.table import Table
     load = result.get("load_average")
-    t = Table(title=f"compress + decompress, {result['numel']:,} fp32 elements\n"
+    on = f" on {result['device']}" if result.get("device", "cpu") != "cpu" else ""
+    t = Table(title=f"compress + decompress, {result['numel']:,} fp32 elements{on}\n"
                     f"{result['machine']}" + (f" (load {load[0]:.1f}-{load[1]:.1f})" if load else "")
                     + f"; copy roof {result['copy_GBps']:.1f} GB/s (read+write); "
                     f"torch.topk(|x|, 1%) {result['torch_topk_s'] * 1e3:.1f} ms")
@@ -134,9 +136,13 @@ def main(argv=None) -> int:
     p.add_argument("--numel", type=int, default=1 << 24, help="elements (default 16M)")
     p.add_argument("--specs", default="", help="comma-separated specs (default: all)")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (cpp = pyfast._C's CUDA "
+                   "kernels there, triton = the compiled Triton kernels)")
     p.add_argument("--out", default="", help="write OUT.json and OUT.txt")
     a = p.parse_args(argv)
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device {a.device}: torch sees no CUDA device here")
     if a.numel < 1:
         p.error("--numel must be >= 1")
-    result = run(a.numel, a.specs.split(",") if a.specs else SPECS, a.repeats)
+    result = run(a.numel, a.specs.split(",") if a.specs else SPECS, a.repeats, a.device)
     return perf.finish(result, table, a.out, width=160)
