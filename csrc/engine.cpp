@@ -21,6 +21,7 @@
 #include <limits>
 #include <string_view>
 
+#include "pg_compat.h"
 #include "wire.h"
 
 namespace pyfast {
@@ -345,7 +346,7 @@ void Engine::run(Job& j) {
   } else if (j.algo == Algo::ReduceScatter) {
     reduce_scatter(j);
   } else if (j.algo == Algo::BackendReduceScatter) {
-    pg_->reduce_scatter_single(j.t, j.in)->wait();
+    pyfast::pg::reduce_scatter_single(*pg_, j.t, j.in)->wait();
   } else {
     two_phase(j);
   }
@@ -367,7 +368,7 @@ void Engine::gather_sum(Job& j) {
     Flight f{a, b - a, round8(c.bytes(b - a))};
     f.send = bytes(f.slot, j.t), f.recv = bytes(f.slot * world_, j.t);
     pack(c, j.t.narrow(0, a, f.len), j.ef.empty() ? at::Tensor() : j.ef[e++], f.send);
-    f.work = pg_->all_gather_single(f.recv, f.send);
+    f.work = pyfast::pg::all_gather_single(*pg_, f.recv, f.send);
     flying.push_back(std::move(f));
     if (flying.size() > 2) {  // two in flight: the link never idles (pipelined.py)
       finish(flying.front());
@@ -401,7 +402,7 @@ void Engine::two_phase(Job& j) {
     const int64_t big = s.slots[0];  // part 0 is the longest: every part's sum fits
     s.send = bytes(big, j.t), s.recv = bytes(big * W, j.t);
     pack(c, acc, ef(s.ef + W), s.send);
-    s.work = pg_->all_gather_single(s.recv, s.send);
+    s.work = pyfast::pg::all_gather_single(*pg_, s.recv, s.send);
     stage_b.push_back(std::move(s));
   };
   auto decode = [&](Stage& s) {
@@ -419,7 +420,7 @@ void Engine::two_phase(Job& j) {
                         [&](size_t i) { return ef(s.ef + i); }, s.slots);
     std::vector<int64_t> recv_splits(W, s.slots[rank_]);
     s.recv = bytes(s.slots[rank_] * W, j.t);
-    s.work = pg_->all_to_all_single(s.recv, s.send, recv_splits, s.slots);
+    s.work = pyfast::pg::all_to_all_single(*pg_, s.recv, s.send, recv_splits, s.slots);
     stage_a.push_back(std::move(s));
     if (stage_a.size() > 1) reduce_gather(std::move(stage_a.front())), stage_a.pop_front();
     if (stage_b.size() > 1) decode(stage_b.front()), stage_b.pop_front();
@@ -433,7 +434,7 @@ void Engine::two_phase(Job& j) {
 void Engine::gather(Job& j) {
   const Codec& c = j.codec;
   if (c.kind == Kind::None) {
-    pg_->all_gather_single(j.t, j.in)->wait();
+    pyfast::pg::all_gather_single(*pg_, j.t, j.in)->wait();
     return;
   }
   const int64_t n = j.in.numel();
@@ -441,7 +442,7 @@ void Engine::gather(Job& j) {
   const int64_t slot = round8(c.bytes(n));
   at::Tensor send = bytes(slot, j.t), recv = bytes(slot * world_, j.t);
   pack(c, j.in, j.ef.empty() ? at::Tensor() : j.ef[0], send);
-  pg_->all_gather_single(recv, send)->wait();
+  pyfast::pg::all_gather_single(*pg_, recv, send)->wait();
   for (int64_t r = 0; r < world_; ++r)
     c.decode(recv.narrow(0, r * slot, c.bytes(n)), j.t.narrow(0, r * n, n));
 }
@@ -456,7 +457,7 @@ void Engine::reduce_scatter(Job& j) {
   std::vector<int64_t> equal;  // empty splits: W equal parts
   if (c.kind == Kind::None) {
     at::Tensor recv = at::empty_like(j.in);  // part `rank` of every rank's input, rank order
-    pg_->all_to_all_single(recv, j.in, equal, equal)->wait();
+    pyfast::pg::all_to_all_single(*pg_, recv, j.in, equal, equal)->wait();
     j.t.copy_(recv.narrow(0, 0, n));
     for (int64_t r = 1; r < world_; ++r) j.t.add_(recv.narrow(0, r * n, n));
     return;
@@ -468,7 +469,7 @@ void Engine::reduce_scatter(Job& j) {
   at::Tensor send = pack_parts(
       c, j.in, parts, [&](size_t i) { return j.ef.empty() ? at::Tensor() : j.ef[i]; }, slots);
   at::Tensor recv = bytes(slots[0] * world_, j.t);
-  pg_->all_to_all_single(recv, send, equal, equal)->wait();
+  pyfast::pg::all_to_all_single(*pg_, recv, send, equal, equal)->wait();
   sum_slots(c, recv, slots[0], world_, j.t);
 }
 
