@@ -33,6 +33,7 @@ import tempfile
 import time
 
 import pyfast
+from pyfast import _dist
 from pyfast import perf
 from pyfast._io import atomic_write_text
 from pyfast.benchmarks import netns
@@ -59,7 +60,7 @@ class CollectiveComm:
         return self.dist.all_gather(outs, x, group=self.group, async_op=True).wait
 
     def reduce_scatter(self, out, parts):
-        return self.dist.reduce_scatter_single(out, parts.view(-1, parts.shape[-1]),
+        return _dist.reduce_scatter_single(out, parts.view(-1, parts.shape[-1]),
                                                group=self.group, async_op=True).wait
 
 

@@ -16,6 +16,8 @@ import hashlib
 import torch
 import torch.distributed as dist
 
+from pyfast import _dist
+
 from pyfast.comm.collectives import device_backends
 from pyfast.comm.dry import read
 
@@ -53,7 +55,7 @@ def exchange_device(group=None, device: torch.device | None = None) -> torch.dev
 def _all_gather(group):
     def gather(mine: torch.Tensor) -> torch.Tensor:
         every = mine.new_empty(dist.get_world_size(group))
-        dist.all_gather_single(every, mine, group=group)
+        _dist.all_gather_single(every, mine, group=group)
         return every
     return gather
 

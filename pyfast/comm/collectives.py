@@ -35,6 +35,8 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+
+from pyfast import _dist
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import pyfast.compress as C
@@ -105,7 +107,7 @@ def _all_gather_var(buf: torch.Tensor, group, flag: int = 0) -> tuple[list[torch
     world, _ = _world(group)
     meta = torch.tensor([buf.numel(), flag], dtype=torch.int64, device=buf.device)
     metas = meta.new_empty(world * 2)
-    dist.all_gather_single(metas, meta, group=group)
+    _dist.all_gather_single(metas, meta, group=group)
     every = read(metas, [buf.numel(), flag] * world, group)  # a dry run: every rank is this one
     sizes, flags = every[0::2], every[1::2]
     if any(flags):

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 import pyfast.compress as C
+from pyfast import _dist
 from pyfast.perf import clock
 
 PRIMITIVES = ("all_reduce", "all_gather", "all_to_all")
@@ -102,7 +103,7 @@ def measure_link(group=None, sizes=SIZES, repeats: int = 7, device=None,
                 fn = lambda f=f: dist.all_reduce(f, group=group)  # noqa: E731
             elif prim == "all_gather":
                 out = torch.empty(nbytes * world, dtype=torch.uint8, device=device)
-                fn = lambda o=out, x=x: dist.all_gather_single(o, x, group=group)  # noqa: E731
+                fn = lambda o=out, x=x: _dist.all_gather_single(o, x, group=group)  # noqa: E731
             else:
                 out = torch.empty_like(x)
                 fn = lambda o=out, x=x: dist.all_to_all_single(o, x, group=group)  # noqa: E731

@@ -26,6 +26,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from pyfast import _dist
+
 import pyfast.compress as C
 from pyfast.comm.agree import agree, rank_by_rank
 from pyfast.comm.collectives import (OPS, Handle, NonFiniteGradient, _all_gather_var, _bytes,
@@ -94,7 +96,7 @@ def _sparse_rs(parts, names, c, group, name, acc):
     out_sizes = [s.numel() for s in send] if send else [0] * world
     mine = torch.tensor([flag] + out_sizes, device=parts[0].device)
     every = mine.new_empty(world, world + 1)
-    dist.all_gather_single(every.view(-1), mine, group=group)
+    _dist.all_gather_single(every.view(-1), mine, group=group)
     rows = read(every, [[flag] + out_sizes] * world, group)  # a dry run: every rank is this one
     _raise_nonfinite([r[0] for r in rows], name)
     sizes = [r[1 + rank] for r in rows]
@@ -124,7 +126,7 @@ def _reduce_scatter(out, t, c, group, op, name):
         # all_to_all_single + a local fp32 sum measured faster than gloo's reduce-scatter at
         # W=2 on this loaded 2-core machine (24 vs 29 ms for 4M elements, 94 vs 145 ms for 8M):
         # worth a side-by-side benchmark before choosing it over the backend's own.
-        dist.reduce_scatter_single(acc, x.to(torch.float32), group=group)
+        _dist.reduce_scatter_single(acc, x.to(torch.float32), group=group)
     else:
         fn = _sparse_rs if kind in SPARSE else _dense_rs
         fn(list(x.split(per)), [f"{name}.{i}" for i in range(world)], c, group, name, acc)
@@ -144,7 +146,7 @@ def _all_gather(out, t, c, group, name):
     x, flat = t.reshape(-1), out.view(-1)
     kind = choose(c, n, world)
     if kind == "native":
-        dist.all_gather_single(flat, x, group=group)
+        _dist.all_gather_single(flat, x, group=group)
         return out
     if kind in SPARSE:
         ps, flag = _compress_checked(c, [x], [name])
@@ -155,7 +157,7 @@ def _all_gather(out, t, c, group, name):
     else:
         buf = _bytes(c, x, name)
         recv = buf.new_empty(world * buf.numel())
-        dist.all_gather_single(recv, buf, group=group)
+        _dist.all_gather_single(recv, buf, group=group)
         bufs, meta = recv.split(buf.numel()), {}
     for r, buf in enumerate(bufs):
         flat[r * n:(r + 1) * n] = c.decompress(c.from_wire(buf, (n,), t.dtype, meta))

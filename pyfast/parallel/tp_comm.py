@@ -25,6 +25,8 @@ import contextlib
 
 import torch
 import torch.distributed as dist
+
+from pyfast import _dist
 from torch.autograd import Function
 
 from pyfast.comm.failure import Breaker, naming
@@ -91,7 +93,7 @@ def _gather(x: torch.Tensor, dim: int, group, guard=None, op="all-gather") -> to
     # gloo wants the output shaped (world * d0, ...) exactly
     out = torch.empty((world * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     with _guarded(guard, op):
-        dist.all_gather_single(out, x.contiguous(), group=group)
+        _dist.all_gather_single(out, x.contiguous(), group=group)
     if dim == 0:
         return out
     return torch.cat(out.chunk(world, 0), dim=dim)
@@ -108,7 +110,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group, guard=None,
     out = torch.empty((src.shape[0] // world,) + tuple(src.shape[1:]), dtype=x.dtype,
                       device=x.device)
     with _guarded(guard, op):
-        dist.reduce_scatter_single(out, src, group=group)
+        _dist.reduce_scatter_single(out, src, group=group)
     return out.movedim(0, dim).contiguous() if dim else out
 
 
