@@ -21,7 +21,7 @@ CUDA = torch.device("cuda")
 @pytest.fixture(scope="module")
 def nccl():
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
-                            device_id=CUDA)
+                            device_id=torch.device("cuda", 0))
     yield dist.group.WORLD
     dist.destroy_process_group()
 

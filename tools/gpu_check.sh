@@ -21,5 +21,5 @@ $PY -c "import torch, pyfast._C as C; print('cuda kernels', torch._C._dispatch_h
 step kernels 120 $PY -m pytest -q -p no:cacheprovider -n 8 -rs tests/test_gpu_kernels.py tests/test_gpu_nccl.py -k "not linear"
 step compress 60 $PY -m pyfast bench compress --device cuda --numel 67108864 --repeats 7 --out "$OUT/compress_cuda"
 step train 90 bash -c "for p in fp32 bf16; do $PY -m pyfast train --nproc 1 --model gpt-small --steps 40 --batch 16 --seq 256 --precision \$p --eval-every 0 --out /tmp/run_\$p || exit; grep -h tokens_per_s /tmp/run_\$p/metrics.jsonl | tail -3; done"
-step triton 170 $PY -m pytest -q -p no:cacheprovider -n 8 -rs tests/test_gpu_kernels.py -k linear tests/test_attention_triton.py
+step triton 170 $PY -m pytest -q -p no:cacheprovider -n 8 -rs tests/test_gpu_kernels.py::test_triton_linear_on_cuda tests/test_attention_triton.py
 log "done"
