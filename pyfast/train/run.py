@@ -16,6 +16,7 @@ from .config import ConfigError, TrainConfig, check, check_data, resume_changes
 from .job import Job, NonFiniteError
 from .metrics import MetricsLog, Progress, plot, read, summary
 from .telemetry import GPU, peak_rss_mb
+from .tensorboard import TensorBoardLog, describe as describe_tensorboard, resolve as tb_on
 
 
 def fault(point: str, step: int) -> None:
@@ -106,6 +107,7 @@ def main(cfg: TrainConfig) -> int:
             print(f"pyfast train: {cfg.model} ({job.n_params / 1e6:.2f}M parameters), "
                   f"{job.mesh}, {cfg.precision}, compress {cfg.compress}; "
                   f"{job.corpus.source}; {note}", flush=True)
+            print(describe_tensorboard(cfg.tensorboard, cfg.out), flush=True)
         _loop(cfg, job, start, device)
         code = 0
     except (ConfigError, NonFiniteError) as e:  # decided alike on every rank
@@ -124,11 +126,34 @@ def main(cfg: TrainConfig) -> int:
     return code
 
 
+class Sampler:
+    """--sample-every: the prompt encoded once; each call generates on every rank together
+    (sample.generate) and returns the decoded text, which rank 0 prints."""
+
+    def __init__(self, cfg: TrainConfig):
+        from .sample import tokenizer_for
+        self.cfg, self.tok = cfg, tokenizer_for(cfg.data)
+        self.prompt = self.tok.encode(cfg.prompt)
+
+    def __call__(self, job: Job, step: int, console) -> str:
+        from .sample import generate
+        c = self.cfg
+        ids = generate(job, self.prompt, c.sample_tokens, c.sample_top_k, seed=c.seed + step)
+        text = self.tok.decode(self.prompt + ids)
+        if console is not None:
+            how = f"top-{c.sample_top_k}" if c.sample_top_k else "greedy"
+            console.print(f"sample at step {step} ({how}, {len(ids)} tokens): {text!r}",
+                          markup=False, highlight=False)
+        return text
+
+
 def _loop(cfg: TrainConfig, job: Job, start: int, device) -> None:
     rank = dist.get_rank()
     log = MetricsLog(cfg.out, start) if rank == 0 else None
     bar = Progress(cfg.steps, start) if rank == 0 else None
     gpu = GPU(device)
+    tb = TensorBoardLog(cfg.out, start) if rank == 0 and tb_on(cfg.tensorboard) else None
+    sampler = Sampler(cfg) if cfg.sample_every else None
     try:
         for step in range(start + 1, cfg.steps + 1):
             rec = job.train_step(step)
@@ -138,15 +163,21 @@ def _loop(cfg: TrainConfig, job: Job, start: int, device) -> None:
             rss = job.scalar(peak_rss_mb())
             dist.all_reduce(rss, op=dist.ReduceOp.MAX)
             rec.update(max_rss_mb=float(rss), **gpu.sample())
+            if sampler is not None and (step % cfg.sample_every == 0 or step == cfg.steps):
+                rec["sample"] = sampler(job, step, bar.console if rank == 0 else None)
             if rank == 0:
                 log.write(rec)
                 bar.update(rec)
+                if tb is not None:
+                    tb.write(rec)
             if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == cfg.steps:
                 job.save(cfg.out, step, fault, keep_last=cfg.keep_last)
     finally:
         if rank == 0:
             bar.close()
             log.close()
+            if tb is not None:
+                tb.close()
     if rank == 0:
         records = read(log.path)
         drawn = "plot: none (no step logged)"
