@@ -212,17 +212,20 @@ def test_tensorboard_mirrors_metrics_and_samples_are_logged(tmp_path):
     pytest.importorskip("tensorboard")
     from test_train import ok, records, train_many
     from pyfast.train.tensorboard import SAMPLE_TAG, tag
-    flags = ["--sample-every", "2", "--prompt", "def main(", "--sample-tokens", "8"]
+    flags = ["--sample-every", "2", "--prompt", "def main(", "--sample-tokens", "8",
+             "--sample-top-k", "3"]
     runs = train_many({"dp2": (tmp_path / "dp2", 2, ["--dp", "2", "--tensorboard", *flags]),
                        "one": (tmp_path / "one", 1, ["--no-tensorboard", *flags])})
     p = ok(runs["dp2"])
     assert f"tensorboard: {tmp_path / 'dp2' / 'tb'} (--tensorboard" in p.stdout
-    assert "sample at step 2 (greedy, 8 tokens): 'def main(" in p.stdout
+    assert "sample at step 2 (top-3, 8 tokens): 'def main(" in p.stdout
     assert "tensorboard: off (--no-tensorboard)" in ok(runs["one"]).stdout
     assert not (tmp_path / "one" / "tb").exists()
     recs = records(tmp_path / "dp2")
     assert [("sample" in r) for r in recs] == [False, True, True]  # every 2 and at the end
-    # the same model up to fp32 rounding at dp2 and on one process: the same greedy text
+    # the same model up to fp32 rounding at dp2 and on one process, the same seeded draws:
+    # the same text (a draw flips only where rounding moves a cumulative probability across
+    # the uniform drawn, ~1e-7 of the chance)
     assert [r.get("sample") for r in recs] == [r.get("sample") for r in
                                                records(tmp_path / "one")]
     acc = _scalars(tmp_path / "dp2" / "tb")
@@ -238,3 +241,30 @@ def test_tensorboard_mirrors_metrics_and_samples_are_logged(tmp_path):
     assert [t.step for t in texts] == [2, 3]
     assert recs[1]["sample"] in texts[0].tensor_proto.string_val[0].decode()
     assert os.listdir(tmp_path / "dp2" / "tb")
+
+
+def test_a_resumed_run_purges_the_events_past_its_checkpoint(tmp_path):
+    pytest.importorskip("tensorboard")
+    from pyfast.train.tensorboard import TensorBoardLog
+    first = [{"step": s, "loss": float(v)} for s, v in zip((1, 2, 3), torch.rand(3))]
+    log = TensorBoardLog(tmp_path, 0)
+    for r in first:
+        log.write(r)
+    log.close()
+    again = [{"step": s, "loss": float(v) + 1} for s, v in zip((2, 3), torch.rand(2))]
+    log = TensorBoardLog(tmp_path, 1)  # resumed from the step-1 checkpoint
+    for r in again:
+        log.write(r)
+    log.close()
+    got = [(e.step, e.value) for e in _scalars(tmp_path / "tb").Scalars("loss/train")]
+    assert got == [(r["step"], float(np.float32(r["loss"]))) for r in first[:1] + again]
+
+
+def test_watching_flags_may_change_on_resume():
+    import dataclasses
+    from pyfast.train.config import resume_changes
+    saved = _cfg(steps=4)
+    record = {"config": dataclasses.asdict(saved), "warmup_steps": saved.warmup_steps}
+    refused, changed = resume_changes(_cfg(steps=4, tensorboard="off", sample_every=2,
+                                           prompt="hi", sample_top_k=3), record)
+    assert refused == [] and len(changed) == 4

@@ -15,6 +15,7 @@ from . import checkpoint as ck
 from .config import ConfigError, TrainConfig, check, check_data, resume_changes
 from .job import Job, NonFiniteError
 from .metrics import MetricsLog, Progress, plot, read, summary
+from .sample import Sampler
 from .telemetry import GPU, peak_rss_mb
 from .tensorboard import TensorBoardLog, describe as describe_tensorboard, resolve as tb_on
 
@@ -124,27 +125,6 @@ def main(cfg: TrainConfig) -> int:
     dist.barrier()  # a rank leaving while another still reads the group aborts the other
     dist.destroy_process_group()
     return code
-
-
-class Sampler:
-    """--sample-every: the prompt encoded once; each call generates on every rank together
-    (sample.generate) and returns the decoded text, which rank 0 prints."""
-
-    def __init__(self, cfg: TrainConfig):
-        from .sample import tokenizer_for
-        self.cfg, self.tok = cfg, tokenizer_for(cfg.data)
-        self.prompt = self.tok.encode(cfg.prompt)
-
-    def __call__(self, job: Job, step: int, console) -> str:
-        from .sample import generate
-        c = self.cfg
-        ids = generate(job, self.prompt, c.sample_tokens, c.sample_top_k, seed=c.seed + step)
-        text = self.tok.decode(self.prompt + ids)
-        if console is not None:
-            how = f"top-{c.sample_top_k}" if c.sample_top_k else "greedy"
-            console.print(f"sample at step {step} ({how}, {len(ids)} tokens): {text!r}",
-                          markup=False, highlight=False)
-        return text
 
 
 def _loop(cfg: TrainConfig, job: Job, start: int, device) -> None:

@@ -128,3 +128,22 @@ def generate(job, prompt: list, n: int, top_k: int = 0, seed: int = 0) -> list:
             dist.all_reduce(tok)  # one rank holds the token, the others add 0
             ids.append(int(tok))
     return ids[len(prompt):]
+
+
+class Sampler:
+    """--sample-every for the run's loop: the prompt encoded once; each call generates on every
+    rank together and returns the decoded prompt and sample, which rank 0 (console) prints."""
+
+    def __init__(self, cfg):
+        self.cfg, self.tok = cfg, tokenizer_for(cfg.data)
+        self.prompt = self.tok.encode(cfg.prompt)
+
+    def __call__(self, job, step: int, console=None) -> str:
+        c = self.cfg
+        ids = generate(job, self.prompt, c.sample_tokens, c.sample_top_k, seed=c.seed + step)
+        text = self.tok.decode(self.prompt + ids)
+        if console is not None:
+            how = f"top-{c.sample_top_k}" if c.sample_top_k else "greedy"
+            console.print(f"sample at step {step} ({how}, {len(ids)} tokens): {text!r}",
+                          markup=False, highlight=False)
+        return text
