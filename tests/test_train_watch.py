@@ -193,7 +193,7 @@ def test_watch_flags_parse_and_reach_the_ranks():
     from pyfast.train.config import from_args, parser
     from pyfast.train.launch import worker_args
     for argv, want in (([], "auto"), (["--tensorboard"], "on"), (["--no-tensorboard"], "off")):
-        cfg = from_args(parser().parse_args(argv + ["--sample-every", "2", "--prompt", "a b"]))
+        cfg = from_args(parser().parse_args(argv + ["--sample-every", "2", "--prompt=-a b"]))
         assert cfg.tensorboard == want
         again = from_args(parser().parse_args(worker_args(cfg)))  # what torchrun's ranks get
         assert again == cfg
