@@ -64,6 +64,12 @@ class TrainConfig:
     # run safety (resume, checkpoints): see RESUME_FREE below
     keep_last: int = 0              # keep this many complete checkpoints; 0: all
     allow_change: str = ""          # comma list of recorded flags --resume may change: steps
+    # watching a run (tensorboard.py, sample.py); check_watch
+    tensorboard: str = "auto"       # auto: on when the tensorboard package imports; on; off
+    sample_every: int = 0           # print and log a sample every K steps; 0: never
+    prompt: str = ""                # the text the samples continue
+    sample_tokens: int = 64         # tokens generated per sample
+    sample_top_k: int = 0           # 0: greedy; K: draw from the K most likely tokens
 
     @property
     def m(self) -> int:
@@ -168,6 +174,7 @@ def parser() -> argparse.ArgumentParser:
     a("--allow-change", default=d.allow_change, metavar="FLAGS",
       help="--resume: let these recorded flags differ from the checkpoint's run (comma list; "
            f"{', '.join(RESUME_ALLOWABLE)}: extend a run); logged")
+    add_watch_flags(p, d)
     g = p.add_argument_group("dry run (pyfast.train.dryrun: no process is started)")
     g.add_argument("--dry-run", action="store_true", help="run one whole step of the job for a "
                    "world of --nproc ranks in this process, on memoryless (meta) tensors over "
@@ -231,6 +238,7 @@ def check(cfg: TrainConfig, world: int, model: bool = True) -> dict:
     check_cp(cfg)
     check_zero(cfg)
     data = check_data(cfg)
+    check_watch(cfg)
     if model:
         check_model(cfg)
     return data
@@ -247,6 +255,8 @@ RESUME_FREE = ("dp", "tp", "pp", "cp", "cp_method", "cp_layout", "schedule", "mi
                "grad_accum", "activation_checkpointing", "ckpt_every", "eval_every",
                "eval_batches", "timeout", "out", "resume", "keep_last", "allow_change", "data")
 RESUME_ALLOWABLE = ("steps",)
+# what is watched changes nothing in the run: free on --resume too
+RESUME_FREE += ("tensorboard", "sample_every", "prompt", "sample_tokens", "sample_top_k")
 
 
 def resume_changes(cfg: TrainConfig, record: dict, data: dict | None = None
@@ -279,6 +289,55 @@ def resume_changes(cfg: TrainConfig, record: dict, data: dict | None = None
         refused.append(f"--data: {fp(saved.get('data'), record['data'])} in the checkpoint, "
                        f"{fp(cfg.data, data)} here")
     return refused, changed
+
+
+def add_watch_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
+    g = p.add_argument_group("watching a run (TensorBoard, samples)")
+    g.add_argument("--tensorboard", nargs="?", const="on", default=d.tensorboard,
+                   choices=("auto", "on", "off"), help="write TensorBoard event files to "
+                   "OUT/tb (default auto: when the tensorboard package is installed)")
+    g.add_argument("--no-tensorboard", dest="tensorboard", action="store_const", const="off")
+    g.add_argument("--sample-every", type=int, default=d.sample_every, metavar="K",
+                   help="every K steps and at the end, rank 0 prints and logs a sample of "
+                        "--sample-tokens continuing --prompt (default 0: never)")
+    g.add_argument("--prompt", default=d.prompt, help="the text samples continue, encoded "
+                   "by the data's tokenizer (DATA_DIR/tokenizer.json, else bytes)")
+    g.add_argument("--sample-tokens", type=int, default=d.sample_tokens)
+    g.add_argument("--sample-top-k", type=int, default=d.sample_top_k, metavar="K",
+                   help="draw each token from the K most likely (default 0: greedy)")
+
+
+def check_watch(cfg: TrainConfig) -> None:
+    """--tensorboard and the sampling flags: the package, the prompt and its tokenizer."""
+    from .tensorboard import available
+    if cfg.tensorboard not in ("auto", "on", "off"):
+        raise ConfigError(f"--tensorboard must be auto, on or off, got {cfg.tensorboard!r}")
+    if cfg.tensorboard == "on" and not available():
+        raise ConfigError("--tensorboard: the tensorboard package is not installed (pip "
+                          "install 'pyfast[tb]'); pass --no-tensorboard to train without it")
+    if cfg.sample_every < 0 or cfg.sample_top_k < 0 or cfg.sample_tokens < 1:
+        raise ConfigError(f"need --sample-every >= 0, --sample-top-k >= 0 and --sample-tokens "
+                          f">= 1; got {cfg.sample_every}, {cfg.sample_top_k}, "
+                          f"{cfg.sample_tokens}")
+    if not cfg.sample_every:
+        if cfg.prompt:
+            raise ConfigError("--prompt without --sample-every K: nothing would be sampled "
+                              "(pass --sample-every K to sample every K steps)")
+        return
+    if not cfg.prompt:
+        raise ConfigError(f"--sample-every {cfg.sample_every} needs --prompt TEXT: the text "
+                          "the samples continue")
+    from .sample import tokenizer_for
+    try:
+        tok = tokenizer_for(cfg.data)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--sample-every: {e}") from None
+    n = len(tok.encode(cfg.prompt))
+    if n == 0:
+        raise ConfigError(f"--prompt {cfg.prompt!r} encodes to no tokens with {tok.name}")
+    if n > cfg.seq:
+        raise ConfigError(f"--prompt encodes to {n} tokens with {tok.name}, more than --seq "
+                          f"{cfg.seq} (the longest sequence the model reads)")
 
 
 def check_data(cfg: TrainConfig) -> dict:

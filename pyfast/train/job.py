@@ -306,6 +306,8 @@ class Job:
                       shuffle=False)
         old, self.mult = self.mult, 1.0
         total, count = self.scalar(0.0), 0
+        was = self.model.training  # validation in eval mode (no dropout), the mode kept after
+        self.model.eval()
         try:
             for _ in range(n):
                 x, y = self.shard(*val.next())
@@ -320,6 +322,7 @@ class Job:
                     count += 1
         finally:
             self.mult = old
+            self.model.train(was)
         v = total / count / (cfg.dp * cfg.cp) if self.owns_loss else self.scalar(0.0)
         dist.all_reduce(v)
         return float(v)

@@ -18,7 +18,10 @@ def worker_args(cfg: TrainConfig) -> list[str]:
         if v == getattr(default, f.name):
             continue
         flag = "--" + f.name.replace("_", "-")
-        out += [flag] if v is True else [flag, str(v)]
+        if isinstance(v, str) and v.startswith("-"):  # a --prompt "-x": argparse's = form
+            out += [f"{flag}={v}"]
+        else:
+            out += [flag] if v is True else [flag, str(v)]
     return out
 
 

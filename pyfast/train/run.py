@@ -15,7 +15,9 @@ from . import checkpoint as ck
 from .config import ConfigError, TrainConfig, check, check_data, resume_changes
 from .job import Job, NonFiniteError
 from .metrics import MetricsLog, Progress, plot, read, summary
+from .sample import Sampler
 from .telemetry import GPU, peak_rss_mb
+from .tensorboard import TensorBoardLog, describe as describe_tensorboard, resolve as tb_on
 
 
 def fault(point: str, step: int) -> None:
@@ -109,6 +111,7 @@ def main(cfg: TrainConfig) -> int:
             print(f"pyfast train: {cfg.model} ({job.n_params / 1e6:.2f}M parameters), "
                   f"{job.mesh}, {cfg.precision}, compress {cfg.compress}; "
                   f"{job.corpus.source}; {note}", flush=True)
+            print(describe_tensorboard(cfg.tensorboard, cfg.out), flush=True)
         _loop(cfg, job, start, device)
         code = 0
     except (ConfigError, NonFiniteError) as e:  # decided alike on every rank
@@ -132,6 +135,8 @@ def _loop(cfg: TrainConfig, job: Job, start: int, device) -> None:
     log = MetricsLog(cfg.out, start) if rank == 0 else None
     bar = Progress(cfg.steps, start) if rank == 0 else None
     gpu = GPU(device)
+    tb = TensorBoardLog(cfg.out, start) if rank == 0 and tb_on(cfg.tensorboard) else None
+    sampler = Sampler(cfg) if cfg.sample_every else None
     try:
         for step in range(start + 1, cfg.steps + 1):
             rec = job.train_step(step)
@@ -141,15 +146,21 @@ def _loop(cfg: TrainConfig, job: Job, start: int, device) -> None:
             rss = job.scalar(peak_rss_mb())
             dist.all_reduce(rss, op=dist.ReduceOp.MAX)
             rec.update(max_rss_mb=float(rss), **gpu.sample())
+            if sampler is not None and (step % cfg.sample_every == 0 or step == cfg.steps):
+                rec["sample"] = sampler(job, step, bar.console if rank == 0 else None)
             if rank == 0:
                 log.write(rec)
                 bar.update(rec)
+                if tb is not None:
+                    tb.write(rec)
             if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == cfg.steps:
                 job.save(cfg.out, step, fault, keep_last=cfg.keep_last)
     finally:
         if rank == 0:
             bar.close()
             log.close()
+            if tb is not None:
+                tb.close()
     if rank == 0:
         records = read(log.path)
         drawn = "plot: none (no step logged)"
