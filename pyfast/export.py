@@ -288,6 +288,9 @@ def export(run, out, step: int | None = None, to: str = "hf", force: bool = Fals
         raise ExportError(f"{out} exists and is not empty: choose another OUT_DIR or pass "
                           "--force to replace it")
     s, path = pick(run, step)
+    r = Path(run).resolve()
+    if out.resolve() in (r, *r.parents):  # --force would delete the checkpoints
+        raise ExportError(f"OUT_DIR {out} is the run directory {run} or holds it")
     cfg, meta, model = load_model(path)
     tok, said = data_tokenizer(cfg, meta["vocab_size"])
     hf = to_hf(model, tok)
@@ -298,8 +301,10 @@ def export(run, out, step: int | None = None, to: str = "hf", force: bool = Fals
         hf.save_pretrained(tmp)
         if tok is not None:
             write_tokenizer(tok, tmp, meta["vocab_size"], cfg.seq)
-        if out.exists():
-            shutil.rmtree(out) if out.is_dir() else out.unlink()
+        if out.is_dir():  # --force (checked above)
+            shutil.rmtree(out)
+        elif out.exists():
+            out.unlink()
         tmp.rename(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -157,6 +157,9 @@ def test_bad_input_named(runs, tmp_path, capsys):
     e = err(run, "--step", "7", "--to", "hf", tmp_path / "o")
     assert "step 7" in e and "available steps: 2, 3" in e, e
     assert "unknown format" in err(run, "--to", "gguf", tmp_path / "o")
+    assert "the run directory" in err(run, "--to", "hf", run, "--force")
+    assert "the run directory" in err(run, "--to", "hf", run.parent, "--force")
+    assert (run / "checkpoints").is_dir()
     full = tmp_path / "full"
     full.mkdir()
     (full / "keep.txt").write_text("x")
