@@ -1,4 +1,4 @@
-"""The `pyfast` command: plan, train, ablate, info, bench."""
+"""The `pyfast` command: plan, train, ablate, export, info, bench."""
 from __future__ import annotations
 
 import argparse
@@ -45,6 +45,9 @@ def main(argv=None) -> int:
     if argv and argv[0] == "ablate":  # its own parser: pyfast.ablate.config
         from pyfast.ablate import main as ablate
         return ablate(argv[1:])
+    if argv and argv[0] == "export":  # its own parser: pyfast.export
+        from pyfast.export import main as export
+        return export(argv[1:])
     if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCHMARKS:
         return importlib.import_module(f"pyfast.benchmarks.{argv[1]}").main(argv[2:])
     p = argparse.ArgumentParser(prog="pyfast", description=__doc__)
@@ -55,6 +58,8 @@ def main(argv=None) -> int:
     sub.add_parser("train", help="train a model on a dp x cp x tp x pp mesh (pyfast train -h)")
     sub.add_parser("ablate", help="compression ablations: time to a target loss per compressor "
                    "and link, vs bf16 (pyfast ablate -h)")
+    sub.add_parser("export", help="a run's checkpoint (any mesh, any ZeRO stage) as a Hugging "
+                   "Face save_pretrained directory (pyfast export -h)")
     sub.add_parser("info", help="versions, backends available here (and why not), GPUs"
                    ).set_defaults(fn=_info)
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="what", required=True)
