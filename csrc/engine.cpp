@@ -179,7 +179,7 @@ int64_t Engine::submit(const at::Tensor& t, const std::string& kind, int64_t blo
                 ef[i].numel(), " elements, its part of the tensor has ", want[i]);
   }
   j->t = t, j->avg = avg, j->ef = std::move(ef), j->align = align, j->chunk = chunk;
-  return enqueue(std::move(j), c10::str(kind, ", ", algorithm, ", ", n, " elements"));
+  return enqueue(std::move(j), kind + ", " + algorithm + ", " + std::to_string(n) + " elements");
 }
 
 namespace {
@@ -223,7 +223,8 @@ int64_t Engine::submit_all_gather(const at::Tensor& out, const at::Tensor& in,
               world_ * j->in.numel(), " elements, got ", j->t.numel());
   j->codec = sharded_codec(kind, block, ef, 1, j->in.numel(), j->t, "all_gather");
   j->algo = Algo::Gather, j->avg = false, j->ef = std::move(ef);
-  return enqueue(std::move(j), c10::str("all_gather, ", kind, ", ", in.numel(), " elements"));
+  return enqueue(std::move(j),
+                 "all_gather, " + kind + ", " + std::to_string(in.numel()) + " elements");
 }
 
 int64_t Engine::submit_reduce_scatter(const at::Tensor& out, const at::Tensor& in, bool avg,
@@ -241,8 +242,8 @@ int64_t Engine::submit_reduce_scatter(const at::Tensor& out, const at::Tensor& i
               "'none' only; got '", algorithm, "' with kind '", kind, "'");
   j->algo = algorithm == "backend" ? Algo::BackendReduceScatter : Algo::ReduceScatter;
   j->avg = avg, j->ef = std::move(ef);
-  return enqueue(std::move(j), c10::str("reduce_scatter, ", kind, ", ", algorithm, ", ",
-                                        in.numel(), " elements"));
+  return enqueue(std::move(j), "reduce_scatter, " + kind + ", " + algorithm + ", " +
+                                   std::to_string(in.numel()) + " elements");
 }
 
 int64_t Engine::enqueue(std::shared_ptr<Job> j, const std::string& what) {
@@ -251,8 +252,12 @@ int64_t Engine::enqueue(std::shared_ptr<Job> j, const std::string& what) {
     TORCH_CHECK(!stop_, "pyfast engine: submit after shutdown");
     if (!j->t.is_cpu()) j->device = device_job(*j);  // CUDA: records the caller's stream now
     j->id = next_id_++;
-    j->what = c10::str("pyfast engine job ", j->id, " (", what, ", rank ", rank_, " of ",
-                       world_, ")");
+    // Plain string arithmetic, no ostream (c10::str): on the lent H200 (torch 2.11, its image's
+    // g++ wrapper) formatting an integer through an ostream here segfaulted inside _C.so, on
+    // every submit, CPU or CUDA (bench/results/gpu_h200.txt). The job description is built on
+    // the success path of every submit, so it must not depend on iostream's locale facets.
+    j->what = "pyfast engine job " + std::to_string(j->id) + " (" + what + ", rank " +
+              std::to_string(rank_) + " of " + std::to_string(world_) + ")";
     jobs_[j->id] = j;
     queue_.push_back(j);
   }
