@@ -296,7 +296,8 @@ def check_data(cfg: TrainConfig) -> dict:
 def check_model_vocab(cfg: TrainConfig, data: dict) -> None:
     """--model hf:DIR has its own vocabulary (config.json's vocab_size): refuse data whose
     vocabulary is larger (its ids past the embedding would have no row). The data's vocabulary:
-    its fingerprint's "vocab_size" (prepared datasets), else load_corpus's."""
+    its fingerprint's "vocab_size" (prepared datasets), 256 for text read as bytes, else
+    load_corpus's (a uint16 .bin: one pass over its tokens)."""
     if not cfg.model.startswith("hf:"):
         return
     from pyfast.models.hf import vocab_size
@@ -305,6 +306,8 @@ def check_model_vocab(cfg: TrainConfig, data: dict) -> None:
     except ValueError as e:
         raise ConfigError(f"--model {e}") from None
     data_vocab = data.get("vocab_size") if isinstance(data, dict) else None
+    if data_vocab is None and isinstance(data, dict) and data.get("unit") == "bytes":
+        data_vocab = 256  # text read as bytes: load_corpus's vocabulary, without reading it
     if data_vocab is None:
         from pyfast.data import load_corpus
         data_vocab = load_corpus(cfg.data).vocab_size
