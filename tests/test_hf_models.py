@@ -99,6 +99,28 @@ def test_without_weights_draws_the_configs_init_from_the_seed(tmp_path, arch):
     assert abs(float(ref[emb].std()) - 0.02) < 1e-3
 
 
+def test_weight_files_as_found_in_the_wild(tmp_path):
+    """bf16 shards over several files (cast to the job's fp32); GPT-2's original files, saved
+    without the "transformer." prefix and with the attn.bias masks HF ignores."""
+    from safetensors.torch import load_file, save_file
+    src = write_model(tmp_path / "src", "qwen2")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(src).to(torch.bfloat16)
+    ref.save_pretrained(tmp_path / "bf16", max_shard_size="40KB")
+    assert len(list((tmp_path / "bf16").glob("*.safetensors"))) > 2
+    ours = build(f"hf:{tmp_path / 'bf16'}", 256, T)
+    want = ref.state_dict()
+    for name, p in ours.hf.state_dict().items():
+        assert p.dtype == torch.float32 and torch.equal(p, want[name].float()), name
+    g = write_model(tmp_path / "gpt2", "gpt2")
+    sd = load_file(g / "model.safetensors")
+    old = {k[len("transformer."):]: v for k, v in sd.items() if k.startswith("transformer.")}
+    old["h.0.attn.bias"] = torch.ones(1, 1, 32, 32).tril()
+    assert set(sd) - {"transformer." + k for k in old} == set()  # the head is tied: not saved
+    save_file(old, g / "model.safetensors", metadata={"format": "pt"})
+    ours = build(f"hf:{g}", 256, T).hf.state_dict()
+    assert all(torch.equal(ours[k], v) for k, v in sd.items())
+
+
 def _tp_cases(rank, world, dirs):
     from test_models import _check_tp
     done = []
