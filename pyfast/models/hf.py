@@ -94,24 +94,28 @@ class HFCausalLM(nn.Module):
 
     def retie(self) -> None:
         """After parallelize the embedding and the head are two converted copies of one table;
-        VocabParallelEmbedding and ColumnParallelLinear own the same rows, so share them."""
+        VocabParallelEmbedding and ColumnParallelLinear own the same rows, so share them. Also
+        where parallelize leaves per-head norms on local heads (_sum_head_norm_grads)."""
         if self.config.tie_word_embeddings:
             self.hf.lm_head.weight = self.hf.get_input_embeddings().weight
-        self._sum_head_norm_grads()
+        if not getattr(self, "_norm_hooks", False):  # once: a second hook would sum twice
+            self._norm_hooks = self._sum_head_norm_grads()
 
-    def _sum_head_norm_grads(self) -> None:
+    def _sum_head_norm_grads(self) -> bool:
         """Qwen3's q_norm/k_norm are one RMSNorm weight [head_dim] applied to every head; under
         TP a rank sees only its heads, so its gradient is a partial sum over them. A hook adds
         the tp ranks' parts (the same all-reduce a row-parallel layer's input gradient needs),
-        so the replicated weight gets the dense gradient on every rank and stays replicated."""
+        so the replicated weight gets the dense gradient on every rank and stays replicated.
+        Whether the model is split (hooks placed where it has such norms)."""
         for layer in getattr(getattr(self.hf, "model", None), "layers", ()):
             attn = layer.self_attn
             q = attn.q_proj
             if not getattr(q.weight, "tensor_parallel", False):
-                return  # not split: whole heads, whole gradients
+                return False  # not split: whole heads, whole gradients
             for norm in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)):
                 if norm is not None:
                     norm.weight.register_hook(_tp_sum(q, f"{type(norm).__name__} gradient"))
+        return True
 
     def enable_activation_checkpointing(self) -> None:
         # transformers 5 renamed gradient_checkpointing_enable (the old name warns there).
