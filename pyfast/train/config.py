@@ -376,7 +376,7 @@ def build_model(cfg: TrainConfig, vocab_size: int, device=None):
     from pyfast import models
     if not models.known(cfg.model):
         raise ConfigError(f"--model {cfg.model!r} is unknown; known: {', '.join(models.MODELS)}, "
-                          "gpt:layers=L,heads=H,hidden=D[,mlp=R]")
+                          "gpt:layers=L,heads=H,hidden=D[,mlp=R], hf:DIR")
     try:
         with torch.device(device) if device is not None else contextlib.nullcontext():
             return models.build(cfg.model, vocab_size, cfg.seq, positions=cfg.positions,
