@@ -185,7 +185,11 @@ def read_config(directory: str) -> dict:
 
 def vocab_size(directory: str) -> int:
     """The model's embedding rows (config.json's vocab_size)."""
-    return int(read_config(directory)["vocab_size"])
+    n = read_config(directory).get("vocab_size")
+    if type(n) is not int or n < 1:
+        raise ValueError(f"hf:{directory}: config.json's vocab_size is {n!r}, not a positive "
+                         "integer")
+    return n
 
 
 def _check_weights(directory: str, model: nn.Module, files: list[str]) -> dict[str, str]:
