@@ -58,17 +58,23 @@ def gpt_shape(name: str) -> dict:
 
 
 def known(name: str) -> bool:
-    return name in MODELS or name.startswith("gpt:")
+    return name in MODELS or name.startswith(("gpt:", "hf:"))
 
 
 def build(name: str, vocab_size: int, seq_len: int, **options) -> nn.Module:
-    """The full model, initialised from torch's default generator (seed it first)."""
+    """The full model, initialised from torch's default generator (seed it first).
+    `hf:DIR`: a local Hugging Face model directory (pyfast.models.hf.from_dir), with its own
+    vocabulary (config.json's vocab_size; `vocab_size` is ignored: the job checks the data's
+    fits) and its weights when it has any."""
+    if name.startswith("hf:"):
+        from .hf import from_dir  # transformers is optional: imported only when asked for
+        return from_dir(name[len("hf:"):], seq_len, **options)
     if name.startswith("gpt:"):
         return GPT(GPTConfig(**gpt_shape(name), seq_len=seq_len, vocab_size=vocab_size,
                              **options))
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}, "
-                         "gpt:layers=L,heads=H,hidden=D")
+                         "gpt:layers=L,heads=H,hidden=D, hf:DIR")
     return MODELS[name](vocab_size, seq_len, **options)
 
 

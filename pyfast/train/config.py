@@ -117,7 +117,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--print-launch", action="store_true", help="print the torchrun command "
                    "of every node and exit")
     a("--model", default=d.model, help="gpt-tiny, gpt-small, hf-llama-tiny, or the GPT at any "
-      "shape: gpt:layers=L,heads=H,hidden=D[,mlp=R]")
+      "shape: gpt:layers=L,heads=H,hidden=D[,mlp=R], or hf:DIR (a local Hugging Face model "
+      "directory: config.json [+ *.safetensors])")
     a("--dp", type=int, default=d.dp)
     a("--tp", type=int, default=d.tp)
     a("--pp", type=int, default=d.pp)
@@ -239,6 +240,7 @@ def check(cfg: TrainConfig, world: int, model: bool = True) -> dict:
     check_zero(cfg)
     data = check_data(cfg)
     check_watch(cfg)
+    check_model_vocab(cfg, data)
     if model:
         check_model(cfg)
     return data
@@ -350,6 +352,31 @@ def check_data(cfg: TrainConfig) -> dict:
         raise ConfigError(f"--data {cfg.data or '(default: the stdlib sources)'}: {e}") from None
 
 
+def check_model_vocab(cfg: TrainConfig, data: dict) -> None:
+    """--model hf:DIR has its own vocabulary (config.json's vocab_size): refuse data whose
+    vocabulary is larger (its ids past the embedding would have no row). The data's vocabulary:
+    its fingerprint's "vocab_size" (prepared datasets), 256 for text read as bytes, else
+    load_corpus's (a uint16 .bin: one pass over its tokens)."""
+    if not cfg.model.startswith("hf:"):
+        return
+    from pyfast.models.hf import vocab_size
+    try:
+        model_vocab = vocab_size(cfg.model[len("hf:"):])
+    except ValueError as e:
+        raise ConfigError(f"--model {e}") from None
+    data_vocab = data.get("vocab_size") if isinstance(data, dict) else None
+    if data_vocab is None and isinstance(data, dict) and data.get("unit") == "bytes":
+        data_vocab = 256  # text read as bytes: load_corpus's vocabulary, without reading it
+    if data_vocab is None:
+        from pyfast.data import load_corpus
+        data_vocab = load_corpus(cfg.data).vocab_size
+    if data_vocab > model_vocab:
+        raise ConfigError(f"--data {cfg.data or '(default: the stdlib sources)'} has a vocabulary"
+                          f" of {data_vocab} tokens, more than the {model_vocab} rows of "
+                          f"--model {cfg.model}'s embedding (config.json's vocab_size): use "
+                          "data tokenized for this model")
+
+
 def check_degrees(cfg: TrainConfig) -> None:
     """The mesh's degrees are >= 1 (the launcher sizes the job by them, before check)."""
     for name in ("dp", "cp", "tp", "pp"):
@@ -408,7 +435,7 @@ def build_model(cfg: TrainConfig, vocab_size: int, device=None):
     from pyfast import models
     if not models.known(cfg.model):
         raise ConfigError(f"--model {cfg.model!r} is unknown; known: {', '.join(models.MODELS)}, "
-                          "gpt:layers=L,heads=H,hidden=D[,mlp=R]")
+                          "gpt:layers=L,heads=H,hidden=D[,mlp=R], hf:DIR")
     try:
         with torch.device(device) if device is not None else contextlib.nullcontext():
             return models.build(cfg.model, vocab_size, cfg.seq, positions=cfg.positions,
