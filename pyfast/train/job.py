@@ -85,6 +85,10 @@ class Job:
         # would not fit in the host's memory, and meta tensors hold no values to draw anyway
         model = build_model(cfg, self.corpus.vocab_size, device if device.type == "meta" else None)
         check_model(cfg, model)
+        # the embedding's rows: the data's vocabulary for pyfast's GPT, the config's for hf:DIR
+        # (which may exceed the data's; export sizes its tokenizer check by it)
+        self.vocab_size = getattr(getattr(model, "config", None), "vocab_size", None) \
+            or self.corpus.vocab_size
         self.n_params = sum(p.numel() for p in model.parameters())
         model.to(device)
         if cfg.activation_checkpointing:
@@ -370,7 +374,7 @@ class Job:
 
     def meta(self) -> dict:
         c = self.cfg
-        return {"model_key": c.model_key(), "vocab_size": self.corpus.vocab_size,
+        return {"model_key": c.model_key(), "vocab_size": self.vocab_size,
                 "mesh": {"dp": c.dp, "cp": c.cp, "tp": c.tp, "pp": c.pp}, "compress": c.compress,
                 "precision": c.precision, "batch": c.batch, "n_params": self.n_params,
                 "zero": c.zero, "param_compress": c.param_compress,
