@@ -49,6 +49,12 @@ def _model(arch: str, tie: bool = False, **extra):
     return HFCausalLM(GPT2LMHeadModel(config), {}, ())
 
 
+# the Llama shape for the other Llama-family classes (Mistral, Qwen2, Qwen3)
+MISTRAL = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+               num_key_value_heads=2, intermediate_size=96, use_cache=False,
+               tie_word_embeddings=False, attn_implementation="sdpa")
+
+
 def _batch():
     ids = torch.randint(0, VOCAB, (B, T + 1), generator=torch.Generator().manual_seed(SEED))
     return ids[:, :-1], ids[:, 1:]  # the same batch on every rank
@@ -105,14 +111,21 @@ def _cp_cases(rank, world):
             make()
         except ValueError as e:
             errors.append(str(e))
-    # attention dropout in training is refused, not dropped
+    # attention dropout is refused, not dropped; a sliding window narrower than the sequence
+    # (Mistral's, 5 tokens) too
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from pyfast.models.hf import HFCausalLM
     torch.manual_seed(SEED)
-    m = _model("llama", attention_dropout=0.1)
-    m.context_parallel(None, layout="zigzag")
-    try:
-        m(torch.randint(0, VOCAB, (1, 8)))
-    except ValueError as e:
-        errors.append(str(e))
+    mistral = HFCausalLM(MistralForCausalLM(MistralConfig(**MISTRAL, sliding_window=5)), {}, ())
+    mistral.context_parallel(None, layout="contiguous")
+    for make in (lambda: _model("llama", attention_dropout=0.1).context_parallel(
+                     None, layout="zigzag"),
+                 lambda: mistral(torch.randint(0, VOCAB, (1, 8)))):
+        try:
+            make()
+        except ValueError as e:
+            errors.append(str(e))
     return done, errors
 
 
@@ -123,11 +136,12 @@ def test_cp2_matches_one_process(pool2):
     done, errors = results[0]
     assert done == ["llama zigzag ring", "llama contiguous ulysses", "gpt2 zigzag ring",
                     "gpt2 contiguous ulysses"]
-    assert len(errors) == 3, errors
+    assert len(errors) == 4, errors
     assert errors[0] == ("sequence of 20 tokens (10 on each of 2 context-parallel ranks) is "
                          "longer than the model's 16 learned positions")
     assert "layout must be one of" in errors[1]
-    assert "attention dropout 0.1 is not supported" in errors[2]
+    assert "LlamaConfig has attention dropout 0.1" in errors[2]
+    assert "sliding-window attention (5 tokens, in a sequence of 16)" in errors[3]
 
 
 # ---------------------------------------------------------------- pipeline parallelism
@@ -209,6 +223,22 @@ def test_stages_keep_hf_names_and_refuse_tied_embeddings():
     torch.testing.assert_close(stages(x), m(x), rtol=0, atol=0)
     with pytest.raises(ValueError, match="ties its input embedding and LM head"):
         _model("gpt2", tie=True).as_sequential()
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen2", "qwen3"])
+def test_stages_of_other_llama_family_models_equal_their_forward(arch):
+    """Sliding windows (5 of 12 tokens: Mistral's on every layer, Qwen2's on the layers past
+    max_window_layers) and Qwen3's q/k norms go through the stages as through HF's forward."""
+    import transformers
+
+    from pyfast.models.hf import HFCausalLM
+    shape = {"mistral": dict(sliding_window=5),
+             "qwen2": dict(use_sliding_window=True, sliding_window=5, max_window_layers=1),
+             "qwen3": {}}[arch]
+    config = getattr(transformers, f"{arch.capitalize()}Config")(**MISTRAL, **shape)
+    m = HFCausalLM(getattr(transformers, f"{arch.capitalize()}ForCausalLM")(config), {}, ())
+    x, _ = _batch()
+    torch.testing.assert_close(m.as_sequential()(x), m(x), rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------- pyfast train

@@ -80,6 +80,11 @@ class HFCausalLM(nn.Module):
         from .hf_attention import enable
         enable(self, group, layout, method)
 
+    def cp_check(self) -> str | None:
+        """Why context_parallel would refuse this model, or None."""
+        from .hf_attention import problem
+        return problem(self.hf)
+
     def as_sequential(self) -> nn.Module:
         """The same modules as an nn.Sequential [embedding, layers..., head] for
         Pipeline.from_sequential, keeping HF's parameter names (pyfast.models.hf_stages)."""

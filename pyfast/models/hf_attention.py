@@ -12,7 +12,8 @@ vectors, exactly as on one process.
 
 Masks: "pyfast_cp" has no mask function in transformers' AttentionMaskInterface, so the HF
 model builds none (masking_utils skips custom implementations) and the attention is causal by
-construction; a padding mask, sliding windows and attention dropout are refused, not ignored.
+construction; a padding mask, attention dropout and a sliding window narrower than the sequence
+are refused, not ignored (the window, only in the forward: it depends on the sequence length).
 Grouped-query attention: context_parallel_attention takes as many key/value heads as query
 heads, so k and v are expanded (query head i reads key/value head i // groups, HF's
 repeat_kv) before the ring; the ring then moves groups x the keys and values it would need.
@@ -46,9 +47,10 @@ def cp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     if dropout:
         raise ValueError(f"{what}: attention dropout {dropout} is not supported under context "
                          "parallelism (set the config's attention dropout to 0)")
-    if kwargs.get("sliding_window") is not None:
-        raise ValueError(f"{what}: sliding-window attention ({kwargs['sliding_window']} tokens) "
-                         "is not supported under context parallelism")
+    window, world = kwargs.get("sliding_window"), dist.get_world_size(cp.group)
+    if window is not None and window < query.shape[2] * world:  # a window this wide is causal
+        raise ValueError(f"{what}: sliding-window attention ({window} tokens, in a sequence of "
+                         f"{query.shape[2] * world}) is not supported under context parallelism")
     groups, rem = divmod(query.shape[1], key.shape[1])
     if rem:
         raise ValueError(f"{what}: {query.shape[1]} query heads are not a multiple of "
@@ -70,6 +72,20 @@ def attention_modules(hf: nn.Module) -> list[nn.Module]:
     return [m for m in hf.modules() if getattr(m, "is_causal", None) is True]
 
 
+def problem(hf: nn.Module) -> str | None:
+    """Why `hf` cannot run context-parallel attention, or None (before any rank starts:
+    config.check_model, through HFCausalLM.cp_check)."""
+    if not attention_modules(hf):
+        return (f"{type(hf).__name__} has no causal attention module (HF's is_causal flag) to "
+                "route through context-parallel attention")
+    config = hf.config
+    dropout = getattr(config, "attention_dropout", 0.0) or getattr(config, "attn_pdrop", 0.0)
+    if dropout:
+        return (f"{type(config).__name__} has attention dropout {dropout}, which "
+                "context-parallel attention does not apply; set it to 0")
+    return None
+
+
 def enable(model, group, layout: str | None, method: str) -> ContextParallel:
     """Route `model.hf`'s attention through context_parallel_attention over `group` (see the
     module); returns the setting, which model.positions() reads."""
@@ -77,14 +93,10 @@ def enable(model, group, layout: str | None, method: str) -> ContextParallel:
         raise ValueError(f"context_parallel: layout must be one of {LAYOUTS} and method one "
                          f"of {METHODS}, got {layout!r}, {method!r}")
     hf = model.hf
+    why = problem(hf)
+    if why:
+        raise ValueError(f"context_parallel: {why}")
     mods = attention_modules(hf)
-    if not mods:
-        raise ValueError(f"context_parallel: {type(hf).__name__} has no causal attention module "
-                         "(HF's is_causal flag) to route through context-parallel attention")
-    windowed = [type(m).__name__ for m in mods if getattr(m, "sliding_window", None)]
-    if windowed:
-        raise ValueError(f"context_parallel: {windowed[0]} uses sliding-window attention "
-                         f"({len(windowed)} layers), which context parallelism does not support")
     _register()
     cp = ContextParallel(group, layout, method)
     for m in mods:

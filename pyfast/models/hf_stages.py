@@ -36,11 +36,20 @@ SUPPORTED = ("Llama family (model.embed_tokens/layers/norm/rotary_emb + lm_head:
              "Mistral, Qwen2, Qwen3)", "GPT-2 (transformer.wte/wpe/h/ln_f + lm_head)")
 
 
-def _mask(config, x: torch.Tensor, pos: torch.Tensor, layer: nn.Module):
+def _mask(config, x: torch.Tensor, pos: torch.Tensor, index: int):
+    """Layer `index`'s causal mask, as the HF model's forward picks it: by config.layer_types
+    (Qwen2/3 and others), else windowed on every layer when the config has a window
+    (Mistral); None where the attention is causal without one (sdpa, pyfast_cp)."""
     from transformers.masking_utils import (create_causal_mask,
                                             create_sliding_window_causal_mask)
-    make = create_sliding_window_causal_mask \
-        if getattr(layer, "attention_type", None) == "sliding_attention" else create_causal_mask
+    kinds = getattr(config, "layer_types", None)
+    if kinds is not None:
+        kind = kinds[index]
+    else:
+        windowed = getattr(config, "sliding_window", None) is not None
+        kind = "sliding_attention" if windowed else "full_attention"
+    make = create_sliding_window_causal_mask if kind == "sliding_attention" \
+        else create_causal_mask
     return make(config=config, inputs_embeds=x, attention_mask=None, cache=None,
                 position_ids=pos)
 
@@ -64,15 +73,15 @@ class _Embed(nn.Module):
 class _Layer(nn.Module):
     """One HF decoder layer with its positions, rotary tables and mask recomputed."""
 
-    def __init__(self, shared, layer: nn.Module, rotary: nn.Module | None):
+    def __init__(self, shared, layer: nn.Module, rotary: nn.Module | None, index: int):
         super().__init__()
-        self.shared, self.layer = shared, layer
+        self.shared, self.layer, self.index = shared, layer, index
         self.rotary = copy.deepcopy(rotary) if rotary is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         pos = positions(self.shared.cp, x.shape[1], x.device)
         kw = {"position_embeddings": self.rotary(x, pos)} if self.rotary is not None else {}
-        out = self.layer(x, attention_mask=_mask(self.shared.config, x, pos, self.layer),
+        out = self.layer(x, attention_mask=_mask(self.shared.config, x, pos, self.index),
                          position_ids=pos, **kw)
         return out[0] if isinstance(out, tuple) else out
 
@@ -92,13 +101,13 @@ def _build(hf: nn.Module, shared) -> tuple[list[nn.Module], list[tuple]]:
     if base is not None and all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm")):
         rotary = getattr(base, "rotary_emb", None)
         layers = [_Embed(shared, base.embed_tokens),
-                  *(_Layer(shared, layer, rotary) for layer in base.layers),
+                  *(_Layer(shared, layer, rotary, i) for i, layer in enumerate(base.layers)),
                   _Head(base.norm, hf.lm_head)]
         links = [(layers[0], "tok", base, "embed_tokens"), (layers[-1], "norm", base, "norm")]
         blocks = base.layers
     elif (base := getattr(hf, "transformer", None)) is not None and hasattr(base, "h"):
         layers = [_Embed(shared, base.wte, base.wpe, base.drop),
-                  *(_Layer(shared, block, None) for block in base.h),
+                  *(_Layer(shared, block, None, i) for i, block in enumerate(base.h)),
                   _Head(base.ln_f, hf.lm_head)]
         links = [(layers[0], "tok", base, "wte"), (layers[0], "pos", base, "wpe"),
                  (layers[-1], "norm", base, "ln_f")]
@@ -174,6 +183,9 @@ class HFStages(nn.Sequential):
         """HFCausalLM.context_parallel, and the stages' positions follow the layout."""
         self.owner.context_parallel(group, layout=layout, method=method)
         self.shared.cp = self.owner.hf.pyfast_cp
+
+    def cp_check(self) -> str | None:
+        return self.owner.cp_check()
 
     def enable_activation_checkpointing(self) -> None:
         self.owner.enable_activation_checkpointing()

@@ -379,6 +379,9 @@ def check_model(cfg: TrainConfig, m=None) -> None:
         if not hasattr(m, "context_parallel"):
             raise ConfigError(f"--cp {cfg.cp}: --model {cfg.model} has no context-parallel "
                               "attention (GPT.context_parallel); use --cp 1")
+        why = m.cp_check() if hasattr(m, "cp_check") else None  # HF models: pyfast.models.hf
+        if why:
+            raise ConfigError(f"--cp {cfg.cp}: --model {cfg.model}: {why}")
         heads = model_shape(m)[0] // cfg.tp
         if cfg.cp_method == "ulysses" and heads % cfg.cp:
             raise ConfigError(f"--cp-method ulysses with --cp {cfg.cp}: each tp rank holds "
