@@ -282,3 +282,18 @@ def test_train_hf_pp2_checkpoint_resumes_on_one_process(runs, tmp_path):
     got, ref = records(src), records(runs["1proc"])
     assert got[-1]["step"] == 3
     assert rel([got[-1]["loss"]], [ref[-1]["loss"]]) < 1e-5, (got, ref)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--pp", "3", "--batch", "12"], "--pp 3: more pipeline stages than the 2 transformer layers"),
+    (["--pp", "2", "--tie-embeddings"], "ties its input embedding and LM head"),
+    (["--cp", "8", "--cp-method", "ulysses", "--seq", "32"],
+     "each tp rank holds 4 heads (n_head 4 / --tp 1), not divisible by 8"),
+])
+def test_bad_hf_flags_fail_before_any_rank_starts(tmp_path, capsys, flags, message):
+    from pyfast.train import main
+    argv = ["--model", "hf-llama-tiny", "--steps", "2", "--batch", "8", "--seq", "32"]
+    assert main(argv + ["--out", str(tmp_path)] + flags) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert not (tmp_path / "metrics.jsonl").exists()
