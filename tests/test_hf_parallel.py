@@ -223,6 +223,12 @@ def test_stages_keep_hf_names_and_refuse_tied_embeddings():
     torch.testing.assert_close(stages(x), m(x), rtol=0, atol=0)
     with pytest.raises(ValueError, match="ties its input embedding and LM head"):
         _model("gpt2", tie=True).as_sequential()
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    from pyfast.models.hf import HFCausalLM
+    gemma = HFCausalLM(GemmaForCausalLM(GemmaConfig(**MISTRAL, head_dim=16)), {}, ())
+    with pytest.raises(ValueError, match="model_type 'gemma'.*supported model types are llama"):
+        gemma.as_sequential()
 
 
 @pytest.mark.parametrize("arch", ["mistral", "qwen2", "qwen3"])

@@ -88,7 +88,7 @@ def problem(hf: nn.Module) -> str | None:
 
 def enable(model, group, layout: str | None, method: str) -> ContextParallel:
     """Route `model.hf`'s attention through context_parallel_attention over `group` (see the
-    module); returns the setting, which model.positions() reads."""
+    module); returns the setting (HFStages.context_parallel reads it for its positions)."""
     if layout not in LAYOUTS or method not in METHODS:
         raise ValueError(f"context_parallel: layout must be one of {LAYOUTS} and method one "
                          f"of {METHODS}, got {layout!r}, {method!r}")
@@ -102,6 +102,10 @@ def enable(model, group, layout: str | None, method: str) -> ContextParallel:
     for m in mods:
         m.pyfast_cp = cp
     hf.set_attn_implementation(NAME)
+    if hf.config._attn_implementation != NAME:  # transformers only warns: refuse instead
+        raise ValueError(f"context_parallel: {type(hf).__name__} does not take an attention "
+                         "function from transformers' AttentionInterface (it kept "
+                         f"{hf.config._attn_implementation!r})")
     if getattr(model, "_pyfast_positions", None) is None:  # once, however often this is called
         model._pyfast_positions = hf.register_forward_pre_hook(_global_positions, with_kwargs=True)
     hf.pyfast_cp = cp

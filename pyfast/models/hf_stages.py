@@ -32,8 +32,11 @@ from pyfast.parallel.parallelize import _matches
 
 from .hf_attention import learned_limit, positions
 
-SUPPORTED = ("Llama family (model.embed_tokens/layers/norm/rotary_emb + lm_head: Llama, "
-             "Mistral, Qwen2, Qwen3)", "GPT-2 (transformer.wte/wpe/h/ln_f + lm_head)")
+# config.model_type -> the layout its forward follows. By name, not by attribute names: Gemma
+# has model.embed_tokens/layers/norm/rotary_emb too but scales the embeddings by sqrt(hidden),
+# which stages built from the attributes alone would silently leave out.
+LAYOUT = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama",
+          "gpt2": "gpt2"}
 
 
 def _mask(config, x: torch.Tensor, pos: torch.Tensor, index: int):
@@ -97,24 +100,27 @@ class _Head(nn.Module):
 
 def _build(hf: nn.Module, shared) -> tuple[list[nn.Module], list[tuple]]:
     """(the stages' layers, links (stage module, its attribute, HF parent, HF attribute))."""
-    base = getattr(hf, "model", None)
-    if base is not None and all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm")):
+    kind = LAYOUT.get(getattr(hf.config, "model_type", None))
+    if kind is None:
+        raise ValueError(f"{type(hf).__name__} (model_type "
+                         f"{getattr(hf.config, 'model_type', None)!r}) cannot be cut into "
+                         f"pipeline stages: supported model types are {', '.join(LAYOUT)}")
+    if kind == "llama":
+        base = hf.model
         rotary = getattr(base, "rotary_emb", None)
         layers = [_Embed(shared, base.embed_tokens),
                   *(_Layer(shared, layer, rotary, i) for i, layer in enumerate(base.layers)),
                   _Head(base.norm, hf.lm_head)]
         links = [(layers[0], "tok", base, "embed_tokens"), (layers[-1], "norm", base, "norm")]
         blocks = base.layers
-    elif (base := getattr(hf, "transformer", None)) is not None and hasattr(base, "h"):
+    else:
+        base = hf.transformer
         layers = [_Embed(shared, base.wte, base.wpe, base.drop),
                   *(_Layer(shared, block, None, i) for i, block in enumerate(base.h)),
                   _Head(base.ln_f, hf.lm_head)]
         links = [(layers[0], "tok", base, "wte"), (layers[0], "pos", base, "wpe"),
                  (layers[-1], "norm", base, "ln_f")]
         blocks = base.h
-    else:
-        raise ValueError(f"{type(hf).__name__} cannot be cut into pipeline stages: supported "
-                         f"layouts are {'; '.join(SUPPORTED)}")
     links += [(layers[-1], "lm_head", hf, "lm_head")]
     links += [(layers[1 + i], "layer", blocks, str(i)) for i in range(len(blocks))]
     return layers, links

@@ -385,7 +385,7 @@ def check_model(cfg: TrainConfig, m=None) -> None:
         heads = model_shape(m)[0] // cfg.tp
         if cfg.cp_method == "ulysses" and heads % cfg.cp:
             raise ConfigError(f"--cp-method ulysses with --cp {cfg.cp}: each tp rank holds "
-                              f"{heads} heads ({model_shape(m)[0]} / --tp {cfg.tp}), not "
+                              f"{heads} heads (n_head {model_shape(m)[0]} / --tp {cfg.tp}), not "
                               f"divisible by {cfg.cp}; use --cp-method ring")
     if cfg.pp > 1:
         if not models.pipelinable(m):
