@@ -218,6 +218,7 @@ def test_stages_keep_hf_names_and_refuse_tied_embeddings():
     assert [(n, id(p)) for n, p in stages.named_parameters()] == \
         [(n, id(p)) for n, p in m.named_parameters()]
     assert next(iter(dict(stages.named_parameters()))) == "hf.model.embed_tokens.weight"
+    assert stages.state_dict().keys() == m.state_dict().keys()
     x, _ = _batch()
     # the same modules and kernels in the same order: the same bits
     torch.testing.assert_close(stages(x), m(x), rtol=0, atol=0)
@@ -269,6 +270,8 @@ def test_train_hf_llama_matches_one_process(runs, name):
     assert len(got) == len(ref) == 3
     for key in ("loss", "grad_norm"):
         assert rel([r[key] for r in got], [r[key] for r in ref]) < 1e-5, (key, got, ref)
+    # validation (the pipeline's forward; cp shards) after steps 2 and 3
+    assert rel([r["val_loss"] for r in got[1:]], [r["val_loss"] for r in ref[1:]]) < 1e-5
 
 
 @pytest.mark.dist

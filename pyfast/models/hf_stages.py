@@ -12,9 +12,9 @@ create_causal_mask (None for sdpa and for context-parallel attention, which are 
 construction). Llama-family models (Llama, Mistral, Qwen2/3: model.embed_tokens, .layers,
 .norm, .rotary_emb, lm_head) and GPT-2 (transformer.wte, .wpe, .drop, .h, .ln_f, lm_head).
 
-Names: named_parameters() gives the HF model's names ("hf." + HF's own, HFCausalLM's), so a
-checkpoint of the stages has the keys of the unsplit model: a pp=2 run resumes at pp=1 and back,
-and export maps keys by stripping "hf.". tp_plan() is HFCausalLM's plan resolved to the
+Names: named_parameters() and state_dict() give the HF model's names ("hf." + HF's own,
+HFCausalLM's), so a checkpoint of the stages has the keys of the unsplit model: a pp=2 run
+resumes at pp=1 and back, and export maps keys by stripping "hf.". tp_plan() is HFCausalLM's plan resolved to the
 stages' module names; after parallelize converts modules in the stages, retie() puts the
 converted ones back into the HF model, so both views keep sharing every module.
 Tied embeddings (the embedding and the LM head one tensor, on the first and the last stage)
@@ -152,6 +152,13 @@ class HFStages(nn.Sequential):
         """The HF model's names for the same parameters (see the module)."""
         return self.owner.named_parameters(prefix=prefix, recurse=recurse,
                                            remove_duplicate=remove_duplicate)
+
+    def state_dict(self, *args, **kwargs):
+        """The HF model's state dict (its keys), the same tensors."""
+        return self.owner.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return self.owner.load_state_dict(state_dict, strict=strict, assign=assign)
 
     # -- the model contract --------------------------------------------------------------------
     @property
