@@ -117,6 +117,25 @@ class HFCausalLM(nn.Module):
                     norm.weight.register_hook(_tp_sum(q, f"{type(norm).__name__} gradient"))
         return True
 
+    def context_parallel(self, group, layout: str | None = None, method: str = "ring") -> None:
+        """GPT.context_parallel's contract: forward takes this rank's shard of the ids (layout:
+        required, the one they were sharded with) and returns its tokens' logits; attention
+        runs over the whole sequence (ring or ulysses) through transformers' attention
+        interface and positions are the shard's global ones (pyfast.models.hf_attention)."""
+        from .hf_attention import enable
+        enable(self, group, layout, method)
+
+    def cp_check(self) -> str | None:
+        """Why context_parallel would refuse this model, or None."""
+        from .hf_attention import problem
+        return problem(self.hf)
+
+    def as_sequential(self) -> nn.Module:
+        """The same modules as an nn.Sequential [embedding, layers..., head] for
+        Pipeline.from_sequential, keeping HF's parameter names (pyfast.models.hf_stages)."""
+        from .hf_stages import HFStages
+        return HFStages(self)
+
     def enable_activation_checkpointing(self) -> None:
         # transformers 5 renamed gradient_checkpointing_enable (the old name warns there).
         # Non-reentrant, as GPT's blocks: no input needs requires_grad. Unlike GPT, HF's

@@ -438,10 +438,19 @@ def build_model(cfg: TrainConfig, vocab_size: int, device=None):
                           "gpt:layers=L,heads=H,hidden=D[,mlp=R], hf:DIR")
     try:
         with torch.device(device) if device is not None else contextlib.nullcontext():
-            return models.build(cfg.model, vocab_size, cfg.seq, positions=cfg.positions,
-                                tie_embeddings=cfg.tie_embeddings)
+            m = models.build(cfg.model, vocab_size, cfg.seq, positions=cfg.positions,
+                             tie_embeddings=cfg.tie_embeddings)
+            # an HF model is pipelined as its Sequential form (pyfast.models.hf_stages)
+            return m.as_sequential() if cfg.pp > 1 and hasattr(m, "as_sequential") else m
     except (ImportError, ValueError) as e:
         raise ConfigError(f"--model {cfg.model}: {e}") from None
+
+
+def model_shape(m) -> tuple[int, int]:
+    """(attention heads, transformer layers) of a GPT or a Hugging Face model (its config)."""
+    if hasattr(m, "cfg"):
+        return m.cfg.n_head, m.cfg.n_layer
+    return m.config.num_attention_heads, m.config.num_hidden_layers
 
 
 def check_model(cfg: TrainConfig, m=None) -> None:
@@ -456,16 +465,19 @@ def check_model(cfg: TrainConfig, m=None) -> None:
         if not hasattr(m, "context_parallel"):
             raise ConfigError(f"--cp {cfg.cp}: --model {cfg.model} has no context-parallel "
                               "attention (GPT.context_parallel); use --cp 1")
-        heads = getattr(m, "cfg").n_head // cfg.tp
+        why = m.cp_check() if hasattr(m, "cp_check") else None  # HF models: pyfast.models.hf
+        if why:
+            raise ConfigError(f"--cp {cfg.cp}: --model {cfg.model}: {why}")
+        heads = model_shape(m)[0] // cfg.tp
         if cfg.cp_method == "ulysses" and heads % cfg.cp:
             raise ConfigError(f"--cp-method ulysses with --cp {cfg.cp}: each tp rank holds "
-                              f"{heads} heads (n_head {m.cfg.n_head} / --tp {cfg.tp}), not "
+                              f"{heads} heads (n_head {model_shape(m)[0]} / --tp {cfg.tp}), not "
                               f"divisible by {cfg.cp}; use --cp-method ring")
     if cfg.pp > 1:
         if not models.pipelinable(m):
             raise ConfigError(f"--model {cfg.model} cannot be cut into pipeline stages (it is "
                               f"not an nn.Sequential); use --pp 1")
-        layers = getattr(m, "cfg").n_layer
+        layers = model_shape(m)[1]
         if cfg.pp > layers:
             raise ConfigError(f"--pp {cfg.pp}: more pipeline stages than the {layers} "
                               f"transformer layers of {cfg.model}")
