@@ -34,6 +34,57 @@ def _info(args) -> int:
     return 0
 
 
+def _data_prepare(a) -> int:
+    import json
+    import time
+
+    from pyfast.prepare import prepare
+    t0 = time.perf_counter()
+    try:
+        m = prepare(a.input, a.out, a.tokenizer, a.train_bpe, a.text_field, a.val_fraction,
+                    a.workers, a.eos, show=sys.stderr.isatty())
+    except (OSError, ValueError) as e:
+        print(f"pyfast data prepare: error: {e}", file=sys.stderr)
+        return 2
+    dt = time.perf_counter() - t0
+    print(f"{a.out}: {m['tokenizer']} (vocab {m['vocab_size']:,}, EOS {m['eos_id']}, "
+          f"{m['dtype']}); train {m['train']['tokens']:,} tokens in {m['train']['documents']:,} "
+          f"documents, val {m['val']['tokens']:,} in {m['val']['documents']:,}; "
+          f"{m['text_bytes'] / 2**20:.1f} MB of text in {dt:.1f} s")
+    if m["invalid_utf8_documents"]:
+        print(f"note: {m['invalid_utf8_documents']} documents were not valid UTF-8 (bad bytes "
+              "became U+FFFD)")
+    if not m["val"]["tokens"]:
+        print("note: no document landed in val (raise --val-fraction): evaluation is skipped")
+    if a.json:
+        print(json.dumps(m, indent=1))
+    return 0
+
+
+def _data_parser(sub) -> None:
+    data = sub.add_parser("data", help="datasets: pyfast data prepare -h").add_subparsers(
+        dest="what", required=True)
+    p = data.add_parser("prepare", help="tokenize text files or JSONL into memory-mapped token "
+                        "shards for pyfast train --data OUT (docs/training.md, Data)")
+    p.add_argument("--input", action="append", required=True, metavar="GLOB|FILE|DIR",
+                   help="text files (one document each) or .jsonl (one per line); repeatable")
+    p.add_argument("--text-field", default="text", help="JSONL: the field holding the text")
+    tok = p.add_mutually_exclusive_group()
+    tok.add_argument("--tokenizer", default="bytes", help="bytes (default; EOS 256), a "
+                     "tokenizer.json, or a Hugging Face tokenizer folder holding one")
+    tok.add_argument("--train-bpe", type=int, default=0, metavar="N",
+                     help="train a byte-level BPE of N tokens on the input itself")
+    p.add_argument("--eos", default=None, help="the EOS token (default: the folder's "
+                   "tokenizer_config.json eos_token, else <|endoftext|>, </s>, ...)")
+    p.add_argument("--val-fraction", type=float, default=0.01,
+                   help="share of documents to val, by a hash of their ids (default 0.01)")
+    p.add_argument("--out", required=True, help="the dataset folder (resumed if unfinished)")
+    p.add_argument("--workers", type=int, default=2, help="processes tokenizing files or JSONL "
+                   "ranges of 4 MB in parallel; 1: the tokenizer's own threads (default 2)")
+    p.add_argument("--json", action="store_true", help="print the manifest")
+    p.set_defaults(fn=_data_prepare)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "train":  # its own parser: pyfast.train.config
@@ -55,6 +106,7 @@ def main(argv=None) -> int:
     sub.add_parser("train", help="train a model on a dp x cp x tp x pp mesh (pyfast train -h)")
     sub.add_parser("ablate", help="compression ablations: time to a target loss per compressor "
                    "and link, vs bf16 (pyfast ablate -h)")
+    _data_parser(sub)
     sub.add_parser("info", help="versions, backends available here (and why not), GPUs"
                    ).set_defaults(fn=_info)
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="what", required=True)
