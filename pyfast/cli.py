@@ -24,6 +24,8 @@ BENCHMARKS = {
             "models against the dry run and measured runs)",
     "plan_memory": "the planner's memory model vs the dry run and vs measured CPU allocations",
     "plan_time": "the planner's step-time model vs measured pyfast train runs on 3 links",
+    "data": "pyfast data prepare's MB/s (1 vs 2 workers, bytes and BPE), data vs compute per "
+            "step, RSS vs corpus size",
     "report": "write docs/benchmarks.md from bench/results/ (no benchmark is run)",
 }
 

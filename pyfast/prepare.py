@@ -69,8 +69,8 @@ def expand(inputs: list[str]) -> list[tuple[str, str]]:
     for spec in inputs:
         if glob.has_magic(spec):
             parts = spec.replace(os.sep, "/").split("/")
-            root = "/".join(p for p in parts[:next(i for i, p in enumerate(parts)
-                                                    if glob.has_magic(p))]) or "."
+            fixed = parts[:next(i for i, p in enumerate(parts) if glob.has_magic(p))]
+            root = "/".join(fixed) or ("/" if spec.startswith("/") else ".")
             found = [p for p in sorted(glob.glob(spec, recursive=True)) if os.path.isfile(p)]
         elif os.path.isdir(spec):
             root, found = spec, _walk(spec)
@@ -292,8 +292,16 @@ def _run_units(jobs: list, done: int, total: int, workers: int, show: bool) -> N
                 bar.advance(task, encode_unit(job))
             return
         import multiprocessing as mp
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one thread per worker
-        with mp.get_context("spawn").Pool(min(workers, len(jobs))) as pool:
+        old = os.environ.get("TOKENIZERS_PARALLELISM")
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker: set for the
+        try:  # spawned workers only, not for this process's later in-process runs
+            pool = mp.get_context("spawn").Pool(min(workers, len(jobs)))
+        finally:
+            if old is None:
+                del os.environ["TOKENIZERS_PARALLELISM"]
+            else:
+                os.environ["TOKENIZERS_PARALLELISM"] = old
+        with pool:
             for n in pool.imap_unordered(encode_unit, jobs):
                 bar.advance(task, n)
 
