@@ -2,9 +2,10 @@
 
 A corpus is bytes (vocab 256: the stdlib's own .py sources by default, a text file, a folder),
 a nanoGPT uint16 .bin, or a folder that `pyfast data prepare` wrote (pyfast.prepare: uint16 or
-uint32 token shards, memory-mapped, with the tokenizer's vocabulary and EOS). Batches are non-overlapping windows of seq+1 tokens in an order that
-is a function of (seed, epoch) only: dp ranks take contiguous slices of the same global batch,
-so a run at dp=4 sees exactly the tokens of a run at dp=1, and a checkpoint resumes at any dp.
+uint32 token shards, memory-mapped, with the tokenizer's vocabulary and EOS). Batches are
+non-overlapping windows of seq+1 tokens in an order that is a function of (seed, epoch) only:
+dp ranks take contiguous slices of the same global batch, so a run at dp=4 sees exactly the
+tokens of a run at dp=1, and a checkpoint resumes at any dp.
 """
 from __future__ import annotations
 
