@@ -369,8 +369,9 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "bytes", train_bpe_n: 
         eos_id = find_eos(tok, tokenizer, eos)
         with open(src, "rb") as f:
             atomic_write_bytes(tok_path, f.read())
-    vocab = tok.get_vocab_size(with_added_tokens=True) if train_bpe_n or tokenizer != "bytes" \
-        else BYTES_EOS + 1
+    # max id + 1, not get_vocab_size(): that counts entries, and a vocabulary may have gaps
+    vocab = max(tok.get_vocab(with_added_tokens=True).values()) + 1 \
+        if train_bpe_n or tokenizer != "bytes" else BYTES_EOS + 1
     if tokenizer == "bytes" and not train_bpe_n:
         tok_path, eos_id = "", BYTES_EOS
     dtype = dtype_for(vocab)
