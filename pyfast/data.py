@@ -184,7 +184,8 @@ def _bin_problem(path: str) -> str | None:
 
 def _prepared_dir(path: str) -> bool:
     """A folder `pyfast data prepare` wrote or started: never read as a folder of text files."""
-    return any(os.path.isfile(os.path.join(path, f)) for f in ("manifest.json", "prepare.json"))
+    return any(os.path.isfile(os.path.join(path, f))
+               for f in ("manifest.json", "prepare.json", "train.idx"))
 
 
 def _check_prepared(path: str, batch: int, seq: int) -> dict:

@@ -414,6 +414,9 @@ def read_manifest(path) -> dict:
         if os.path.isfile(os.path.join(path, "prepare.json")):
             raise ValueError(f"{path}: an unfinished `pyfast data prepare` (prepare.json, no "
                              "manifest.json): rerun the same command to finish it")
+        if os.path.isfile(os.path.join(path, "train.idx")):
+            raise ValueError(f"{path}: shards (train.idx) without manifest.json: a damaged "
+                             "dataset; prepare it again")
         raise ValueError(f"{path}: no manifest.json (not a prepared dataset)")
     try:
         with open(man) as f:

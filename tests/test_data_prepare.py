@@ -240,6 +240,9 @@ def test_check_refuses_broken_folders(corpus, tmp_path):
     (out / "manifest.json").write_text("{not json")
     with pytest.raises(ValueError, match="corrupt: not JSON"):
         check(str(out), 1, 4)
+    (out / "manifest.json").unlink()  # not read as a folder of text files
+    with pytest.raises(ValueError, match="shards .train.idx. without manifest.json"):
+        check(str(out), 1, 4)
     (out / "manifest.json").write_text(json.dumps(man))
     with open(out / "train.bin", "r+b") as f:
         f.truncate(10)
