@@ -1,7 +1,7 @@
 """The data layer of `pyfast train`: token corpora and batches that do not depend on the mesh.
 
 A corpus is bytes (vocab 256: the stdlib's own .py sources by default, a text file, a folder),
-a nanoGPT uint16 .bin, or a folder that `pyfast data prepare` wrote (pyfast.prepare: uint16 or
+a nanoGPT uint16 .bin, or a folder that `pyfast data prepare` wrote (pyfast.tokens: uint16 or
 uint32 token shards, memory-mapped, with the tokenizer's vocabulary and EOS). Batches are
 non-overlapping windows of seq+1 tokens in an order that is a function of (seed, epoch) only:
 dp ranks take contiguous slices of the same global batch, so a run at dp=4 sees exactly the
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pyfast.prepare import read_manifest, split_tokens, tokenizer_id
+from pyfast.tokens import read_manifest, split_tokens, tokenizer_id
 
 VAL_PERCENT = 2  # files (or tail tokens) held out for validation
 # a tail split keeps at least one window at nanoGPT's block size (1024) when the corpus is big
@@ -207,7 +207,7 @@ def check(path: str | None, batch: int, seq: int) -> dict:
     not the dtype its name says, fewer training tokens than one global batch). Returns the
     corpus's fingerprint: its size and a blake2b of its files' first and last MB (for folders:
     of every file's name, size and first 4 KB), which a resumed run must match. A prepared
-    folder: its manifest against its files' sizes (pyfast.prepare.read_manifest); fingerprint:
+    folder: its manifest against its files' sizes (pyfast.tokens.read_manifest); fingerprint:
     the manifest's content hash, the tokenizer file's hash and the vocab size."""
     if path is not None and os.path.isdir(path) and _prepared_dir(os.fspath(path)):
         return _check_prepared(os.fspath(path), batch, seq)
