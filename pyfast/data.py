@@ -1,9 +1,11 @@
 """The data layer of `pyfast train`: token corpora and batches that do not depend on the mesh.
 
-A corpus is bytes (vocab 256: the stdlib's own .py sources by default, a text file, a folder)
-or a nanoGPT uint16 .bin. Batches are non-overlapping windows of seq+1 tokens in an order that
-is a function of (seed, epoch) only: dp ranks take contiguous slices of the same global batch,
-so a run at dp=4 sees exactly the tokens of a run at dp=1, and a checkpoint resumes at any dp.
+A corpus is bytes (vocab 256: the stdlib's own .py sources by default, a text file, a folder),
+a nanoGPT uint16 .bin, or a folder that `pyfast data prepare` wrote (pyfast.tokens: uint16 or
+uint32 token shards, memory-mapped, with the tokenizer's vocabulary and EOS). Batches are
+non-overlapping windows of seq+1 tokens in an order that is a function of (seed, epoch) only:
+dp ranks take contiguous slices of the same global batch, so a run at dp=4 sees exactly the
+tokens of a run at dp=1, and a checkpoint resumes at any dp.
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from pyfast.tokens import read_manifest, split_tokens, tokenizer_id
 
 VAL_PERCENT = 2  # files (or tail tokens) held out for validation
 # a tail split keeps at least one window at nanoGPT's block size (1024) when the corpus is big
@@ -29,6 +33,8 @@ class Corpus:
     val: np.ndarray
     vocab_size: int  # 256 for bytes; for a .bin max id + 1 rounded up to 128 (tp <= 128 divides)
     source: str  # one line for logs
+    eos_id: int | None = None  # a prepared folder's: EOS ends every document
+    tokenizer: str | None = None  # a prepared folder's: "bytes" or the path of its tokenizer.json
 
 
 def is_val_file(rel: str) -> bool:
@@ -109,8 +115,20 @@ def _bin(path: str) -> Corpus:
                   f"train {len(train):,} / val {len(val):,} tokens")
 
 
+def _prepared(path: str) -> Corpus:
+    m = read_manifest(path)
+    train, val = split_tokens(path, m, "train"), split_tokens(path, m, "val")
+    # the embedding is padded to a multiple of 128, as for a .bin: tp <= 128 divides it
+    vocab = (m["vocab_size"] + 127) // 128 * 128
+    tok = "bytes" if m["tokenizer"] == "bytes" else os.path.join(path, m["tokenizer"])
+    return Corpus(train, val, vocab, f"{path}: prepared, {m['dtype']} tokens of "
+                  f"{m['tokenizer']} (vocab {m['vocab_size']:,}, EOS {m['eos_id']}), train "
+                  f"{len(train):,} / val {len(val):,} tokens", m["eos_id"], tok)
+
+
 def load_corpus(path: str | None = None) -> Corpus:
-    """The stdlib's .py files (None), a text file's bytes, a folder's files, or a .bin."""
+    """The stdlib's .py files (None), a text file's bytes, a folder's files, a .bin, or a
+    prepared folder (its manifest.json: memory-mapped shards, nothing read into RAM)."""
     if path is None:
         # 1,790 files, 31.5 MB (Python 3.11.7): 0.09 s warm, 0.25 s first read, on the 2-core
         # dev container: under the 0.5 s where a cache would pay for its invalidation logic
@@ -119,6 +137,8 @@ def load_corpus(path: str | None = None) -> Corpus:
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"corpus not found: {path}")
+    if os.path.isdir(path) and _prepared_dir(path):
+        return _prepared(path)
     if os.path.isdir(path):
         return _tree(path, _files(path, lambda n, is_dir: not n.startswith(".")), "files")
     if path.endswith(".bin"):
@@ -162,12 +182,35 @@ def _bin_problem(path: str) -> str | None:
     return None
 
 
+def _prepared_dir(path: str) -> bool:
+    """A folder `pyfast data prepare` wrote or started: never read as a folder of text files."""
+    return any(os.path.isfile(os.path.join(path, f))
+               for f in ("manifest.json", "prepare.json", "train.idx"))
+
+
+def _check_prepared(path: str, batch: int, seq: int) -> dict:
+    m = read_manifest(path)
+    n_train = m["train"]["tokens"]
+    sequences = max(n_train - 1, 0) // seq
+    if sequences < batch:
+        raise ValueError(f"{path}: its {n_train:,} training tokens at --seq {seq} make "
+                         f"{sequences} sequences, fewer than one global batch of --batch {batch}")
+    # content_hash covers the tokens, tokenizer the ids' meaning: a folder prepared with
+    # another tokenizer differs in both (config.resume_changes compares the whole dict)
+    return {"train": n_train, "unit": "tokens", "blake2b": m["content_hash"],
+            "tokenizer": tokenizer_id(path, m), "vocab_size": m["vocab_size"]}
+
+
 def check(path: str | None, batch: int, seq: int) -> dict:
     """What load_corpus(path) + Batches(train, batch, seq) would raise, found from file sizes and
     a few MB read (no token pass): ValueError naming the path and the problem (missing, empty,
     not the dtype its name says, fewer training tokens than one global batch). Returns the
     corpus's fingerprint: its size and a blake2b of its files' first and last MB (for folders:
-    of every file's name, size and first 4 KB), which a resumed run must match."""
+    of every file's name, size and first 4 KB), which a resumed run must match. A prepared
+    folder: its manifest against its files' sizes (pyfast.tokens.read_manifest); fingerprint:
+    the manifest's content hash, the tokenizer file's hash and the vocab size."""
+    if path is not None and os.path.isdir(path) and _prepared_dir(os.fspath(path)):
+        return _check_prepared(os.fspath(path), batch, seq)
     h = hashlib.blake2b(digest_size=16)
     if path is None or os.path.isdir(os.fspath(path)):
         root = sysconfig.get_paths()["stdlib"] if path is None else os.fspath(path)

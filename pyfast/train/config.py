@@ -164,8 +164,8 @@ def parser() -> argparse.ArgumentParser:
     a("--ckpt-every", type=int, default=d.ckpt_every)
     a("--eval-every", type=int, default=d.eval_every)
     a("--eval-batches", type=int, default=d.eval_batches)
-    a("--data", default=None, help="text file, folder or nanoGPT uint16 .bin (default: the "
-      "Python standard library's sources)")
+    a("--data", default=None, help="a folder from `pyfast data prepare`, a text file, folder or "
+      "nanoGPT uint16 .bin (default: the Python standard library's sources)")
     a("--positions", default=d.positions, choices=("rotary", "learned"))
     a("--tie-embeddings", action="store_true")
     a("--timeout", type=float, default=d.timeout)
@@ -287,7 +287,8 @@ def resume_changes(cfg: TrainConfig, record: dict, data: dict | None = None
     if data is not None and record.get("data") is not None and record["data"] != data:
         def fp(path, d):
             return (f"{path or 'the stdlib sources'} ({d['train']:,} training {d['unit']}, "
-                    f"blake2b {d['blake2b'][:12]})")
+                    f"blake2b {d['blake2b'][:12]}"
+                    + (f", tokenizer {d['tokenizer'][:28]}" if "tokenizer" in d else "") + ")")
         refused.append(f"--data: {fp(saved.get('data'), record['data'])} in the checkpoint, "
                        f"{fp(cfg.data, data)} here")
     return refused, changed
