@@ -269,6 +269,28 @@ class Job:
             rec.update(loss_scale=scale, skipped=skipped)
         return rec
 
+    def compression_error(self) -> float | None:
+        """--compress's relative error ||D(C(g)) - g|| / ||g|| on the gradient the last step
+        applied (each of this rank's tensors through a fresh codec: no error feedback, no warm
+        start; squares summed over all ranks, each element counted once as in the gradient
+        norm): what metrics.jsonl and TensorBoard log at eval steps. None, the same on every
+        rank, without a lossy fixed compressor or under ZeRO (whose ranks hold gradient shards).
+        Collective: every rank calls it."""
+        spec = self.cfg.compress
+        if spec in ("none", "auto") or self.zero is not None:
+            return None
+        import pyfast.compress as C
+        c, acc = C.get(spec), torch.zeros(2, dtype=torch.float64, device=self.device)
+        for (name, p), counted in zip(self.named, self.counted.tolist()):  # eval steps only
+            if p.grad is not None and counted:
+                g = p.grad.detach()
+                d = c.decompress(c.compress(g, name))
+                acc += torch.stack([(d.double() - g.double()).square().sum(),
+                                    g.double().square().sum()])
+        dist.all_reduce(acc)
+        err, norm = acc.tolist()
+        return math.sqrt(err / norm) if norm > 0 else None
+
     def _read(self, vec: torch.Tensor) -> list[float]:
         """vec's values on the host. A dry run's meta tensors hold none: a finite step whose
         gradient norm is clipped (twice --clip) stands in, so every branch of a step runs."""

@@ -143,6 +143,9 @@ def _loop(cfg: TrainConfig, job: Job, start: int, device) -> None:
             fault("step", step)
             if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
                 rec["val_loss"] = job.evaluate()
+                err = job.compression_error()
+                if err is not None:
+                    rec["compress_rel_error"] = err
             rss = job.scalar(peak_rss_mb())
             dist.all_reduce(rss, op=dist.ReduceOp.MAX)
             rec.update(max_rss_mb=float(rss), **gpu.sample())

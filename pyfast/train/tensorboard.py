@@ -11,15 +11,16 @@ from __future__ import annotations
 import importlib.util
 import os
 
-# metrics.jsonl key -> TensorBoard tag; a numeric key not listed here (a new metric, e.g. a
-# compression error once the job measures one) still gets a scalar, as "other/KEY"
+# metrics.jsonl key -> TensorBoard tag; a numeric key not listed here (a new metric) still gets
+# a scalar, as "other/KEY"
 TAGS = {
     "loss": "loss/train", "val_loss": "loss/val",
     "lr": "optim/lr", "grad_norm": "optim/grad_norm", "loss_scale": "optim/loss_scale",
     "skipped": "optim/skipped",
     "tokens_per_s": "perf/tokens_per_s", "step_ms": "time/step_ms",
     "compute_ms": "time/compute_ms", "exposed_comm_ms": "time/exposed_comm_ms",
-    "bytes_sent": "comm/bytes_sent", "max_rss_mb": "memory/max_rss_mb",
+    "bytes_sent": "comm/bytes_sent", "compress_rel_error": "comm/compress_rel_error",
+    "max_rss_mb": "memory/max_rss_mb",
     "gpu_util": "gpu/util_percent", "gpu_mem_mb": "gpu/mem_mb",
 }
 SAMPLE_TAG = "sample"
