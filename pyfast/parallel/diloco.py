@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 import pyfast.compress as C
+from pyfast import _dist
 from pyfast.comm import all_reduce
 from pyfast.comm.collectives import Handle
 from pyfast.comm.agree import exchange_device
@@ -132,7 +133,7 @@ def check_tiling(group, device: torch.device | None = None) -> None:
     mask = torch.zeros(world, dtype=torch.int64, device=dev)
     mask[members] = 1
     every = mask.new_zeros(world * world)
-    dist.all_gather_into_tensor(every, mask)
+    _dist.all_gather_single(every, mask)
     rows = read(every.view(world, world), None)
     if rows is None:  # a dry run: every rank is taken to be this one
         if me not in members:
