@@ -141,6 +141,10 @@ CFG = dict(sync_every=4, fragments=1, delay=0, alpha=0.0, outer_lr=0.7, outer_mo
 
 def _run(rank, world, cfg, steps, simulate_too=False, layers=3):
     m = tiny(layers)
+    if rank:  # a different start: construction must broadcast the group's rank 0 parameters
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(1.0)
     opt = inner(m, cfg["inner"])
     kw = {k: v for k, v in cfg.items() if k not in ("inner",)}
     dl = DiLoCo(m, opt, **kw)
