@@ -277,6 +277,7 @@ SIM_CASES = {
     "int8-ef-streaming": {"sync_every": 4, "fragments": 2, "delay": 1, "alpha": 0.5,
                           "compressor": "int8"},
     "int4-ef-offload": {"compressor": "int4", "offload": True, "delay": 2},
+    "e3m0-ef-fragments": {"compressor": "e3m0", "fragments": 2, "delay": 1},
     "int4-no-ef-sgd": {"compressor": "int4", "error_feedback": False, "outer_momentum": 0.5,
                        "nesterov": False, "alpha": 1.0},
 }
@@ -301,6 +302,19 @@ def test_equals_single_process_simulation(pool2):
     # int8: a byte an element + a 4-byte scale per 512; each fragment sent 3 times in 13 steps
     assert out[0]["int8-ef-streaming"]["bytes"] == sum(3 * (n + 4 * -(-n // 512)) for n in sizes)
     assert out[0]["diloco-H4"]["bytes"] == 3 * 4 * sum(sizes)  # fp32, the whole model 3 times
+
+
+def _other_compressors(rank, world, specs):
+    return {s: _run(rank, world, {**CFG, "sync_every": 2, "compressor": s}, 5) for s in specs}
+
+
+def test_per_tensor_and_sparse_compressors_keep_replicas_identical(pool2):
+    specs = ["topk:0.3", "powersgd:1", "randomk:0.5", "bf16"]
+    r0, r1 = pool2.run(_other_compressors, specs)
+    init = flat(tiny().parameters())
+    for s in specs:  # the outer steps moved the global parameters, identically everywhere
+        assert torch.equal(r0[s]["global"], r1[s]["global"]), s
+        assert torch.isfinite(r0[s]["global"]).all() and not torch.equal(r0[s]["global"], init)
 
 
 def _replicas_of(rank, world, dp, steps):

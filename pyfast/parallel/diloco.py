@@ -364,10 +364,13 @@ class DiLoCo:
                         raise ValueError(f"DiLoCo.load_state_dict: {key}[{n!r}] has shape "
                                          f"{tuple(src[n].shape)}, expected {tuple(t.shape)}")
                     t.copy_(src[n])
+        # absent (a resume with another number of replicas: residuals are per replica): the
+        # error-feedback memory starts empty, as at step 0
+        comp = state.get("compression", {})
         if isinstance(self.compressor, C.WithFeedback):
-            self.compressor.load_state_dict(state["compression"], self.device)
-        else:
-            self.compressor.load_state_dict(state["compression"])
+            self.compressor.load_state_dict(comp, self.device)
+        elif comp:
+            self.compressor.load_state_dict(comp)
         self.step_count = int(state["step"])
         self.payload_bytes = int(state.get("payload_bytes", 0))
         pend = state["pending"]
