@@ -2,7 +2,10 @@
 block: the "4-bit (E3M0)" outer gradients of Streaming DiLoCo (Douillard et al. 2025, arXiv
 2501.18512). pyfast's int4 is another format: 15 evenly spaced levels (-7..7) times the block's
 amax / 7, so an element under amax / 14 codes to 0; E3M0's levels are powers of two, down to
-amax / 64, which keeps the small entries of a heavy-tailed pseudo-gradient.
+amax / 64. Which is closer depends on the data (tools/pseudo_grad_error.py, this 2-core EPYC):
+on gpt-tiny's AdamW pseudo-gradients (H = 10 and 50) int4's relative L2 error is 0.076-0.078
+against e3m0's 0.193-0.207, at the same 4.06 bits an element; on a heavy-tailed randn *
+rand^4 vector e3m0 wins, 0.176 against 0.190.
 
 Format, per block of B elements: s = max |x| in fp32 (NaN if the block holds NaN or Inf).
 m = |x| / s (fp32 division) rounds to the nearest of {0, 2^-6, 2^-5, ..., 2^0} (ties up): code
