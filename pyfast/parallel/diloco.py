@@ -31,7 +31,7 @@ from torch import nn
 import pyfast.compress as C
 from pyfast import _dist
 from pyfast.comm import all_reduce
-from pyfast.comm.collectives import Handle
+from pyfast.comm.collectives import Handle, check_backend
 from pyfast.comm.agree import exchange_device
 from pyfast.comm.dry import read
 from pyfast.parallel.data import broadcast_coalesced, check_same_layout
@@ -219,6 +219,7 @@ class DiLoCo:
         if len(devices) > 1:
             raise ValueError(f"DiLoCo: parameters on several devices {sorted(map(str, devices))}")
         self.device = devices.pop()
+        check_backend(self.device, group, "DiLoCo's outer all-reduce")  # CUDA needs NCCL
         check_tiling(group, self.device)
         self.model, self.inner_opt, self.group = model, inner_opt, group
         self.replicas = dist.get_world_size(group)
@@ -244,7 +245,9 @@ class DiLoCo:
         # partial sums a second time)
         self.algorithm = "allgather" if dense else None
         self.step_count = 0
-        self.payload_bytes = 0  # what this rank's compressed pseudo-gradients held, in total
+        # bytes of this rank's compressed pseudo-gradients so far (each goes to R - 1 peers);
+        # None for formats whose size depends on the data or the shapes (top-k, PowerSGD, ...)
+        self.payload_bytes = 0 if self.compressor.algorithm in ("dense", "native") else None
         self._pending: _Pending | None = None
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="pyfast-diloco")
 
@@ -290,8 +293,9 @@ class DiLoCo:
             for name, p, d in self._views(f, flat):
                 d.copy_(self.global_params[name])
                 d.sub_(p.detach())  # global - local, fp32 (a bf16 local widens exactly)
-        wire = self.compressor.wire_bytes(n) if self.compressor.algorithm == "dense" else None
-        self.payload_bytes += wire if wire is not None else 4 * n
+        if self.payload_bytes is not None:
+            self.payload_bytes += (self.compressor.wire_bytes(n)
+                                   if self.compressor.algorithm == "dense" else 4 * n)
         h = Handle.on_worker(self._reduce, flat, f, executor=self._worker)
         self._pending = _Pending(f, t, flat, h)
 
@@ -372,7 +376,8 @@ class DiLoCo:
         elif comp:
             self.compressor.load_state_dict(comp)
         self.step_count = int(state["step"])
-        self.payload_bytes = int(state.get("payload_bytes", 0))
+        if self.payload_bytes is not None:
+            self.payload_bytes = int(state.get("payload_bytes") or 0)
         pend = state["pending"]
         self._pending = None
         if pend:
