@@ -319,17 +319,22 @@ def test_per_tensor_and_sparse_compressors_keep_replicas_identical(pool2):
         assert r0[s]["bytes"] == (2 * 2 * init.numel() if s == "bf16" else None), s
 
 
-def _replicas_of(rank, world, dp, steps):
-    """World = replicas x dp; replica i is ranks [i*dp, (i+1)*dp), each a DataParallel group on
-    half the replica's batch; the replica group of rank r: the ranks with its dp index."""
-    from pyfast.parallel import DataParallel
+def _replicas_of(rank, world, dp, steps, kind="dp"):
+    """World = replicas x dp; replica i is ranks [i*dp, (i+1)*dp), each a DataParallel (or
+    ZeRO-2) group on half the replica's batch; the replica group of rank r: the ranks with its
+    dp index."""
+    from pyfast.parallel import DataParallel, zero
     R = world // dp
     dp_groups = [dist.new_group(list(range(i * dp, (i + 1) * dp))) for i in range(R)]
     rep_groups = [dist.new_group(list(range(j, world, dp))) for j in range(dp)]
     replica, j = divmod(rank, dp)
     m = tiny()
-    net = DataParallel(m, None, group=dp_groups[replica]) if dp > 1 else m
-    opt = inner(m, "adamw")
+    if kind == "zero2":
+        net, opt = zero(m, torch.optim.AdamW, stage=2, group=dp_groups[replica], lr=0.01,
+                        weight_decay=0.01)
+    else:
+        net = DataParallel(m, None, group=dp_groups[replica]) if dp > 1 else m
+        opt = inner(m, "adamw")
     cfg = {k: v for k, v in {**CFG, "sync_every": 4, "fragments": 2, "delay": 1,
                              "alpha": 0.5}.items() if k != "inner"}
     dl = DiLoCo(net, opt, group=rep_groups[j], **cfg)
@@ -340,14 +345,15 @@ def _replicas_of(rank, world, dp, steps):
         dl.zero_grad()
     out = {"local": flat(m.parameters()), "global": flat(dl.global_params.values())}
     dl.close()
-    if dp > 1:
+    if dp > 1 and hasattr(net, "close"):
         net.close()
     return out
 
 
-def test_replicas_of_data_parallel_pairs_equal_flat(pool2, pool4):
+@pytest.mark.parametrize("kind", ["dp", "zero2"])
+def test_replicas_of_data_parallel_pairs_equal_flat(pool2, pool4, kind):
     flat_run = pool2.run(_replicas_of, 1, 10)
-    pairs = pool4.run(_replicas_of, 2, 10)
+    pairs = pool4.run(_replicas_of, 2, 10, kind)
     for r in range(4):
         # DP's average of two half-batch means vs one whole-batch mean: fp32 rounding, carried
         # through 10 AdamW steps (lr 0.01) and 4 outer steps: 1e-5 absolute on O(1) weights
