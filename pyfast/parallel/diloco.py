@@ -19,7 +19,6 @@ device, or the CPU with offload=True.
 """
 from __future__ import annotations
 
-import math
 import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -214,7 +213,8 @@ class DiLoCo:
                                "(torchrun + dist.init_process_group)")
         dtypes = {p.dtype for _, p in named} - {torch.float32, torch.bfloat16, torch.float16}
         if dtypes:
-            raise TypeError(f"DiLoCo: parameters must be float32, bfloat16 or float16, got {dtypes}")
+            raise TypeError(f"DiLoCo: parameters must be float32, bfloat16 or float16, got "
+                            f"{sorted(map(str, dtypes))}")
         devices = {p.device for _, p in named}
         if len(devices) > 1:
             raise ValueError(f"DiLoCo: parameters on several devices {sorted(map(str, devices))}")
