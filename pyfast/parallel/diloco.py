@@ -349,6 +349,8 @@ class DiLoCo:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        if self._pending is not None:  # never leave a reduction running behind the caller
+            self._pending.handle.wait()
         sched = state["schedule"]
         mine = {"sync_every": self.H, "fragments": self.F, "delay": self.delay,
                 "members": [list(f) for f in self.fragments]}
