@@ -232,7 +232,8 @@ class DiLoCo:
         self._index = {n: i for i, n in enumerate(self.names)}
         self.offload = bool(offload)
         # the dry run's meta parameters keep a meta outer state: nothing there is real memory
-        where = torch.device("cpu") if offload and self.device.type != "meta" else self.device
+        host = torch.device("cpu")  # cpu-literal: offload=True keeps the outer state there
+        where = host if offload and self.device.type != "meta" else self.device
         with torch.no_grad():
             self.global_params = {n: p.detach().to(where, torch.float32, copy=True)
                                   for n, p in named}

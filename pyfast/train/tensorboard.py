@@ -64,6 +64,10 @@ class TensorBoardLog:
     def __init__(self, out, start: int):
         from torch.utils.tensorboard import SummaryWriter
         self.writer = SummaryWriter(logdir(out), purge_step=start + 1)
+        # now, not on its writer thread during step 1: the job counts a step's bytes on the
+        # wire as the process's write() bytes (/proc/self/io wchar), and the event file's
+        # 73-byte header showed up as "sent" by a one-process run
+        self.writer.flush()
 
     def write(self, rec: dict) -> None:
         step = rec["step"]
