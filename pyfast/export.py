@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from pyfast.tokens import tokenizer_file
 from pyfast.train import checkpoint as ck
 from pyfast.train.config import ConfigError, TrainConfig, build_model
 
@@ -251,14 +252,13 @@ def data_tokenizer(cfg: TrainConfig, vocab_size: int) -> tuple[dict | None, str]
             return None, (f"tokenizer: none (--data {what}: token ids with no tokenizer "
                           "recorded; copy the one that made them)")
         return None, f"tokenizer: none (byte-level data, vocab {vocab_size}: {what})"
-    man = json.loads(manifest.read_text())
-    if man.get("tokenizer") == "bytes":
+    try:
+        path, eos = tokenizer_file(data)
+    except ValueError as e:
+        raise ExportError(f"--data {data}: {e}") from None
+    if path is None:
         return None, f"tokenizer: none (byte-level data, vocab {vocab_size}: {data})"
-    path = Path(data) / "tokenizer.json"
-    if not path.is_file():
-        raise ExportError(f"--data {data}: manifest.json names tokenizer "
-                          f"{man.get('tokenizer')!r}, but {path} is missing")
-    return {"path": path, "eos_id": man.get("eos_id")}, f"tokenizer: {path}"
+    return {"path": Path(path), "eos_id": eos}, f"tokenizer: {path}"
 
 
 def write_tokenizer(tok: dict, out: Path, vocab_size: int, max_len: int) -> None:

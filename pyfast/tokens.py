@@ -80,6 +80,23 @@ def read_manifest(path) -> dict:
     return m
 
 
+def tokenizer_file(path) -> tuple[str | None, int | None]:
+    """A prepared folder's tokenizer from its manifest.json alone (read_manifest checks the
+    rest): (the tokenizer.json path, or None for bytes; the EOS id or None). What sampling and
+    `pyfast export` load; ValueError when the file the manifest names is missing."""
+    path = os.fspath(path)
+    with open(os.path.join(path, "manifest.json")) as f:
+        m = json.load(f)
+    kind = m.get("tokenizer", "bytes")
+    if kind == "bytes":
+        return None, m.get("eos_id")
+    file = os.path.join(path, kind)
+    if not os.path.isfile(file):
+        raise ValueError(f"{path}: manifest.json names tokenizer {kind!r}, which is missing "
+                         f"({file})")
+    return file, m.get("eos_id")
+
+
 def tokenizer_id(path, m: dict) -> str:
     """'bytes' or 'tokenizer.json:BLAKE2B' of the folder's tokenizer file."""
     if m["tokenizer"] == "bytes":

@@ -15,7 +15,6 @@ when DATA_DIR/manifest.json names one, bytes (UTF-8, undecodable bytes replaced)
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -42,15 +41,11 @@ def tokenizer_for(data: str | None) -> Tokenizer:
     if data is None:
         return BYTES
     root = os.path.dirname(data) if os.path.basename(data) == "manifest.json" else data
-    manifest = os.path.join(root, "manifest.json")
-    if os.path.isdir(root) and os.path.isfile(manifest):
-        with open(manifest) as f:
-            kind = json.load(f).get("tokenizer", "bytes")
-        if kind == "bytes":
+    if os.path.isfile(os.path.join(root, "manifest.json")):
+        from pyfast.tokens import tokenizer_file
+        path, _ = tokenizer_file(root)
+        if path is None:
             return BYTES
-        path = os.path.join(root, "tokenizer.json")
-        if not os.path.isfile(path):
-            raise ValueError(f"{manifest} names tokenizer {kind!r}, but {path} does not exist")
         from tokenizers import Tokenizer as HF
         tok = HF.from_file(path)
         return Tokenizer(path, lambda s: tok.encode(s, add_special_tokens=False).ids,
