@@ -519,6 +519,9 @@ def check_diloco(cfg: TrainConfig) -> None:
     if cfg.outer_lr <= 0 or not 0 <= cfg.outer_momentum < 1:
         raise ConfigError(f"need --outer-lr > 0 and 0 <= --outer-momentum < 1; got "
                           f"{cfg.outer_lr}, {cfg.outer_momentum}")
+    if cfg.outer_nesterov and cfg.outer_momentum == 0:
+        raise ConfigError("--outer-nesterov needs --outer-momentum > 0 (as torch.optim.SGD); "
+                          "pass --no-outer-nesterov for plain outer SGD")
     import pyfast.compress as C
     try:
         C.get(cfg.outer_compress)

@@ -270,7 +270,7 @@ class Job:
                 self.scaler.step(self.opt)
                 self.scaler.update()
             elif self.diloco is not None:
-                waited += self.outer.step(self, step)  # the inner step, + the outer one when due
+                waited += self.outer.step(self)  # the inner step, + the outer one when due
             else:
                 self.opt.step()
         lr = self.opt.param_groups[0]["lr"]
@@ -346,14 +346,17 @@ class Job:
         finally:
             self.mult = old
             self.model.train(was)
-        v = total / count / (cfg.replicas * cfg.dp * cfg.cp) if self.owns_loss else self.scalar(0.0)
+        n = cfg.replicas * cfg.dp * cfg.cp
+        v = total / count / n if self.owns_loss else self.scalar(0.0)
         dist.all_reduce(v)
         return float(v)
 
     # ---------------------------------------------------------------- checkpoints
-    def state(self, full: bool) -> dict:
+    def state(self, full: bool, replica: int | None = None, pending: int | None = -1) -> dict:
         """What a checkpoint holds. full=False leaves out the per-rank part (RNG states and
-        compression / error-feedback memory), which only means something on the same mesh."""
+        compression / error-feedback memory), which only means something on the same mesh.
+        --diloco (outer.state): replica: whose local state (default this rank's replica);
+        pending: -1 to save, else the fragment in flight a load reads (None: none)."""
         if self.zero is not None:  # flat shards by FQN: pyfast.parallel.zero.checkpoint
             zsd = zck.get_state_dict(self.zero, self.opt)
             model, optim = zsd["model"], zsd["optim"]
@@ -363,8 +366,13 @@ class Job:
                  "lrs": [g["lr"] for g in self.opt.param_groups], "skips": self.skips,
                  "scaler": self.scaler.state_dict() if self.scaler is not None else None}
         state = {"model": model, "optim": optim, "train": ck.blob(train)}
+        if self.diloco is not None:
+            k = self.mesh.replica_rank if replica is None else replica
+            state = outer.state(self, state, k, pending)
         if full:
             mine = {"rng": torch.get_rng_state(), "comm": self._compression_state()}
+            if self.diloco is not None:
+                mine.update(outer.rank_state(self))
             state[f"rank{dist.get_rank()}"] = ck.blob(mine)
         return state
 
@@ -394,7 +402,9 @@ class Job:
     def meta(self) -> dict:
         c = self.cfg
         return {"model_key": c.model_key(), "vocab_size": self.corpus.vocab_size,
-                "mesh": {"dp": c.dp, "cp": c.cp, "tp": c.tp, "pp": c.pp}, "compress": c.compress,
+                "mesh": {"dp": c.dp, "cp": c.cp, "tp": c.tp, "pp": c.pp,
+                         **({"replicas": c.replicas} if c.diloco else {})},
+                "compress": c.compress,
                 "precision": c.precision, "batch": c.batch, "n_params": self.n_params,
                 "zero": c.zero, "param_compress": c.param_compress,
                 "error_feedback": c.error_feedback,
@@ -421,7 +431,13 @@ class Job:
                               f"has --zero {self.cfg.zero}: ZeRO checkpoints hold flat shards "
                               "by FQN, the others whole tensors; resume with zero on or off "
                               "as saved (any --zero stage and --dp load a ZeRO checkpoint)")
-        state = self.state(full=same)
+        if self.diloco is not None:  # replica K resumes replica K mod R_saved's local state
+            outer_meta = outer.saved_meta(path)
+            pend = outer_meta["pending"]["fragment"] if outer_meta["pending"] else None
+            saved_r = meta.get("config", {}).get("replicas", 1)
+            state = self.state(same, self.mesh.replica_rank % saved_r, pend)
+        else:
+            state = self.state(full=same)
         if self.zero is not None:  # what the checkpoint holds, in this world's shards
             state.update(zck.load_target(path, self.zero, self.opt))
         ck.load(state, path)
@@ -435,6 +451,9 @@ class Job:
         self.skips = train["skips"]
         if self.scaler is not None and train["scaler"]:
             self.scaler.load_state_dict(train["scaler"])
+        if self.diloco is not None:
+            outer.load(self, state, outer_meta,
+                       ck.unblob(state[f"rank{dist.get_rank()}"]) if same else None)
         if same:
             mine = ck.unblob(state[f"rank{dist.get_rank()}"])
             torch.set_rng_state(mine["rng"])
@@ -445,6 +464,8 @@ class Job:
         return meta["step"], same
 
     def close(self) -> None:
+        if self.diloco is not None:
+            self.diloco.close()
         if self.dp is not None:
             self.dp.close()
         if self.zero is not None:

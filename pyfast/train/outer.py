@@ -28,7 +28,7 @@ from .telemetry import bytes_written
 def build(cfg, module, opt, mesh):
     """DiLoCo over mesh.replica_group with the job's flags; ConfigError for what only the
     model tells (more fragments than this rank's parameter tensors, ...)."""
-    from pyfast.parallel import DiLoCo
+    from pyfast.parallel.diloco import DiLoCo
     try:
         return DiLoCo(module, opt, sync_every=cfg.diloco, outer_lr=cfg.outer_lr,
                       outer_momentum=cfg.outer_momentum, nesterov=cfg.outer_nesterov,
@@ -50,22 +50,28 @@ def per_replica(vec: torch.Tensor, i: int, mesh) -> torch.Tensor:
 
 
 class Meter:
-    """Times DiLoCo's step and counts what it sends: on a step that synchronizes, the time
-    beyond the last plain inner step is exposed communication (returned), and the record says
-    which fragments synced and the bytes this rank wrote in the call (no collective: rank 0's
-    own count, the same on every rank of a symmetric all-reduce)."""
+    """Times DiLoCo's step and says what it did: outer_sent / outer_applied (the fragment whose
+    all-reduce started / whose outer step was applied after this inner step, or None),
+    outer_payload_bytes (this rank's compressed pseudo-gradient sent this step) and outer_bytes
+    (what this rank wrote inside the call: its whole all-reduce when delay is 0; with a delay
+    the transfer runs behind the next inner steps and lands in their bytes_sent). No
+    collective: rank 0's own counts, the same on every rank of a symmetric all-reduce. On a
+    step that applies an outer step, the time beyond the last plain inner step is exposed
+    communication (returned)."""
 
     def __init__(self):
         self.inner_s, self.last = 0.0, {}
 
-    def step(self, job, step: int) -> float:
+    def step(self, job) -> float:
         dl = job.diloco
-        w, t = bytes_written(), clock(job.device)
+        w, t, paid = bytes_written(), clock(job.device), dl.payload_bytes
         dl.step()
         dt, sent = clock(job.device) - t, bytes_written() - w
-        synced = synced_fragments(dl)
-        self.last = {"outer_sync": synced, "outer_bytes": sent, "outer_ms": 1e3 * dt}
-        if not synced:
+        n = dl.step_count
+        applied = dl.due(n - dl.delay) if n > dl.delay else None
+        self.last = {"outer_sent": dl.due(n), "outer_applied": applied, "outer_bytes": sent,
+                     "outer_payload_bytes": dl.payload_bytes - paid, "outer_ms": 1e3 * dt}
+        if applied is None and dl.due(n) is None:
             self.inner_s = dt
             return 0.0
         return max(0.0, dt - self.inner_s)
@@ -74,6 +80,100 @@ class Meter:
         return dict(self.last)
 
 
-def synced_fragments(dl) -> list[int]:
-    """The fragments whose outer all-reduce DiLoCo started or applied in its last step."""
-    return list(dl.last_synced)
+# ---------------------------------------------------------------- checkpoints
+def _replica_key(k: int) -> str | None:
+    """Where replica k's local state sits: replica 0's under the job's usual "model"/"optim"
+    (so that pyfast export and a look at the checkpoint find a model there), the others' under
+    "replicaK"."""
+    return None if k == 0 else f"replica{k}"
+
+
+def _by_name(job):
+    """(DiLoCo's parameter name -> (the model's FQN, the parameter)), the tp sub-mesh."""
+    fqn = {id(p): n for n, p in job.named}
+    dl = job.diloco
+    tp_mesh = job.mesh.device_mesh["tp"] if job.cfg.tp > 1 else None
+    return {n: (fqn[id(p)], p) for n, p in zip(dl.names, dl.params)}, tp_mesh
+
+
+def state(job, st: dict, replica: int, pending: int | None = -1) -> dict:
+    """Job.state's `st` with DiLoCo's: replica `replica`'s local model/optim moved to its key,
+    the outer state (global parameters, momentum, a fragment in flight: the same on every
+    replica) by FQN under "outer", its scalars (step, schedule, the fragment in flight) in the
+    "outer_meta" blob. pending: -1 to save (from DiLoCo), else the fragment in flight that a
+    load will read (None: none)."""
+    from . import checkpoint as ck
+    dl = job.diloco
+    key = _replica_key(replica)
+    if key is not None:
+        st[key] = {"model": st.pop("model"), "optim": st.pop("optim")}
+    names, tp_mesh = _by_name(job)
+    sd = dl.state_dict() if pending == -1 else None
+    outer = {"global": {}, "momentum": {}}
+    for what, live in (("global", dl.global_params), ("momentum", dl.momentum_buffers)):
+        for n, t in live.items():
+            fq, p = names[n]
+            outer[what][fq] = ck.shard(t, p, tp_mesh)
+    meta = {"step": dl.step_count, "sync_every": dl.H, "fragments": dl.F, "delay": dl.delay,
+            "pending": None}
+    if sd is not None and sd["pending"]:
+        pend = sd["pending"]
+        meta["pending"] = {"fragment": pend["fragment"], "sent_at": pend["sent_at"]}
+        parts = pend["delta"].split([p.numel() for _, p in _members(dl, pend["fragment"])])
+        outer["pending"] = {names[n][0]: ck.shard(d.view(p.shape).clone(), p, tp_mesh)
+                            for (n, p), d in zip(_members(dl, pend["fragment"]), parts)}
+    elif pending not in (-1, None):
+        outer["pending"] = {names[n][0]: ck.shard(torch.empty_like(p, dtype=torch.float32),
+                                                  p, tp_mesh) for n, p in _members(dl, pending)}
+    st["outer"] = outer
+    st["outer_meta"] = ck.blob(meta)
+    return st
+
+
+def _members(dl, f: int):
+    """(name, parameter) of fragment f, in the order of its flat buffer."""
+    index = {n: p for n, p in zip(dl.names, dl.params)}
+    return [(n, index[n]) for n in dl.fragments[f]]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def saved_meta(path) -> dict:
+    """The outer scalars of checkpoint `path` (collective: a DCP load of one blob), which a
+    load needs first (the fragment in flight decides which tensors to read)."""
+    from . import checkpoint as ck
+    st = {"outer_meta": ck.blob(None)}
+    ck.load(st, path)
+    return ck.unblob(st["outer_meta"])
+
+
+def load(job, st: dict, meta: dict, mine: dict | None) -> None:
+    """DiLoCo's state from a loaded `st` (state(...) filled by DCP); `mine`: this rank's own
+    blob when the mesh is the one saved (its error-feedback residuals), else None (residuals
+    start at zero)."""
+    dl = job.diloco
+    names, _ = _by_name(job)
+    outer = st["outer"]
+    sd = {"step": meta["step"],
+          "schedule": {"sync_every": meta["sync_every"], "fragments": meta["fragments"],
+                       "delay": meta["delay"], "members": [list(f) for f in dl.fragments]},
+          "global": {n: _local(outer["global"][names[n][0]]) for n in dl.global_params},
+          "momentum": {n: _local(outer["momentum"][names[n][0]]) for n in dl.momentum_buffers},
+          "pending": {}, "compression": dl.compressor.state_dict(), "payload_bytes": 0}
+    if meta["pending"]:
+        f = meta["pending"]["fragment"]
+        flat = torch.cat([_local(outer["pending"][names[n][0]]).reshape(-1)
+                          for n, _ in _members(dl, f)])
+        sd["pending"] = {**meta["pending"], "delta": flat}
+    if mine is not None and "outer_comm" in mine:
+        sd["compression"], sd["payload_bytes"] = mine["outer_comm"], mine["payload_bytes"]
+    dl.load_state_dict(sd)
+
+
+def rank_state(job) -> dict:
+    """This rank's own part: its error-feedback residuals (by fragment: flat over this rank's
+    shard, so they load only on the same mesh) and its payload count."""
+    dl = job.diloco
+    return {"outer_comm": dl.compressor.state_dict(), "payload_bytes": dl.payload_bytes}
