@@ -351,10 +351,12 @@ class Handle:
         return bool(self._done and self._done())
 
     @classmethod
-    def on_worker(cls, fn, *args) -> "Handle":
+    def on_worker(cls, fn, *args, executor: ThreadPoolExecutor | None = None) -> "Handle":
         """fn(*args) on the FIFO communication thread, timed there, the device of its first
         tensor argument synchronized at both ends (perf.clock: on CUDA the time then also holds
-        device work the caller queued meanwhile, an upper bound; without it, the launch)."""
+        device work the caller queued meanwhile, an upper bound; without it, the launch).
+        executor: a caller's own single-thread FIFO instead (DiLoCo's outer all-reduce runs for
+        tau inner steps and must not hold up DataParallel's buckets queued on the shared one)."""
         took: list[float] = []
         device = next((a.device for a in args if hasattr(a, "device")), None)
         # the caller's dispatch modes watch the worker's ops too (a dry run's accounting and
@@ -369,7 +371,7 @@ class Handle:
                 result = fn(*args)
                 took.append(clock(device) - t0)
             return result
-        fut = _executor().submit(timed)
+        fut = (executor or _executor()).submit(timed)
         h = cls(lambda timeout: (fut.result(timeout), took[0]),
                 lambda: took[0] if took else float("nan"), fut.done)
         h.future = fut  # add_done_callback: run something on the worker once it is done
