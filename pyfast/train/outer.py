@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from pyfast.parallel.diloco import fragment_due
 from pyfast.perf import clock
 
 from .config import ConfigError
@@ -28,7 +29,7 @@ from .telemetry import bytes_written
 def build(cfg, module, opt, mesh):
     """DiLoCo over mesh.replica_group with the job's flags; ConfigError for what only the
     model tells (more fragments than this rank's parameter tensors, ...)."""
-    from pyfast.parallel.diloco import DiLoCo
+    from pyfast.parallel import DiLoCo
     try:
         return DiLoCo(module, opt, sync_every=cfg.diloco, outer_lr=cfg.outer_lr,
                       outer_momentum=cfg.outer_momentum, nesterov=cfg.outer_nesterov,
@@ -67,11 +68,11 @@ class Meter:
         w, t, paid = bytes_written(), clock(job.device), dl.payload_bytes
         dl.step()
         dt, sent = clock(job.device) - t, bytes_written() - w
-        n = dl.step_count
-        applied = dl.due(n - dl.delay) if n > dl.delay else None
-        self.last = {"outer_sent": dl.due(n), "outer_applied": applied, "outer_bytes": sent,
+        n, due = dl.step_count, lambda t: fragment_due(t, dl.H, dl.F)
+        applied = due(n - dl.delay) if n > dl.delay else None
+        self.last = {"outer_sent": due(n), "outer_applied": applied, "outer_bytes": sent,
                      "outer_payload_bytes": dl.payload_bytes - paid, "outer_ms": 1e3 * dt}
-        if applied is None and dl.due(n) is None:
+        if applied is None and due(n) is None:
             self.inner_s = dt
             return 0.0
         return max(0.0, dt - self.inner_s)
