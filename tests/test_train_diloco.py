@@ -143,3 +143,80 @@ def test_replicas_equal_diloco_driven_by_hand(pool2):
     assert [rec["outer_applied"] for rec in recs] == [None, None, 0, None, 1, None]
     sent = [rec["outer_payload_bytes"] for rec in recs]
     assert sent[1] > 0 and sent[3] > 0 and sent[0] == sent[2] == sent[4] == 0
+
+
+def test_replicas_of_dp2_equal_flat_replicas(pool2, pool4):
+    """--replicas 2 --dp 2 (world 4: DataParallel inside each replica) against --replicas 2 on
+    two ranks: the same tokens per replica, each replica's gradient the mean over its 4 rows,
+    here averaged over 2 dp ranks of 2 rows each: fp32 sums in another order, so the losses
+    within 1e-5 relative over the first 4 steps (test_train.py's bar for dp vs one process).
+    Outer gradients in fp32 here: with int8 one element in 12,288 crossed a rounding boundary
+    (1e-5 apart after 4 steps), which says nothing about the composition."""
+    kw = {"replicas": 2, "outer_compress": "none"}
+    pool4.submit(_job_run, {**kw, "dp": 2}, 4)
+    flat = pool2.run(_job_run, kw, 4, timeout=240)
+    dp2 = pool4.wait(timeout=240)
+    a, b = [r["loss"] for r in flat[0][0]], [r["loss"] for r in dp2[0][0]]
+    assert b == pytest.approx(a, rel=1e-5)
+    worst = 0.0
+    for n in flat[0][1]:  # replica k is ranks 2k, 2k + 1 of the dp2 world, rank k of the flat
+        for k in (0, 1):
+            assert torch.equal(dp2[2 * k][1][n], dp2[2 * k + 1][1][n])  # dp ranks agree exactly
+            worst = max(worst, float((dp2[2 * k][1][n] - flat[k][1][n]).abs().max()))
+    assert worst < 1e-5, worst  # lr 1e-3 x 4 AdamW steps move a weight by <= 4e-3
+
+
+
+def _snapshot(job):
+    dl = job.diloco
+    return {"global": {n: t.clone() for n, t in dl.global_params.items()},
+            "momentum": {n: t.clone() for n, t in dl.momentum_buffers.items()},
+            "local": {n: p.detach().clone() for n, p in job.named},
+            "exp_avg": {n: job.opt.state[p]["exp_avg"].clone() for n, p in job.named},
+            "step": dl.step_count, "pending": dl._pending is not None}
+
+
+def _change_replicas(rank, world, out):
+    """--replicas 2 for 2 steps (fragment 0's all-reduce in flight), checkpoint; then
+    --replicas 1 --dp 2 on the same ranks resumes it and trains on."""
+    from pyfast.train.job import Job
+    job = Job(_cfg(replicas=2), torch.device("cpu"))
+    for s in (1, 2):
+        job.train_step(s)
+    path = job.save(out, 2)
+    before = _snapshot(job)  # after save: the fragment in flight has landed in state_dict
+    job.close()
+    job = Job(_cfg(replicas=1, dp=2), torch.device("cpu"))
+    step, same = job.load(path)
+    after = _snapshot(job)
+    losses = [job.train_step(s)["loss"] for s in range(3, STEPS + 1)]
+    job.close()
+    return before, after, step, same, losses
+
+
+def test_resume_with_another_number_of_replicas(pool2, tmp_path):
+    """A checkpoint of --replicas 2 (mid-interval, an outer all-reduce in flight) resumed by
+    --replicas 1 --dp 2: the outer state (global parameters, momentum, the step, the fragment
+    in flight) is the saved one on every rank, and both dp ranks of the one replica take
+    replica 0's parameters and AdamW moments, bitwise (DCP copies them)."""
+    from pyfast.train.config import resume_changes
+    import dataclasses
+    got = pool2.run(_change_replicas, str(tmp_path), timeout=240)
+    saved = got[0][0]  # replica 0 = rank 0 of the saved run
+    assert saved["step"] == 2 and saved["pending"]
+    for r in (0, 1):
+        before, after, step, same, losses = got[r]
+        assert step == 2 and not same  # another mesh: per-rank state not restored
+        assert after["step"] == 2 and after["pending"]
+        for what in ("global", "momentum", "local", "exp_avg"):
+            assert after[what].keys() == saved[what].keys()
+            for n in saved[what]:
+                assert torch.equal(after[what][n], saved[what][n]), (r, what, n)
+        assert all(v == v and 3.0 < v < 6.0 for v in losses), losses  # trains on, finite
+    # the replicas' global state really is one: rank 1 (replica 1) held the same before
+    assert all(torch.equal(got[1][0]["global"][n], saved["global"][n]) for n in saved["global"])
+    # and --resume lets --replicas change (logged), as it lets the mesh
+    record = {"config": dataclasses.asdict(_cfg(replicas=2)), "warmup_steps": 1}
+    refused, changed = resume_changes(_cfg(replicas=1, dp=2), record)
+    assert not refused and any(c.startswith("--replicas: 2 in the checkpoint, 1 here")
+                               for c in changed), changed
