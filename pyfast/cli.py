@@ -24,6 +24,8 @@ BENCHMARKS = {
             "models against the dry run and measured runs)",
     "plan_memory": "the planner's memory model vs the dry run and vs measured CPU allocations",
     "plan_time": "the planner's step-time model vs measured pyfast train runs on 3 links",
+    "diloco": "DiLoCo / Streaming DiLoCo vs data parallelism on 100 Mbit/s and 1 Gbit/s links: "
+              "time to loss, bytes, peak bandwidth, compute utilization",
     "report": "write docs/benchmarks.md from bench/results/ (no benchmark is run)",
 }
 

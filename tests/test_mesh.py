@@ -161,3 +161,16 @@ def test_replicas_that_do_not_tile_the_world_are_named():
     for e in run_ranks(_bad_replicas, 2, expect_errors=True):
         assert e.kind == "ValueError"
         assert "replicas=2 x dp=2 x tp=1 x pp=1 = 4 ranks, but the world size is 2" in e.message
+
+
+def _replica_group_is_its_own(rank, world):
+    m = Mesh(dp=1, replicas=world)  # the replica dimension spans the world
+    return m.replica_group is not dist.group.WORLD and \
+        dist.get_process_group_ranks(m.replica_group) == list(range(world))
+
+
+@pytest.mark.dist
+def test_replica_group_is_never_the_default_group():
+    """DiLoCo all-reduces over it on a worker thread while the main thread uses the default
+    group: one group for both mismatched gloo's operations (see Mesh.__init__)."""
+    assert run_ranks(_replica_group_is_its_own, 2) == [True, True]

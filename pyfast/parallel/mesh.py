@@ -92,7 +92,16 @@ class Mesh:
                                f"expected {want}")
         self.pp_group, self.dp_group, self.cp_group, self.tp_group = (
             self.device_mesh.get_group(d) for d in DIMS)
-        self._replica_group = self.device_mesh.get_group(REPLICA) if R > 1 else None
+        # the replica groups are process groups of their own, never the DeviceMesh's: it hands
+        # back the default group for a dimension spanning the world (replicas of one rank),
+        # and DiLoCo's outer all-reduce runs behind the inner steps on a worker thread while
+        # the main thread's collectives use the default group; gloo pairs operations on one
+        # group by order, so sharing it mismatched them ("op.preamble.length <= op.nbytes.
+        # 16384 vs 8" in a Streaming DiLoCo run, seen here)
+        self._replica_group = None
+        if R > 1:
+            self._replica_group = (self._subgroups(group, shape, (0,)) if not whole else
+                                   self._new_groups(shape, (0,)))
         if cp == 1:
             self.dp_cp_group = self.dp_group
         elif whole:  # collective over the default group, like init_device_mesh
@@ -115,6 +124,22 @@ class Mesh:
         for row in rows.tolist():  # every member creates its own rows, in the same order
             if me in row:
                 mine = dist.new_group(row, use_local_synchronization=True)
+        return mine
+
+    @staticmethod
+    def _new_groups(shape, dims: tuple[int, ...]):
+        """This rank's group along `dims` of the default group's layout: every rank makes
+        every row's group, in the same order (collective over the default group)."""
+        ranks = torch.arange(dist.get_world_size()).view(shape)
+        rest = [d for d in range(len(shape)) if d not in dims]
+        size = 1
+        for d in dims:
+            size *= shape[d]
+        mine = None
+        for row in ranks.permute(*rest, *dims).reshape(-1, size).tolist():
+            g = dist.new_group(row)
+            if dist.get_rank() in row:
+                mine = g
         return mine
 
     @classmethod

@@ -1,0 +1,242 @@
+"""DiLoCo against data parallelism across a slow link (`pyfast bench diloco`): the same tokens
+(global batch, steps, seed) through `pyfast train --nproc 2` on a namespace-shaped link
+(pyfast.benchmarks.netns: tc tbf on the namespace's lo), 2 replicas x 1 rank:
+
+  dp bf16, dp int8         --dp 2 --compress bf16 / int8 (a reduction every step)
+  diloco H10, H50          --diloco H --replicas 2 (fp32 outer gradients)
+  streaming fp32/int8/int4 --diloco 40 --replicas 2 --fragments 4 --diloco-delay 2
+                           --outer-compress none / int8 / int4
+
+Per run: the validation loss every --eval-every steps (the replicas' local parameters, their
+mean loss), against the training time so far (the steps' own step_ms: validation and
+checkpoints left out); the wall time to dp bf16's final validation loss on the same link and
+model; the validation loss at the end (equal tokens); bytes on the wire (the namespace's lo
+tx counter over the whole run: startup broadcasts included); peak link bandwidth (the most
+bytes lo sent in any 100 ms window, sampled from /proc/PID/net/dev of a rank inside the
+namespace); compute utilization (sum of the steps' compute_ms / sum of step_ms: the job's
+compute_ms leaves out waiting on the per-step loss all-reduce and, for DiLoCo, the outer step's
+time beyond a plain inner step). The bandwidth a schedule needs (need MB/s): the most bytes one
+step has to move (all ranks: dp's reduction; an outer all-reduce, 2 x rank 0's compressed
+pseudo-gradient) over the compute time it may hide behind (the median step's compute; tau + 1
+steps for Streaming DiLoCo): what the paper's peak-bandwidth comparison measures. A tbf link
+caps the measured 100 ms peak at its own rate, so that column tells whether a link was
+saturated, the need column how far below the rate a schedule could go.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import pyfast
+from pyfast import perf
+from pyfast.benchmarks import netns
+
+STREAM = ["--diloco", "40", "--replicas", "2", "--fragments", "4", "--diloco-delay", "2"]
+CONFIGS = {
+    "dp bf16": ["--dp", "2", "--compress", "bf16"],
+    "dp int8": ["--dp", "2", "--compress", "int8"],
+    "diloco H10": ["--diloco", "10", "--replicas", "2"],
+    "diloco H50": ["--diloco", "50", "--replicas", "2"],
+    "streaming fp32": STREAM + ["--outer-compress", "none"],
+    "streaming int8": STREAM + ["--outer-compress", "int8"],
+    "streaming int4": STREAM + ["--outer-compress", "int4"],
+}
+REFERENCE = "dp bf16"
+# model: (seq, global batch, steps, eval every): steps a multiple of every H (10, 40, 50)
+SIZES = {"gpt-tiny": (64, 16, 200, 20), "gpt-small": (128, 8, 200, 40)}
+LINKS = ("100mbit", "1gbit")
+WINDOW_S = 0.1  # peak bandwidth: the most bytes in any window this long
+
+
+def _lo_tx(pid: int) -> int | None:
+    """lo's tx bytes in the network namespace of process pid (None once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/net/dev") as f:
+            text = f.read()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        iface, _, data = line.partition(":")
+        if iface.strip() == "lo":
+            return int(data.split()[8])
+    return None
+
+
+class Sampler(threading.Thread):
+    """lo's tx counter of pid's namespace every WINDOW_S / 4 s: total and peak bytes per
+    WINDOW_S (a sliding window over the samples)."""
+
+    def __init__(self, pid: int):
+        super().__init__(daemon=True)
+        self.pid, self.samples, self.stop = pid, [], threading.Event()
+
+    def run(self):
+        while not self.stop.is_set():
+            v = _lo_tx(self.pid)
+            if v is not None:
+                self.samples.append((time.monotonic(), v))
+            self.stop.wait(WINDOW_S / 4)
+
+    def result(self) -> tuple[int, float]:
+        s = self.samples
+        if len(s) < 2:
+            return 0, math.nan
+        peak, j = 0, 0
+        for i in range(len(s)):  # the most bytes within WINDOW_S after each sample
+            while j + 1 < len(s) and s[j + 1][0] - s[i][0] <= WINDOW_S:
+                j += 1
+            peak = max(peak, s[j][1] - s[i][1])
+        return s[-1][1] - s[0][1], peak / WINDOW_S
+
+
+def measure(link: str, model: str, config: str, size, timeout: float = 1800) -> dict:
+    """One `pyfast train --nproc 2` on `link`: its curve, bytes and times."""
+    seq, batch, steps, every = size
+    with tempfile.TemporaryDirectory() as out, netns.link_prefix(link) as pre:
+        cmd = [sys.executable, "-m", "pyfast", "train", "--nproc", "2", "--model", model,
+               "--seq", str(seq), "--batch", str(batch), "--steps", str(steps),
+               "--eval-every", str(every), "--eval-batches", "2", "--seed", "0",
+               "--no-tensorboard", "--out", out, *CONFIGS[config]]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        t0 = time.monotonic()
+        p = subprocess.Popen(pre + cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=env, start_new_session=True)
+        sampler = Sampler(p.pid)  # `ip netns exec` execs the command: p.pid is inside
+        sampler.start()
+        try:
+            _, err = p.communicate(timeout=timeout)
+        finally:
+            sampler.stop.set()
+            netns._kill([p])
+        wall = time.monotonic() - t0
+        if p.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} on {link}: exit {p.returncode}\n{err[-2000:]}")
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            recs = [json.loads(line) for line in f]
+    wire, peak = sampler.result()
+    t, curve = 0.0, []
+    for r in recs:
+        t += r["step_ms"] / 1e3
+        if "val_loss" in r:
+            curve.append((r["step"], t, r["val_loss"]))
+    step_s = sum(r["step_ms"] for r in recs) / 1e3
+    compute_s = sum(r["compute_ms"] for r in recs) / 1e3
+    outer = sum(r.get("outer_payload_bytes", 0) for r in recs)
+    syncs = sum(r.get("outer_sent") is not None for r in recs)
+    # the bandwidth that would hide the traffic: a step's bytes (all ranks) within the compute
+    # of the steps it may run behind (1 for dp; tau + 1 for an outer all-reduce: each of the 2
+    # replicas sends its compressed pseudo-gradient to the other once)
+    compute = sorted(r["compute_ms"] for r in recs)[len(recs) // 2] / 1e3
+    tau = int(CONFIGS[config][CONFIGS[config].index("--diloco-delay") + 1]) \
+        if "--diloco-delay" in CONFIGS[config] else 0
+    moved = [2 * r["outer_payload_bytes"] if "outer_payload_bytes" in r else r["bytes_sent"]
+             for r in recs]
+    need = max(moved) / ((tau + 1) * compute)
+    return {"link": link, "model": model, "config": config, "steps": steps,
+            "tokens": steps * batch * seq, "train_s": step_s, "wall_s": wall,
+            "final_val": curve[-1][2], "curve": curve, "wire_bytes": wire,
+            "peak_Bps": peak, "need_Bps": need, "max_step_bytes": max(moved),
+            "utilization": compute_s / step_s,
+            "outer_payload_bytes_rank0": outer, "outer_syncs": syncs}
+
+
+def summarize(rows: list[dict]) -> None:
+    """Each row's time to its link's and model's dp bf16 final validation loss (None: never
+    reached within the run) and its speed-up over dp bf16 there."""
+    for r in rows:
+        ref = next((q for q in rows if q["link"] == r["link"] and q["model"] == r["model"]
+                    and q["config"] == REFERENCE), None)
+        if ref is None:
+            continue
+        target = ref["final_val"]
+        hit = next((t for _, t, v in r["curve"] if v <= target), None)
+        r["target_val"] = target
+        r["time_to_target_s"] = hit
+        r["speedup"] = ref["train_s"] / hit if hit else None
+        r["val_vs_ref"] = r["final_val"] / target - 1
+
+
+def run(links=LINKS, models=("gpt-tiny",), configs=tuple(CONFIGS), sizes=None,
+        timeout: float = 1800) -> dict:
+    t_start, load = time.monotonic(), os.getloadavg()[0]
+    sizes = {**SIZES, **(sizes or {})}
+    rows, skipped = [], []
+    for link in links:
+        netns.rate_bps(link)
+        for model in models:
+            for config in configs:
+                try:
+                    rows.append(measure(link, model, config, sizes[model], timeout))
+                except netns.LinkUnavailable as e:
+                    skipped.append({"link": link, "skipped": str(e)})
+                    break
+            else:
+                continue
+            break
+    summarize(rows)
+    return {"machine": perf.machine(),
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "pyfast": pyfast.__version__, "sizes": {m: sizes[m] for m in models},
+            "rows": rows, "skipped": skipped, "load_before": load,
+            "wall_s": time.monotonic() - t_start}
+
+
+def _mb(b) -> str:
+    return f"{b / 1e6:.1f}"
+
+
+def table(result: dict):
+    sizes = ", ".join(f"{m}: seq {s[0]}, batch {s[1]}, {s[2]} steps" for m, s in
+                      result["sizes"].items())
+    t = perf.rich_table(f"DiLoCo vs data parallelism, 2 replicas x 1 rank, same tokens ({sizes})",
+                        result, ("link", "model", "config", "train s", "to dp-bf16 loss s",
+                                 "speed-up", "final val", "vs dp bf16", "wire MB",
+                                 "peak MB/s", "max MB/step", "need MB/s", "compute util",
+                                 "syncs"),
+                        left=("link", "model", "config"))
+    for r in result["rows"]:
+        hit = r.get("time_to_target_s")
+        t.add_row(r["link"], r["model"], r["config"], f"{r['train_s']:.1f}",
+                  f"{hit:.1f}" if hit else "not reached",
+                  f"{r['speedup']:.1f}x" if r.get("speedup") else "-",
+                  f"{r['final_val']:.4f}",
+                  f"{r['val_vs_ref']:+.2%}" if "val_vs_ref" in r else "-",
+                  _mb(r["wire_bytes"]), _mb(r["peak_Bps"]) if math.isfinite(r["peak_Bps"])
+                  else "-", _mb(r["max_step_bytes"]), _mb(r["need_Bps"]),
+                  f"{r['utilization']:.0%}", str(r["outer_syncs"] or "-"))
+    for s in result["skipped"]:
+        t.add_row(s["link"], "-", f"skipped: {s['skipped']}", *[""] * 11)
+    return t
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="pyfast bench diloco", description=__doc__.split("\n\n")[0])
+    p.add_argument("--links", default=",".join(LINKS))
+    p.add_argument("--models", default="gpt-tiny,gpt-small")
+    p.add_argument("--configs", default="", help="only these, comma-separated (dp bf16, the "
+                   "reference, is needed for the time-to-loss columns)")
+    p.add_argument("--steps", type=int, default=0, help="steps of every run (default per "
+                   "model: 200; a multiple of 200 keeps every H's last sync at the end)")
+    p.add_argument("--out", default="")
+    a = p.parse_args(argv)
+    models = a.models.split(",")
+    unknown = [m for m in models if m not in SIZES]
+    configs = [c.strip() for c in a.configs.split(",") if c.strip()] or list(CONFIGS)
+    bad = [c for c in configs if c not in CONFIGS]
+    if unknown or bad:
+        p.error(f"unknown models {unknown} or configs {bad}; known: {list(SIZES)}, "
+                f"{list(CONFIGS)}")
+    sizes = {m: (*SIZES[m][:2], a.steps, SIZES[m][3]) for m in models} if a.steps else None
+    return perf.finish(run(a.links.split(","), models, configs, sizes), table, a.out, width=170)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
