@@ -43,6 +43,7 @@ def test_time_to_reference_and_table(result):
         assert r["target_val"] == ref["final_val"]
         assert r["val_vs_ref"] == pytest.approx(r["final_val"] / ref["final_val"] - 1)
     from rich.console import Console
-    with Console(width=200).capture() as cap:
-        Console(width=200).print(diloco.table(result))
+    console = Console(width=200)
+    with console.capture() as cap:
+        console.print(diloco.table(result))
     assert "streaming int4" in cap.get()

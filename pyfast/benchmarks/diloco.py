@@ -56,9 +56,12 @@ LINKS = ("100mbit", "1gbit")
 WINDOW_S = 0.1  # peak bandwidth: the most bytes in any window this long
 
 
-def _lo_tx(pid: int) -> int | None:
-    """lo's tx bytes in the network namespace of process pid (None once it is gone)."""
+def _lo_tx(pid: int, ns: int) -> int | None:
+    """lo's tx bytes in the network namespace of process pid, None unless pid is in namespace
+    inode `ns` (before `ip netns exec` has entered it, or once the process is gone)."""
     try:
+        if os.stat(f"/proc/{pid}/ns/net").st_ino != ns:
+            return None
         with open(f"/proc/{pid}/net/dev") as f:
             text = f.read()
     except OSError:
@@ -74,32 +77,35 @@ class Sampler(threading.Thread):
     """lo's tx counter of pid's namespace every WINDOW_S / 4 s: total and peak bytes per
     WINDOW_S (a sliding window over the samples)."""
 
-    def __init__(self, pid: int):
+    def __init__(self, pid: int, ns: int):
         super().__init__(daemon=True)
-        self.pid, self.samples, self.stop = pid, [], threading.Event()
+        self.pid, self.ns, self.samples, self.stop = pid, ns, [], threading.Event()
 
     def run(self):
         while not self.stop.is_set():
-            v = _lo_tx(self.pid)
+            v = _lo_tx(self.pid, self.ns)
             if v is not None:
                 self.samples.append((time.monotonic(), v))
             self.stop.wait(WINDOW_S / 4)
 
-    def result(self) -> tuple[int, float]:
+    def peak(self) -> float:
         s = self.samples
         if len(s) < 2:
-            return 0, math.nan
+            return math.nan
         peak, j = 0, 0
         for i in range(len(s)):  # the most bytes within WINDOW_S after each sample
             while j + 1 < len(s) and s[j + 1][0] - s[i][0] <= WINDOW_S:
                 j += 1
             peak = max(peak, s[j][1] - s[i][1])
-        return s[-1][1] - s[0][1], peak / WINDOW_S
+        return peak / WINDOW_S
 
 
 def measure(link: str, model: str, config: str, size, timeout: float = 1800) -> dict:
     """One `pyfast train --nproc 2` on `link`: its curve, bytes and times."""
     seq, batch, steps, every = size
+    if netns.rate_bps(link) is None:
+        raise ValueError("pyfast bench diloco: the links are namespace-shaped (100mbit, "
+                         "1gbit, ...): loopback's counters are the machine's")
     with tempfile.TemporaryDirectory() as out, netns.link_prefix(link) as pre:
         cmd = [sys.executable, "-m", "pyfast", "train", "--nproc", "2", "--model", model,
                "--seq", str(seq), "--batch", str(batch), "--steps", str(steps),
@@ -109,7 +115,8 @@ def measure(link: str, model: str, config: str, size, timeout: float = 1800) -> 
         t0 = time.monotonic()
         p = subprocess.Popen(pre + cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True, env=env, start_new_session=True)
-        sampler = Sampler(p.pid)  # `ip netns exec` execs the command: p.pid is inside
+        # `ip netns exec` execs the command: p.pid enters the namespace
+        sampler = Sampler(p.pid, os.stat(f"/run/netns/{pre[3]}").st_ino)
         sampler.start()
         try:
             _, err = p.communicate(timeout=timeout)
@@ -117,11 +124,12 @@ def measure(link: str, model: str, config: str, size, timeout: float = 1800) -> 
             sampler.stop.set()
             netns._kill([p])
         wall = time.monotonic() - t0
+        wire = netns.lo_tx_bytes(pre[3])  # a fresh namespace's lo starts at 0
         if p.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} on {link}: exit {p.returncode}\n{err[-2000:]}")
         with open(os.path.join(out, "metrics.jsonl")) as f:
             recs = [json.loads(line) for line in f]
-    wire, peak = sampler.result()
+    peak = sampler.peak()
     t, curve = 0.0, []
     for r in recs:
         t += r["step_ms"] / 1e3
