@@ -1,6 +1,6 @@
 """Gradient compressors. `get(spec)` parses a spec; the registry is a dict.
 
-Specs: none, fp16, bf16, fp8, int8, int4, sign, ternary, topk:R, randomk:R, powersgd:RANK.
+Specs: none, fp16, bf16, fp8, int8, int4, e3m0, sign, ternary, topk:R, randomk:R, powersgd:RANK.
 """
 from __future__ import annotations
 
@@ -8,14 +8,15 @@ import torch
 
 from pyfast.compress.base import Compressor, NonFiniteGradient, Payload
 from pyfast.compress.cast import Cast, NoCompression
+from pyfast.compress.e3m0 import E3M0
 from pyfast.compress.feedback import ErrorFeedback, WithFeedback, wrap
 from pyfast.compress.powersgd import PowerSGD
 from pyfast.compress.quant import Quantizer
 from pyfast.compress.sparse import RandomK, TopK
 from pyfast.compress.ternary import Ternary
 
-VALID = ("none, fp16, bf16, fp8, int8, int4, sign, ternary, topk:R, randomk:R, powersgd:RANK "
-         "(R a fraction in (0, 1], RANK an integer >= 1)")
+VALID = ("none, fp16, bf16, fp8, int8, int4, e3m0, sign, ternary, topk:R, randomk:R, "
+         "powersgd:RANK (R a fraction in (0, 1], RANK an integer >= 1)")
 
 
 def _ratio(arg: str) -> float:
@@ -42,6 +43,7 @@ REGISTRY = {
     "fp8": (False, lambda _, **o: Quantizer("fp8", **o)),
     "int8": (False, lambda _, **o: Quantizer("int8", **o)),
     "int4": (False, lambda _, **o: Quantizer("int4", **o)),
+    "e3m0": (False, lambda _, **o: E3M0(**o)),
     "sign": (False, lambda _, **o: Quantizer("sign", **o)),
     "ternary": (False, lambda _, **o: Ternary(**o)),
     "topk": (True, lambda a, **o: TopK(_ratio(a), **o)),

@@ -19,7 +19,6 @@ device, or the CPU with offload=True.
 """
 from __future__ import annotations
 
-import math
 import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -29,8 +28,9 @@ import torch.distributed as dist
 from torch import nn
 
 import pyfast.compress as C
+from pyfast import _dist
 from pyfast.comm import all_reduce
-from pyfast.comm.collectives import Handle
+from pyfast.comm.collectives import Handle, check_backend
 from pyfast.comm.agree import exchange_device
 from pyfast.comm.dry import read
 from pyfast.parallel.data import broadcast_coalesced, check_same_layout
@@ -132,7 +132,7 @@ def check_tiling(group, device: torch.device | None = None) -> None:
     mask = torch.zeros(world, dtype=torch.int64, device=dev)
     mask[members] = 1
     every = mask.new_zeros(world * world)
-    dist.all_gather_into_tensor(every, mask)
+    _dist.all_gather_single(every, mask)
     rows = read(every.view(world, world), None)
     if rows is None:  # a dry run: every rank is taken to be this one
         if me not in members:
@@ -213,11 +213,13 @@ class DiLoCo:
                                "(torchrun + dist.init_process_group)")
         dtypes = {p.dtype for _, p in named} - {torch.float32, torch.bfloat16, torch.float16}
         if dtypes:
-            raise TypeError(f"DiLoCo: parameters must be float32, bfloat16 or float16, got {dtypes}")
+            raise TypeError(f"DiLoCo: parameters must be float32, bfloat16 or float16, got "
+                            f"{sorted(map(str, dtypes))}")
         devices = {p.device for _, p in named}
         if len(devices) > 1:
             raise ValueError(f"DiLoCo: parameters on several devices {sorted(map(str, devices))}")
         self.device = devices.pop()
+        check_backend(self.device, group, "DiLoCo's outer all-reduce")  # CUDA needs NCCL
         check_tiling(group, self.device)
         self.model, self.inner_opt, self.group = model, inner_opt, group
         self.replicas = dist.get_world_size(group)
@@ -243,7 +245,9 @@ class DiLoCo:
         # partial sums a second time)
         self.algorithm = "allgather" if dense else None
         self.step_count = 0
-        self.payload_bytes = 0  # what this rank's compressed pseudo-gradients held, in total
+        # bytes of this rank's compressed pseudo-gradients so far (each goes to R - 1 peers);
+        # None for formats whose size depends on the data or the shapes (top-k, PowerSGD, ...)
+        self.payload_bytes = 0 if self.compressor.algorithm in ("dense", "native") else None
         self._pending: _Pending | None = None
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="pyfast-diloco")
 
@@ -289,8 +293,9 @@ class DiLoCo:
             for name, p, d in self._views(f, flat):
                 d.copy_(self.global_params[name])
                 d.sub_(p.detach())  # global - local, fp32 (a bf16 local widens exactly)
-        wire = self.compressor.wire_bytes(n) if self.compressor.algorithm == "dense" else None
-        self.payload_bytes += wire if wire is not None else 4 * n
+        if self.payload_bytes is not None:
+            self.payload_bytes += (self.compressor.wire_bytes(n)
+                                   if self.compressor.algorithm == "dense" else 4 * n)
         h = Handle.on_worker(self._reduce, flat, f, executor=self._worker)
         self._pending = _Pending(f, t, flat, h)
 
@@ -344,6 +349,8 @@ class DiLoCo:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        if self._pending is not None:  # never leave a reduction running behind the caller
+            self._pending.handle.wait()
         sched = state["schedule"]
         mine = {"sync_every": self.H, "fragments": self.F, "delay": self.delay,
                 "members": [list(f) for f in self.fragments]}
@@ -363,12 +370,16 @@ class DiLoCo:
                         raise ValueError(f"DiLoCo.load_state_dict: {key}[{n!r}] has shape "
                                          f"{tuple(src[n].shape)}, expected {tuple(t.shape)}")
                     t.copy_(src[n])
+        # absent (a resume with another number of replicas: residuals are per replica): the
+        # error-feedback memory starts empty, as at step 0
+        comp = state.get("compression", {})
         if isinstance(self.compressor, C.WithFeedback):
-            self.compressor.load_state_dict(state["compression"], self.device)
-        else:
-            self.compressor.load_state_dict(state["compression"])
+            self.compressor.load_state_dict(comp, self.device)
+        elif comp:
+            self.compressor.load_state_dict(comp)
         self.step_count = int(state["step"])
-        self.payload_bytes = int(state.get("payload_bytes", 0))
+        if self.payload_bytes is not None:
+            self.payload_bytes = int(state.get("payload_bytes") or 0)
         pend = state["pending"]
         self._pending = None
         if pend:
