@@ -4,8 +4,9 @@
 
   dp bf16, dp int8         --dp 2 --compress bf16 / int8 (a reduction every step)
   diloco H10, H50          --diloco H --replicas 2 (fp32 outer gradients)
-  streaming fp32/int8/int4 --diloco 40 --replicas 2 --fragments 4 --diloco-delay 2
-                           --outer-compress none / int8 / int4
+  streaming fp32/int8/int4/e3m0
+                           --diloco 40 --replicas 2 --fragments 4 --diloco-delay 2
+                           --outer-compress none / int8 / int4 / e3m0
 
 Per run: the validation loss every --eval-every steps (the replicas' local parameters, their
 mean loss), against the training time so far (the steps' own step_ms: validation and
@@ -48,6 +49,7 @@ CONFIGS = {
     "streaming fp32": STREAM + ["--outer-compress", "none"],
     "streaming int8": STREAM + ["--outer-compress", "int8"],
     "streaming int4": STREAM + ["--outer-compress", "int4"],
+    "streaming e3m0": STREAM + ["--outer-compress", "e3m0"],  # the paper's 4-bit format
 }
 REFERENCE = "dp bf16"
 # model: (seq, global batch, steps, eval every): steps a multiple of every H (10, 40, 50)

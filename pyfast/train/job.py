@@ -321,7 +321,7 @@ class Job:
     # ---------------------------------------------------------------- validation
     @torch.no_grad()
     def evaluate(self) -> float:
-        cfg, mesh = self.cfg, self.mesh
+        cfg = self.cfg
         n = min(cfg.eval_batches, (len(self.corpus.val) - 1) // cfg.seq // cfg.batch)
         if n < 1:  # the validation split holds less than one global batch (same on every rank)
             return math.nan
@@ -346,8 +346,8 @@ class Job:
         finally:
             self.mult = old
             self.model.train(was)
-        n = cfg.replicas * cfg.dp * cfg.cp
-        v = total / count / n if self.owns_loss else self.scalar(0.0)
+        ways = cfg.replicas * cfg.dp * cfg.cp  # the mean over replicas of each one's loss
+        v = total / count / ways if self.owns_loss else self.scalar(0.0)
         dist.all_reduce(v)
         return float(v)
 
