@@ -6,14 +6,16 @@ DiLoCo (pyfast.parallel.DiLoCo) wraps the inner optimizer and synchronizes each 
 parameters (its tp shard, its pipeline stage) with the same ones in the other replicas.
 
 Checkpoints. Between outer steps the replicas' parameters and inner optimizer states differ,
-so a checkpoint keeps each replica's under "replicaK/" (written once per replica: DCP keeps
-one copy of what the ranks of a replica's dp group hold alike), and the outer state (global
-parameters, outer momentum: bit-identical on every replica) once, under "outer/", with the
-fragment schedule; each replica's error-feedback residuals go with its parameters. All of it
-by parameter name (tp shards as DTensors), so DCP reshards it like the model. A run resumed
-with another number of replicas takes the outer state as saved and, for replica K, the local
-state of replica K mod R_saved (its residuals only where K < R_saved: a copy would feed the
-same rounding error back twice).
+so a checkpoint keeps each replica's: replica 0's under the job's usual "model" / "optim"
+keys, replica K's under "replicaK" (written once per replica: DCP keeps one copy of what the
+ranks of a replica's dp group hold alike); the outer state (global parameters, outer
+momentum, the averaged pseudo-gradient of a fragment in flight: bit-identical on every
+replica) once, under "outer", by parameter name (tp shards as DTensors), so DCP reshards it
+like the model; its scalars (step, H, F, tau, the fragment in flight) in the "outer_meta"
+blob. Each rank's error-feedback residuals (flat over its own shard, by fragment) go into its
+per-rank blob, restored on the same mesh only. A run resumed with another number of replicas
+takes the outer state as saved and, for replica K, the parameters and AdamW state of replica
+K mod R_saved; the residuals then start empty.
 """
 from __future__ import annotations
 
