@@ -8,10 +8,15 @@
                            --diloco 40 --replicas 2 --fragments 4 --diloco-delay 2
                            --outer-compress none / int8 / int4 / e3m0
 
+Every run has the same global batch, seed and learning rate, constant after a fixed warm-up
+(--warmup 20 --min-lr-ratio 1), so that the first N steps of a longer run are the N-step run:
+the data-parallel runs take N steps, the DiLoCo ones up to LONGER x N (they stop at the first
+validation at or below dp bf16's final loss on that link and model, or at LONGER x N).
+
 Per run: the validation loss every --eval-every steps (the replicas' local parameters, their
 mean loss), against the training time so far (the steps' own step_ms: validation and
 checkpoints left out); the wall time to dp bf16's final validation loss on the same link and
-model; the validation loss at the end (equal tokens); bytes on the wire (the namespace's lo
+model (and the speed-up over dp bf16's own); the validation loss at step N (equal tokens); bytes on the wire (the namespace's lo
 tx counter over the whole run: startup broadcasts included); peak link bandwidth (the most
 bytes lo sent in any 100 ms window, sampled from /proc/PID/net/dev of a rank inside the
 namespace); compute utilization (sum of the steps' compute_ms / sum of step_ms: the job's
@@ -52,6 +57,8 @@ CONFIGS = {
     "streaming e3m0": STREAM + ["--outer-compress", "e3m0"],  # the paper's 4-bit format
 }
 REFERENCE = "dp bf16"
+LONGER = 3  # DiLoCo runs may take up to this many times the reference's tokens to reach it
+FIXED = ["--warmup", "20", "--min-lr-ratio", "1"]
 # model: (seq, global batch, steps, eval every): steps a multiple of every H (10, 40, 50)
 SIZES = {"gpt-tiny": (64, 16, 200, 20), "gpt-small": (128, 8, 200, 40)}
 LINKS = ("100mbit", "1gbit")
@@ -102,35 +109,49 @@ class Sampler(threading.Thread):
         return peak / WINDOW_S
 
 
-def measure(link: str, model: str, config: str, size, timeout: float = 1800) -> dict:
-    """One `pyfast train --nproc 2` on `link`: its curve, bytes and times."""
+def measure(link: str, model: str, config: str, size, timeout: float = 1800,
+            target: float | None = None) -> dict:
+    """One `pyfast train --nproc 2` on `link`: its curve, bytes and times. target: run up to
+    LONGER x the steps, stopping at the first validation loss <= target (SIGTERM to the job,
+    the metrics of the steps done kept)."""
     seq, batch, steps, every = size
+    n = steps if target is None else LONGER * steps
     if netns.rate_bps(link) is None:
         raise ValueError("pyfast bench diloco: the links are namespace-shaped (100mbit, "
                          "1gbit, ...): loopback's counters are the machine's")
     with tempfile.TemporaryDirectory() as out, netns.link_prefix(link) as pre:
         cmd = [sys.executable, "-m", "pyfast", "train", "--nproc", "2", "--model", model,
-               "--seq", str(seq), "--batch", str(batch), "--steps", str(steps),
+               "--seq", str(seq), "--batch", str(batch), "--steps", str(n),
                "--eval-every", str(every), "--eval-batches", "2", "--seed", "0",
-               "--no-tensorboard", "--out", out, *CONFIGS[config]]
+               "--no-tensorboard", "--out", out, *FIXED, *CONFIGS[config]]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         t0 = time.monotonic()
-        p = subprocess.Popen(pre + cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, env=env, start_new_session=True)
+        log = open(os.path.join(out, "log.txt"), "w+")  # a file: a pipe nobody reads fills
+        p = subprocess.Popen(pre + cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env,
+                             start_new_session=True)
         # `ip netns exec` execs the command: p.pid enters the namespace
         sampler = Sampler(p.pid, os.stat(f"/run/netns/{pre[3]}").st_ino)
         sampler.start()
+        metrics, stopped = os.path.join(out, "metrics.jsonl"), False
         try:
-            _, err = p.communicate(timeout=timeout)
+            while p.poll() is None:
+                if time.monotonic() - t0 > timeout:
+                    raise subprocess.TimeoutExpired(cmd, timeout)
+                if target is not None and _reached(metrics, target):
+                    stopped = True
+                    break
+                time.sleep(0.2)
         finally:
             sampler.stop.set()
             netns._kill([p])
+            log.seek(0)
+            err = log.read()
+            log.close()
         wall = time.monotonic() - t0
         wire = netns.lo_tx_bytes(pre[3])  # a fresh namespace's lo starts at 0
-        if p.returncode != 0:
+        if p.returncode != 0 and not stopped:
             raise RuntimeError(f"{' '.join(cmd)} on {link}: exit {p.returncode}\n{err[-2000:]}")
-        with open(os.path.join(out, "metrics.jsonl")) as f:
-            recs = [json.loads(line) for line in f]
+        recs = _read(metrics)
     peak = sampler.peak()
     t, curve = 0.0, []
     for r in recs:
@@ -150,12 +171,25 @@ def measure(link: str, model: str, config: str, size, timeout: float = 1800) -> 
     moved = [2 * r["outer_payload_bytes"] if "outer_payload_bytes" in r else r["bytes_sent"]
              for r in recs]
     need = max(moved) / ((tau + 1) * compute)
-    return {"link": link, "model": model, "config": config, "steps": steps,
-            "tokens": steps * batch * seq, "train_s": step_s, "wall_s": wall,
-            "final_val": curve[-1][2], "curve": curve, "wire_bytes": wire,
+    at_n = next((v for s, _, v in curve if s == steps), math.nan)
+    return {"link": link, "model": model, "config": config, "steps": len(recs),
+            "tokens": len(recs) * batch * seq, "train_s": step_s, "wall_s": wall,
+            "final_val": curve[-1][2], "val_at_n": at_n, "curve": curve, "wire_bytes": wire,
             "peak_Bps": peak, "need_Bps": need, "max_step_bytes": max(moved),
             "utilization": compute_s / step_s,
             "outer_payload_bytes_rank0": outer, "outer_syncs": syncs}
+
+
+def _read(path: str) -> list[dict]:
+    """The complete lines of a metrics log (the job may be writing the next one)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f.read().split("\n")[:-1] if line]
+
+
+def _reached(path: str, target: float) -> bool:
+    return any(r.get("val_loss", math.inf) <= target for r in _read(path))
 
 
 def summarize(rows: list[dict]) -> None:
@@ -167,11 +201,11 @@ def summarize(rows: list[dict]) -> None:
         if ref is None:
             continue
         target = ref["final_val"]
-        hit = next((t for _, t, v in r["curve"] if v <= target), None)
+        hit = next(((s, t) for s, t, v in r["curve"] if v <= target), None)
         r["target_val"] = target
-        r["time_to_target_s"] = hit
-        r["speedup"] = ref["train_s"] / hit if hit else None
-        r["val_vs_ref"] = r["final_val"] / target - 1
+        r["time_to_target_s"], r["steps_to_target"] = (hit[1], hit[0]) if hit else (None, None)
+        r["speedup"] = ref["train_s"] / hit[1] if hit else None
+        r["val_vs_ref"] = r["val_at_n"] / target - 1
 
 
 def run(links=LINKS, models=("gpt-tiny",), configs=tuple(CONFIGS), sizes=None,
@@ -182,9 +216,13 @@ def run(links=LINKS, models=("gpt-tiny",), configs=tuple(CONFIGS), sizes=None,
     for link in links:
         netns.rate_bps(link)
         for model in models:
-            for config in configs:
+            target = None
+            for config in sorted(configs, key=lambda c: c != REFERENCE):  # the reference first
                 try:
-                    rows.append(measure(link, model, config, sizes[model], timeout))
+                    rows.append(measure(link, model, config, sizes[model], timeout,
+                                        target if config != REFERENCE else None))
+                    if config == REFERENCE:
+                        target = rows[-1]["final_val"]
                 except netns.LinkUnavailable as e:
                     skipped.append({"link": link, "skipped": str(e)})
                     break
@@ -204,20 +242,22 @@ def _mb(b) -> str:
 
 
 def table(result: dict):
-    sizes = ", ".join(f"{m}: seq {s[0]}, batch {s[1]}, {s[2]} steps" for m, s in
+    sizes = ", ".join(f"{m}: seq {s[0]}, batch {s[1]}, N = {s[2]} steps" for m, s in
                       result["sizes"].items())
-    t = perf.rich_table(f"DiLoCo vs data parallelism, 2 replicas x 1 rank, same tokens ({sizes})",
-                        result, ("link", "model", "config", "train s", "to dp-bf16 loss s",
-                                 "speed-up", "final val", "vs dp bf16", "wire MB",
+    t = perf.rich_table(f"DiLoCo vs data parallelism, 2 replicas x 1 rank ({sizes}; DiLoCo up "
+                        f"to {LONGER} N steps, to dp bf16's final validation loss)",
+                        result, ("link", "model", "config", "to dp-bf16 loss s", "steps",
+                                 "speed-up", "val @ N", "vs dp bf16", "wire MB",
                                  "peak MB/s", "max MB/step", "need MB/s", "compute util",
                                  "syncs"),
                         left=("link", "model", "config"))
     for r in result["rows"]:
         hit = r.get("time_to_target_s")
-        t.add_row(r["link"], r["model"], r["config"], f"{r['train_s']:.1f}",
-                  f"{hit:.1f}" if hit else "not reached",
+        t.add_row(r["link"], r["model"], r["config"],
+                  f"{hit:.1f}" if hit else f"> {r['train_s']:.1f}",
+                  str(r["steps_to_target"] or f"> {r['steps']}"),
                   f"{r['speedup']:.1f}x" if r.get("speedup") else "-",
-                  f"{r['final_val']:.4f}",
+                  f"{r['val_at_n']:.4f}",
                   f"{r['val_vs_ref']:+.2%}" if "val_vs_ref" in r else "-",
                   _mb(r["wire_bytes"]), _mb(r["peak_Bps"]) if math.isfinite(r["peak_Bps"])
                   else "-", _mb(r["max_step_bytes"]), _mb(r["need_Bps"]),
