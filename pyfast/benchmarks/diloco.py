@@ -60,7 +60,7 @@ REFERENCE = "dp bf16"
 LONGER = 3  # DiLoCo runs may take up to this many times the reference's tokens to reach it
 FIXED = ["--warmup", "20", "--min-lr-ratio", "1"]
 # model: (seq, global batch, steps, eval every): steps a multiple of every H (10, 40, 50)
-SIZES = {"gpt-tiny": (64, 16, 200, 20), "gpt-small": (128, 8, 200, 40)}
+SIZES = {"gpt-tiny": (64, 16, 200, 20), "gpt-small": (128, 8, 200, 20)}
 LINKS = ("100mbit", "1gbit")
 WINDOW_S = 0.1  # peak bandwidth: the most bytes in any window this long
 
