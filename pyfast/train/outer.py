@@ -72,8 +72,10 @@ class Meter:
         dt, sent = clock(job.device) - t, bytes_written() - w
         n, due = dl.step_count, lambda t: fragment_due(t, dl.H, dl.F)
         applied = due(n - dl.delay) if n > dl.delay else None
+        # None for formats of data-dependent size (top-k, PowerSGD): DiLoCo does not count them
+        size = None if paid is None else dl.payload_bytes - paid
         self.last = {"outer_sent": due(n), "outer_applied": applied, "outer_bytes": sent,
-                     "outer_payload_bytes": dl.payload_bytes - paid, "outer_ms": 1e3 * dt}
+                     "outer_payload_bytes": size, "outer_ms": 1e3 * dt}
         if applied is None and due(n) is None:
             self.inner_s = dt
             return 0.0
