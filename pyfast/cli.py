@@ -26,6 +26,8 @@ BENCHMARKS = {
     "plan_time": "the planner's step-time model vs measured pyfast train runs on 3 links",
     "data": "pyfast data prepare's MB/s (1 vs 2 workers, bytes and BPE), data vs compute per "
             "step, RSS vs corpus size",
+    "diloco": "DiLoCo / Streaming DiLoCo vs data parallelism on 100 Mbit/s and 1 Gbit/s links: "
+              "time to loss, bytes, peak bandwidth, compute utilization",
     "report": "write docs/benchmarks.md from bench/results/ (no benchmark is run)",
 }
 

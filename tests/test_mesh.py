@@ -113,3 +113,64 @@ def test_mesh_over_a_subgroup():
     got = run_ranks(_sub, 4)
     assert got == [(0, 2, 0, [0, 1], 0, [0, 1], [0, 1]), (1, 2, 1, [0, 1], 1, [0, 1], [0, 1]),
                    (0, 2, 0, [2, 3], 0, [2, 3], [2, 3]), (1, 2, 1, [2, 3], 1, [2, 3], [2, 3])]
+
+
+REPLICA_LAYOUTS = [(2, 2, 1, 1, 1), (2, 1, 2, 1, 1), (2, 1, 1, 2, 1), (2, 1, 1, 1, 2),
+                   (4, 1, 1, 1, 1)]  # replicas, dp, tp, pp, cp
+
+
+def _replica_layouts(rank, world):
+    out = []
+    for R, dp, tp, pp, cp in REPLICA_LAYOUTS:
+        m = Mesh(dp, tp, pp, cp=cp, replicas=R)
+        out.append({"coords": (m.replica_rank, m.pp_rank, m.dp_rank, m.cp_rank, m.tp_rank),
+                    "str": str(m), "inner": m.inner, "inner_dims": m.inner_mesh.mesh_dim_names,
+                    "groups": _groups(m, ("replica", "dp", "cp", "tp", "pp", "dp_cp"))})
+    one = Mesh(dp=world)  # without replicas: a replica group of this rank alone
+    out.append(dist.get_process_group_ranks(one.replica_group))
+    return out
+
+
+@pytest.mark.dist
+def test_replicas_are_outermost_and_each_replica_is_the_usual_mesh_on_contiguous_ranks():
+    got = run_ranks(_replica_layouts, 4)
+    for i, (R, dp, tp, pp, cp) in enumerate(REPLICA_LAYOUTS):
+        inner = dp * cp * tp * pp
+        # by hand: replica = r // inner, then Megatron's order inside (pp, dp, cp, tp)
+        every = {q: (q // inner, (q % inner) // (dp * cp * tp), (q % inner) // (cp * tp) % dp,
+                     (q % inner) // tp % cp, q % tp) for q in range(4)}
+        for r in range(4):
+            g, want = got[r][i], every[r]
+            assert g["coords"] == want and g["inner"] == inner, (R, dp, tp, pp, cp, r)
+            assert g["inner_dims"] == ("pp", "dp", "cp", "tp")
+            for k, axes in (("replica", {0}), ("pp", {1}), ("dp", {2}), ("cp", {3}),
+                            ("tp", {4}), ("dp_cp", {2, 3})):
+                same = sorted(q for q, c in every.items()
+                              if all(c[a] == want[a] for a in range(5) if a not in axes))
+                assert g["groups"][k] == same, (k, R, dp, tp, pp, cp, r)
+            assert f"replicas={R}, dp={dp}" in g["str"] and f"replica {want[0]}, dp" in g["str"]
+    assert [got[r][-1] for r in range(4)] == [[0], [1], [2], [3]]
+
+
+def _bad_replicas(rank, world):
+    Mesh(dp=2, replicas=2)
+
+
+@pytest.mark.dist
+def test_replicas_that_do_not_tile_the_world_are_named():
+    for e in run_ranks(_bad_replicas, 2, expect_errors=True):
+        assert e.kind == "ValueError"
+        assert "replicas=2 x dp=2 x tp=1 x pp=1 = 4 ranks, but the world size is 2" in e.message
+
+
+def _replica_group_is_its_own(rank, world):
+    m = Mesh(dp=1, replicas=world)  # the replica dimension spans the world
+    return m.replica_group is not dist.group.WORLD and \
+        dist.get_process_group_ranks(m.replica_group) == list(range(world))
+
+
+@pytest.mark.dist
+def test_replica_group_is_never_the_default_group():
+    """DiLoCo all-reduces over it on a worker thread while the main thread uses the default
+    group: one group for both mismatched gloo's operations (see Mesh.__init__)."""
+    assert run_ranks(_replica_group_is_its_own, 2) == [True, True]

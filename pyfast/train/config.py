@@ -70,6 +70,16 @@ class TrainConfig:
     prompt: str = ""                # the text the samples continue
     sample_tokens: int = 64         # tokens generated per sample
     sample_top_k: int = 0           # 0: greedy; K: draw from the K most likely tokens
+    # DiLoCo over replicas of the mesh (pyfast.parallel.DiLoCo); check_diloco
+    diloco: int = 0                 # H: inner steps per outer step (per fragment); 0: off
+    replicas: int = 1               # R copies of the dp x cp x tp x pp mesh
+    fragments: int = 1              # Streaming DiLoCo: F fragments synchronized staggered
+    diloco_delay: int = 0           # tau: inner steps an outer all-reduce overlaps
+    outer_compress: str = "none"    # the outer all-reduce's compressor spec
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    outer_nesterov: bool = True
+    diloco_alpha: float = 0.0       # mixing of local and global parameters (0: take global)
 
     @property
     def m(self) -> int:
@@ -90,12 +100,14 @@ class TrainConfig:
 
     @property
     def ranks(self) -> int:
-        return self.dp * self.cp * self.tp * self.pp
+        return self.replicas * self.dp * self.cp * self.tp * self.pp
 
     def mesh_flags(self) -> str:
-        """'--dp 2 x --tp 1 x --pp 1' (with --cp when it is > 1): the mesh, as flags."""
+        """'--dp 2 x --tp 1 x --pp 1' (with --cp when it is > 1, --replicas first when > 1):
+        the mesh, as flags."""
         cp = f" x --cp {self.cp}" if self.cp > 1 else ""
-        return f"--dp {self.dp}{cp} x --tp {self.tp} x --pp {self.pp}"
+        rep = f"--replicas {self.replicas} x " if self.replicas > 1 else ""
+        return f"{rep}--dp {self.dp}{cp} x --tp {self.tp} x --pp {self.pp}"
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -176,6 +188,7 @@ def parser() -> argparse.ArgumentParser:
       help="--resume: let these recorded flags differ from the checkpoint's run (comma list; "
            f"{', '.join(RESUME_ALLOWABLE)}: extend a run); logged")
     add_watch_flags(p, d)
+    add_diloco_flags(p, d)
     g = p.add_argument_group("dry run (pyfast.train.dryrun: no process is started)")
     g.add_argument("--dry-run", action="store_true", help="run one whole step of the job for a "
                    "world of --nproc ranks in this process, on memoryless (meta) tensors over "
@@ -213,10 +226,11 @@ def check(cfg: TrainConfig, world: int, model: bool = True) -> dict:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
     if cfg.ranks != world:
         raise ConfigError(f"{cfg.mesh_flags()} = {cfg.ranks} ranks, but the world size is {world}")
-    per = cfg.dp * cfg.grad_accum * cfg.m
+    per = cfg.replicas * cfg.dp * cfg.grad_accum * cfg.m
     if cfg.batch % per:
-        raise ConfigError(f"--batch {cfg.batch} is not divisible by dp {cfg.dp} x grad-accum "
-                          f"{cfg.grad_accum} x micro-batches {cfg.m} = {per}")
+        rep = f"replicas {cfg.replicas} x " if cfg.replicas > 1 else ""
+        raise ConfigError(f"--batch {cfg.batch} is not divisible by {rep}dp {cfg.dp} x "
+                          f"grad-accum {cfg.grad_accum} x micro-batches {cfg.m} = {per}")
     if cfg.lr <= 0 or cfg.clip < 0 or not 0 <= cfg.min_lr_ratio <= 1:
         raise ConfigError(f"need --lr > 0, --clip >= 0 and 0 <= --min-lr-ratio <= 1; got lr "
                           f"{cfg.lr}, clip {cfg.clip}, min-lr-ratio {cfg.min_lr_ratio}")
@@ -238,6 +252,7 @@ def check(cfg: TrainConfig, world: int, model: bool = True) -> dict:
                           f"(not {', '.join(sorted(unknown))})")
     check_cp(cfg)
     check_zero(cfg)
+    check_diloco(cfg)
     data = check_data(cfg)
     check_watch(cfg)
     check_model_vocab(cfg, data)
@@ -259,6 +274,8 @@ RESUME_FREE = ("dp", "tp", "pp", "cp", "cp_method", "cp_layout", "schedule", "mi
 RESUME_ALLOWABLE = ("steps",)
 # what is watched changes nothing in the run: free on --resume too
 RESUME_FREE += ("tensorboard", "sample_every", "prompt", "sample_tokens", "sample_top_k")
+# DiLoCo's global parameters and outer state are the same on every replica: --replicas may change
+RESUME_FREE += ("replicas",)
 
 
 def resume_changes(cfg: TrainConfig, record: dict, data: dict | None = None
@@ -380,7 +397,7 @@ def check_model_vocab(cfg: TrainConfig, data: dict) -> None:
 
 def check_degrees(cfg: TrainConfig) -> None:
     """The mesh's degrees are >= 1 (the launcher sizes the job by them, before check)."""
-    for name in ("dp", "cp", "tp", "pp"):
+    for name in ("replicas", "dp", "cp", "tp", "pp"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name} must be >= 1, got {getattr(cfg, name)}")
 
@@ -459,6 +476,7 @@ def check_model(cfg: TrainConfig, m=None) -> None:
     memory, no init drawn; the launcher's check costs about 1 s of torch's meta machinery)."""
     from pyfast import models
     m = build_model(cfg, 256, "meta") if m is None else m
+    check_fragments(cfg, m)
     why = m.tp_check(cfg.tp)
     if why:
         raise ConfigError(f"--tp {cfg.tp}: {why}")
@@ -490,3 +508,80 @@ def check_model(cfg: TrainConfig, m=None) -> None:
             raise ConfigError(f"--schedule {cfg.schedule} with --pp {cfg.pp}: "
                               f"{cfg.virtual_stages * cfg.pp} stages, more than the {layers + 2} "
                               f"modules of {cfg.model} (embedding, {layers} layers, head)")
+
+
+def add_diloco_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
+    g = p.add_argument_group("DiLoCo: replicas that synchronize every H steps "
+                             "(pyfast.parallel.DiLoCo; docs/diloco.md)")
+    g.add_argument("--diloco", type=int, default=d.diloco, metavar="H",
+                   help="an outer step every H inner steps (default 0: off)")
+    g.add_argument("--replicas", type=int, default=d.replicas, metavar="R",
+                   help="R copies of the dp x cp x tp x pp mesh (world = R x dp x cp x tp x pp), "
+                        "each an ordinary job; they meet only in DiLoCo's outer steps")
+    g.add_argument("--fragments", type=int, default=d.fragments, metavar="F",
+                   help="Streaming DiLoCo: F fragments, fragment f synced at offset f x H/F")
+    g.add_argument("--diloco-delay", type=int, default=d.diloco_delay, metavar="TAU",
+                   help="an outer all-reduce runs behind TAU inner steps (< H/F)")
+    g.add_argument("--outer-compress", default=d.outer_compress, metavar="SPEC",
+                   help="compressor of the outer gradients (int8, int4, ...; default none: fp32)")
+    g.add_argument("--outer-lr", type=float, default=d.outer_lr)
+    g.add_argument("--outer-momentum", type=float, default=d.outer_momentum)
+    g.add_argument("--outer-nesterov", action=argparse.BooleanOptionalAction,
+                   default=d.outer_nesterov)
+    g.add_argument("--diloco-alpha", type=float, default=d.diloco_alpha, metavar="ALPHA",
+                   help="after a sync, params = ALPHA x local + (1 - ALPHA) x global")
+
+
+def check_diloco(cfg: TrainConfig) -> None:
+    """--diloco and its flags against each other and the mesh (fragments against the model's
+    parameter tensors: check_model)."""
+    if cfg.diloco < 0:
+        raise ConfigError(f"--diloco H: the inner steps per outer step must be >= 1 (0: off), "
+                          f"got {cfg.diloco}")
+    d = TrainConfig()
+    if not cfg.diloco:
+        given = [f"--{k.replace('_', '-')} {getattr(cfg, k)}" for k in DILOCO_FLAGS
+                 if getattr(cfg, k) != getattr(d, k)]
+        if given:
+            raise ConfigError(f"{', '.join(given)} without --diloco H: replicas meet only in "
+                              "DiLoCo's outer steps (pass --diloco H)")
+        return
+    H, F, tau = cfg.diloco, cfg.fragments, cfg.diloco_delay
+    if F < 1 or H % F:
+        raise ConfigError(f"--diloco {H} is not a multiple of --fragments {F}: fragment f is "
+                          f"synchronized at offset f x H/F")
+    if not 0 <= tau < H // F:
+        raise ConfigError(f"--diloco-delay {tau} must be in [0, H/F = {H // F}) (--diloco {H} / "
+                          f"--fragments {F}): an outer all-reduce must land before the "
+                          "fragment's next one starts")
+    if not 0 <= cfg.diloco_alpha <= 1:
+        raise ConfigError(f"--diloco-alpha {cfg.diloco_alpha} must be in [0, 1]")
+    if cfg.outer_lr <= 0 or not 0 <= cfg.outer_momentum < 1:
+        raise ConfigError(f"need --outer-lr > 0 and 0 <= --outer-momentum < 1; got "
+                          f"{cfg.outer_lr}, {cfg.outer_momentum}")
+    if cfg.outer_nesterov and cfg.outer_momentum == 0:
+        raise ConfigError("--outer-nesterov needs --outer-momentum > 0 (as torch.optim.SGD); "
+                          "pass --no-outer-nesterov for plain outer SGD")
+    import pyfast.compress as C
+    try:
+        C.get(cfg.outer_compress)
+    except ValueError as e:
+        raise ConfigError(f"--outer-compress {cfg.outer_compress!r}: {e}") from None
+    if cfg.zero:
+        raise ConfigError(f"--diloco with --zero {cfg.zero}: the outer step needs each rank's "
+                          "parameters whole; use DataParallel (--zero 0) inside a replica")
+    if cfg.precision == "fp16":
+        raise ConfigError("--diloco with --precision fp16: GradScaler steps the inner optimizer "
+                          "itself, around DiLoCo's step; use bf16")
+
+
+DILOCO_FLAGS = ("replicas", "fragments", "diloco_delay", "outer_compress", "outer_lr",
+                "outer_momentum", "outer_nesterov", "diloco_alpha")
+
+
+def check_fragments(cfg: TrainConfig, m) -> None:
+    """--fragments against the model's parameter tensors (each fragment holds at least one)."""
+    n = sum(1 for _ in m.parameters())
+    if cfg.diloco and cfg.fragments > n:
+        raise ConfigError(f"--fragments {cfg.fragments}: more fragments than the {n} parameter "
+                          f"tensors of {cfg.model}")

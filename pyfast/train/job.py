@@ -37,6 +37,7 @@ from pyfast.parallel.zero import checkpoint as zck
 from pyfast.parallel.zero import zero
 
 from . import checkpoint as ck
+from . import outer
 from .config import ConfigError, TrainConfig, build_model, check_data, check_model
 from .telemetry import bytes_written
 
@@ -76,7 +77,7 @@ class Job:
     def __init__(self, cfg: TrainConfig, device: torch.device, data: dict | None = None):
         """data: the data's fingerprint (config.check_data), computed here if not given."""
         self.cfg, self.device = cfg, device
-        self.mesh = mesh = Mesh(cfg.dp, cfg.tp, cfg.pp, cp=cfg.cp)
+        self.mesh = mesh = Mesh(cfg.dp, cfg.tp, cfg.pp, cp=cfg.cp, replicas=cfg.replicas)
         # ConfigError (the same on every rank) rather than load_corpus's errors
         self.data = data if data is not None else check_data(cfg)
         self.corpus = load_corpus(cfg.data)
@@ -148,9 +149,20 @@ class Job:
             self.opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg))
         self.scaler = torch.amp.GradScaler(device.type) if cfg.precision == "fp16" else None
+        # --diloco: the inner optimizer steps through DiLoCo over the replica group (outer.py)
+        self.diloco = outer.build(cfg, module, self.opt, mesh) if cfg.diloco else None
+        self.outer = outer.Meter() if cfg.diloco else None
+        # replicas x dp ranks partition each global batch as dp ranks alone do (one replica:
+        # exactly the dp slices), so a run at --replicas R sees the tokens of --dp R x dp
         self.batches = Batches(self.corpus.train, cfg.batch, cfg.seq, cfg.seed,
-                               mesh.dp_rank, cfg.dp)
+                               *self.data_slot)
         self.skips = 0
+
+    @property
+    def data_slot(self) -> tuple[int, int]:
+        """(this rank's slice of a global batch, the number of slices): replica-major."""
+        return self.mesh.replica_rank * self.cfg.dp + self.mesh.dp_rank, \
+            self.cfg.replicas * self.cfg.dp
 
     def scalar(self, x: float) -> torch.Tensor:
         """An fp64 scalar on the job's device: the step's sums and its all-reduce stay where the
@@ -234,13 +246,18 @@ class Job:
             # a mask, not boolean indexing: its size depends on data (no meta kernel: dry run)
             sq = torch.where(self.counted[have], norms.square(), 0.0).sum()
             bad = (~torch.isfinite(norms).all()).double()  # on the device: no host read
-        contrib = local / scale / (cfg.dp * cfg.cp) if self.owns_loss else self.scalar(0.0)
+        R = cfg.replicas  # the logged loss: the mean over replicas of each one's batch loss
+        contrib = local / scale / (R * cfg.dp * cfg.cp) if self.owns_loss else self.scalar(0.0)
         sent = bytes_written() - w0
         tc = clock(self.device)
         vec = torch.stack([contrib, sq, bad, self.scalar(float(sent))])
+        if R > 1:  # each replica clips by its own gradient's norm: one slot per replica
+            vec = outer.per_replica(vec, 1, self.mesh)
         dist.all_reduce(vec)  # one small all-reduce: loss, norm, NaN/Inf and bytes, everywhere
         waited += clock(self.device) - tc
         vals = self._read(vec)  # the step's one host read
+        if R > 1:
+            vals[1] = vals[4 + self.mesh.replica_rank]
         loss, gnorm = vals[0], math.sqrt(vals[1])  # a sum of squares: NaN or >= 0
         skipped = False
         if vals[2] > 0 or not math.isfinite(loss) or not math.isfinite(gnorm):
@@ -256,6 +273,8 @@ class Job:
             if self.scaler is not None:
                 self.scaler.step(self.opt)
                 self.scaler.update()
+            elif self.diloco is not None:
+                waited += self.outer.step(self)  # the inner step, + the outer one when due
             else:
                 self.opt.step()
         lr = self.opt.param_groups[0]["lr"]
@@ -267,6 +286,8 @@ class Job:
                "bytes_sent": int(vals[3])}
         if self.scaler is not None:
             rec.update(loss_scale=scale, skipped=skipped)
+        if self.outer is not None:
+            rec.update(self.outer.record())
         return rec
 
     def compression_error(self) -> float | None:
@@ -294,7 +315,9 @@ class Job:
     def _read(self, vec: torch.Tensor) -> list[float]:
         """vec's values on the host. A dry run's meta tensors hold none: a finite step whose
         gradient norm is clipped (twice --clip) stands in, so every branch of a step runs."""
-        return read(vec, [0.0, (2.0 * max(self.cfg.clip, 1.0)) ** 2, 0.0, 0.0])
+        sq = (2.0 * max(self.cfg.clip, 1.0)) ** 2
+        return read(vec, [0.0, sq, 0.0, 0.0] + ([sq] * self.cfg.replicas
+                                                 if self.cfg.replicas > 1 else []))
 
     def _zero_norm(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(this rank's share of the squared global gradient norm, NaN/Inf flag) under zero:
@@ -324,11 +347,11 @@ class Job:
     # ---------------------------------------------------------------- validation
     @torch.no_grad()
     def evaluate(self) -> float:
-        cfg, mesh = self.cfg, self.mesh
+        cfg = self.cfg
         n = min(cfg.eval_batches, (len(self.corpus.val) - 1) // cfg.seq // cfg.batch)
         if n < 1:  # the validation split holds less than one global batch (same on every rank)
             return math.nan
-        val = Batches(self.corpus.val, cfg.batch, cfg.seq, cfg.seed, mesh.dp_rank, cfg.dp,
+        val = Batches(self.corpus.val, cfg.batch, cfg.seq, cfg.seed, *self.data_slot,
                       shuffle=False)
         old, self.mult = self.mult, 1.0
         total, count = self.scalar(0.0), 0
@@ -349,14 +372,17 @@ class Job:
         finally:
             self.mult = old
             self.model.train(was)
-        v = total / count / (cfg.dp * cfg.cp) if self.owns_loss else self.scalar(0.0)
+        ways = cfg.replicas * cfg.dp * cfg.cp  # the mean over replicas of each one's loss
+        v = total / count / ways if self.owns_loss else self.scalar(0.0)
         dist.all_reduce(v)
         return float(v)
 
     # ---------------------------------------------------------------- checkpoints
-    def state(self, full: bool) -> dict:
+    def state(self, full: bool, replica: int | None = None, pending: int | None = -1) -> dict:
         """What a checkpoint holds. full=False leaves out the per-rank part (RNG states and
-        compression / error-feedback memory), which only means something on the same mesh."""
+        compression / error-feedback memory), which only means something on the same mesh.
+        --diloco (outer.state): replica: whose local state (default this rank's replica);
+        pending: -1 to save, else the fragment in flight a load reads (None: none)."""
         if self.zero is not None:  # flat shards by FQN: pyfast.parallel.zero.checkpoint
             zsd = zck.get_state_dict(self.zero, self.opt)
             model, optim = zsd["model"], zsd["optim"]
@@ -366,8 +392,13 @@ class Job:
                  "lrs": [g["lr"] for g in self.opt.param_groups], "skips": self.skips,
                  "scaler": self.scaler.state_dict() if self.scaler is not None else None}
         state = {"model": model, "optim": optim, "train": ck.blob(train)}
+        if self.diloco is not None:
+            k = self.mesh.replica_rank if replica is None else replica
+            state = outer.state(self, state, k, pending)
         if full:
             mine = {"rng": torch.get_rng_state(), "comm": self._compression_state()}
+            if self.diloco is not None:
+                mine.update(outer.rank_state(self))
             state[f"rank{dist.get_rank()}"] = ck.blob(mine)
         return state
 
@@ -397,7 +428,9 @@ class Job:
     def meta(self) -> dict:
         c = self.cfg
         return {"model_key": c.model_key(), "vocab_size": self.vocab_size,
-                "mesh": {"dp": c.dp, "cp": c.cp, "tp": c.tp, "pp": c.pp}, "compress": c.compress,
+                "mesh": {"dp": c.dp, "cp": c.cp, "tp": c.tp, "pp": c.pp,
+                         **({"replicas": c.replicas} if c.diloco else {})},
+                "compress": c.compress,
                 "precision": c.precision, "batch": c.batch, "n_params": self.n_params,
                 "zero": c.zero, "param_compress": c.param_compress,
                 "error_feedback": c.error_feedback,
@@ -424,7 +457,13 @@ class Job:
                               f"has --zero {self.cfg.zero}: ZeRO checkpoints hold flat shards "
                               "by FQN, the others whole tensors; resume with zero on or off "
                               "as saved (any --zero stage and --dp load a ZeRO checkpoint)")
-        state = self.state(full=same)
+        if self.diloco is not None:  # replica K resumes replica K mod R_saved's local state
+            outer_meta = outer.saved_meta(path)
+            pend = outer_meta["pending"]["fragment"] if outer_meta["pending"] else None
+            saved_r = meta.get("config", {}).get("replicas", 1)
+            state = self.state(same, self.mesh.replica_rank % saved_r, pend)
+        else:
+            state = self.state(full=same)
         if self.zero is not None:  # what the checkpoint holds, in this world's shards
             state.update(zck.load_target(path, self.zero, self.opt))
         ck.load(state, path)
@@ -438,6 +477,9 @@ class Job:
         self.skips = train["skips"]
         if self.scaler is not None and train["scaler"]:
             self.scaler.load_state_dict(train["scaler"])
+        if self.diloco is not None:
+            outer.load(self, state, outer_meta,
+                       ck.unblob(state[f"rank{dist.get_rank()}"]) if same else None)
         if same:
             mine = ck.unblob(state[f"rank{dist.get_rank()}"])
             torch.set_rng_state(mine["rng"])
@@ -448,6 +490,8 @@ class Job:
         return meta["step"], same
 
     def close(self) -> None:
+        if self.diloco is not None:
+            self.diloco.close()
         if self.dp is not None:
             self.dp.close()
         if self.zero is not None:

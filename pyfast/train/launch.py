@@ -20,6 +20,8 @@ def worker_args(cfg: TrainConfig) -> list[str]:
         flag = "--" + f.name.replace("_", "-")
         if isinstance(v, str) and v.startswith("-"):  # a --prompt "-x": argparse's = form
             out += [f"{flag}={v}"]
+        elif v is False:  # a flag on by default (--outer-nesterov): its --no- form
+            out += ["--no-" + flag[2:]]
         else:
             out += [flag] if v is True else [flag, str(v)]
     return out

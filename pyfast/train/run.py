@@ -171,6 +171,7 @@ def _loop(cfg: TrainConfig, job: Job, start: int, device) -> None:
             drawn = plot(records, os.path.join(cfg.out, "curves.png"))
             from rich.console import Console
             m = job.mesh
-            Console().print(summary(records, f"{cfg.model} on {m.dp}x{m.cp}x{m.tp}x{m.pp} "
+            rep = f"{m.replicas} replicas of " if m.replicas > 1 else ""
+            Console().print(summary(records, f"{cfg.model} on {rep}{m.dp}x{m.cp}x{m.tp}x{m.pp} "
                                              "(dp x cp x tp x pp)"))
         print(f"metrics: {log.path}\n{drawn}\ncheckpoints: {ck.root(cfg.out)}", flush=True)

@@ -1,0 +1,59 @@
+"""Smoke suite for `pyfast bench diloco` (pyfast.benchmarks.diloco): the harness once, tiny and
+untimed (gpt-tiny, seq 32, batch 8, N = 40 steps, on a 1 Gbit/s namespace link: dp bf16, DiLoCo
+H10 and Streaming int4), so that it cannot rot: every row's curve, bytes and columns, never a
+speed. The numbers docs/diloco.md quotes come from `pyfast bench diloco` itself."""
+import math
+
+import pytest
+
+from pyfast.benchmarks import diloco, netns
+
+
+@pytest.fixture(scope="module")
+def result():
+    why = netns.unavailable()
+    if why:
+        pytest.skip(why)
+    return diloco.run(("1gbit",), ("gpt-tiny",), ("dp bf16", "diloco H10", "streaming int4"),
+                      sizes={"gpt-tiny": (32, 8, 40, 20)}, timeout=300)
+
+
+def test_every_row_has_its_curve_bytes_and_times(result):
+    rows = {r["config"]: r for r in result["rows"]}
+    assert sorted(rows) == ["diloco H10", "dp bf16", "streaming int4"]
+    ref = rows["dp bf16"]
+    assert [s for s, _, _ in ref["curve"]] == [20, 40] and ref["tokens"] == 40 * 8 * 32
+    for name, r in rows.items():
+        steps = [s for s, _, _ in r["curve"]]
+        # DiLoCo runs on (up to LONGER x 40 steps) until they reach dp bf16's final loss
+        assert steps == list(range(20, steps[-1] + 1, 20)) and 40 <= steps[-1] <= 40 * \
+            diloco.LONGER, (name, steps)
+        reached = r["curve"][-1][2] <= ref["final_val"]
+        assert name == "dp bf16" or reached or steps[-1] == 40 * diloco.LONGER, r["curve"]
+        assert all(math.isfinite(v) and 0 < v < 10 for _, _, v in r["curve"])
+        assert r["val_at_n"] == r["curve"][1][2]  # the validation at step N = 40
+        assert r["train_s"] > 0 and 0 < r["utilization"] <= 1
+        assert r["wire_bytes"] > 0 and r["peak_Bps"] > 0 and r["need_Bps"] > 0, r
+    assert ref["outer_syncs"] == 0
+    # H10: a sync every 10 steps; H 40 in 4 fragments: one every 10 steps too
+    assert rows["diloco H10"]["outer_syncs"] == rows["diloco H10"]["steps"] // 10
+    assert rows["streaming int4"]["outer_syncs"] == rows["streaming int4"]["steps"] // 10
+    # per step, DiLoCo's whole-model syncs move less than dp's reductions: fp32 outer
+    # gradients every 10 steps are 2/10 of bf16 every step, plus the per-step scalars
+    per = {n: r["wire_bytes"] / r["steps"] for n, r in rows.items()}
+    assert per["diloco H10"] < 0.5 * per["dp bf16"]
+    # int4 fragments: a quarter of the model at 1/8 of fp32 per sync
+    assert rows["streaming int4"]["max_step_bytes"] < rows["diloco H10"]["max_step_bytes"] / 16
+
+
+def test_time_to_reference_and_table(result):
+    ref = next(r for r in result["rows"] if r["config"] == "dp bf16")
+    assert ref["time_to_target_s"] == ref["curve"][-1][1] and ref["speedup"] == pytest.approx(1)
+    for r in result["rows"]:
+        assert r["target_val"] == ref["final_val"]
+        assert r["val_vs_ref"] == pytest.approx(r["val_at_n"] / ref["final_val"] - 1)
+    from rich.console import Console
+    console = Console(width=200)
+    with console.capture() as cap:
+        console.print(diloco.table(result))
+    assert "streaming int4" in cap.get()

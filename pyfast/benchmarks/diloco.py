@@ -1,0 +1,292 @@
+"""DiLoCo against data parallelism across a slow link (`pyfast bench diloco`): the same tokens
+(global batch, steps, seed) through `pyfast train --nproc 2` on a namespace-shaped link
+(pyfast.benchmarks.netns: tc tbf on the namespace's lo), 2 replicas x 1 rank:
+
+  dp bf16, dp int8         --dp 2 --compress bf16 / int8 (a reduction every step)
+  diloco H10, H50          --diloco H --replicas 2 (fp32 outer gradients)
+  streaming fp32/int8/int4/e3m0
+                           --diloco 40 --replicas 2 --fragments 4 --diloco-delay 2
+                           --outer-compress none / int8 / int4 / e3m0
+
+Every run has the same global batch, seed and learning rate, constant after a fixed warm-up
+(--warmup 20 --min-lr-ratio 1), so that the first N steps of a longer run are the N-step run:
+the data-parallel runs take N steps, the DiLoCo ones up to LONGER x N (they stop at the first
+validation at or below dp bf16's final loss on that link and model, or at LONGER x N).
+
+Per run: the validation loss every --eval-every steps (the replicas' local parameters, their
+mean loss), against the training time so far (the steps' own step_ms: validation and
+checkpoints left out); the wall time to dp bf16's final validation loss on the same link and
+model (and the speed-up over dp bf16's own); the validation loss at step N (equal tokens); bytes on the wire (the namespace's lo
+tx counter over the whole run: startup broadcasts included); peak link bandwidth (the most
+bytes lo sent in any 100 ms window, sampled from /proc/PID/net/dev of a rank inside the
+namespace); compute utilization (sum of the steps' compute_ms / sum of step_ms: the job's
+compute_ms leaves out waiting on the per-step loss all-reduce and, for DiLoCo, the outer step's
+time beyond a plain inner step). The bandwidth a schedule needs (need MB/s): the most bytes one
+step has to move (all ranks: dp's reduction; an outer all-reduce, 2 x rank 0's compressed
+pseudo-gradient) over the compute time it may hide behind (the median step's compute; tau + 1
+steps for Streaming DiLoCo): what the paper's peak-bandwidth comparison measures. A tbf link
+caps the measured 100 ms peak at its own rate, so that column tells whether a link was
+saturated, the need column how far below the rate a schedule could go.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import pyfast
+from pyfast import perf
+from pyfast.benchmarks import netns
+
+STREAM = ["--diloco", "40", "--replicas", "2", "--fragments", "4", "--diloco-delay", "2"]
+CONFIGS = {
+    "dp bf16": ["--dp", "2", "--compress", "bf16"],
+    "dp int8": ["--dp", "2", "--compress", "int8"],
+    "diloco H10": ["--diloco", "10", "--replicas", "2"],
+    "diloco H50": ["--diloco", "50", "--replicas", "2"],
+    "streaming fp32": STREAM + ["--outer-compress", "none"],
+    "streaming int8": STREAM + ["--outer-compress", "int8"],
+    "streaming int4": STREAM + ["--outer-compress", "int4"],
+    "streaming e3m0": STREAM + ["--outer-compress", "e3m0"],  # the paper's 4-bit format
+}
+REFERENCE = "dp bf16"
+LONGER = 3  # DiLoCo runs may take up to this many times the reference's tokens to reach it
+FIXED = ["--warmup", "20", "--min-lr-ratio", "1"]
+# model: (seq, global batch, steps, eval every): steps a multiple of every H (10, 40, 50)
+SIZES = {"gpt-tiny": (64, 16, 200, 20), "gpt-small": (128, 8, 200, 20)}
+LINKS = ("100mbit", "1gbit")
+WINDOW_S = 0.1  # peak bandwidth: the most bytes in any window this long
+
+
+def _lo_tx(pid: int, ns: int) -> int | None:
+    """lo's tx bytes in the network namespace of process pid, None unless pid is in namespace
+    inode `ns` (before `ip netns exec` has entered it, or once the process is gone)."""
+    try:
+        if os.stat(f"/proc/{pid}/ns/net").st_ino != ns:
+            return None
+        with open(f"/proc/{pid}/net/dev") as f:
+            text = f.read()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        iface, _, data = line.partition(":")
+        if iface.strip() == "lo":
+            return int(data.split()[8])
+    return None
+
+
+class Sampler(threading.Thread):
+    """lo's tx counter of pid's namespace every WINDOW_S / 4 s: total and peak bytes per
+    WINDOW_S (a sliding window over the samples)."""
+
+    def __init__(self, pid: int, ns: int):
+        super().__init__(daemon=True)
+        self.pid, self.ns, self.samples, self.stop = pid, ns, [], threading.Event()
+
+    def run(self):
+        while not self.stop.is_set():
+            v = _lo_tx(self.pid, self.ns)
+            if v is not None:
+                self.samples.append((time.monotonic(), v))
+            self.stop.wait(WINDOW_S / 4)
+
+    def peak(self) -> float:
+        s = self.samples
+        if len(s) < 2:
+            return math.nan
+        peak, j = 0, 0
+        for i in range(len(s)):  # the most bytes within WINDOW_S after each sample
+            while j + 1 < len(s) and s[j + 1][0] - s[i][0] <= WINDOW_S:
+                j += 1
+            peak = max(peak, s[j][1] - s[i][1])
+        return peak / WINDOW_S
+
+
+def measure(link: str, model: str, config: str, size, timeout: float = 1800,
+            target: float | None = None) -> dict:
+    """One `pyfast train --nproc 2` on `link`: its curve, bytes and times. target: run up to
+    LONGER x the steps, stopping at the first validation loss <= target (SIGTERM to the job,
+    the metrics of the steps done kept)."""
+    seq, batch, steps, every = size
+    n = steps if target is None else LONGER * steps
+    if netns.rate_bps(link) is None:
+        raise ValueError("pyfast bench diloco: the links are namespace-shaped (100mbit, "
+                         "1gbit, ...): loopback's counters are the machine's")
+    with tempfile.TemporaryDirectory() as out, netns.link_prefix(link) as pre:
+        cmd = [sys.executable, "-m", "pyfast", "train", "--nproc", "2", "--model", model,
+               "--seq", str(seq), "--batch", str(batch), "--steps", str(n),
+               "--eval-every", str(every), "--eval-batches", "2", "--seed", "0",
+               "--no-tensorboard", "--out", out, *FIXED, *CONFIGS[config]]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        t0 = time.monotonic()
+        log = open(os.path.join(out, "log.txt"), "w+")  # a file: a pipe nobody reads fills
+        p = subprocess.Popen(pre + cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env,
+                             start_new_session=True)
+        # `ip netns exec` execs the command: p.pid enters the namespace
+        sampler = Sampler(p.pid, os.stat(f"/run/netns/{pre[3]}").st_ino)
+        sampler.start()
+        metrics, stopped = os.path.join(out, "metrics.jsonl"), False
+        try:
+            while p.poll() is None:
+                if time.monotonic() - t0 > timeout:
+                    raise subprocess.TimeoutExpired(cmd, timeout)
+                if target is not None and _reached(metrics, target):
+                    stopped = True
+                    break
+                time.sleep(0.2)
+        finally:
+            sampler.stop.set()
+            netns._kill([p])
+            log.seek(0)
+            err = log.read()
+            log.close()
+        wall = time.monotonic() - t0
+        wire = netns.lo_tx_bytes(pre[3])  # a fresh namespace's lo starts at 0
+        if p.returncode != 0 and not stopped:
+            raise RuntimeError(f"{' '.join(cmd)} on {link}: exit {p.returncode}\n{err[-2000:]}")
+        recs = _read(metrics)
+    peak = sampler.peak()
+    t, curve = 0.0, []
+    for r in recs:
+        t += r["step_ms"] / 1e3
+        if "val_loss" in r:
+            curve.append((r["step"], t, r["val_loss"]))
+    step_s = sum(r["step_ms"] for r in recs) / 1e3
+    compute_s = sum(r["compute_ms"] for r in recs) / 1e3
+    outer = sum(r.get("outer_payload_bytes", 0) for r in recs)
+    syncs = sum(r.get("outer_sent") is not None for r in recs)
+    # the bandwidth that would hide the traffic: a step's bytes (all ranks) within the compute
+    # of the steps it may run behind (1 for dp; tau + 1 for an outer all-reduce: each of the 2
+    # replicas sends its compressed pseudo-gradient to the other once)
+    compute = sorted(r["compute_ms"] for r in recs)[len(recs) // 2] / 1e3
+    tau = int(CONFIGS[config][CONFIGS[config].index("--diloco-delay") + 1]) \
+        if "--diloco-delay" in CONFIGS[config] else 0
+    moved = [2 * r["outer_payload_bytes"] if "outer_payload_bytes" in r else r["bytes_sent"]
+             for r in recs]
+    need = max(moved) / ((tau + 1) * compute)
+    at_n = next((v for s, _, v in curve if s == steps), math.nan)
+    return {"link": link, "model": model, "config": config, "steps": len(recs),
+            "tokens": len(recs) * batch * seq, "train_s": step_s, "wall_s": wall,
+            "final_val": curve[-1][2], "val_at_n": at_n, "curve": curve, "wire_bytes": wire,
+            "peak_Bps": peak, "need_Bps": need, "max_step_bytes": max(moved),
+            "utilization": compute_s / step_s,
+            "outer_payload_bytes_rank0": outer, "outer_syncs": syncs}
+
+
+def _read(path: str) -> list[dict]:
+    """The complete lines of a metrics log (the job may be writing the next one)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f.read().split("\n")[:-1] if line]
+
+
+def _reached(path: str, target: float) -> bool:
+    return any(r.get("val_loss", math.inf) <= target for r in _read(path))
+
+
+def summarize(rows: list[dict]) -> None:
+    """Each row's time to its link's and model's dp bf16 final validation loss (None: never
+    reached within the run) and its speed-up over dp bf16 there."""
+    for r in rows:
+        ref = next((q for q in rows if q["link"] == r["link"] and q["model"] == r["model"]
+                    and q["config"] == REFERENCE), None)
+        if ref is None:
+            continue
+        target = ref["final_val"]
+        hit = next(((s, t) for s, t, v in r["curve"] if v <= target), None)
+        r["target_val"] = target
+        r["time_to_target_s"], r["steps_to_target"] = (hit[1], hit[0]) if hit else (None, None)
+        r["speedup"] = ref["train_s"] / hit[1] if hit else None
+        r["val_vs_ref"] = r["val_at_n"] / target - 1
+
+
+def run(links=LINKS, models=("gpt-tiny",), configs=tuple(CONFIGS), sizes=None,
+        timeout: float = 1800) -> dict:
+    t_start, load = time.monotonic(), os.getloadavg()[0]
+    sizes = {**SIZES, **(sizes or {})}
+    rows, skipped = [], []
+    for link in links:
+        netns.rate_bps(link)
+        for model in models:
+            target = None
+            for config in sorted(configs, key=lambda c: c != REFERENCE):  # the reference first
+                try:
+                    rows.append(measure(link, model, config, sizes[model], timeout,
+                                        target if config != REFERENCE else None))
+                    if config == REFERENCE:
+                        target = rows[-1]["final_val"]
+                except netns.LinkUnavailable as e:
+                    skipped.append({"link": link, "skipped": str(e)})
+                    break
+            else:
+                continue
+            break
+    summarize(rows)
+    return {"machine": perf.machine(),
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "pyfast": pyfast.__version__, "sizes": {m: sizes[m] for m in models},
+            "rows": rows, "skipped": skipped, "load_before": load,
+            "wall_s": time.monotonic() - t_start}
+
+
+def _mb(b) -> str:
+    return f"{b / 1e6:.1f}"
+
+
+def table(result: dict):
+    sizes = ", ".join(f"{m}: seq {s[0]}, batch {s[1]}, N = {s[2]} steps" for m, s in
+                      result["sizes"].items())
+    t = perf.rich_table(f"DiLoCo vs data parallelism, 2 replicas x 1 rank ({sizes}; DiLoCo up "
+                        f"to {LONGER} N steps, to dp bf16's final validation loss)",
+                        result, ("link", "model", "config", "to dp-bf16 loss s", "steps",
+                                 "speed-up", "val @ N", "vs dp bf16", "wire MB",
+                                 "peak MB/s", "max MB/step", "need MB/s", "compute util",
+                                 "syncs"),
+                        left=("link", "model", "config"))
+    for r in result["rows"]:
+        hit = r.get("time_to_target_s")
+        t.add_row(r["link"], r["model"], r["config"],
+                  f"{hit:.1f}" if hit else f"> {r['train_s']:.1f}",
+                  str(r["steps_to_target"] or f"> {r['steps']}"),
+                  f"{r['speedup']:.1f}x" if r.get("speedup") else "-",
+                  f"{r['val_at_n']:.4f}",
+                  f"{r['val_vs_ref']:+.2%}" if "val_vs_ref" in r else "-",
+                  _mb(r["wire_bytes"]), _mb(r["peak_Bps"]) if math.isfinite(r["peak_Bps"])
+                  else "-", _mb(r["max_step_bytes"]), _mb(r["need_Bps"]),
+                  f"{r['utilization']:.0%}", str(r["outer_syncs"] or "-"))
+    for s in result["skipped"]:
+        t.add_row(s["link"], "-", f"skipped: {s['skipped']}", *[""] * 11)
+    return t
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="pyfast bench diloco", description=__doc__.split("\n\n")[0])
+    p.add_argument("--links", default=",".join(LINKS))
+    p.add_argument("--models", default="gpt-tiny,gpt-small")
+    p.add_argument("--configs", default="", help="only these, comma-separated (dp bf16, the "
+                   "reference, is needed for the time-to-loss columns)")
+    p.add_argument("--steps", type=int, default=0, help="steps of every run (default per "
+                   "model: 200; a multiple of 200 keeps every H's last sync at the end)")
+    p.add_argument("--out", default="")
+    a = p.parse_args(argv)
+    models = a.models.split(",")
+    unknown = [m for m in models if m not in SIZES]
+    configs = [c.strip() for c in a.configs.split(",") if c.strip()] or list(CONFIGS)
+    bad = [c for c in configs if c not in CONFIGS]
+    if unknown or bad:
+        p.error(f"unknown models {unknown} or configs {bad}; known: {list(SIZES)}, "
+                f"{list(CONFIGS)}")
+    sizes = {m: (*SIZES[m][:2], a.steps, SIZES[m][3]) for m in models} if a.steps else None
+    return perf.finish(run(a.links.split(","), models, configs, sizes), table, a.out, width=170)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,279 @@
+"""`pyfast train --diloco H --replicas R`: checks before launch (in-process, milliseconds), and
+real runs of gpt-tiny (torchrun via --nproc) against DiLoCo driven by hand, resumes and
+restarts."""
+import pytest
+import torch
+
+from pyfast.train import main
+from pyfast.train.config import from_args, parser
+from pyfast.train.launch import worker_args
+
+TINY = ["--model", "gpt-tiny", "--steps", "2", "--batch", "8", "--seq", "32"]
+DL = ["--diloco", "4", "--replicas", "2"]
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--diloco", "-1"], "--diloco H: the inner steps per outer step must be >= 1 (0: off), "
+                         "got -1"),
+    (["--replicas", "2"], "--replicas 2 without --diloco H: replicas meet only in DiLoCo's"),
+    (["--fragments", "2", "--outer-lr", "0.5"], "--fragments 2, --outer-lr 0.5 without --diloco"),
+    (["--replicas", "0"], "--replicas must be >= 1, got 0"),
+    (DL + ["--nproc", "3"], "--replicas 2 x --dp 1 x --tp 1 x --pp 1 = 2 ranks, but --nproc 3"),
+    (DL + ["--dp", "2", "--nproc", "2"], "--replicas 2 x --dp 2 x --tp 1 x --pp 1 = 4 ranks, "
+                                         "but --nproc 2"),
+    (["--diloco", "6", "--fragments", "4"], "--diloco 6 is not a multiple of --fragments 4"),
+    (["--diloco", "8", "--fragments", "4", "--diloco-delay", "2"],
+     "--diloco-delay 2 must be in [0, H/F = 2) (--diloco 8 / --fragments 4)"),
+    (["--diloco", "4", "--diloco-alpha", "1.5"], "--diloco-alpha 1.5 must be in [0, 1]"),
+    (["--diloco", "4", "--diloco-alpha", "-0.1"], "--diloco-alpha -0.1 must be in [0, 1]"),
+    (["--diloco", "4", "--outer-compress", "int9"], "--outer-compress 'int9': unknown "
+                                                    "compressor spec 'int9'"),
+    (["--diloco", "4", "--outer-lr", "0"], "need --outer-lr > 0 and 0 <= --outer-momentum < 1"),
+    (["--diloco", "4", "--outer-momentum", "1"], "got 0.7, 1.0"),
+    (["--diloco", "64", "--fragments", "32"],  # gpt-tiny holds 28 parameter tensors
+     "--fragments 32: more fragments than the 28 parameter tensors of gpt-tiny"),
+    (DL + ["--batch", "6", "--dp", "2", "--nproc", "4"],
+     "--batch 6 is not divisible by replicas 2 x dp 2 x grad-accum 1 x micro-batches 1 = 4"),
+    (DL + ["--dp", "2", "--zero", "1"], "--diloco with --zero 1: the outer step needs"),
+    (DL + ["--precision", "fp16"], "--diloco with --precision fp16"),
+])
+def test_bad_diloco_flags_fail_before_any_rank_starts(tmp_path, capsys, flags, message):
+    assert main(TINY + ["--out", str(tmp_path)] + flags) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_worker_args_reproduce_the_diloco_flags():
+    cfg = from_args(parser().parse_args(TINY + DL + [
+        "--fragments", "2", "--diloco-delay", "1", "--outer-compress", "int4", "--outer-lr",
+        "0.5", "--outer-momentum", "0.8", "--no-outer-nesterov", "--diloco-alpha", "0.25"]))
+    assert not cfg.outer_nesterov and cfg.replicas == 2 and cfg.ranks == 2
+    assert "--no-outer-nesterov" in worker_args(cfg)
+    assert from_args(parser().parse_args(worker_args(cfg))) == cfg
+
+
+# ------------------------------------------------------------------ the job on the shared pools
+STEPS = 6
+# H=4 in 2 fragments, each all-reduce 1 step behind, int8 outer gradients with error feedback:
+# fragment 0 is sent after steps 2 and 6 and applied after 3, fragment 1 sent after 4 (so 6
+# steps see every kind of step: plain, send, apply)
+FLAGS = dict(model="gpt-tiny", batch=8, seq=32, seed=1, steps=STEPS, diloco=4, fragments=2,
+             diloco_delay=1, outer_compress="int8")
+
+
+def _cfg(**kw):
+    from pyfast.train.config import TrainConfig
+    return TrainConfig(**{**FLAGS, **kw})
+
+
+def _job_run(rank, world, kw, steps=STEPS):
+    """The job's own steps: (records, this rank's parameters after the last step)."""
+    from pyfast.train.job import Job
+    job = Job(_cfg(**kw), torch.device("cpu"))
+    try:
+        recs = [job.train_step(s) for s in range(1, steps + 1)]
+        return recs, {n: p.detach().clone() for n, p in job.named}
+    finally:
+        job.close()
+
+
+def _by_hand(rank, world, kw, steps=STEPS):
+    """The same training written out with pyfast.parallel.DiLoCo as a user would: each rank a
+    replica on its own half of every global batch, AdamW on the job's parameter groups
+    and schedule, clipping by the replica's own gradient norm (the job's rule: squares summed
+    in fp64, max_norm / (norm + 1e-6) above max_norm)."""
+    import math
+
+    import torch.nn.functional as F
+
+    from pyfast.data import Batches, load_corpus
+    from pyfast.parallel import DiLoCo
+    from pyfast.train.config import build_model
+    from pyfast.train.job import lr_lambda
+    cfg = _cfg(**kw)
+    corpus = load_corpus(cfg.data)
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg, corpus.vocab_size)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=cfg.lr, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+    dl = DiLoCo(model, opt, sync_every=cfg.diloco, fragments=cfg.fragments,
+                delay=cfg.diloco_delay, compressor=cfg.outer_compress, group=None)
+    data = Batches(corpus.train, cfg.batch, cfg.seq, cfg.seed, rank, world)
+    losses = []
+    for _ in range(steps):
+        x, y = data.next()
+        loss = F.cross_entropy(model(x).flatten(0, -2).float(), y.flatten())
+        loss.backward()
+        grads = [p.grad for p in params]
+        gnorm = math.sqrt(float(torch.stack(torch._foreach_norm(grads)).double().square().sum()))
+        if gnorm > cfg.clip:
+            torch._foreach_mul_(grads, cfg.clip / (gnorm + 1e-6))
+        dl.step()
+        dl.zero_grad()
+        sched.step()
+        losses.append(float(loss.detach()))
+    out = {n: p.detach().clone() for n, p in model.named_parameters()}
+    dl.close()  # after the copy: close() applies a fragment in flight (as the job's close)
+    return losses, out
+
+
+def test_replicas_equal_diloco_driven_by_hand(pool2):
+    """--diloco 4 --replicas 2 --fragments 2 --diloco-delay 1 --outer-compress int8 against
+    DiLoCo written out by hand on the same two ranks: the same ops in the same order, so the
+    parameters after 6 steps (two outer steps applied, one in flight) are bitwise equal. The
+    logged loss is the mean of the replicas' losses, summed in fp64 in another order than
+    (a + b) / 2 here: within 1e-12 relative."""
+    job = pool2.run(_job_run, {"replicas": 2}, timeout=240)
+    hand = pool2.run(_by_hand, {"replicas": 2}, timeout=240)
+    for r in (0, 1):
+        assert job[r][1].keys() == hand[r][1].keys()
+        for n in job[r][1]:
+            assert torch.equal(job[r][1][n], hand[r][1][n]), (r, n)
+    # the replicas really differ between outer steps: a sync is not a no-op
+    assert not all(torch.equal(job[0][1][n], job[1][1][n]) for n in job[0][1])
+    mean = [(a + b) / 2 for a, b in zip(hand[0][0], hand[1][0])]
+    logged = [rec["loss"] for rec in job[0][0]]
+    assert logged == pytest.approx(mean, rel=1e-12)
+    recs = job[0][0]
+    assert [rec["outer_sent"] for rec in recs] == [None, 0, None, 1, None, 0]
+    assert [rec["outer_applied"] for rec in recs] == [None, None, 0, None, 1, None]
+    sent = [rec["outer_payload_bytes"] for rec in recs]
+    assert sent[1] > 0 and sent[3] > 0 and sent[0] == sent[2] == sent[4] == 0
+
+
+def test_replicas_of_dp2_equal_flat_replicas(pool2, pool4):
+    """--replicas 2 --dp 2 (world 4: DataParallel inside each replica) against --replicas 2 on
+    two ranks: the same tokens per replica, each replica's gradient the mean over its 4 rows,
+    here averaged over 2 dp ranks of 2 rows each: fp32 sums in another order, so the losses
+    within 1e-5 relative over the first 4 steps (test_train.py's bar for dp vs one process).
+    Outer gradients in fp32 here: with int8 one element in 12,288 crossed a rounding boundary
+    (1e-5 apart after 4 steps), which says nothing about the composition."""
+    kw = {"replicas": 2, "outer_compress": "none"}
+    pool4.submit(_job_run, {**kw, "dp": 2}, 4)
+    flat = pool2.run(_job_run, kw, 4, timeout=240)
+    dp2 = pool4.wait(timeout=240)
+    a, b = [r["loss"] for r in flat[0][0]], [r["loss"] for r in dp2[0][0]]
+    assert b == pytest.approx(a, rel=1e-5)
+    worst = 0.0
+    for n in flat[0][1]:  # replica k is ranks 2k, 2k + 1 of the dp2 world, rank k of the flat
+        for k in (0, 1):
+            assert torch.equal(dp2[2 * k][1][n], dp2[2 * k + 1][1][n])  # dp ranks agree exactly
+            worst = max(worst, float((dp2[2 * k][1][n] - flat[k][1][n]).abs().max()))
+    assert worst < 1e-5, worst  # lr 1e-3 x 4 AdamW steps move a weight by <= 4e-3
+
+
+
+def _snapshot(job):
+    dl = job.diloco
+    return {"global": {n: t.clone() for n, t in dl.global_params.items()},
+            "momentum": {n: t.clone() for n, t in dl.momentum_buffers.items()},
+            "local": {n: p.detach().clone() for n, p in job.named},
+            "exp_avg": {n: job.opt.state[p]["exp_avg"].clone() for n, p in job.named},
+            "step": dl.step_count, "pending": dl._pending is not None}
+
+
+def _change_replicas(rank, world, out):
+    """--replicas 2 for 2 steps (fragment 0's all-reduce in flight), checkpoint; then
+    --replicas 1 --dp 2 on the same ranks resumes it and trains on."""
+    from pyfast.train.job import Job
+    job = Job(_cfg(replicas=2), torch.device("cpu"))
+    for s in (1, 2):
+        job.train_step(s)
+    path = job.save(out, 2)
+    before = _snapshot(job)  # after save: the fragment in flight has landed in state_dict
+    job.close()
+    job = Job(_cfg(replicas=1, dp=2), torch.device("cpu"))
+    step, same = job.load(path)
+    after = _snapshot(job)
+    losses = [job.train_step(s)["loss"] for s in range(3, STEPS + 1)]
+    job.close()
+    return before, after, step, same, losses
+
+
+def test_resume_with_another_number_of_replicas(pool2, tmp_path):
+    """A checkpoint of --replicas 2 (mid-interval, an outer all-reduce in flight) resumed by
+    --replicas 1 --dp 2: the outer state (global parameters, momentum, the step, the fragment
+    in flight) is the saved one on every rank, and both dp ranks of the one replica take
+    replica 0's parameters and AdamW moments, bitwise (DCP copies them)."""
+    from pyfast.train.config import resume_changes
+    import dataclasses
+    got = pool2.run(_change_replicas, str(tmp_path), timeout=240)
+    saved = got[0][0]  # replica 0 = rank 0 of the saved run
+    assert saved["step"] == 2 and saved["pending"]
+    for r in (0, 1):
+        before, after, step, same, losses = got[r]
+        assert step == 2 and not same  # another mesh: per-rank state not restored
+        assert after["step"] == 2 and after["pending"]
+        for what in ("global", "momentum", "local", "exp_avg"):
+            assert after[what].keys() == saved[what].keys()
+            for n in saved[what]:
+                assert torch.equal(after[what][n], saved[what][n]), (r, what, n)
+        assert all(v == v and 3.0 < v < 6.0 for v in losses), losses  # trains on, finite
+    # the replicas' global state really is one: rank 1 (replica 1) held the same before
+    assert all(torch.equal(got[1][0]["global"][n], saved["global"][n]) for n in saved["global"])
+    # and --resume lets --replicas change (logged), as it lets the mesh
+    record = {"config": dataclasses.asdict(_cfg(replicas=2)), "warmup_steps": 1}
+    refused, changed = resume_changes(_cfg(replicas=1, dp=2), record)
+    assert not refused and any(c.startswith("--replicas: 2 in the checkpoint, 1 here")
+                               for c in changed), changed
+
+
+# ------------------------------------------------------------------ real runs (torchrun)
+RUN = TINY[:2] + ["--steps", str(STEPS), "--batch", "8", "--seq", "32", "--seed", "1",
+                  "--ckpt-every", "1", "--eval-batches", "1", "--no-tensorboard", "--diloco",
+                  "4", "--replicas", "2", "--fragments", "2", "--diloco-delay", "1",
+                  "--outer-compress", "int8", "--nproc", "2"]
+
+
+def _train(out, extra=(), env=None):
+    import os
+    import subprocess
+    import sys
+    cmd = [sys.executable, "-m", "pyfast", "train", *RUN, "--out", str(out), *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def _done(p, code=0):
+    out, err = p.communicate(timeout=240)
+    assert p.returncode == code, f"exit {p.returncode}\n{out[-3000:]}\n{err[-6000:]}"
+    return out, err
+
+
+def _records(out):
+    import json
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.dist
+def test_killed_replica_restarts_and_resumes_bit_exact(tmp_path):
+    """The whole run, and the same run with replica 1's only rank SIGKILLed after step 3's
+    update (before its checkpoint: the restart resumes from step 2, with fragment 0's outer
+    all-reduce in flight) under --max-restarts 1; then a --resume from step 3 (just after
+    fragment 0's outer step). Every loss, and the bytes of every outer step, byte for byte."""
+    import json
+    import shutil
+    ref, crash = tmp_path / "ref", tmp_path / "crash"
+    a = _train(ref)
+    b = _train(crash, ["--max-restarts", "1"], {"PYFAST_FAULT": "step@3:1"})
+    _done(a)
+    _, err = _done(b)
+    assert "PYFAST_FAULT step@3:1: SIGKILL rank 1" in err  # replica 1 really died
+    keys = ("step", "loss", "outer_sent", "outer_applied", "outer_payload_bytes", "val_loss")
+
+    def seen(d):
+        return [json.dumps({k: r.get(k) for k in keys}) for r in _records(d)]
+    want = seen(ref)
+    assert len(want) == STEPS and seen(crash) == want
+    mid = tmp_path / "mid"
+    shutil.copytree(ref, mid)
+    for d in (mid / "checkpoints").iterdir():
+        if d.name != "step-3":
+            shutil.rmtree(d)
+    out, _ = _done(_train(mid, ["--resume"]))
+    assert "resumed from" in out and "another mesh" not in out
+    assert seen(mid) == want
