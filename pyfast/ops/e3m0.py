@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from pyfast.ops.quantize import absmax_scales
+
 DEFAULT_BLOCK = 512
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 # m >= THRESHOLDS[k - 1] for codes >= k: 2^-7 between 0 and 2^-6, then 0.75 * 2^(k-7)
@@ -43,13 +45,8 @@ def encode(x: torch.Tensor, block: int = DEFAULT_BLOCK) -> tuple[torch.Tensor, t
     if x.dtype not in FLOATS:
         raise TypeError(f"e3m0 takes float32, bfloat16 or float16 tensors, got {x.dtype}")
     r = x.reshape(-1).to(torch.float32)
-    n, nb = r.numel(), -(-r.numel() // block)
-    a = r.abs()
-    padded = a.new_zeros(nb * block)
-    padded[:n] = a
-    blocks = padded.view(nb, block)
-    scales = torch.where(torch.isfinite(blocks).all(1), blocks.amax(1), float("nan"))
-    s = scales.repeat_interleave(block)[:n]
+    n, a = r.numel(), r.abs()
+    scales, s = absmax_scales(a, block)
     m = torch.where(s > 0, a / torch.where(s > 0, s, 1.0), 0.0)  # a NaN scale: m NaN -> 0
     t = torch.tensor(THRESHOLDS, dtype=torch.float32, device=x.device)
     k = torch.bucketize(m, t, right=True).to(torch.int32)  # thresholds <= m

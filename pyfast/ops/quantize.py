@@ -90,6 +90,17 @@ def _blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, in
     return xb, valid, n
 
 
+def absmax_scales(a: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-block max of the magnitudes `a` (flat fp32, zero-padded to whole blocks), NaN for a
+    block holding a NaN/Inf; each element's scale): the scales of ternary and e3m0."""
+    n, nb = a.numel(), -(-a.numel() // block)
+    padded = a.new_zeros(nb * block)
+    padded[:n] = a
+    blocks = padded.view(nb, block)
+    scales = torch.where(torch.isfinite(blocks).all(1), blocks.amax(1), float("nan"))
+    return scales, scales.repeat_interleave(block)[:n]
+
+
 def quantize_ref(x: torch.Tensor, kind: str, block: int = DEFAULT_BLOCK,
                  stochastic: bool = False, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     check_args(x, kind, block)

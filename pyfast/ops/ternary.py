@@ -16,7 +16,7 @@ import os
 import torch
 
 from pyfast.ops._backend import BackendUnavailable, _warn_fallback, resolve
-from pyfast.ops.quantize import uniform_ref
+from pyfast.ops.quantize import absmax_scales, uniform_ref
 
 DEFAULT_BLOCK = 512
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -38,14 +38,9 @@ def _per_element(scales: torch.Tensor, n: int, block: int) -> torch.Tensor:
 def encode_ref(x: torch.Tensor, block: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes uint8[ceil(n/4)], scales fp32[ceil(n/block)])."""
     r = x.reshape(-1).to(torch.float32)
-    n, nb = r.numel(), -(-r.numel() // block)
-    a = r.abs()
-    padded = a.new_zeros(nb * block)
-    padded[:n] = a
-    blocks = padded.view(nb, block)
-    scales = blocks.amax(1) if n else padded.new_empty(0)
-    scales = torch.where(torch.isfinite(blocks).all(1), scales, float("nan"))
-    take = uniform_ref(seed, 0, n, x.device) < a / _per_element(scales, n, block)
+    n, a = r.numel(), r.abs()
+    scales, s = absmax_scales(a, block)
+    take = uniform_ref(seed, 0, n, x.device) < a / s
     code = torch.where(take, torch.where(r < 0, 2, 1), 0).to(torch.int32)
     quads = code.new_zeros(codes_len(n) * 4)
     quads[:n] = code
