@@ -57,3 +57,20 @@ def test_time_to_reference_and_table(result):
     with console.capture() as cap:
         console.print(diloco.table(result))
     assert "streaming int4" in cap.get()
+
+
+def test_crossings_end_at_the_time_to_target(result):
+    """The last crossing (dp bf16's final loss) is the main table's speed-up; every other is
+    the same rule against an earlier dp validation."""
+    rows = {r["config"]: r for r in result["rows"]}
+    cross = diloco.crossings(result)
+    assert [n for _, _, n, _, _ in cross] == [s for s, _, _ in rows["dp bf16"]["curve"]]
+    last = cross[-1][4]
+    for name in ("diloco H10", "streaming int4"):
+        assert last[name] == (pytest.approx(rows[name]["speedup"]) if rows[name]["speedup"]
+                              else None)
+    for _, _, n, v, ups in cross:
+        t_ref = next(t for s, t, _ in rows["dp bf16"]["curve"] if s == n)
+        for name, up in ups.items():
+            hit = next((t for _, t, w in rows[name]["curve"] if w <= v), None)
+            assert up == (t_ref / hit if hit else None)

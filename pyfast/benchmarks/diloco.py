@@ -241,7 +241,46 @@ def _mb(b) -> str:
     return f"{b / 1e6:.1f}"
 
 
+def crossings(result: dict) -> list[tuple]:
+    """(link, model, n, dp bf16's loss at step n, {config: its speed-up to that loss or None})
+    for every validation of dp bf16: how the time-to-loss ratio moves as training goes on (a
+    single final loss hides that DiLoCo's lead can shrink: its replicas each see half the batch
+    at the same learning rate)."""
+    out = []
+    for ref in (r for r in result["rows"] if r["config"] == REFERENCE):
+        others = [r for r in result["rows"] if r["config"] != REFERENCE
+                  and (r["link"], r["model"]) == (ref["link"], ref["model"])]
+        for n, t_ref, v_ref in ref["curve"]:
+            ups = {}
+            for r in others:
+                hit = next((t for _, t, v in r["curve"] if v <= v_ref), None)
+                ups[r["config"]] = t_ref / hit if hit else None
+            out.append((ref["link"], ref["model"], n, v_ref, ups))
+    return out
+
+
+def _crossing_table(result: dict):
+    rows = crossings(result)
+    configs = sorted({c for *_, ups in rows for c in ups}, key=list(CONFIGS).index)
+    t = perf.rich_table("Speed-up to dp bf16's validation loss at its step n (time there / "
+                        "the first time a DiLoCo run is at or below it; - : not within "
+                        f"{LONGER} N steps)", result,
+                        ("link", "model", "dp step n", "dp bf16 val", *configs),
+                        left=("link", "model"))
+    for link, model, n, v, ups in rows:
+        t.add_row(link, model, str(n), f"{v:.4f}",
+                  *[f"{ups[c]:.2f}x" if ups.get(c) else "-" for c in configs])
+    return t
+
+
 def table(result: dict):
+    """The main table, then the speed-up at every dp bf16 validation (crossings)."""
+    from rich.console import Group
+    main = _main_table(result)
+    return Group(main, _crossing_table(result)) if crossings(result) else main
+
+
+def _main_table(result: dict):
     sizes = ", ".join(f"{m}: seq {s[0]}, batch {s[1]}, N = {s[2]} steps" for m, s in
                       result["sizes"].items())
     t = perf.rich_table(f"DiLoCo vs data parallelism, 2 replicas x 1 rank ({sizes}; DiLoCo up "
