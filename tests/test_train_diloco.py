@@ -175,6 +175,57 @@ def test_replicas_of_dp2_equal_flat_replicas(pool2, pool4):
 
 
 
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast",
+               "reduce_scatter_tensor", "all_to_all_single", "barrier", "send", "recv",
+               "isend", "irecv", "all_gather_object", "broadcast_object_list")
+
+
+def _who_talks(rank, world, kw):
+    """Every torch.distributed collective the main thread issues during each step: (step,
+    the group's ranks)."""
+    import threading
+
+    import torch.distributed as dist
+
+    from pyfast.train.job import Job
+    job = Job(_cfg(**kw), torch.device("cpu"))
+    seen, step = [], [0]
+    real = {n: getattr(dist, n) for n in COLLECTIVES}
+
+    def spy(name):
+        def call(*a, group=None, **k):
+            if threading.current_thread() is threading.main_thread():
+                seen.append((step[0], tuple(dist.get_process_group_ranks(group)) if group
+                             is not None else tuple(range(world))))
+            return real[name](*a, group=group, **k)
+        return call
+    try:
+        for n in COLLECTIVES:
+            setattr(dist, n, spy(n))
+        for s in range(1, STEPS + 1):
+            step[0] = s
+            job.train_step(s)
+    finally:
+        for n, f in real.items():
+            setattr(dist, n, f)
+        job.close()
+    return seen
+
+
+def test_plain_inner_steps_never_cross_between_replicas(pool4):
+    """--replicas 2 --dp 2, H 4 in 2 fragments: on steps 1, 3, 5 (no send, no meeting) the
+    main thread's collectives stay inside the rank's replica (ranks 0-1 or 2-3: DataParallel's
+    and the step's all-reduce); on steps 2, 4, 6 the replicas meet once over all 4 ranks."""
+    got = pool4.run(_who_talks, {"replicas": 2, "dp": 2}, timeout=240)
+    for r, seen in enumerate(got):
+        mine = set(range(2 * (r // 2), 2 * (r // 2) + 2))
+        assert {s for s, _ in seen} >= {1, 2, 3}, seen  # the spy saw the steps' collectives
+        for s, ranks in seen:
+            if s % 2:
+                assert set(ranks) <= mine, (r, s, ranks)
+        assert [s for s, ranks in seen if len(ranks) == 4] == [2, 4, 6], (r, seen)
+
+
 def _nan_on_replica_1(rank, world, kw, at=3):
     """The job's steps with a NaN put into one gradient of replica 1 at step `at`: what each
     rank raised and at which step, and whether replica 1 took an update after the failure."""
