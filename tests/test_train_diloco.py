@@ -303,6 +303,32 @@ def test_zero2_replicas_equal_zero0(pool4):
             assert sent == [0, 4 * -(-sizes[0] // 2), 0, 4 * -(-sizes[1] // 2)], (r, sent)
 
 
+def _bf16_zero1(rank, world):
+    from pyfast.train.job import Job
+    job = Job(_cfg(replicas=2, dp=2, zero=1, precision="bf16"), torch.device("cpu"))
+    try:
+        losses = [job.train_step(s)["loss"] for s in (1, 2, 3)]  # fragment 0 applied at 3
+        dtypes = {p.dtype for p in job.params}
+        glob = torch.cat([t.reshape(-1) for t in job.diloco.global_params.values()])
+        return losses, dtypes, glob
+    finally:
+        job.close()
+
+
+def test_zero1_under_bf16_autocast_keeps_fp32_parameters(pool4):
+    """--zero 1 --precision bf16 --diloco passes the checks before launch, and bf16 autocast
+    keeps the parameters fp32 (zero steps views of them, as DiLoCo needs): the job builds,
+    trains, and every rank of both replicas holds one global state after an outer step."""
+    from pyfast.train import config as C
+    cfg = from_args(parser().parse_args(TINY + DL + ["--dp", "2", "--zero", "1", "--precision",
+                                                     "bf16", "--nproc", "4"]))
+    C.check(cfg, 4, model=False)
+    got = pool4.run(_bf16_zero1, timeout=240)
+    for losses, dtypes, glob in got:
+        assert dtypes == {torch.float32} and all(3.0 < v < 7.0 for v in losses), losses
+        assert torch.equal(glob, got[0][2])
+
+
 def _zero_resume(rank, world, out):
     """--replicas 2 --dp 2 --zero 2: 6 steps straight; and 3 steps, a checkpoint (mid-interval:
     the replicas differ, fragment 1 not yet sent), a new job loading it, 3 more steps."""
