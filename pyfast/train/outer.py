@@ -1,5 +1,6 @@
 """The job's DiLoCo glue (--diloco H --replicas R): the outer optimizer over the replica group,
-what a step records about it, and what a checkpoint holds of it.
+what a step records about it, where the replicas meet (Meeting: a plain inner step never
+crosses between replicas), and what a checkpoint holds of it.
 
 Each replica is the ordinary job on its inner mesh (Mesh(..., replicas=R): contiguous ranks);
 DiLoCo (pyfast.parallel.DiLoCo) wraps the inner optimizer and synchronizes each rank's own
