@@ -455,3 +455,87 @@ def test_dry_run_on_meta_tensors():
                 *dl.compressor.feedback.memory.values()]
         assert dl.compressor.feedback.memory and all(t.is_meta for t in held)
         dl.close()
+
+
+def _beside_the_default_group(rank, world):
+    """delay 1 on the default group (group=None) while the caller all-reduces on the default
+    group after every step, as a training loop's loss all-reduce would."""
+    m = tiny()
+    dl = DiLoCo(m, inner(m, "adamw"), sync_every=4, fragments=2, delay=1, compressor="int8",
+                group=None)
+    sums = []
+    for t in range(1, 9):  # fragments sent after 2, 4, 6, 8, each in flight for a step
+        m(*batch(rank, t)).backward()
+        dl.step()
+        dl.zero_grad()
+        x = torch.full((3,), float(rank + 1))
+        dist.all_reduce(x)
+        sums.append(x.tolist())
+    dl.close()
+    return flat(dl.global_params.values()), sums, dl._comm is not None
+
+
+def test_delay_on_the_default_group_runs_on_a_private_copy(pool2):
+    """NCCL and gloo pair a group's collectives in issue order: the outer all-reduce behind
+    the caller's own all-reduces on the default group would pair with them (gloo: a size
+    mismatch or a hang). DiLoCo makes a private copy of the default group for it."""
+    a, b = pool2.run(_beside_the_default_group)
+    assert a[2] and torch.equal(a[0], b[0])
+    assert a[1] == b[1] == [[3.0] * 3] * 8
+
+
+def _sliced(rank, world, spec):
+    """2 replicas x DataParallel pairs (world 4): DiLoCo without and with inner_group (each
+    rank of a pair sends its half of a fragment, the halves all-gathered in the pair)."""
+    from dist_utils import value_error_text
+
+    from pyfast.parallel import DataParallel
+    dp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    rep_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    replica, j = divmod(rank, 2)
+    out = {}
+    for sliced in (False, True):
+        m = tiny()
+        net = DataParallel(m, None, group=dp_groups[replica])
+        dl = DiLoCo(net, inner(m, "adamw"), sync_every=4, fragments=2, delay=1, alpha=0.5,
+                    compressor=spec, group=rep_groups[j],
+                    inner_group=dp_groups[replica] if sliced else None)
+        sizes = [sum(dl.params[dl._index[n]].numel() for n in f) for f in dl.fragments]
+        for t in range(1, 10):  # fragment 0 sent after 2, 6; 1 after 4, 8; each applied at +1
+            x, y = batch(replica, t, 2 * BATCH)
+            net(x[j::2], y[j::2]).backward()
+            dl.step()
+            dl.zero_grad()
+        out[sliced] = flat(m.parameters()), flat(dl.global_params.values()), dl.payload_bytes
+        dl.close()
+        net.close()
+    m = tiny()
+    out["topk"] = value_error_text(lambda: DiLoCo(m, inner(m, "sgd"), group=rep_groups[j],
+                                                  compressor="topk:0.5",
+                                                  inner_group=dp_groups[replica]))
+    return out, sizes
+
+
+@pytest.mark.parametrize("spec", ["none", "int8"])
+def test_inner_group_sends_each_byte_between_replicas_once(pool4, spec):
+    """inner_group: each rank of a DataParallel pair all-reduces half of every fragment
+    between the replicas. fp32 (none): an element's average is the same two fp32 values
+    summed, whole or sliced, so the result is bitwise the unsliced one. int8: the slices' own
+    blocks and scales, so not bitwise, but every rank of both replicas holds the same global
+    parameters, bit for bit, and they stay within int8's rounding of the unsliced run: each
+    coding is off by up to half a step, a block's max / 254 (pseudo-gradients <= 0.04 after 4
+    AdamW steps at lr 0.01: 1.6e-4), so the two runs' averages by up to 3.2e-4, times outer
+    lr 0.7 and Nesterov's 1 + m + m^2 = 2.7 over a fragment's two syncs: 6e-4 (seen 4e-4).
+    The payload per rank: the halves, ceil(n / 2)."""
+    got = pool4.run(_sliced, spec)
+    for r, (out, sizes) in enumerate(got):
+        whole, half = out[False], out[True]
+        assert torch.equal(half[1], got[0][0][True][1]), r  # one global state everywhere
+        if spec == "none":
+            assert torch.equal(half[0], whole[0]) and torch.equal(half[1], whole[1]), r
+            assert whole[2] == 4 * 2 * sum(sizes)  # each fragment sent twice
+            assert half[2] == 4 * 2 * sum(-(-n // 2) for n in sizes)
+        else:
+            torch.testing.assert_close(half[1], whole[1], rtol=0, atol=6e-4)
+            assert half[2] < 0.52 * whole[2]  # the halves' codes and their blocks' scales
+        assert "selects or factors whole tensors" in out["topk"]

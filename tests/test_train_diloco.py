@@ -34,7 +34,7 @@ DL = ["--diloco", "4", "--replicas", "2"]
      "--fragments 32: more fragments than the 28 parameter tensors of gpt-tiny"),
     (DL + ["--batch", "6", "--dp", "2", "--nproc", "4"],
      "--batch 6 is not divisible by replicas 2 x dp 2 x grad-accum 1 x micro-batches 1 = 4"),
-    (DL + ["--dp", "2", "--zero", "1"], "--diloco with --zero 1: the outer step needs"),
+    (DL + ["--dp", "2", "--zero", "3"], "--diloco with --zero 3: stage 3 frees the parameters"),
     (DL + ["--precision", "fp16"], "--diloco with --precision fp16"),
 ])
 def test_bad_diloco_flags_fail_before_any_rank_starts(tmp_path, capsys, flags, message):
@@ -125,8 +125,9 @@ def test_replicas_equal_diloco_driven_by_hand(pool2):
     """--diloco 4 --replicas 2 --fragments 2 --diloco-delay 1 --outer-compress int8 against
     DiLoCo written out by hand on the same two ranks: the same ops in the same order, so the
     parameters after 6 steps (two outer steps applied, one in flight) are bitwise equal. The
-    logged loss is the mean of the replicas' losses, summed in fp64 in another order than
-    (a + b) / 2 here: within 1e-12 relative."""
+    logged loss is replica 0's (rank 0's own batch slice, fp32 widened to fp64: bitwise); the
+    mean of the replicas' losses comes with the steps where they meet (before each send and
+    at the last step), summed in fp64 in another order than (a + b) / 2: within 1e-12."""
     job = pool2.run(_job_run, {"replicas": 2}, timeout=240)
     hand = pool2.run(_by_hand, {"replicas": 2}, timeout=240)
     for r in (0, 1):
@@ -136,9 +137,16 @@ def test_replicas_equal_diloco_driven_by_hand(pool2):
     # the replicas really differ between outer steps: a sync is not a no-op
     assert not all(torch.equal(job[0][1][n], job[1][1][n]) for n in job[0][1])
     mean = [(a + b) / 2 for a, b in zip(hand[0][0], hand[1][0])]
-    logged = [rec["loss"] for rec in job[0][0]]
-    assert logged == pytest.approx(mean, rel=1e-12)
     recs = job[0][0]
+    assert [rec["loss"] for rec in recs] == hand[0][0]
+    assert [rec["loss"] for rec in job[1][0]] == hand[1][0]  # each replica logs its own
+    met = [rec.get("replicas_loss") for rec in recs]
+    assert met[0] is met[2] is met[4] is None  # steps 1, 3, 5: no send, no meeting
+    assert [met[i] for i in (1, 3, 5)] == pytest.approx([mean[i] for i in (1, 3, 5)], rel=1e-12)
+    # all ranks' bytes since the last meeting: the sum over both replicas of bytes_sent
+    both = [a["bytes_sent"] + b["bytes_sent"] for a, b in zip(recs, job[1][0])]
+    assert [rec.get("replicas_bytes_sent") for rec in recs] == \
+        [None, sum(both[:2]), None, sum(both[2:4]), None, sum(both[4:])]
     assert [rec["outer_sent"] for rec in recs] == [None, 0, None, 1, None, 0]
     assert [rec["outer_applied"] for rec in recs] == [None, None, 0, None, 1, None]
     sent = [rec["outer_payload_bytes"] for rec in recs]
@@ -165,6 +173,190 @@ def test_replicas_of_dp2_equal_flat_replicas(pool2, pool4):
             worst = max(worst, float((dp2[2 * k][1][n] - flat[k][1][n]).abs().max()))
     assert worst < 1e-5, worst  # lr 1e-3 x 4 AdamW steps move a weight by <= 4e-3
 
+
+
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast",
+               "reduce_scatter_tensor", "all_to_all_single", "barrier", "send", "recv",
+               "isend", "irecv", "all_gather_object", "broadcast_object_list")
+
+
+def _who_talks(rank, world, kw):
+    """Every torch.distributed collective the main thread issues during each step: (step,
+    the group's ranks)."""
+    import threading
+
+    import torch.distributed as dist
+
+    from pyfast.train.job import Job
+    job = Job(_cfg(**kw), torch.device("cpu"))
+    seen, step = [], [0]
+    real = {n: getattr(dist, n) for n in COLLECTIVES}
+
+    def spy(name):
+        def call(*a, group=None, **k):
+            if threading.current_thread() is threading.main_thread():
+                seen.append((step[0], tuple(dist.get_process_group_ranks(group)) if group
+                             is not None else tuple(range(world))))
+            return real[name](*a, group=group, **k)
+        return call
+    try:
+        for n in COLLECTIVES:
+            setattr(dist, n, spy(n))
+        for s in range(1, STEPS + 1):
+            step[0] = s
+            job.train_step(s)
+    finally:
+        for n, f in real.items():
+            setattr(dist, n, f)
+        job.close()
+    return seen
+
+
+def test_plain_inner_steps_never_cross_between_replicas(pool4):
+    """--replicas 2 --dp 2, H 4 in 2 fragments: on steps 1, 3, 5 (no send, no meeting) the
+    main thread's collectives stay inside the rank's replica (ranks 0-1 or 2-3: DataParallel's
+    and the step's all-reduce); on steps 2, 4, 6 the replicas meet once over all 4 ranks."""
+    got = pool4.run(_who_talks, {"replicas": 2, "dp": 2}, timeout=240)
+    for r, seen in enumerate(got):
+        mine = set(range(2 * (r // 2), 2 * (r // 2) + 2))
+        assert {s for s, _ in seen} >= {1, 2, 3}, seen  # the spy saw the steps' collectives
+        for s, ranks in seen:
+            if s % 2:
+                assert set(ranks) <= mine, (r, s, ranks)
+        assert [s for s, ranks in seen if len(ranks) == 4] == [2, 4, 6], (r, seen)
+
+
+def _nan_on_replica_1(rank, world, kw, at=3):
+    """The job's steps with a NaN put into one gradient of replica 1 at step `at`: what each
+    rank raised and at which step, and whether replica 1 took an update after the failure."""
+    from pyfast.train.job import Job, NonFiniteError
+    job = Job(_cfg(**kw), torch.device("cpu"))
+    fb = job._forward_backward
+
+    def poisoned(x, y):
+        out = fb(x, y)
+        job.params[0].grad.view(-1)[0] = float("nan")
+        return out
+    held = None
+    try:
+        for s in range(1, STEPS + 1):
+            if s == at and job.mesh.replica_rank == 1:
+                job._forward_backward = poisoned
+            before = [p.detach().clone() for p in job.params]
+            try:
+                job.train_step(s)
+            except NonFiniteError as e:
+                return s, str(e), held
+            job._forward_backward = fb
+            if s == at:
+                held = all(torch.equal(a, p) for a, p in zip(before, job.params))
+        return None, "", held
+    finally:
+        job.close()
+
+
+def test_nan_on_one_replica_stops_every_rank_where_they_meet(pool2):
+    """Replica 1's gradient goes NaN at step 3 (no fragment sent then: the replicas do not
+    meet): replica 1 holds its update, and at step 4, where the replicas meet before fragment
+    1's all-reduce, every rank raises NonFiniteError naming replica 1 and step 3, before any
+    outer step reads the broken replica."""
+    got = pool2.run(_nan_on_replica_1, {"replicas": 2}, timeout=240)
+    for step, msg, _ in got:
+        assert step == 4, got
+        assert "step 4: NaN/Inf in replica 1 at step 3 (loss " in msg, msg
+        assert "gradient norm nan)" in msg and "last complete checkpoint is kept" in msg
+    assert got[0][2] is False and got[1][2] is True  # replica 0 stepped at 3, replica 1 held
+
+
+def _job_and_fragments(rank, world, kw, steps):
+    """_job_run's, and the elements of each of DiLoCo's fragments."""
+    from pyfast.train.job import Job
+    job = Job(_cfg(**kw), torch.device("cpu"))
+    try:
+        index = dict(zip(job.diloco.names, job.diloco.params))
+        sizes = [sum(index[n].numel() for n in f) for f in job.diloco.fragments]
+        recs = [job.train_step(s) for s in range(1, steps + 1)]
+        return recs, {n: p.detach().clone() for n, p in job.named}, sizes
+    finally:
+        job.close()
+
+
+def test_zero2_replicas_equal_zero0(pool4):
+    """--replicas 2 --dp 2 --zero 2 against the same run with --zero 0 (DataParallel inside),
+    fp32 outer gradients, 4 steps (one outer step per fragment): ZeRO-2 reduce-scatters where
+    DataParallel all-reduces, fp32 sums in another order, so the losses within 1e-5 relative
+    and the weights within 1e-5 (test_train.py's bar for zero against dp; lr 1e-3 x 4 AdamW
+    steps move a weight by <= 4e-3). Each rank sends only its half of a fragment between the
+    replicas: 4 bytes x ceil(n_f / 2) per send, half the fragment's fp32 bytes."""
+    kw = {"replicas": 2, "dp": 2, "outer_compress": "none"}
+    z0 = pool4.run(_job_and_fragments, kw, 4, timeout=240)
+    z2 = pool4.run(_job_and_fragments, {**kw, "zero": 2}, 4, timeout=240)
+    for r in range(4):
+        a, b = [x["loss"] for x in z0[r][0]], [x["loss"] for x in z2[r][0]]
+        assert b == pytest.approx(a, rel=1e-5), r
+        for n in z0[r][1]:
+            torch.testing.assert_close(z2[r][1][n], z0[r][1][n], rtol=0, atol=1e-5)
+    sizes = z0[0][2]
+    for run in (z0, z2):
+        for r in range(4):
+            sent = [x["outer_payload_bytes"] for x in run[r][0]]
+            assert sent == [0, 4 * -(-sizes[0] // 2), 0, 4 * -(-sizes[1] // 2)], (r, sent)
+
+
+def _bf16_zero1(rank, world):
+    from pyfast.train.job import Job
+    job = Job(_cfg(replicas=2, dp=2, zero=1, precision="bf16"), torch.device("cpu"))
+    try:
+        losses = [job.train_step(s)["loss"] for s in (1, 2, 3)]  # fragment 0 applied at 3
+        dtypes = {p.dtype for p in job.params}
+        glob = torch.cat([t.reshape(-1) for t in job.diloco.global_params.values()])
+        return losses, dtypes, glob
+    finally:
+        job.close()
+
+
+def test_zero1_under_bf16_autocast_keeps_fp32_parameters(pool4):
+    """--zero 1 --precision bf16 --diloco passes the checks before launch, and bf16 autocast
+    keeps the parameters fp32 (zero steps views of them, as DiLoCo needs): the job builds,
+    trains, and every rank of both replicas holds one global state after an outer step."""
+    from pyfast.train import config as C
+    cfg = from_args(parser().parse_args(TINY + DL + ["--dp", "2", "--zero", "1", "--precision",
+                                                     "bf16", "--nproc", "4"]))
+    C.check(cfg, 4, model=False)
+    got = pool4.run(_bf16_zero1, timeout=240)
+    for losses, dtypes, glob in got:
+        assert dtypes == {torch.float32} and all(3.0 < v < 7.0 for v in losses), losses
+        assert torch.equal(glob, got[0][2])
+
+
+def _zero_resume(rank, world, out):
+    """--replicas 2 --dp 2 --zero 2: 6 steps straight; and 3 steps, a checkpoint (mid-interval:
+    the replicas differ, fragment 1 not yet sent), a new job loading it, 3 more steps."""
+    from pyfast.train.job import Job
+    kw = {"replicas": 2, "dp": 2, "zero": 2}
+    job = Job(_cfg(**kw), torch.device("cpu"))
+    straight = [job.train_step(s)["loss"] for s in range(1, STEPS + 1)]
+    job.close()
+    job = Job(_cfg(**kw), torch.device("cpu"))
+    for s in (1, 2, 3):
+        job.train_step(s)
+    path = job.save(out, 3)
+    job.close()
+    job = Job(_cfg(**kw), torch.device("cpu"))
+    step, same = job.load(path)
+    resumed = [job.train_step(s)["loss"] for s in range(step + 1, STEPS + 1)]
+    job.close()
+    return straight, resumed, same
+
+
+def test_zero2_replicas_resume_bit_exact(pool4, tmp_path):
+    """Each replica's ZeRO shards are saved under its own key (replica 1's under "replica1")
+    and load back from it: the resumed steps' losses, every rank's (each replica logs its
+    own), equal the straight run's bit for bit."""
+    got = pool4.run(_zero_resume, str(tmp_path), timeout=240)
+    for r, (straight, resumed, same) in enumerate(got):
+        assert same and resumed == straight[3:], (r, straight, resumed)
+    assert got[0][0] != got[2][0]  # the replicas' losses differ: replica 1 is its own
 
 
 def _snapshot(job):

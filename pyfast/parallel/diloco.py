@@ -29,10 +29,11 @@ from torch import nn
 
 import pyfast.compress as C
 from pyfast import _dist
-from pyfast.comm import all_reduce
+from pyfast.comm import all_gather, all_reduce
 from pyfast.comm.collectives import Handle, check_backend
 from pyfast.comm.agree import exchange_device
 from pyfast.comm.dry import read
+from pyfast.comm.failure import new_group_like
 from pyfast.parallel.data import broadcast_coalesced, check_same_layout
 
 _INDEX = re.compile(r"^\d+$")
@@ -158,6 +159,7 @@ class _Pending:
     sent_at: int
     flat: torch.Tensor
     handle: Handle
+    full: torch.Tensor | None = None  # the averaged fragment, once gathered (inner_group)
 
 
 class DiLoCo:
@@ -173,12 +175,25 @@ class DiLoCo:
     groups of all ranks must tile the world (checked, collectively, at construction). At
     construction the model's parameters are broadcast from the group's rank 0 (the replicas
     start equal, as with DDP): load a checkpoint's model state after constructing DiLoCo.
+    With delay > 0 the all-reduce runs on a worker thread while the caller goes on: NCCL and
+    gloo pair a group's collectives in the order each rank issues them, so a collective the
+    caller runs on the same group meanwhile could pair with it. The default group (None)
+    therefore gets a private copy (new_group_like, made here); a group passed in must carry
+    nothing else while a fragment is in flight (Mesh.replica_group is a group of its own).
+
+    inner_group: the ranks of this rank's replica holding the same parameters (DataParallel's
+    or ZeRO-1/2's group; None: this rank alone). Each of its n ranks sends only its 1/n slice
+    of every fragment to the same slice in the other replicas, and the averaged slices are
+    all-gathered inside the replica (exactly, on the caller's thread when applied, when the
+    inner group is idle): every byte crosses between replicas once instead of n times.
+    Dense formats only (a per-tensor compressor's selection needs whole tensors).
     """
 
     def __init__(self, model: nn.Module, inner_opt, sync_every: int = 100, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, nesterov: bool = True, fragments: int = 1,
                  delay: int = 0, alpha: float = 0.0, compressor="int4",
-                 error_feedback: bool = True, group=None, offload: bool = False):
+                 error_feedback: bool = True, group=None, offload: bool = False,
+                 inner_group=None):
         self.H = _int("sync_every", sync_every, 1)
         self.F = _int("fragments", fragments, 1)
         self.delay = _int("delay", delay, 0)
@@ -223,6 +238,13 @@ class DiLoCo:
         check_tiling(group, self.device)
         self.model, self.inner_opt, self.group = model, inner_opt, group
         self.replicas = dist.get_world_size(group)
+        # the all-reduce's own group: a private copy of the default group behind a delay (the
+        # class docstring); collective over the default group, as check_tiling
+        default = group is None or group is dist.group.WORLD
+        self._comm = new_group_like(None) if self.delay and default else group
+        self.inner_group = inner_group
+        self.inner = 1 if inner_group is None else dist.get_world_size(inner_group)
+        self._inner_rank = 0 if inner_group is None else dist.get_rank(inner_group)
         check_same_layout(named, group)
         broadcast_coalesced([p for _, p in named], group)
 
@@ -241,6 +263,11 @@ class DiLoCo:
                                      if self.momentum else {})
         self.compressor = C.wrap(base, error_feedback, self.device)
         dense = self.compressor.algorithm == "dense"
+        if self.inner > 1 and self.compressor.per_tensor:
+            raise ValueError(f"DiLoCo: compressor {self.compressor.spec!r} selects or factors "
+                             "whole tensors, which an inner_group's slices of a fragment are "
+                             "not: use a dense format (none, bf16, int8, int4, e3m0, fp8) or "
+                             "inner_group=None")
         # dense formats: "allgather", each rank's pseudo-gradient compressed once, every rank
         # decoding all of them and summing in fp32 in rank order (two-phase would compress the
         # partial sums a second time)
@@ -294,24 +321,52 @@ class DiLoCo:
             for name, p, d in self._views(f, flat):
                 d.copy_(self.global_params[name])
                 d.sub_(p.detach())  # global - local, fp32 (a bf16 local widens exactly)
+        mine = self._slice(flat)
         if self.payload_bytes is not None:
-            self.payload_bytes += (self.compressor.wire_bytes(n)
-                                   if self.compressor.algorithm == "dense" else 4 * n)
-        h = Handle.on_worker(self._reduce, flat, f, executor=self._worker)
+            k = mine.numel()
+            self.payload_bytes += (self.compressor.wire_bytes(k)
+                                   if self.compressor.algorithm == "dense" else 4 * k)
+        h = Handle.on_worker(self._reduce, mine, f, executor=self._worker)
         self._pending = _Pending(f, t, flat, h)
+
+    def _slice(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a fragment: all of it, or with an inner group of n ranks its
+        1/n slice (ceil(numel / n) elements, the last one zero-padded)."""
+        if self.inner == 1:
+            return flat
+        S = -(-flat.numel() // self.inner)
+        mine = flat.new_zeros(S)
+        lo = min(flat.numel(), self._inner_rank * S)
+        hi = min(flat.numel(), lo + S)
+        mine[:hi - lo].copy_(flat[lo:hi])
+        return mine
+
+    def _averaged(self, p: _Pending) -> torch.Tensor:
+        """The fragment's averaged pseudo-gradient, whole: with an inner group, the averaged
+        slices all-gathered exactly inside the replica (on the caller's thread: collective over
+        the inner group, whose ranks all apply or save at the same step)."""
+        if p.full is None:
+            avg = p.handle.wait()
+            if self.inner > 1:
+                whole = avg.new_empty(avg.numel() * self.inner)
+                all_gather(whole, avg.contiguous(), None, self.inner_group,
+                           name=f"diloco.f{p.fragment}.gather")
+                avg = whole[:p.flat.numel()]
+            p.full = avg
+        return p.full
 
     def _reduce(self, flat: torch.Tensor, f: int) -> torch.Tensor:
         name = f"diloco.f{f}"
         if self.compressor.per_tensor:  # a selection or a factorization per parameter
             for pname, _, d in self._views(f, flat):
-                all_reduce(d, self.compressor, self.group, op="avg", name=f"{name}.{pname}")
+                all_reduce(d, self.compressor, self._comm, op="avg", name=f"{name}.{pname}")
             return flat
-        return all_reduce(flat, self.compressor, self.group, op="avg", name=name,
+        return all_reduce(flat, self.compressor, self._comm, op="avg", name=name,
                           algorithm=self.algorithm)
 
     def _apply(self) -> None:
         p, self._pending = self._pending, None
-        avg = p.handle.wait()
+        avg = self._averaged(p)
         m, lr = self.momentum, self.lr
         with torch.no_grad():
             for name, param, d in self._views(p.fragment, avg):
@@ -335,7 +390,7 @@ class DiLoCo:
         pending = {}
         if self._pending is not None:
             p = self._pending
-            pending = {"fragment": p.fragment, "sent_at": p.sent_at, "delta": p.handle.wait()}
+            pending = {"fragment": p.fragment, "sent_at": p.sent_at, "delta": self._averaged(p)}
         return {
             "step": self.step_count,
             "schedule": {"sync_every": self.H, "fragments": self.F, "delay": self.delay,
@@ -386,4 +441,5 @@ class DiLoCo:
         if pend:
             flat = pend["delta"].to(self.device, torch.float32, copy=True)
             done = Handle(lambda timeout: (flat, 0.0))
-            self._pending = _Pending(int(pend["fragment"]), int(pend["sent_at"]), flat, done)
+            self._pending = _Pending(int(pend["fragment"]), int(pend["sent_at"]), flat, done,
+                                     full=flat)

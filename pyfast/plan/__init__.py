@@ -1,7 +1,7 @@
 """`pyfast plan`: which strategy for a model on a cluster. Enumerates the `pyfast train`
 configurations (dp x cp x tp x pp, ZeRO stage, compressor, micro-batching, schedule,
-activation checkpointing), predicts each one's memory per rank (memory.py) and step time
-(timing.py), and ranks what fits; checked against the dry run and against measured runs
+activation checkpointing; on several nodes a DiLoCo candidate, diloco.py), predicts each
+one's memory per rank (memory.py) and step time (timing.py), and ranks what fits; checked against the dry run and against measured runs
 (`pyfast bench plan`, docs/plan.md)."""
 
 

@@ -100,6 +100,10 @@ def nothing_fits(res: Result, shape: ModelShape, work: Workload, cl) -> str:
 def describe(s: Scored) -> str:
     p = s.plan
     parts = [f"dp {p.dp} x cp {p.cp} x tp {p.tp} x pp {p.pp}"]
+    if s.diloco:
+        d = s.diloco
+        parts[0] = (f"DiLoCo {d['replicas']} replicas (H {d['sync_every']}, F {d['fragments']}, "
+                    f"tau {d['delay']}, {d['outer_compress']}) of " + parts[0])
     if p.zero:
         parts.append(f"zero {p.zero}")
     if p.compress != "none":
@@ -120,8 +124,15 @@ def command(s: Scored, shape: ModelShape, work: Workload, cl) -> str | None:
     except ValueError:
         return None
     n = s.plan.ranks
+    flags = s.plan.train_flags(flag, work)
+    if s.diloco:  # R replicas of the plan, one a node: --batch stays the global batch
+        d = s.diloco
+        n *= d["replicas"]
+        flags += ["--diloco", str(d["sync_every"]), "--replicas", str(d["replicas"]),
+                  "--fragments", str(d["fragments"]), "--diloco-delay", str(d["delay"]),
+                  "--outer-compress", d["outer_compress"]]
     per = min(n, cl.gpus_per_node)
-    cmd = shlex.join(["pyfast", "train", *s.plan.train_flags(flag, work), "--nproc", str(per)])
+    cmd = shlex.join(["pyfast", "train", *flags, "--nproc", str(per)])
     if n > per:
         cmd += f" --nnodes {math.ceil(n / per)} --node-rank $NODE_RANK " \
                "--rdzv-endpoint $MASTER_ADDR:29500"
@@ -151,8 +162,12 @@ def why(s: Scored, best: Scored) -> str:
                     ("recompute_s", "recompute"), ("codec_s", "codec")):
         if t.get(k, 0) > 1e-3 * t["step_s"]:
             parts.append(f"{name} {t[k]:.3g}s")
+    if s.diloco:
+        parts.append(f"DiLoCo outer {t['outer_s']:.3g}s a step")
     if t["steps_factor"] != 1.0:
-        parts.append(f"x{t['steps_factor']:.2f} steps ({s.plan.compress})")
+        what = "DiLoCo's loss per token" + (f", {s.plan.compress}" if s.plan.compress != "none"
+                                            else "") if s.diloco else s.plan.compress
+        parts.append(f"x{t['steps_factor']:.2f} steps ({what})")
     if s is best:
         return "best: " + ", ".join(parts)
     loss = lost(s, best)
@@ -168,6 +183,9 @@ def row(s: Scored, shape, work, cl, rejected: bool = False) -> dict:
     d["command"] = None if rejected else command(s, shape, work, cl)
     if rejected:
         d["reason"] = s.reason
+    if s.diloco:  # the plan's keys describe one replica; world = replicas x its ranks
+        d["replicas"] = s.diloco["replicas"]
+        d["diloco"] = dict(s.diloco)
     return d
 
 
@@ -212,7 +230,10 @@ def render(res: Result, shape, work, cl, console) -> None:
     best = res.plans[0]
     for i, s in enumerate(res.plans, 1):
         p = s.plan
-        t.add_row(str(i), f"{p.dp}x{p.cp}x{p.tp}x{p.pp}", str(p.zero), p.compress,
+        mesh = f"{p.dp}x{p.cp}x{p.tp}x{p.pp}"
+        if s.diloco:
+            mesh = f"DiLoCo {s.diloco['replicas']} x {mesh}"
+        t.add_row(str(i), mesh, str(p.zero), p.compress,
                   f"{p.micro_batches}x{p.micro_batch}",
                   " ".join([p.schedule] * (p.pp > 1) + [p.cp_method] * (p.cp > 1)) or "-",
                   "yes" if p.activation_checkpointing else "no", size(s.peak),
@@ -237,6 +258,14 @@ def render(res: Result, shape, work, cl, console) -> None:
                       + (f"; and {len(uniq) - 5} more" if len(uniq) > 5 else ""))
     for n in notes(shape, cl):
         console.print(f"note: {n}")
+    for i, s in enumerate(res.plans, 1):
+        if s.diloco:
+            dcmd = command(s, shape, work, cl)
+            console.print(f"note: #{i} is DiLoCo across the {s.diloco['replicas']} nodes: its "
+                          f"{s.diloco['caveat']}" + ("; its command (every node):" if dcmd
+                                                      and s is not best else ""))
+            if dcmd and s is not best:
+                console.print(dcmd, markup=False, highlight=False, soft_wrap=True)
     cmd = command(best, shape, work, cl)
     if cmd:
         console.print("the best plan's command" + (" (on every node, NODE_RANK 0.."
@@ -282,7 +311,7 @@ def main(argv=None) -> int:
     ns = parser().parse_args(argv)
     try:
         shape, work, cl = inputs(ns)
-        res = search(shape, work, cl, ns.top, ns.allow_cross_node_tp)
+        res = search(shape, work, cl, ns.top, ns.allow_cross_node_tp, diloco=True)
         if not res.plans:
             raise ValueError(nothing_fits(res, shape, work, cl))
     except (ValueError, FileNotFoundError) as e:

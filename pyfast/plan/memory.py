@@ -57,13 +57,13 @@ from .spec import ModelShape, Plan, Workload
 
 F32 = 4
 QUANT_BLOCK = 512      # pyfast.ops.quantize.DEFAULT_BLOCK: int8/int4/fp8/sign code blocks
-BLOCKED = ("int8", "int4", "fp8", "sign", "ternary")
+BLOCKED = ("int8", "int4", "e3m0", "fp8", "sign", "ternary")
 LOSSY = BLOCKED + ("topk", "randomk", "powersgd")
 BUCKET_MB = 4.0        # pyfast.parallel.data.BUCKET_MB (ZeRO's units too)
 VOCAB_PARALLEL_MIN = 2048  # pyfast.models.gpt.VOCAB_PARALLEL_MIN
 DEVICES = ("cuda", "cpu", "meta")
 # a compressor's payload per fp32 bucket byte (codes + scales; top-k's values and indices)
-PAYLOAD = {"none": 0.0, "bf16": 0.5, "fp16": 0.5, "fp8": 0.26, "int8": 0.26, "int4": 0.13,
+PAYLOAD = {"none": 0.0, "bf16": 0.5, "fp16": 0.5, "fp8": 0.26, "int8": 0.26, "int4": 0.13, "e3m0": 0.13,
            "sign": 0.04, "ternary": 0.07, "topk": 0.02, "randomk": 0.02, "powersgd": 0.25}
 KINDS = ("parameters", "gradients", "optimizer", "activations", "comm_buffers", "feedback")
 

@@ -42,6 +42,7 @@ class Scored:
     memory: dict | None = None
     time: dict | None = None
     reason: str = ""             # rejected: why
+    diloco: dict | None = None   # a DiLoCo candidate (plan/diloco.py): replicas, H, F, tau
 
     @property
     def peak(self) -> int:
@@ -139,10 +140,11 @@ def mesh_plans(shape: ModelShape, work: Workload, dp: int, cp: int, tp: int, pp:
 
 def search(shape: ModelShape, work: Workload, cluster: Cluster, top: int = 10,
            cross_node: bool = False, rejected: int | None = None,
-           distinct: bool = True) -> Result:
+           distinct: bool = True, diloco: bool = False) -> Result:
     """Score every plan (module doc); the top `top` that fit (distinct: leaving out a plan that
     scores as one already listed, to 0.1%) and up to `rejected` (default top) rejected
-    examples: per mesh and ZeRO stage with nothing that fits, its smallest plan."""
+    examples: per mesh and ZeRO stage with nothing that fits, its smallest plan. diloco: on
+    several nodes, rank a DiLoCo candidate too (plan/diloco.py; `pyfast plan` asks for it)."""
     t0 = time.perf_counter()
     cap = cluster.gpu.memory_bytes
     res = Result([], [])
@@ -171,6 +173,11 @@ def search(shape: ModelShape, work: Workload, cluster: Cluster, top: int = 10,
                 s.time = predict_time(shape, plan, work, cluster)
                 res.time_scored += 1
                 fits.append(s)
+    if diloco and cluster.nodes > 1:  # one DiLoCo replica a node, for a slow inter-node link
+        from .diloco import candidate
+        dl = candidate(shape, work, cluster, cross_node)
+        if dl is not None:
+            fits.append(dl)
     fits.sort(key=Scored.key)
     res.fitting = len(fits)
     seen = set()

@@ -567,12 +567,16 @@ def check_diloco(cfg: TrainConfig) -> None:
         C.get(cfg.outer_compress)
     except ValueError as e:
         raise ConfigError(f"--outer-compress {cfg.outer_compress!r}: {e}") from None
-    if cfg.zero:
-        raise ConfigError(f"--diloco with --zero {cfg.zero}: the outer step needs each rank's "
-                          "parameters whole; use DataParallel (--zero 0) inside a replica")
+    if cfg.zero == 3:  # --zero 1|2 keep fp32 parameters (bf16 autocasts only the forward)
+        raise ConfigError("--diloco with --zero 3: stage 3 frees the parameters between "
+                          "forward passes and steps separate fp32 master shards, which the "
+                          "outer step's merged parameters would never reach; use --zero 1 or "
+                          "2 (the optimizer steps views of the parameters DiLoCo sets)")
     if cfg.precision == "fp16":
         raise ConfigError("--diloco with --precision fp16: GradScaler steps the inner optimizer "
-                          "itself, around DiLoCo's step; use bf16")
+                          "itself (scaler.step), around DiLoCo's step, and skips the steps that "
+                          "overflow on one replica only, so the replicas' outer schedules would "
+                          "part; use bf16 (fp32 parameters, no loss scaling)")
 
 
 DILOCO_FLAGS = ("replicas", "fragments", "diloco_delay", "outer_compress", "outer_lr",

@@ -150,8 +150,14 @@ class Job:
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg))
         self.scaler = torch.amp.GradScaler(device.type) if cfg.precision == "fp16" else None
         # --diloco: the inner optimizer steps through DiLoCo over the replica group (outer.py)
-        self.diloco = outer.build(cfg, module, self.opt, mesh) if cfg.diloco else None
+        # (with --zero 1|2 DiLoCo sets the parameters zero's optimizer steps views of)
+        self.diloco = outer.build(cfg, self.zero if self.zero is not None else module,
+                                  self.opt, mesh) if cfg.diloco else None
         self.outer = outer.Meter() if cfg.diloco else None
+        # --replicas R > 1: the step's small all-reduce runs over this replica's own ranks, and
+        # the replicas compare losses and NaN/Inf verdicts only where they meet (outer.Meeting)
+        self.step_group = outer.replica_ranks(mesh) if cfg.replicas > 1 else None
+        self.meeting = outer.Meeting(self) if cfg.replicas > 1 else None
         # replicas x dp ranks partition each global batch as dp ranks alone do (one replica:
         # exactly the dp slices), so a run at --replicas R sees the tokens of --dp R x dp
         self.batches = Batches(self.corpus.train, cfg.batch, cfg.seq, cfg.seed,
@@ -246,21 +252,25 @@ class Job:
             # a mask, not boolean indexing: its size depends on data (no meta kernel: dry run)
             sq = torch.where(self.counted[have], norms.square(), 0.0).sum()
             bad = (~torch.isfinite(norms).all()).double()  # on the device: no host read
-        R = cfg.replicas  # the logged loss: the mean over replicas of each one's batch loss
-        contrib = local / scale / (R * cfg.dp * cfg.cp) if self.owns_loss else self.scalar(0.0)
+        # the logged loss: the mean of the batch's (R > 1: this replica's slice's) losses
+        contrib = local / scale / (cfg.dp * cfg.cp) if self.owns_loss else self.scalar(0.0)
         sent = bytes_written() - w0
         tc = clock(self.device)
         vec = torch.stack([contrib, sq, bad, self.scalar(float(sent))])
-        if R > 1:  # each replica clips by its own gradient's norm: one slot per replica
-            vec = outer.per_replica(vec, 1, self.mesh)
-        dist.all_reduce(vec)  # one small all-reduce: loss, norm, NaN/Inf and bytes, everywhere
+        # one small all-reduce: loss, norm, NaN/Inf and bytes over every rank, or with R > 1
+        # over this replica's ranks only (each replica clips by its own gradient's norm)
+        dist.all_reduce(vec, group=self.step_group)
         waited += clock(self.device) - tc
         vals = self._read(vec)  # the step's one host read
-        if R > 1:
-            vals[1] = vals[4 + self.mesh.replica_rank]
         loss, gnorm = vals[0], math.sqrt(vals[1])  # a sum of squares: NaN or >= 0
-        skipped = False
-        if vals[2] > 0 or not math.isfinite(loss) or not math.isfinite(gnorm):
+        skipped = held = False
+        if self.meeting is not None:  # NonFiniteError on every rank if a replica failed
+            tm = clock(self.device)
+            held = self.meeting.step(step, loss, gnorm, vals)
+            waited += clock(self.device) - tm
+        if held:  # this replica went NaN/Inf since the replicas last met: no update till then
+            skipped = True
+        elif vals[2] > 0 or not math.isfinite(loss) or not math.isfinite(gnorm):
             if self.scaler is None:
                 raise NonFiniteError(f"step {step}: loss {loss}, gradient norm {gnorm} (NaN/Inf "
                                      f"on {int(vals[2])} rank(s)); stopping before the update, "
@@ -288,6 +298,8 @@ class Job:
             rec.update(loss_scale=scale, skipped=skipped)
         if self.outer is not None:
             rec.update(self.outer.record())
+        if self.meeting is not None:
+            rec.update(self.meeting.record())
         return rec
 
     def compression_error(self) -> float | None:
@@ -316,8 +328,7 @@ class Job:
         """vec's values on the host. A dry run's meta tensors hold none: a finite step whose
         gradient norm is clipped (twice --clip) stands in, so every branch of a step runs."""
         sq = (2.0 * max(self.cfg.clip, 1.0)) ** 2
-        return read(vec, [0.0, sq, 0.0, 0.0] + ([sq] * self.cfg.replicas
-                                                 if self.cfg.replicas > 1 else []))
+        return read(vec, [0.0, sq, 0.0, 0.0])
 
     def _zero_norm(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(this rank's share of the squared global gradient norm, NaN/Inf flag) under zero:
@@ -464,11 +475,15 @@ class Job:
             state = self.state(same, self.mesh.replica_rank % saved_r, pend)
         else:
             state = self.state(full=same)
+        # --diloco: the local model and optimizer state of replica K sit under its own key
+        key = (outer.replica_key(self.mesh.replica_rank % saved_r) if self.diloco is not None
+               else None)
+        local = state if key is None else state[key]
         if self.zero is not None:  # what the checkpoint holds, in this world's shards
-            state.update(zck.load_target(path, self.zero, self.opt))
+            local.update(zck.load_target(path, self.zero, self.opt))
         ck.load(state, path)
         if self.zero is not None:
-            zck.set_state_dict(self.zero, self.opt, state)
+            zck.set_state_dict(self.zero, self.opt, local)
         train = ck.unblob(state["train"])
         self.sched.load_state_dict(train["sched"])
         for g, lr in zip(self.opt.param_groups, train["lrs"]):

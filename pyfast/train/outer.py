@@ -1,5 +1,6 @@
 """The job's DiLoCo glue (--diloco H --replicas R): the outer optimizer over the replica group,
-what a step records about it, and what a checkpoint holds of it.
+what a step records about it, where the replicas meet (Meeting: a plain inner step never
+crosses between replicas), and what a checkpoint holds of it.
 
 Each replica is the ordinary job on its inner mesh (Mesh(..., replicas=R): contiguous ranks);
 DiLoCo (pyfast.parallel.DiLoCo) wraps the inner optimizer and synchronizes each rank's own
@@ -19,8 +20,12 @@ K mod R_saved; the residuals then start empty.
 """
 from __future__ import annotations
 
-import torch
+import math
 
+import torch
+import torch.distributed as dist
+
+from pyfast.comm.dry import read
 from pyfast.parallel.diloco import fragment_due
 from pyfast.perf import clock
 
@@ -30,26 +35,92 @@ from .telemetry import bytes_written
 
 def build(cfg, module, opt, mesh):
     """DiLoCo over mesh.replica_group with the job's flags; ConfigError for what only the
-    model tells (more fragments than this rank's parameter tensors, ...)."""
+    model tells (more fragments than this rank's parameter tensors, ...). module: the rank's
+    model, or its zero() wrapper (ZeRO-1/2: the optimizer steps views of its parameters).
+    With dp x cp > 1 each rank sends only its 1/(dp x cp) slice of a fragment between the
+    replicas (inner_group: the dp x cp ranks hold the same parameters), for the dense outer
+    formats; a per-tensor one (top-k, PowerSGD) needs whole tensors: every rank sends all."""
+    import pyfast.compress as C
     from pyfast.parallel import DiLoCo
+    sliced = cfg.dp * cfg.cp > 1 and not C.get(cfg.outer_compress).per_tensor
     try:
         return DiLoCo(module, opt, sync_every=cfg.diloco, outer_lr=cfg.outer_lr,
                       outer_momentum=cfg.outer_momentum, nesterov=cfg.outer_nesterov,
                       fragments=cfg.fragments, delay=cfg.diloco_delay, alpha=cfg.diloco_alpha,
                       compressor=cfg.outer_compress, error_feedback=cfg.error_feedback == "on",
-                      group=mesh.replica_group)
+                      group=mesh.replica_group,
+                      inner_group=mesh.dp_cp_group if sliced else None)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"--diloco {cfg.diloco}: {e}") from None
 
 
-def per_replica(vec: torch.Tensor, i: int, mesh) -> torch.Tensor:
-    """vec with its entry i moved into a slot of this replica's own (vec's length + replica):
-    after a sum over the world, slot 4 + k holds replica k's sum and entry i holds 0."""
-    slots = torch.zeros(mesh.replicas, dtype=vec.dtype, device=vec.device)
-    slots[mesh.replica_rank] = vec[i]
-    out = torch.cat([vec, slots])
-    out[i] = 0.0
-    return out
+def replica_ranks(mesh):
+    """This rank's replica, the ranks [k n, (k + 1) n) of its inner mesh, as a process group of
+    its own (the step's small all-reduce: Job.train_step). Collective over the default group:
+    every rank makes every replica's group, in one order."""
+    mine = None
+    for k in range(mesh.replicas):
+        g = dist.new_group(list(range(k * mesh.inner, (k + 1) * mesh.inner)))
+        if k == mesh.replica_rank:
+            mine = g
+    return mine
+
+
+class Meeting:
+    """Where the replicas compare notes (R > 1). Each step's small all-reduce runs inside a
+    replica only: a step over the whole world would cross the slow link between replicas every
+    inner step and queue behind an outer all-reduce's bytes (tc tbf), lock-stepping the
+    replicas and undoing --diloco-delay's overlap. The replicas meet (one world all-reduce of
+    2 + 3 R fp64 values) before every step that sends a fragment (before its all-reduce
+    starts: no fragment is then in flight, delay < H / F), at eval and checkpoint steps and
+    at the last step: there the mean of the replicas' losses and the bytes all ranks wrote
+    since the last meeting are brought across, and a replica that went NaN/Inf since then
+    stops every rank with NonFiniteError naming it. Until that meeting the failed replica
+    takes no update (step returns True): its ranks run the same collectives as the others',
+    so nothing pairs mismatched operations, and no checkpoint is written after the failure."""
+
+    def __init__(self, job):
+        self.job, self.failed, self.bytes, self.last = job, None, 0, {}
+
+    def due(self, step: int) -> bool:
+        cfg = self.job.cfg
+        return (fragment_due(step, cfg.diloco, cfg.fragments) is not None or step == cfg.steps
+                or any(every and step % every == 0 for every in (cfg.eval_every, cfg.ckpt_every)))
+
+    def step(self, step: int, loss: float, gnorm: float, vals: list) -> bool:
+        """After the replica's own all-reduce (vals: loss, squared norm, NaN/Inf ranks, bytes
+        of this replica): True while this replica must hold its update."""
+        from .job import NonFiniteError
+        if self.failed is None and (vals[2] > 0 or not math.isfinite(loss)
+                                    or not math.isfinite(gnorm)):
+            self.failed = (step, loss, gnorm, int(vals[2]))
+        self.bytes += int(vals[3])
+        self.last = {}
+        if not self.due(step):
+            return self.failed is not None
+        job, mesh = self.job, self.job.mesh
+        R, k = mesh.replicas, mesh.replica_rank
+        mine = [0.0] * (2 + 3 * R)
+        if mesh.rank % mesh.inner == 0:  # one rank a replica speaks for it
+            mine[0], mine[1] = loss / R, float(self.bytes)
+            if self.failed is not None:
+                mine[2 + 3 * k:5 + 3 * k] = self.failed[:3]
+        v = torch.tensor(mine, dtype=torch.float64, device=job.device)
+        dist.all_reduce(v)
+        got = read(v, [loss, float(self.bytes * R)] + [0.0] * (3 * R))  # dry run: all alike
+        self.bytes = 0
+        bad = [(r, got[2 + 3 * r:5 + 3 * r]) for r in range(R) if got[2 + 3 * r] > 0]
+        if bad:
+            what = "; ".join(f"replica {r} at step {int(s)} (loss {lo}, gradient norm {g})"
+                             for r, (s, lo, g) in bad)
+            raise NonFiniteError(f"step {step}: NaN/Inf in {what}; every replica stops where "
+                                 f"they meet (step {step}), before this step's update; the "
+                                 "last complete checkpoint is kept")
+        self.last = {"replicas_loss": got[0], "replicas_bytes_sent": int(got[1])}
+        return False
+
+    def record(self) -> dict:
+        return dict(self.last)
 
 
 class Meter:
@@ -86,7 +157,7 @@ class Meter:
 
 
 # ---------------------------------------------------------------- checkpoints
-def _replica_key(k: int) -> str | None:
+def replica_key(k: int) -> str | None:
     """Where replica k's local state sits: replica 0's under the job's usual "model"/"optim"
     (so that pyfast export and a look at the checkpoint find a model there), the others' under
     "replicaK"."""
@@ -109,7 +180,7 @@ def state(job, st: dict, replica: int, pending: int | None = -1) -> dict:
     load will read (None: none)."""
     from . import checkpoint as ck
     dl = job.diloco
-    key = _replica_key(replica)
+    key = replica_key(replica)
     if key is not None:
         st[key] = {"model": st.pop("model"), "optim": st.pop("optim")}
     names, tp_mesh = _by_name(job)

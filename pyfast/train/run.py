@@ -147,7 +147,8 @@ def _loop(cfg: TrainConfig, job: Job, start: int, device) -> None:
                 if err is not None:
                     rec["compress_rel_error"] = err
             rss = job.scalar(peak_rss_mb())
-            dist.all_reduce(rss, op=dist.ReduceOp.MAX)
+            # --replicas R > 1: over this replica's ranks (a step never crosses between them)
+            dist.all_reduce(rss, op=dist.ReduceOp.MAX, group=job.step_group)
             rec.update(max_rss_mb=float(rss), **gpu.sample())
             if sampler is not None and (step % cfg.sample_every == 0 or step == cfg.steps):
                 rec["sample"] = sampler(job, step, bar.console if rank == 0 else None)
