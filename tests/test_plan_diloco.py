@@ -33,7 +33,7 @@ def test_slow_link_between_nodes_ranks_diloco_first(capsys):
     assert best["command"].endswith(
         f"--diloco 40 --replicas 2 --fragments 4 --diloco-delay {d['delay']} --outer-compress "
         "int4 --nproc 2 --nnodes 2 --node-rank $NODE_RANK --rdzv-endpoint $MASTER_ADDR:29500")
-    # the time to target counts DiLoCo's 1.4x the steps, and still beats dp over 100 Mbit/s
+    # the time to target counts DiLoCo's 2x the steps, and still beats dp over 100 Mbit/s
     assert best["step_s"] * D.STEPS_FACTOR < rows[1]["step_s"]
 
 
@@ -50,7 +50,7 @@ def test_the_diloco_command_passes_the_jobs_checks(capsys):
 
 def test_fast_link_keeps_data_parallel_first():
     """400 Gbit/s between nodes: gpt-1b's data parallel (across both nodes) first; the DiLoCo
-    candidate is scored and ranked, behind it (its 1.4x steps are not paid back)."""
+    candidate is scored and ranked, behind it (its 2x steps are not paid back)."""
     shape, work = shapes.preset("gpt-1b"), Workload(1024, 64, "bf16")
     res = search(shape, work, build(4, 2, "h100", inter_bw="400gbit"), top=10**6,
                  diloco=True, distinct=False)
