@@ -8,7 +8,7 @@ import torch
 
 from conftest import backend_params
 from pyfast.errors import NonFiniteGradient
-from pyfast.ops import topk
+from pyfast.ops import status, topk
 
 SIZES = [1, 1023, 1025, 1_000_003]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -41,6 +41,32 @@ def test_count_and_select_match_reference(backend, n, dtype, with_ef):
     assert torch.equal(i, ri) and torch.equal(v, rv)
     if with_ef:
         assert torch.equal(ef, ef2)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cpp_select_serial_and_parallel_match_reference(threads, dtype):
+    """csrc/topk.cpp selects in one pass on one thread, in three steps on more: both equal the
+    reference bitwise, with the cap cutting mid-tile and ef stored past it."""
+    ok, why = status("cpp", torch.device("cpu"))
+    if not ok:
+        pytest.skip(why)
+    n = 1_000_003
+    x, ef = grad(n, dtype), torch.randn(n) * 0.1
+    t = float(x.float().abs().quantile(0.99))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for limit in (10 ** 9, 5_000, 0):  # no cap, a cap mid-tensor, nothing kept
+            e1, e2 = ef.clone(), ef.clone()
+            v, i = topk.topk_select(x, e1, t, limit, backend="cpp")
+            rv, ri = topk.topk_select_ref(x, e2, t, limit)
+            assert torch.equal(i, ri) and torch.equal(v, rv) and torch.equal(e1, e2), limit
+            v, i = topk.topk_select(x, None, t, limit, backend="cpp")
+            rv, ri = topk.topk_select_ref(x, None, t, limit)
+            assert torch.equal(i, ri) and torch.equal(v, rv), limit
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("backend", backend_params() + ["torch"])
