@@ -6,8 +6,12 @@ traffic and overlap, measured on this 2-core machine at W=2 over a 1 Gbit/s emul
 a 64 MB fp32 gradient (bench/results/allreduce.txt):
 - reduce into t itself (each chunk is overwritten only after it was compressed): a fresh 64 MB
   output costs 29 ms of page faults against 1.9 ms to zero existing memory;
-- top-k decodes sparsely (index_put_ with accumulate): 1 ms instead of a dense 64 MB temporary
-  per rank (34 ms each);
+- top-k decodes sparsely (scatter_add_): 0.2 ms instead of a dense 64 MB temporary per rank
+  (34 ms each);
+- top-k goes in parts too (_sparse_parts_into): one threshold pass over the whole gradient and
+  one exchange of every part's size, then part i+1 is selected and part i-1 decoded while part
+  i is on the wire. One padded gather after the whole selection ran at 2.2-3.3x its floor
+  against 1.5-2.3x in parts, side by side under load (topk:0.01, W=2);
 - fixed-layout payloads go in chunks of CHUNK elements with two (all-gather) or three
   (two-phase) chunks in flight, so compressing chunk i+1 and decoding chunk i-1 overlap the
   transfer of chunk i: int8 339 -> 270 ms (floor 270.5), fp16 -> 537 ms (floor 537).
@@ -73,8 +77,10 @@ def gather_sum_into(x, c, group, name, out, helpers):
 def _sparse_parts_into(x, c, group, name, out, helpers):
     """A variable-size payload (top-k) in parts of CHUNK elements: one threshold pass over x
     and one exchange of every part's size (and the NaN/Inf flag), then part i+1 is selected
-    and part i-1 decoded while part i is on the wire (c.base.compress_parts). At W=2, 1 Gbit/s,
-    64 MB fp32, topk:0.01: see pyfast.benchmarks.allreduce's notes."""
+    and part i-1 decoded while part i is on the wire (c.base.compress_parts). Same selection,
+    bytes per entry and rank-order sums as the one-gather reference (bitwise equal,
+    tests/test_comm.py); the wire carries a 4-byte count per part and pads each part to its
+    largest rank: 0.5% more bytes on lo at 64 MB, W=2."""
     world = dist.get_world_size(group)
     n = x.numel()
     step = -(-chunk_elems() // 8) * 8
