@@ -3,7 +3,8 @@
 // r_i = fp32(x_i) (+ ef_i); the threshold arrives as a double and is rounded to fp32 first,
 // as torch does when the reference compares an fp32 tensor with a Python float.
 //
-// topk_select is a three-step parallel compaction over parts of 256K elements:
+// topk_select on one thread is one pass (select_serial); on more, a three-step parallel
+// compaction over parts of 256K elements:
 //   1. count |r| >= t per part; with ef, also store ef = r (every unselected element's final
 //      value, so step 3 reads r from ef alone and never touches x again);
 //   2. exclusive prefix sum of the counts: part p writes outputs [off_p, off_p + count_p),
@@ -15,6 +16,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -105,12 +107,65 @@ void write_range(const In* x, float* ef, int64_t lo, int64_t hi, float t, int64_
   }
 }
 
+// One thread: steps 1-3 in one pass (no offsets to share), the selection gathered in vectors
+// and copied out (m entries, ~1% of n). 16M fp32, 1% kept, one thread (thread CPU time, best
+// of 25, side by side): 2.9 ms against 4.05 for the three steps, which read x twice; with ef
+// 4.7 against 5.8. Same arithmetic, same result (tests/test_ops_topk.py).
+template <bool EF, class In>
+std::tuple<at::Tensor, at::Tensor> select_serial(const at::Tensor& x, float* ef, float t,
+                                                 int64_t limit) {
+  const In* xp = reinterpret_cast<const In*>(x.const_data_ptr());
+  const int64_t n = x.numel();
+  std::vector<In> vals;
+  std::vector<int32_t> idx;
+  alignas(64) uint8_t flag[kTile + 64], bits[kTile / 8];
+  int64_t stored = 0;  // ef = r holds on [0, stored)
+  for (int64_t c0 = 0; c0 < n && int64_t(idx.size()) < limit; c0 += kTile) {
+    const int64_t len = std::min(kTile, n - c0);
+    for (int64_t k = 0; k < len; ++k) {
+      const float r = residual<EF>(xp, ef, c0 + k);
+      if constexpr (EF) ef[c0 + k] = r;
+      flag[k] = uint8_t(__builtin_fabsf(r) >= t);
+    }
+    stored = c0 + len;
+    std::memset(flag + std::max<int64_t>(len, 0), 0, 64);
+    for (int64_t b = 0; b < (len + 63) / 64 * 8; ++b) {  // as write_range
+      uint64_t w;
+      std::memcpy(&w, flag + 8 * b, 8);
+      bits[b] = uint8_t((w * 0x0102040810204080ull) >> 56);
+    }
+    for (int64_t w = 0; w < len && int64_t(idx.size()) < limit; w += 64) {
+      uint64_t word;
+      std::memcpy(&word, bits + w / 8, 8);
+      for (; word && int64_t(idx.size()) < limit; word &= word - 1) {
+        const int64_t i = c0 + w + __builtin_ctzll(word);
+        const float r = EF ? ef[i] : widen(xp[i]);
+        const In v = narrow<In>(r);
+        vals.push_back(v);
+        idx.push_back(int32_t(i));
+        if constexpr (EF) ef[i] = r - widen(v);
+      }
+    }
+  }
+  if constexpr (EF)
+    for (int64_t i = stored; i < n; ++i) ef[i] = residual<EF>(xp, ef, i);  // past the cap
+  const int64_t m = int64_t(idx.size());
+  at::Tensor values = at::empty({m}, x.options());
+  at::Tensor indices = at::empty({m}, x.options().dtype(at::kInt));
+  if (m) {
+    std::memcpy(values.mutable_data_ptr(), vals.data(), m * sizeof(In));
+    std::memcpy(indices.mutable_data_ptr<int32_t>(), idx.data(), m * sizeof(int32_t));
+  }
+  return {values, indices};
+}
+
 template <bool EF, class In>
 std::tuple<at::Tensor, at::Tensor> select_all(const at::Tensor& x, float* ef, float t,
                                               int64_t limit) {
   const In* xp = reinterpret_cast<const In*>(x.const_data_ptr());
   const int64_t n = x.numel(), np = std::max<int64_t>(1, (n + kPart - 1) / kPart);
   const int nt = threads_for(n);
+  if (nt == 1) return select_serial<EF, In>(x, ef, t, limit);
   std::vector<int64_t> off(np + 1, 0);
 #pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
   for (int64_t p = 0; p < np; ++p)

@@ -185,3 +185,41 @@ def test_nan_on_one_rank_same_outcome_everywhere(pool):
         else:
             assert detail is False, f"{spec}/{algo}: the NaN vanished"
     assert all(torch.equal(o["after"], torch.full((8,), float(world))) for o in out)
+
+
+def _topk_feedback_worker(rank, world, mode):
+    import os
+
+    import pyfast.comm as comm
+    os.environ.pop("PYFAST_COMM_REFERENCE", None)
+    os.environ["PYFAST_COMM_CHUNK"] = "4096"  # 18 parts of N: selected while others travel
+    if mode == "reference":
+        os.environ["PYFAST_COMM_REFERENCE"] = "1"
+    c = C.WithFeedback(C.get("topk:0.01"))
+    xs, _ = inputs(world, "topk:0.01")
+    out = []
+    for step, x in enumerate([xs[rank], torch.ones(N)]):  # ones: ties past the cap
+        t = x.clone()
+        comm.all_reduce(t, c, name="g" if step == 0 else "ones")
+        out.append(t)
+    t = xs[rank].clone()
+    comm.all_reduce(t, c, name="g")  # again: selects from x + the first call's memory
+    out.append(t)
+    return out, {k: v.clone() for k, v in c.feedback.memory.items()}
+
+
+def test_topk_parts_with_feedback_match_reference(pool):
+    """The pipelined top-k (selected and sent in parts) leaves the same results and the same
+    error-feedback memory as the one-gather reference, bitwise: same threshold, same
+    selection, same rank-order sums (exact fp32 arithmetic in the same order)."""
+    ref = pool.run(_topk_feedback_worker, "reference")
+    got = pool.run(_topk_feedback_worker, "pipelined")
+    for r, ((g_out, g_ef), (r_out, r_ef)) in enumerate(zip(got, ref)):
+        assert all(torch.equal(a, b) for a, b in zip(g_out, r_out)), f"rank {r}: results"
+        assert g_ef.keys() == r_ef.keys() == {"g", "ones"}
+        assert all(torch.equal(g_ef[k], r_ef[k]) for k in g_ef), f"rank {r}: feedback"
+    from pyfast.ops.topk import target
+    hi = target(N, 0.01)[2]  # ones: every rank's cap cuts at the same index
+    ones = got[0][0][1]
+    assert torch.equal(ones[:hi], torch.full((hi,), float(pool.world_size)))
+    assert not ones[hi:].any()

@@ -8,7 +8,7 @@ import torch
 
 from conftest import backend_params
 from pyfast.errors import NonFiniteGradient
-from pyfast.ops import topk
+from pyfast.ops import status, topk
 
 SIZES = [1, 1023, 1025, 1_000_003]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -41,6 +41,32 @@ def test_count_and_select_match_reference(backend, n, dtype, with_ef):
     assert torch.equal(i, ri) and torch.equal(v, rv)
     if with_ef:
         assert torch.equal(ef, ef2)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cpp_select_serial_and_parallel_match_reference(threads, dtype):
+    """csrc/topk.cpp selects in one pass on one thread, in three steps on more: both equal the
+    reference bitwise, with the cap cutting mid-tile and ef stored past it."""
+    ok, why = status("cpp", torch.device("cpu"))
+    if not ok:
+        pytest.skip(why)
+    n = 1_000_003
+    x, ef = grad(n, dtype), torch.randn(n) * 0.1
+    t = float(x.float().abs().quantile(0.99))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for limit in (10 ** 9, 5_000, 0):  # no cap, a cap mid-tensor, nothing kept
+            e1, e2 = ef.clone(), ef.clone()
+            v, i = topk.topk_select(x, e1, t, limit, backend="cpp")
+            rv, ri = topk.topk_select_ref(x, e2, t, limit)
+            assert torch.equal(i, ri) and torch.equal(v, rv) and torch.equal(e1, e2), limit
+            v, i = topk.topk_select(x, None, t, limit, backend="cpp")
+            rv, ri = topk.topk_select_ref(x, None, t, limit)
+            assert torch.equal(i, ri) and torch.equal(v, rv), limit
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("backend", backend_params() + ["torch"])
@@ -102,3 +128,47 @@ def test_topk_bad_arguments():
         topk.topk(x, 0.1, torch.zeros(100, dtype=torch.float16))
     with pytest.raises(ValueError, match=r"float32\[100\]"):
         topk.topk(x, 0.1, torch.zeros(99))
+
+
+def parts_of(n, step):
+    return [(a, min(n, a + step)) for a in range(0, n, step)]
+
+
+@pytest.mark.parametrize("backend", backend_params() + ["torch"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", ["gauss", "ties"])
+def test_selecting_part_by_part_is_topk(backend, dtype, case):
+    """threshold() + topk_select per part, capped in index order (what compress_parts and the
+    pipelined all-reduce do) == topk() on the whole tensor: same indices, values and ef, bitwise
+    (same threshold, same per-element arithmetic). "ties": 3000 equal magnitudes, far more than
+    the 1.5k cap, so the exact fallback's cap cuts inside a part."""
+    n = 30_011 if backend == "triton" else 100_003  # ragged: no part size divides it
+    x = grad(n, dtype, heavy=True) if case == "gauss" else torch.ones(n, dtype=dtype)
+    ef = torch.randn(n) * 0.1 if case == "gauss" else torch.zeros(n)
+    ef[::37] = 0.0
+    bounds = parts_of(n, 4099)
+    ef_whole, ef_parts = ef.clone(), ef.clone()
+    v, i = topk.topk(x, 0.01, ef_whole, backend=backend)
+    t, counts, limit = topk.threshold(x, 0.01, ef_parts, bounds, backend=backend)
+    assert len(counts) == len(bounds) and sum(counts) >= v.numel()
+    got_v, got_i, taken = [], [], 0
+    for (a, b), c in zip(bounds, counts):
+        pv, pi = topk.topk_select(x[a:b], ef_parts[a:b], t, min(c, limit - taken),
+                                  backend=backend)
+        taken += pv.numel()
+        got_v.append(pv)
+        got_i.append(pi + a)
+    assert torch.equal(torch.cat(got_i), i) and torch.equal(torch.cat(got_v), v)
+    assert torch.equal(ef_parts, ef_whole)
+    if case == "ties":
+        assert v.numel() == topk.target(n, 0.01)[2]  # the cap did cut
+
+
+def test_threshold_bad_arguments():
+    x = torch.randn(100)
+    with pytest.raises(ValueError, match="tile"):
+        topk.threshold(x, 0.1, None, [(0, 50), (60, 100)])
+    with pytest.raises(ValueError, match=r"float32\[100\]"):
+        topk.threshold(x, 0.1, torch.zeros(99), [(0, 50), (50, 100)])
+    with pytest.raises(ValueError, match="hold values"):
+        topk.threshold(torch.empty(0), 0.1)

@@ -148,10 +148,15 @@ def _gather_checked(x: torch.Tensor, c, group, name: str) -> list[torch.Tensor]:
     except NonFiniteGradient:  # top-k refuses NaN/Inf: tell every rank before anyone raises
         buf, flag = torch.empty(0, dtype=torch.uint8, device=x.device), 1
     gathered, flags = _all_gather_var(buf, group, flag)
+    _refuse_nonfinite(flags, name)
+    return gathered
+
+
+def _refuse_nonfinite(flags: list, name: str) -> None:
+    """Every rank raises the same error when any rank's flag is set."""
     if any(flags):
         bad = [r for r, f in enumerate(flags) if f]
         raise NonFiniteGradient(f"{name or 'tensor'}: NaN/Inf gradient on rank(s) {bad}")
-    return gathered
 
 
 def _gather_sum(x: torch.Tensor, c, group, name: str) -> torch.Tensor:
@@ -306,7 +311,7 @@ def fast_path(t: torch.Tensor) -> bool:
 
 
 _HELPERS = SimpleNamespace(decode_add=_decode_add, to_bytes=_bytes, chunks=_chunks,
-                           gather_checked=_gather_checked)
+                           gather_checked=_gather_checked, refuse_nonfinite=_refuse_nonfinite)
 
 
 class Handle:

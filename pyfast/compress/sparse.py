@@ -49,13 +49,47 @@ class TopK(Compressor):
     def compress_with_feedback(self, x, ef, name=""):
         return self._select(x, ef)
 
+    def compress_parts(self, x, bounds, name="", ef=None):
+        """compress(x) (with ef: compress_with_feedback(x, ef)) in parts, for a collective that
+        sends part i while it selects part i+1 (pyfast.comm.pipelined): (sizes, part), the
+        wire size of each part [a, b) of `bounds` and part(i) -> its wire bytes, the payload of
+        x[a:b] (indices relative to a). Call part(i) once each, in order (ef moves part by
+        part). Together the parts hold exactly compress(x)'s selection: one threshold over all
+        of x, ties past the cap cut in index order. NaN/Inf raise NonFiniteGradient here,
+        before ef moves."""
+        check_float(x, self.spec)
+        x = x.reshape(-1)
+        if x.numel() == 0:
+            caps = [0] * len(bounds)
+        elif x.is_meta:  # a dry run: topk's largest accepted selection, spread over the parts
+            hi = topk.target(x.numel(), self.ratio)[2]
+            caps = [round(hi * b / x.numel()) - round(hi * a / x.numel()) for a, b in bounds]
+        else:
+            t, counts, limit = topk.threshold(x, self.ratio, ef, bounds)
+            caps = []
+            for c in counts:  # the global cap, in index order
+                caps.append(min(c, limit - sum(caps)))
+        isz = x.element_size()
+
+        def part(i):
+            (a, b), m = bounds[i], caps[i]
+            if x.is_meta or x.numel() == 0:
+                values, idx = x.new_empty(m), torch.empty(m, dtype=torch.int32, device=x.device)
+            else:  # with ef, called for every part (m = 0 too): it stores ef = r
+                values, idx = topk.topk_select(x[a:b], ef[a:b] if ef is not None else None, t, m)
+            return self.to_wire(Payload({"indices": idx, "values": values}, torch.Size([b - a]),
+                                        x.dtype, header_bytes=4))
+        return [4 + m * (isz + 4) for m in caps], part
+
     def decompress(self, p, out=None):
         return _scatter(p, p.tensors["indices"], out)
 
     def decode_add(self, p, out):
-        """Sparse: out[indices] += values, no dense temporary (the indices are distinct)."""
-        out.view(-1).index_put_((p.tensors["indices"].long(),),
-                                p.tensors["values"].to(torch.float32), accumulate=True)
+        """Sparse: out[indices] += values, no dense temporary. The indices are distinct, so
+        each element gets one add whatever the kernel: scatter_add_ took 0.2 ms for 169K
+        entries into 16M (one thread) where index_put_(accumulate=True) took 2-5.8 ms."""
+        out.view(-1).scatter_add_(0, p.tensors["indices"].long(),
+                                  p.tensors["values"].to(torch.float32))
         return out
 
     def to_wire(self, p):

@@ -1,7 +1,8 @@
 """Top-k by threshold with a fused error-feedback update (docs/FORMATS.md, "topk_*").
 
-`topk(x, ratio, ef)` picks a threshold t (sampled, as in Deep Gradient Compression, Lin et al.
-2018), counts, moves t until the count is within [0.5k, 1.5k], then selects. The two passes
+`topk(x, ratio, ef)` picks a threshold t (`threshold`: sampled, as in Deep Gradient
+Compression, Lin et al. 2018), counts, moves t until the count is within [0.5k, 1.5k], then
+selects; `threshold` alone lets a caller select part by part. The two passes
 over the data (`topk_count`, `topk_select`) are kernels: kernels/topk.py (Triton),
 csrc/topk.cpp (C++); `*_ref` here is the torch reference.
 """
@@ -87,6 +88,62 @@ def target(n: int, ratio: float) -> tuple[int, int, int]:
     return k, max(1, math.ceil(0.5 * k)), max(1, math.floor(1.5 * k))
 
 
+def _counts(x, ef, t, bounds, backend) -> list[int]:
+    """#{|r| >= t} in each [a, b) of bounds. NaN/Inf anywhere raise NonFiniteGradient (before
+    anything is written). One host read per call however many parts (each a CUDA sync else)."""
+    every = torch.stack([topk_count(x[a:b], ef[a:b] if ef is not None else None, t, backend)
+                         for a, b in bounds]).tolist()
+    bad = sum(b for _, b in every)
+    if bad:
+        raise NonFiniteGradient(f"topk: input has {bad} NaN/Inf values (gradient overflow?); "
+                                "refusing to hide them in the error-feedback memory")
+    return [c for c, _ in every]
+
+
+def threshold(x: torch.Tensor, ratio: float, ef: torch.Tensor | None = None,
+              bounds: list[tuple[int, int]] | None = None,
+              backend: str | None = None) -> tuple[float, list[int], int]:
+    """(t, counts, limit) of topk's selection from the non-empty flat x (+ ef): the threshold,
+    #{|r| >= t} in each part [a, b) of `bounds` (default: one part, all of x), and the most
+    entries kept (ties at t past it are cut in index order). NaN/Inf raise NonFiniteGradient.
+    A caller that selects part by part (topk_select on x[a:b] with t) gets exactly topk's
+    selection: pyfast.comm.pipelined sends part i while part i+1 is selected."""
+    if not 0.0 < ratio <= 1.0:
+        raise ValueError(f"topk ratio must be in (0, 1], got {ratio}")
+    _check(x, ef)  # whole: a part's view of a wrong-size ef would not show it
+    x = x.reshape(-1)
+    n = x.numel()
+    if n == 0 or x.is_meta:
+        raise ValueError(f"topk threshold: x must hold values, got {n} elements on {x.device}")
+    bounds = bounds or [(0, n)]
+    if [a for a, _ in bounds[1:]] != [b for _, b in bounds[:-1]] or bounds[0][0] != 0 \
+            or bounds[-1][1] != n or any(b < a for a, b in bounds):
+        raise ValueError(f"topk threshold: bounds must tile [0, {n}) in order, got {bounds}")
+    k, lo, hi = target(n, ratio)
+    stride = max(1, n // SAMPLE)
+    sample = _residual(x[::stride], ef.view(-1)[::stride] if ef is not None else None).abs()
+    ks = min(sample.numel(), max(1, round(ratio * sample.numel())))
+    t = float(torch.topk(sample.nan_to_num(nan=math.inf), ks).values[-1])
+    t_lo, t_hi = 0.0, math.inf  # count(t_lo) too high, count(t_hi) too low
+    for _ in range(MAX_REFINE):
+        counts = _counts(x, ef, t, bounds, backend)
+        count = sum(counts)
+        if lo <= count <= hi:
+            return t, counts, hi
+        if count > hi:
+            t_lo = t
+            t = t * 2.0 if t_hi == math.inf else 0.5 * (t + t_hi)
+        else:
+            t_hi = t
+            t = 0.5 * (t_lo + t)
+        if t == 0.0 or t == t_lo or t == t_hi:  # ties or all zeros: no t separates them
+            break
+    r = _residual(x, ef).abs()
+    t = float(torch.topk(r, k).values[-1])  # exact: count(|r| >= t) >= k, ties capped by hi
+    counts = torch.stack([(r[a:b] >= t).sum() for a, b in bounds]).tolist()
+    return t, counts, hi
+
+
 def topk(x: torch.Tensor, ratio: float, ef: torch.Tensor | None = None,
          backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """About ratio * n largest-magnitude entries of x (+ ef): (values in x.dtype, int32 indices).
@@ -102,30 +159,9 @@ def topk(x: torch.Tensor, ratio: float, ef: torch.Tensor | None = None,
     n = x.numel()
     if n == 0:
         return x.new_empty(0), torch.empty(0, dtype=torch.int32, device=x.device)
-    k, lo, hi = target(n, ratio)
     if x.is_meta:  # a dry run: no values to search a threshold in; the largest selection the
         # search accepts sizes the payload (ef, updated in place, allocates nothing)
+        hi = target(n, ratio)[2]
         return x.new_empty(hi), torch.empty(hi, dtype=torch.int32, device=x.device)
-    stride = max(1, n // SAMPLE)
-    sample = _residual(x[::stride], ef.view(-1)[::stride] if ef is not None else None).abs()
-    ks = min(sample.numel(), max(1, round(ratio * sample.numel())))
-    t = float(torch.topk(sample.nan_to_num(nan=math.inf), ks).values[-1])
-    t_lo, t_hi = 0.0, math.inf  # count(t_lo) too high, count(t_hi) too low
-    for _ in range(MAX_REFINE):
-        count, bad = (int(v) for v in topk_count(x, ef, t, backend))
-        if bad:
-            raise NonFiniteGradient(f"topk: input has {bad} NaN/Inf values (gradient overflow?); "
-                                    "refusing to hide them in the error-feedback memory")
-        if lo <= count <= hi:
-            return topk_select(x, ef, t, hi, backend)
-        if count > hi:
-            t_lo = t
-            t = t * 2.0 if t_hi == math.inf else 0.5 * (t + t_hi)
-        else:
-            t_hi = t
-            t = 0.5 * (t_lo + t)
-        if t == 0.0 or t == t_lo or t == t_hi:  # ties or all zeros: no t separates them
-            break
-    r = _residual(x, ef).abs()
-    t = float(torch.topk(r, k).values[-1])  # exact: count(|r| >= t) >= k, ties capped by hi
+    t, _, hi = threshold(x, ratio, ef, None, backend)
     return topk_select(x, ef, t, hi, backend)
