@@ -14,9 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from pyfast._sequence import chunks_of, n_chunks
 from pyfast.comm.failure import naming
-
-from .context import chunks_of, n_chunks
 
 
 def _all_to_all(x: torch.Tensor, group, scatter: int, gather: int) -> torch.Tensor:
