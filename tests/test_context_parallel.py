@@ -252,3 +252,67 @@ def test_a_dead_rank_fails_the_others_within_seconds():
         assert took < 10.0, took  # measured 0.07 s; 10 s: a loaded machine
         assert again.startswith("CommError: ") and "rank 0 failed" in again and took2 < 1.0, \
             (again, took2)
+
+
+def _agreed_once(rank, world):
+    """Calls that repeat their arguments reuse the group's agreement (the check runs once per
+    change); a rank whose shape changes alone gets the same error as its peers, which reused
+    theirs, and the group still works after it."""
+    import time
+
+    from pyfast.parallel import context as C
+    from pyfast.parallel import cp_agree
+    cp_agree.forget()  # the module's pool ran other calls before: start from a miss
+    checks = []
+    real = C._problem
+
+    def counted(*a):
+        checks.append(a[0].shape[2])
+        return real(*a)
+    C._problem = counted
+    out = {}
+    try:
+        g = torch.Generator().manual_seed(7)  # the same tensors on every rank
+        x = {n: [torch.randn(1, 2, n, 8, generator=g) for _ in range(3)] for n in (6, 8)}
+        for method in ("ring", "ulysses"):
+            first = [C.context_parallel_attention(*x[6], method=method, layout="zigzag")
+                     for _ in range(3)]
+            out[method, "repeats"] = all(torch.equal(first[0], o) for o in first[1:])
+            out[method, "checks"] = len(checks)
+            # one rank's shard grows (the hit rank is rank 0, then rank 1), then both change
+            for alone in (1, 0):
+                t0 = time.monotonic()
+                try:
+                    C.context_parallel_attention(*x[8 if rank == alone else 6], method=method,
+                                                 layout="zigzag")
+                    out[method, alone] = ("no error", "")
+                except ValueError as e:
+                    out[method, alone] = ("ValueError", str(e))
+                out[method, alone, "s"] = time.monotonic() - t0
+                again = C.context_parallel_attention(*x[6], method=method, layout="zigzag")
+                out[method, alone, "again"] = torch.equal(again, first[0])
+            both = C.context_parallel_attention(*x[8], method=method, layout="zigzag")
+            out[method, "both"] = tuple(both.shape)
+            checks.clear()
+    finally:
+        C._problem = real
+    return out
+
+
+def test_agreement_is_reused_and_a_lone_change_still_errors_everywhere(pool2):
+    r0, r1 = pool2.run(_agreed_once, timeout=60)
+    for method in ("ring", "ulysses"):
+        # 3 calls with the same arguments: checked once, the same output every time (the same
+        # arithmetic on the same inputs: bitwise)
+        assert r0[method, "repeats"] and r1[method, "repeats"]
+        assert r0[method, "checks"] == r1[method, "checks"] == 1
+        for alone in (1, 0):
+            # the same message on both ranks, naming both ranks' shapes; at once, no hang
+            assert r0[method, alone] == r1[method, alone], (method, alone)
+            kind, text = r0[method, alone]
+            shapes = {alone: "[1, 2, 8, 8]", 1 - alone: "[1, 2, 6, 8]"}
+            assert kind == "ValueError" and "ranks differ" in text and all(
+                f"rank {r} has q {s}" in text for r, s in shapes.items()), text
+            assert r0[method, alone, "s"] < 10 and r1[method, alone, "s"] < 10  # 10 s: loaded
+            assert r0[method, alone, "again"] and r1[method, alone, "again"]  # group still fine
+        assert r0[method, "both"] == r1[method, "both"] == (1, 2, 8, 8)

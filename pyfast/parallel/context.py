@@ -28,8 +28,10 @@ Methods:
 Every rank checks its arguments and the ranks agree on them (pyfast.comm.agree: one 8-byte
 all-gather) before anything is sent: a bad length, head count, dtype or head dim raises the
 same error on every rank, naming the numbers, instead of a hang or a gloo abort on a message
-of the wrong size. CUDA tensors need a group with a CUDA backend (NCCL), never gloo's host
-copy.
+of the wrong size. The agreement is reached once per group and arguments and reused by the
+calls that repeat them, with no host sync (pyfast.parallel.cp_agree); a rank whose arguments
+change alone still gets the error on every rank. CUDA tensors need a group with a CUDA
+backend (NCCL), never gloo's host copy.
 A rank that fails inside the ring (a dead neighbour, its own error) tells every rank of the ring
 within 0.05 s (ring_attention.POLL), which raise CommError; the group's rings refuse later calls.
 """
@@ -49,6 +51,7 @@ from pyfast.comm.collectives import check_backend
 from pyfast.comm.failure import naming
 from pyfast.ops.attention import check as check_qkv
 
+from . import cp_agree
 from .ring_attention import check_broken, ring_attention
 from .ulysses import ulysses_attention
 
@@ -163,7 +166,8 @@ def _checked(q, k, v, group, world: int, causal: bool, method: str, layout: str)
 
 def check_args(q, k, v, group, causal: bool, method: str, layout: str, scale) -> None:
     """Raise the same error on every rank of `group` if any rank's arguments are bad or the
-    ranks' differ (shards of different lengths, dtypes, head dims, methods ...)."""
+    ranks' differ (shards of different lengths, dtypes, head dims, methods ...). The full check
+    every time; context_parallel_attention runs it once per group and arguments (cp_agree)."""
     world, _ = _world(group)
     problem = _checked(q, k, v, group, world, causal, method, layout)
     agree(_describe(q, k, v, causal, method, layout, scale), problem, group,
@@ -191,7 +195,15 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     world, _ = _world(group)
     if world > 1:
         check_broken(group)  # a ring that failed: its peers may be dead or a step behind
-    check_args(q, k, v, group, causal, method, layout, scale)
+    # the arguments, agreed once per group and reused while they stay the same (cp_agree)
+    try:
+        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device,
+               v.device, causal, method, layout, scale)
+    except AttributeError:  # not tensors: never a hit, the full check names the problem
+        key = object()
+    cp_agree.check(key, group, world, q.device, "context_parallel_attention",
+                   lambda: _describe(q, k, v, causal, method, layout, scale),
+                   lambda: _checked(q, k, v, group, world, causal, method, layout))
     if world == 1:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
     if method == "ulysses":

@@ -1,0 +1,182 @@
+"""context_parallel_attention's agreement, reached once per (group, arguments) and reused.
+
+Checking every call's arguments and agreeing on them (pyfast.comm.agree) cost ~0.6 ms per
+attention layer per micro-batch at 2 ranks: a description built and hashed, the shapes
+checked, the backend looked up, an all-gather posted and its result read back (on a GPU that
+read is a host sync, which stops the CPU from running ahead of the device). A training loop
+calls with the same shapes every time, so each group keeps the arguments its ranks last agreed
+on, and a call with the same ones (a hit) skips all of that but one thing: every call, hit or
+miss, posts one 8-byte all-gather of its arguments' digest on every rank, so that the ranks'
+collectives stay paired whatever each one's cache says.
+
+  miss (other arguments than the agreed ones; the first call): the full check and comm.agree
+       over that all-gather; then these are the group's agreed arguments.
+  hit: the all-gather posted and not read back through a host sync. On the CPU it is waited
+       for (one 8-byte round trip; there is no device to stall); on a GPU its result is copied
+       to pinned memory behind an event and read at a later call, once the event has fired.
+
+A rank that misses while another hits holds other arguments than the agreed ones (a hit's ARE
+the agreed ones): they disagree. The ranks that missed see it in the all-gather (some digests
+are the agreed one), swap their descriptions through the job's store, word the error exactly as
+comm.agree does ("ranks differ: rank 0 has ..., rank 1 has ...") and store it; the ranks that
+hit read their all-gather, find the agreed digest contradicted and raise the same error from the
+store. On the CPU every rank raises before anything is sent and the group stays usable. On a GPU
+a hit rank raises at a later call, once the all-gather has landed: its transfers of this call
+were posted and never answered, so the group is then broken (as after a failed ring), and a
+host sync that comes before that call waits for NCCL's timeout instead.
+"""
+from __future__ import annotations
+
+import collections
+import pickle
+
+import torch
+import torch.distributed as dist
+
+from pyfast import _dist
+from pyfast.comm.agree import agree, rank_by_rank
+from pyfast.comm.dry import moved_nothing
+
+MAX_PENDING = 16  # GPU: unread all-gathers kept before the oldest is waited for (a sync 1 in 16)
+_STATES: dict = {}
+
+
+def _pg(group):
+    return group if group is not None else dist.distributed_c10d._get_default_group()
+
+
+class _State:
+    def __init__(self, pg):
+        self.pg = pg  # held: _STATES is keyed by id(pg), which must not be reused meanwhile
+        name = getattr(pg, "group_name", "") or ",".join(
+            map(str, dist.get_process_group_ranks(pg)))
+        self.prefix = f"pyfast/cp_agree/{name}/"
+        self.key = self.desc = self.mine = self.digest = None
+        self.calls = 0  # calls so far: every rank counts alike (each posts one all-gather)
+        self.pending: collections.deque = collections.deque()  # GPU: (call, ready, wait, read)
+
+
+def _state(group) -> _State:
+    pg = _pg(group)
+    s = _STATES.get(id(pg))
+    if s is None or s.pg is not pg:
+        s = _STATES[id(pg)] = _State(pg)
+    return s
+
+
+def forget(group=None) -> None:
+    """Make `group`'s next call check and agree again, as if its arguments were new (every rank
+    at the same point; benchmarks time the uncached path so)."""
+    if dist.is_available() and dist.is_initialized():
+        s = _STATES.get(id(_pg(group)))
+        if s is not None:  # the agreed digest stays: it still tells the others' hits apart
+            s.key = None
+
+
+def _post(s: _State, mine: torch.Tensor, world: int):
+    every = mine.new_empty(world)
+    return every, _dist.all_gather_single(every, mine, group=s.pg, async_op=True)
+
+
+def _raise_stored(s: _State, call: int) -> None:
+    """The error the ranks that missed at `call` stored (they write it as soon as they have
+    read their all-gather and swapped their descriptions)."""
+    store = dist.distributed_c10d._get_default_store()
+    key = f"{s.prefix}{call}/error"
+    store.wait([key])
+    kind, msg = pickle.loads(store.get(key))
+    raise kind(msg)
+
+
+def _read(s: _State, call: int, vals: list) -> None:
+    if any(v != s.digest for v in vals):
+        s.pending.clear()
+        _raise_stored(s, call)
+
+
+def _settle(s: _State, wait_oldest: bool = False) -> None:
+    """GPU: read the hit all-gathers whose copies have landed (the oldest in any case when
+    asked), raising the stored error if one shows a rank without the agreed arguments."""
+    while s.pending:
+        call, ready, wait, read = s.pending[0]
+        if not ready():
+            if not wait_oldest:
+                return
+            wait()
+        wait_oldest = False
+        s.pending.popleft()
+        _read(s, call, read())
+
+
+def _hit(s: _State, world: int) -> None:
+    every, work = _post(s, s.mine, world)
+    if moved_nothing(every, s.pg):  # a dry run: nothing was exchanged to read
+        return
+    if every.device.type != "cuda":
+        work.wait()
+        _read(s, s.calls, every.tolist())
+        return
+    work.wait()  # the current stream waits for the all-gather; the host does not
+    host = torch.empty(every.shape, dtype=every.dtype, pin_memory=True)
+    host.copy_(every, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    s.pending.append((s.calls, done.query, done.synchronize, host.tolist))
+    if len(s.pending) > MAX_PENDING:
+        _settle(s, wait_oldest=True)
+
+
+def check(key, group, world: int, device, what: str, describe, problem) -> None:
+    """One call's check, collective over `group`: `key` (hashable, cheap to build) names the
+    arguments; describe() -> their description and problem() -> this rank's own mistake (an
+    exception, not raised) or None are called on a miss only."""
+    if world == 1:
+        agree(describe(), problem(), group, what=what)  # alone: raises this rank's problem only
+        return
+    s = _state(group)
+    _settle(s)
+    s.calls += 1
+    if key == s.key:
+        _hit(s, world)
+        return
+    desc, bad = describe(), problem()
+    got = {}
+
+    def gather(mine):
+        every, work = _post(s, mine, world)
+        work.wait()
+        got["mine"] = mine
+        if s.digest is not None and not moved_nothing(every, s.pg):
+            vals = every.tolist()
+            hits = [r for r, v in enumerate(vals) if v == s.digest]
+            if hits and len(hits) < world:  # some have the agreed arguments, some not
+                if vals[dist.get_rank(s.pg)] != s.digest:
+                    _disagree(s, vals, hits, desc, bad, what)
+                _raise_stored(s, s.calls)  # this rank's are the agreed ones (after forget())
+        return every
+    agree(desc, bad, s.pg, what=what, device=device, gather=gather)
+    s.key, s.desc, s.mine = key, desc, got["mine"]
+    s.digest = None if moved_nothing(s.mine, s.pg) else int(s.mine.item())
+
+
+def _disagree(s: _State, vals: list, hits: list, desc, bad, what: str) -> None:
+    """This rank missed while ranks `hits` had the agreed arguments: swap the missing ranks'
+    descriptions through the store; raise comm.agree's error (stored for the hits)."""
+    store = dist.distributed_c10d._get_default_store()
+    kind, msg = (type(bad), str(bad) or type(bad).__name__) if bad is not None else (None, "")
+    base = f"{s.prefix}{s.calls}/"
+    store.set(f"{base}{dist.get_rank(s.pg)}", pickle.dumps((desc, kind, msg)))
+    missed = [r for r in range(len(vals)) if r not in hits]
+    store.wait([f"{base}{r}" for r in missed])
+    seen = [(s.desc, None, "") if r in hits else pickle.loads(store.get(f"{base}{r}"))
+            for r in range(len(vals))]
+    prefix = f"{what}: " if what else ""
+    descs = [d for d, _, _ in seen]
+    if any(d != descs[0] for d in descs):
+        err = (ValueError, prefix + "ranks differ: " + rank_by_rank(descs))
+    else:  # the same description, and problems (as comm.agree words them)
+        bad_ranks = [r for r, (_, _, m) in enumerate(seen) if m]
+        err = (seen[bad_ranks[0]][1], f"{prefix}{seen[bad_ranks[0]][2]} (rank(s) {bad_ranks})")
+    if dist.get_rank(s.pg) == missed[0]:
+        store.set(f"{base}error", pickle.dumps(err))
+    raise err[0](err[1])
