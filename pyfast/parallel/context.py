@@ -194,6 +194,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         layout = "contiguous"
     world, _ = _world(group)
     if world > 1:
+        cp_agree.refuse(group)  # ranks that disagreed: the same error on every rank, at once
         check_broken(group)  # a ring that failed: its peers may be dead or a step behind
     # the arguments, agreed once per group and reused while they stay the same (cp_agree)
     try:

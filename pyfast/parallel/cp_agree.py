@@ -2,32 +2,36 @@
 
 Checking every call's arguments and agreeing on them (pyfast.comm.agree) cost ~0.6 ms per
 attention layer per micro-batch at 2 ranks: a description built and hashed, the shapes
-checked, the backend looked up, an all-gather posted and its result read back (on a GPU that
-read is a host sync, which stops the CPU from running ahead of the device). A training loop
-calls with the same shapes every time, so each group keeps the arguments its ranks last agreed
-on, and a call with the same ones (a hit) skips all of that but one thing: every call, hit or
-miss, posts one 8-byte all-gather of its arguments' digest on every rank, so that the ranks'
-collectives stay paired whatever each one's cache says.
+checked, an all-gather posted and waited for, its result read back (on a GPU that read is a
+host sync, which stops the CPU from running ahead of the device). Measured on this 2-core
+machine (loaded), the wait for the all-gather is nearly all of it: a call that only posted,
+waited for and read the all-gather cost 0.61 ms, the full check 0.59. A training loop calls
+with the same shapes every time, so each group keeps the arguments its ranks last agreed on,
+and a call with the same ones (a hit) waits for nothing: every call, hit or miss, posts one
+8-byte all-gather of its arguments' digest on every rank (so the ranks' collectives stay
+paired whatever each one's cache says), and a hit reads it later, once it has completed (on
+a GPU, from a pinned copy behind an event): at the next call, or while a transfer keeps the
+rank waiting (ring_attention's and ulysses' waits poll it).
 
   miss (other arguments than the agreed ones; the first call): the full check and comm.agree
        over that all-gather; then these are the group's agreed arguments.
-  hit: the all-gather posted and not read back through a host sync. On the CPU it is waited
-       for (one 8-byte round trip; there is no device to stall); on a GPU its result is copied
-       to pinned memory behind an event and read at a later call, once the event has fired.
 
 A rank that misses while another hits holds other arguments than the agreed ones (a hit's ARE
 the agreed ones): they disagree. The ranks that missed see it in the all-gather (some digests
 are the agreed one), swap their descriptions through the job's store, word the error exactly as
 comm.agree does ("ranks differ: rank 0 has ..., rank 1 has ...") and store it; the ranks that
-hit read their all-gather, find the agreed digest contradicted and raise the same error from the
-store. On the CPU every rank raises before anything is sent and the group stays usable. On a GPU
-a hit rank raises at a later call, once the all-gather has landed: its transfers of this call
-were posted and never answered, so the group is then broken (as after a failed ring), and a
-host sync that comes before that call waits for NCCL's timeout instead.
+hit went on into the ring or the all-to-all, which the others never join: waiting there, they
+read their all-gather, find the agreed digest contradicted and raise the same error from the
+store. Their transfers stay posted, so the group is broken from then on, as after a failed
+ring: every later call raises that error at once. (On a GPU a hit rank does not block on its
+transfers: it raises at a later call, once the all-gather's copy has landed; a host sync that
+comes first waits for NCCL's timeout instead.)
 """
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import functools
 import pickle
 
 import torch
@@ -37,7 +41,7 @@ from pyfast import _dist
 from pyfast.comm.agree import agree, rank_by_rank
 from pyfast.comm.dry import moved_nothing
 
-MAX_PENDING = 16  # GPU: unread all-gathers kept before the oldest is waited for (a sync 1 in 16)
+MAX_PENDING = 16  # unread all-gathers kept before the oldest is waited for (GPU: a sync 1 in 16)
 _STATES: dict = {}
 
 
@@ -53,7 +57,8 @@ class _State:
         self.prefix = f"pyfast/cp_agree/{name}/"
         self.key = self.desc = self.mine = self.digest = None
         self.calls = 0  # calls so far: every rank counts alike (each posts one all-gather)
-        self.pending: collections.deque = collections.deque()  # GPU: (call, ready, wait, read)
+        self.pending: collections.deque = collections.deque()  # (call, digest, ready, wait, read)
+        self.broken = None  # (type, message) of the disagreement that broke the group
 
 
 def _state(group) -> _State:
@@ -84,46 +89,83 @@ def _raise_stored(s: _State, call: int) -> None:
     store = dist.distributed_c10d._get_default_store()
     key = f"{s.prefix}{call}/error"
     store.wait([key])
-    kind, msg = pickle.loads(store.get(key))
-    raise kind(msg)
+    s.broken = pickle.loads(store.get(key))
+    raise s.broken[0](s.broken[1])
 
 
-def _read(s: _State, call: int, vals: list) -> None:
-    if any(v != s.digest for v in vals):
+def _read(s: _State, call: int, digest: int, vals: list) -> None:
+    """A hit's all-gather: every rank should have sent `digest`, the one agreed at the time."""
+    if any(v != digest for v in vals):
         s.pending.clear()
         _raise_stored(s, call)
 
 
 def _settle(s: _State, wait_oldest: bool = False) -> None:
-    """GPU: read the hit all-gathers whose copies have landed (the oldest in any case when
-    asked), raising the stored error if one shows a rank without the agreed arguments."""
+    """Read the hit all-gathers that have completed (the oldest in any case when asked),
+    raising the stored error if one shows a rank without the agreed arguments."""
     while s.pending:
-        call, ready, wait, read = s.pending[0]
+        call, digest, ready, wait, read = s.pending[0]
         if not ready():
             if not wait_oldest:
                 return
             wait()
         wait_oldest = False
         s.pending.popleft()
-        _read(s, call, read())
+        _read(s, call, digest, read())
 
 
 def _hit(s: _State, world: int) -> None:
     every, work = _post(s, s.mine, world)
     if moved_nothing(every, s.pg):  # a dry run: nothing was exchanged to read
         return
-    if every.device.type != "cuda":
-        work.wait()
-        _read(s, s.calls, every.tolist())
-        return
-    work.wait()  # the current stream waits for the all-gather; the host does not
-    host = torch.empty(every.shape, dtype=every.dtype, pin_memory=True)
-    host.copy_(every, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-    s.pending.append((s.calls, done.query, done.synchronize, host.tolist))
+    if every.device.type != "cuda":  # gloo: is_completed() turns True by itself (collectives)
+        s.pending.append((s.calls, s.digest, work.is_completed, work.wait, every.tolist))
+    else:
+        work.wait()  # the current stream waits for the all-gather; the host does not
+        host = torch.empty(every.shape, dtype=every.dtype, pin_memory=True)
+        host.copy_(every, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        s.pending.append((s.calls, s.digest, done.query, done.synchronize, host.tolist))
     if len(s.pending) > MAX_PENDING:
         _settle(s, wait_oldest=True)
+
+
+def settle(group) -> bool:
+    """For a rank waiting on a transfer over `group`: raise if a rank disagreed (from the
+    all-gathers completed so far); True while some are unread (then poll: wait_polling)."""
+    s = _STATES.get(id(_pg(group)))
+    if s is None:
+        return False
+    _settle(s)
+    return bool(s.pending)
+
+
+@functools.lru_cache(maxsize=1)
+def waiter() -> concurrent.futures.ThreadPoolExecutor:
+    """Threads that wait on transfers while their rank polls (gloo's p2p works cannot be
+    polled: Work.is_completed() stays False until wait() runs, measured on torch 2.13)."""
+    # several threads: a wait left blocked by a failed ring must not queue another group's
+    return concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="pyfast-ring-wait")
+
+
+def wait_polling(work, poll, every: float) -> None:
+    """work.wait() on a waiter thread, calling poll() every `every` seconds until it returns
+    (poll raises to give up: a peer failed or disagreed)."""
+    done = waiter().submit(work.wait)
+    while True:
+        try:
+            done.result(timeout=every)
+            return
+        except concurrent.futures.TimeoutError:
+            poll()
+
+
+def refuse(group) -> None:
+    """Raise the disagreement that spent `group`, if one did (before anything else is sent)."""
+    s = _STATES.get(id(_pg(group)))
+    if s is not None and s.broken is not None:
+        raise s.broken[0](s.broken[1])
 
 
 def check(key, group, world: int, device, what: str, describe, problem) -> None:
@@ -134,6 +176,8 @@ def check(key, group, world: int, device, what: str, describe, problem) -> None:
         agree(describe(), problem(), group, what=what)  # alone: raises this rank's problem only
         return
     s = _state(group)
+    if s.broken is not None:
+        raise s.broken[0](s.broken[1])
     _settle(s)
     s.calls += 1
     if key == s.key:
@@ -179,4 +223,5 @@ def _disagree(s: _State, vals: list, hits: list, desc, bad, what: str) -> None:
         err = (seen[bad_ranks[0]][1], f"{prefix}{seen[bad_ranks[0]][2]} (rank(s) {bad_ranks})")
     if dist.get_rank(s.pg) == missed[0]:
         store.set(f"{base}error", pickle.dumps(err))
+    s.broken = err  # the ranks that hit are left with transfers posted: the group is spent
     raise err[0](err[1])
