@@ -11,7 +11,9 @@ and a call with the same ones (a hit) waits for nothing: every call, hit or miss
 8-byte all-gather of its arguments' digest on every rank (so the ranks' collectives stay
 paired whatever each one's cache says), and a hit reads it later, once it has completed (on
 a GPU, from a pinned copy behind an event): at the next call, or while a transfer keeps the
-rank waiting (ring_attention's and ulysses' waits poll it).
+rank waiting (ring_attention's and ulysses' waits poll it). Side by side (2 ranks, the same
+loaded machine): a hit 0.25 ms a call, a miss 0.64; what a hit has left is mostly posting the
+all-gather on gloo's queue.
 
   miss (other arguments than the agreed ones; the first call): the full check and comm.agree
        over that all-gather; then these are the group's agreed arguments.
