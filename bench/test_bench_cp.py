@@ -9,7 +9,7 @@ def test_cp_bench_runs():
     # head_dim 64: a shard of 64 KB, over the memory launch's mmap threshold (smaller tensors
     # reuse heap pages already resident, and the peak can be 0)
     res = cp.run(lengths=(256,), links=("loopback",), repeats=1, heads=2, head_dim=64,
-                 log=lambda *a: None)
+                 log=lambda *a: None, loop_calls=4)
     rows = {(r["link"], r["provider"]): r for r in res["rows"]}
     assert set(rows) == {("-", p) for p in cp.ONE} | {("loopback", p) for p in cp.PROVIDERS}
     assert all(r["median_s"] > 0 and r["vs_1_thread"] > 0 for r in rows.values())
@@ -27,3 +27,10 @@ def test_cp_bench_runs():
     text = io.StringIO()
     perf.show(res, cp.table, width=220, file=text)
     assert "ring contiguous" in text.getvalue() and "correctness gate" in text.getvalue()
+    # the training loop's row: cached and per-call agreement timed side by side, both methods
+    loop = {r["provider"]: r for r in res["loop"]}
+    assert set(loop) == {p for p in cp.PROVIDERS if p.endswith("zigzag")}
+    assert all(r["cached_s"] > 0 and r["uncached_s"] > 0 and r["calls"] == 4
+               and abs(r["ratio"] - r["uncached_s"] / r["cached_s"]) < 1e-12
+               for r in loop.values())
+    assert "training loop" in text.getvalue()

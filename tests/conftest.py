@@ -6,6 +6,13 @@ import zlib
 if os.environ.get("PYFAST_TEST_GPU") != "1":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Fault injection lives in tests, not in pyfast: every process a test starts runs
+# tests/faults/sitecustomize.py, which acts only where a test sets PYFAST_FAULT or
+# PYFAST_ABLATE_FAULT (it wraps the ranks' functions as their modules load).
+_FAULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faults")
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [_FAULTS] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 

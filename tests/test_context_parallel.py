@@ -252,3 +252,84 @@ def test_a_dead_rank_fails_the_others_within_seconds():
         assert took < 10.0, took  # measured 0.07 s; 10 s: a loaded machine
         assert again.startswith("CommError: ") and "rank 0 failed" in again and took2 < 1.0, \
             (again, took2)
+
+
+
+def _agreed_once(rank, world):
+    """Calls that repeat their arguments reuse the group's agreement: the check runs once per
+    change of arguments (on every rank alike), and the output is the same."""
+    from pyfast.parallel import context as C
+    from pyfast.parallel import cp_agree
+    cp_agree.forget()  # the module's pool ran other calls before: start from a miss
+    checks = []
+    real = C._problem
+
+    def counted(*a):
+        checks.append(a[0].shape[2])
+        return real(*a)
+    C._problem = counted
+    out = {}
+    try:
+        g = torch.Generator().manual_seed(7)  # the same tensors on every rank
+        x = {n: [torch.randn(1, 2, n, 8, generator=g) for _ in range(3)] for n in (6, 8)}
+        for method in ("ring", "ulysses"):
+            first = [C.context_parallel_attention(*x[6], method=method, layout="zigzag")
+                     for _ in range(3)]
+            out[method, "repeats"] = all(torch.equal(first[0], o) for o in first[1:])
+            both = [C.context_parallel_attention(*x[8], method=method, layout="zigzag")
+                    for _ in range(2)]  # every rank changes: agreed anew, then reused
+            back = C.context_parallel_attention(*x[6], method=method, layout="zigzag")
+            out[method, "back"] = torch.equal(back, first[0]) and torch.equal(*both)
+            out[method, "checks"] = list(checks)
+            checks.clear()
+    finally:
+        C._problem = real
+    return out
+
+
+def test_agreement_is_checked_once_per_change_of_arguments(pool2):
+    for r in pool2.run(_agreed_once, timeout=60):
+        for method in ("ring", "ulysses"):
+            # same arithmetic on the same inputs: bitwise
+            assert r[method, "repeats"] and r[method, "back"], method
+            assert r[method, "checks"] == [6, 8, 6], (method, r[method, "checks"])  # shard lengths
+
+
+def _lone_change(rank, world, method, alone):
+    """An agreed call, then rank `alone`'s shard grows while the other's stays: the error of
+    each rank, how long it took, and what a later call raises."""
+    import time
+
+    from pyfast.parallel.context import context_parallel_attention
+    g = torch.Generator().manual_seed(7)  # the same tensors on every rank
+    x = {n: [torch.randn(1, 2, n, 8, generator=g) for _ in range(3)] for n in (6, 8)}
+    for _ in range(2):
+        context_parallel_attention(*x[6], method=method, layout="zigzag")
+    out = []
+    for n in (8 if rank == alone else 6, 6):
+        t0 = time.monotonic()
+        try:
+            context_parallel_attention(*x[n], method=method, layout="zigzag")
+            out.append(("no error", "", 0.0))
+        except Exception as e:  # noqa: BLE001  (the test names the type it wants)
+            out.append((type(e).__name__, str(e), time.monotonic() - t0))
+    return out
+
+
+@pytest.mark.parametrize("method,alone", [("ring", 1), ("ulysses", 0)])
+def test_a_lone_change_of_shape_errors_on_every_rank(method, alone):
+    """The rank whose shape changed misses its cache and the other hits it: both raise the
+    same error, naming both shapes, at once (the hit rank reads it while its first transfer
+    waits for the other), and the group refuses later calls with it. Fresh ranks: the group is
+    spent after (the hit rank's transfers stay posted)."""
+    from dist_utils import RankPool
+    with RankPool(2, pg_timeout=30.0) as pool:
+        r0, r1 = pool.run(_lone_change, method, alone, timeout=60)
+    assert r0[0][:2] == r1[0][:2], (r0, r1)
+    kind, text, _ = r0[0]
+    shapes = {alone: "[1, 2, 8, 8]", 1 - alone: "[1, 2, 6, 8]"}
+    assert kind == "ValueError" and "ranks differ" in text and all(
+        f"rank {r} has q {s}" in text for r, s in shapes.items()), text
+    assert r0[0][2] < 10 and r1[0][2] < 10, (r0, r1)  # measured ~0.1 s; 10 s: a loaded machine
+    for r in (r0, r1):  # later calls: the same error at once, nothing sent
+        assert r[1][0] == kind and r[1][1] == text and r[1][2] < 1.0, r

@@ -16,7 +16,6 @@ import json
 import math
 import os
 import platform
-import signal
 import statistics
 import time
 
@@ -58,15 +57,8 @@ def _lo_bytes() -> int | None:
     everything else on the machine)."""
     if not os.environ.get("PYFAST_NETNS"):
         return None
-    from pyfast.benchmarks.netns import lo_tx_bytes
+    from pyfast.netns import lo_tx_bytes
     return lo_tx_bytes()
-
-
-def _fault(cell: str, step: int) -> None:
-    """Test hook: PYFAST_ABLATE_FAULT="CELL@STEP" SIGKILLs the last rank after that step."""
-    spec = os.environ.get("PYFAST_ABLATE_FAULT", "")
-    if spec == f"{cell}@{step}" and dist.get_rank() == dist.get_world_size() - 1:
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _max(x: float) -> float:
@@ -149,7 +141,6 @@ def run_cell(cell: dict, job: dict, link, device) -> dict:
             lo, w0 = _lo_bytes(), bytes_written()
             rec = tj.train_step(step)
             rec["proc_bytes"] = bytes_written() - w0
-            _fault(cell["cell"], step)
             if not math.isfinite(rec["loss"]):
                 raise FloatingPointError(f"step {step}: loss {rec['loss']}")
             if lo is not None:

@@ -124,7 +124,7 @@ def _toml(path: str) -> dict:
 def check(cfg: AblateConfig) -> AblateConfig:
     """AblateError naming the first bad value; the checks that need no rank."""
     import pyfast.compress as C
-    from pyfast.benchmarks.netns import rate_bps
+    from pyfast.netns import rate_bps
     if cfg.task not in TASKS:
         raise AblateError(f"--task {cfg.task!r}: one of {', '.join(TASKS)}")
     for spec in cfg.specs:

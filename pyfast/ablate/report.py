@@ -13,14 +13,9 @@ import os
 import statistics
 from collections import defaultdict
 
-from .schema import BASELINE
+from .schema import BASELINE, read_rows
 
 NOISE = 0.05  # one seed: differences under 5% are noise (identical cells differed by up to 8%)
-
-
-def _rows(out: str) -> list[dict]:
-    from .runner import read_rows
-    return read_rows(out)
 
 
 def _f(r: dict, k: str) -> float:
@@ -89,7 +84,7 @@ def headline(out: str) -> str:
              "auto vs best (time) | auto speedup vs bf16 | cost model: cells within 15%, "
              "worst |",
              "|---|---|---|---|---|---|---|---|---|"]
-    for (link, world), s in summarize(_rows(out)).items():
+    for (link, world), s in summarize(read_rows(out)).items():
         vs_best = "-" if s["auto"] is None else (
             "not reached" if math.isinf(s["t_auto"]) else f"{s['t_auto'] / s['t_best']:.3f}")
         lines.append(f"| {link} | {world} | {_time(s['t_base'])} | {s['best'] or '-'} | "
@@ -161,7 +156,7 @@ def _targets(summary: dict) -> list[str]:
 
 
 def write(out: str) -> str:
-    rows = _rows(out)
+    rows = read_rows(out)
     path = os.path.join(out, "report.md")
     if not rows:
         return path
@@ -203,7 +198,7 @@ def _curve(out: str, cell: str) -> list[dict]:
 
 
 def _bandwidth(link: str) -> float:
-    from pyfast.benchmarks.netns import rate_bps
+    from pyfast.netns import rate_bps
     return rate_bps(link) or math.inf
 
 

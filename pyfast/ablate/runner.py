@@ -1,5 +1,5 @@
 """The launching side of `pyfast ablate`: the matrix's cells, link by link, each link's cells in
-one launch of the ranks (pyfast.benchmarks.netns: a fresh rate-limited namespace per launch);
+one launch of the ranks (pyfast.netns: a fresh rate-limited namespace per launch);
 results.csv grows by one row as each cell finishes, so an interrupted ablation loses at most the
 running cell and --resume skips every finished one (done or diverged; failed and skipped cells
 are tried again).
@@ -19,10 +19,10 @@ import re
 import time
 
 from pyfast._io import atomic_write_text
-from pyfast.benchmarks import netns
+from pyfast import netns
 
 from .config import AblateConfig, AblateError, cells, to_json
-from .schema import COLUMNS
+from .schema import COLUMNS, read_rows
 
 FINAL = ("done", "diverged")  # what --resume keeps; "failed" and "skipped" cells run again
 ENTRY = ["-c", "from pyfast.ablate.cell import serve; serve()"]
@@ -32,14 +32,6 @@ ENTRY = ["-c", "from pyfast.ablate.cell import serve; serve()"]
 # Mbit/s: bf16 step 44.6 ms, 10 ms of it exposed, against 44 ms of wire time); with 128 KB the
 # link is the link (73 ms, 38.5 ms exposed).
 BURST = "128kb"
-
-
-def read_rows(out: str) -> list[dict]:
-    path = os.path.join(out, "results.csv")
-    if not os.path.exists(path):
-        return []
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
 
 
 def _append(out: str, row: dict) -> None:

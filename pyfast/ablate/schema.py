@@ -11,6 +11,9 @@ DIR/cells/<cell>.jsonl: one JSON object per optimizer step of that cell, keys ST
 """
 from __future__ import annotations
 
+import csv
+import os
+
 # the cell's flags (what makes it this cell), then its measurements, then where it ran
 FLAGS = ("task", "spec", "error_feedback", "bucket_mb", "link", "world", "seed", "steps",
          "target_loss")
@@ -42,3 +45,12 @@ COLUMNS = ("cell",) + FLAGS + MEASURED + WHERE
 STEP_KEYS = ("step", "loss", "smooth_loss", "step_ms", "exposed_comm_ms", "t_s")
 SMOOTH = 10  # steps in the running mean that decides "reached" (one step's loss is noisy)
 BASELINE = "bf16"  # the spec every other is judged against (Han et al. 2024: 16-bit, not fp32)
+
+
+def read_rows(out: str) -> list[dict]:
+    """DIR/results.csv's rows (dicts of strings), [] before the first cell finished."""
+    path = os.path.join(out, "results.csv")
+    if not os.path.exists(path):
+        return []
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))

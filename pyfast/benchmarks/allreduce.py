@@ -21,7 +21,7 @@ import pyfast
 import pyfast.compress as C
 from pyfast import perf
 from pyfast._io import atomic_write_text
-from pyfast.benchmarks import netns
+from pyfast import netns
 from pyfast.benchmarks.compress import gradient
 
 SPECS = ["none", "fp16", "bf16", "int8", "int4", "fp8", "sign", "topk:0.01", "randomk:0.01",

@@ -16,6 +16,11 @@ same call under ring_attention.comm_only() (same transfers, no block compute); h
 exposed / comm alone. On an emulated link rank 0 counts the bytes on the namespace's lo
 (`wire`, both directions share one tbf queue); floor = wire / rate.
 
+Training loop (each 2-rank launch, after the lengths): one layer's attention called
+LOOP_CALLS times in a row at LOOP_SEQ tokens (the same shapes every call, as in training), the
+arguments' agreement reused (pyfast.parallel.cp_agree) against agreed anew on every call (what
+every call cost before), in alternating blocks: per-call time of each and their ratio.
+
 Memory, from a launch of its own (loopback, glibc's mmap threshold pinned to 64 KB so freed
 tensors leave the RSS, as in zero.py; never timed): peak = the RSS high-water mark of one fwd +
 bwd (clear_refs reset just before) above the RSS before the inputs were made: q, k, v, dout and
@@ -44,9 +49,9 @@ import torch.nn.functional as F
 import pyfast
 from pyfast import perf
 from pyfast._io import atomic_write_text
-from pyfast.benchmarks import netns
+from pyfast import netns
 from pyfast.benchmarks.zero import _reset_peak, _rss
-from pyfast.parallel import ring_attention as ring
+from pyfast.parallel import cp_agree, ring_attention as ring
 from pyfast.parallel.context import context_parallel_attention, shard_sequence
 
 ONE = {"1 process x 1 thread": 1, "1 process x 2 threads": 2}
@@ -61,6 +66,9 @@ LINKS = ("loopback", "1gbit")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOL = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 5e-3}
 WORLD, SEED = 2, 1234
+# The training loop's case: one layer's attention called again and again with the same shapes.
+# Short (a gpt-tiny-sized layer, 128 tokens a rank) so that the agreement's fixed cost shows.
+LOOP_SEQ, LOOP_CALLS = 256, 20
 
 
 # -- inside a rank process -------------------------------------------------------------------
@@ -171,7 +179,37 @@ def _timing(job, rank: int) -> dict:
             rows.append(row)
         del inputs
         gc.collect()
-    return {"gate": gate, "rows": rows, "load": os.getloadavg()[0]}
+    loop = _loop(job) if dist.is_initialized() else []
+    return {"gate": gate, "rows": rows, "load": os.getloadavg()[0], "loop": loop}
+
+
+def _loop(job) -> list[dict]:
+    """Per provider: fwd+bwd of LOOP_SEQ tokens called `calls` times in a row, the arguments'
+    agreement reused (cached: every call after the first) against agreed anew on every call
+    (uncached: cp_agree.forget before each, so each runs the full check and waits for the
+    all-gather, as every call did before the cache), in alternating blocks; per call: the
+    slowest rank's block time / calls, median over the blocks."""
+    x = _inputs(_full(job, job["loop_seq"]), "zigzag")
+    provs = [p for p in job["providers"] if _layout(p) == "zigzag"]
+    t = {(p, mode): [] for p in provs for mode in ("cached", "uncached")}
+    for p in provs:
+        _step(p, *x)  # warm-up, and the agreement the cached blocks reuse
+    for _ in range(max(3, job["repeats"])):
+        for p in provs:
+            for mode in ("cached", "uncached"):
+                _barrier()
+                t0 = time.perf_counter()
+                for _ in range(job["loop_calls"]):
+                    if mode == "uncached":
+                        cp_agree.forget(None)
+                    _step(p, *x)
+                t[(p, mode)].append((time.perf_counter() - t0) / job["loop_calls"])
+    each = _gather({f"{p}|{m}": v for (p, m), v in t.items()})
+    per = {k: statistics.median([max(x) for x in zip(*(e[k] for e in each))]) for k in each[0]}
+    return [{"provider": p, "seq": job["loop_seq"], "calls": job["loop_calls"],
+             "cached_s": per[f"{p}|cached"], "uncached_s": per[f"{p}|uncached"],
+             "ratio": per[f"{p}|uncached"] / per[f"{p}|cached"],
+             "saved_s": per[f"{p}|uncached"] - per[f"{p}|cached"]} for p in provs]
 
 
 def _memory(job, rank: int) -> list[dict]:
@@ -236,7 +274,7 @@ def input_bytes(job: dict, seq: int, world: int) -> int:
 
 def run(lengths=LENGTHS, links=LINKS, repeats: int = 3, heads: int = 4, head_dim: int = 64,
         batch: int = 1, dtype: str = "fp32", providers=PROVIDERS, timeout: float = 3600,
-        log=print) -> dict:
+        log=print, loop_seq: int = LOOP_SEQ, loop_calls: int = LOOP_CALLS) -> dict:
     lengths = sorted(lengths)
     for link in links:
         netns.rate_bps(link)  # a bad link string fails before anything runs
@@ -246,15 +284,18 @@ def run(lengths=LENGTHS, links=LINKS, repeats: int = 3, heads: int = 4, head_dim
         raise ValueError(f"unknown providers {bad}; known: {', '.join(METHODS)}")
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if loop_seq % (2 * WORLD) or loop_calls < 1:
+        raise ValueError(f"the training loop's row needs a length divisible by {2 * WORLD} and "
+                         f">= 1 call, got {loop_seq} tokens, {loop_calls} calls")
     if any(METHODS[p][0] == "ulysses" for p in providers) and heads % WORLD:
         raise ValueError(f"ulysses needs heads divisible by {WORLD}, got {heads}")
     job = {"lengths": lengths, "repeats": repeats, "heads": heads, "head_dim": head_dim,
            "batch": batch, "dtype": dtype, "providers": list(providers), "timeout": timeout,
-           "threads": 1}
+           "threads": 1, "loop_seq": loop_seq, "loop_calls": loop_calls}
     load0 = os.getloadavg()[0]
     memory = _launch("memory", "loopback", WORLD, job, {"MALLOC_MMAP_THRESHOLD_": "65536"})
     log("done: memory")
-    rows, gates, loads = [], {}, {}
+    rows, gates, loads, loops = [], {}, {}, []
     for name, threads in ONE.items():
         got = _launch("timing", "loopback", 1, {**job, "providers": [name], "threads": threads})
         rows += [{**r, "link": "-"} for r in got["rows"]]
@@ -272,6 +313,7 @@ def run(lengths=LENGTHS, links=LINKS, repeats: int = 3, heads: int = 4, head_dim
             if "wire_bytes" in r and bps:
                 r["floor_s"] = r["wire_bytes"] * 8 / bps
         rows += got["rows"]
+        loops += [{**r, "link": link} for r in got["loop"]]
         log(f"done: {link}")
     _derive(rows, memory, job)
     threads = torch.get_num_threads()
@@ -285,7 +327,7 @@ def run(lengths=LENGTHS, links=LINKS, repeats: int = 3, heads: int = 4, head_dim
               "lengths": lengths, "links": {k: netns.rate_bps(k) for k in links},
               "providers": list(providers), "gate": gates, "tol": TOL[dtype],
               "load": [load0, *loads.values(), os.getloadavg()[0]], "memory": memory,
-              "rows": rows}
+              "rows": rows, "loop": loops}
     result["targets"] = targets(result)
     return result
 
@@ -318,12 +360,12 @@ def targets(result: dict) -> list[dict]:
     by = {(r["link"], r["seq"], r["provider"]): r for r in result["rows"] if "median_s" in r}
     n, out = max(result["lengths"]), []
 
-    def add(what, r, key, goal, fmt, scale=1, at_least=True):
+    def add(what, r, key, goal, fmt, scale=1, at_least=True, tokens=n):
         if not r or r.get(key) is None:
             return
         v = r[key] * scale
         met, miss = (v >= goal, 1 - v / goal) if at_least else (v <= goal, v / goal - 1)
-        out.append({"target": f"{what} ({n} tokens)", "measured": fmt % v, "met": bool(met),
+        out.append({"target": f"{what} ({tokens} tokens)", "measured": fmt % v, "met": bool(met),
                     "goal": f"{'>=' if at_least else '<='} {fmt % goal}",
                     "missed_by": None if met else f"{100 * miss:.0f}%"})
     add("loopback: ring zigzag vs 1 process x 1 thread", by.get(("loopback", n, "ring zigzag")),
@@ -339,6 +381,9 @@ def targets(result: dict) -> list[dict]:
         if bps:
             add(f"{link}: ring zigzag communication hidden", by.get((link, n, "ring zigzag")),
                 "hidden", 80, "%.0f%%", 100)
+    for r in result.get("loop", []):  # issue 25: the loop gains the agreement's cost back
+        add(f"{r['link']}: {r['provider']} training loop, agreement cached vs per call", r,
+            "ratio", 1.0, "%.2fx", tokens=r["seq"])
     return out
 
 
@@ -370,6 +415,10 @@ def table(result: dict):
         + [f"{'met   ' if g['met'] else 'MISSED'} {g['target']}: {g['measured']} (target "
            f"{g['goal']}{'' if g['met'] else ', missed by ' + g['missed_by']})"
            for g in result["targets"]]
+        + [f"training loop, {r['link']}, {r['provider']}: {r['calls']} calls of {r['seq']} "
+           f"tokens fwd+bwd, agreement cached {1e3 * r['cached_s']:.2f} ms a call, agreed every "
+           f"call {1e3 * r['uncached_s']:.2f} ms: {r['ratio']:.2f}x, "
+           f"{1e3 * r['saved_s']:.2f} ms saved a call" for r in result.get("loop", [])]
         + [f"correctness gate at {min(result['lengths'])} tokens, max |err| / max |dense SDPA| "
            f"of out, dq, dk, dv (tolerance {result['tol']:.0e}): {gates}",
            "peak: RSS high-water mark of one fwd+bwd above the RSS before the inputs (own "
@@ -390,12 +439,15 @@ def main(argv=None) -> int:
         p.add_argument(flag, type=int, default=default)
     p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     p.add_argument("--providers", default=",".join(PROVIDERS), help=f"of: {', '.join(METHODS)}")
+    p.add_argument("--loop-seq", type=int, default=LOOP_SEQ, help="the training loop row's tokens")
+    p.add_argument("--loop-calls", type=int, default=LOOP_CALLS, help="its calls a block")
     p.add_argument("--note", default="", help="recorded with the results (e.g. 'under load')")
     p.add_argument("--out", default="", help="write OUT.json and OUT.txt")
     a = p.parse_args(argv)
     try:
         res = run([int(v) for v in a.lengths.split(",")], a.links.split(","), a.repeats, a.heads,
-                  a.head_dim, a.batch, a.dtype, a.providers.split(","))
+                  a.head_dim, a.batch, a.dtype, a.providers.split(","),
+                  loop_seq=a.loop_seq, loop_calls=a.loop_calls)
     except ValueError as e:
         p.error(str(e))
     res["note"] = a.note

@@ -1,6 +1,6 @@
 """DiLoCo against data parallelism across a slow link (`pyfast bench diloco`): the same tokens
 (global batch, steps, seed) through `pyfast train --nproc 2` on a namespace-shaped link
-(pyfast.benchmarks.netns: tc tbf on the namespace's lo), 2 replicas x 1 rank:
+(pyfast.netns: tc tbf on the namespace's lo), 2 replicas x 1 rank:
 
   dp bf16, dp int8         --dp 2 --compress bf16 / int8 (a reduction every step)
   diloco H10, H50          --diloco H --replicas 2 (fp32 outer gradients)
@@ -43,7 +43,7 @@ import time
 
 import pyfast
 from pyfast import perf
-from pyfast.benchmarks import netns
+from pyfast import netns
 
 STREAM = ["--diloco", "40", "--replicas", "2", "--fragments", "4", "--diloco-delay", "2"]
 CONFIGS = {

@@ -26,7 +26,7 @@ import time
 import pyfast
 from pyfast import perf
 from pyfast._io import atomic_write_text
-from pyfast.benchmarks import netns
+from pyfast import netns
 
 CONFIGS = ["ddp", "ddp+fp16", "ddp+powersgd:4", "pyfast:none", "pyfast:int8",
            "pyfast:int8@python", "pyfast:topk:0.01", "pyfast:auto"]

@@ -30,7 +30,7 @@ import time
 
 from pyfast import perf
 from pyfast._io import atomic_write_text
-from pyfast.benchmarks import netns
+from pyfast import netns
 
 VARIANTS = ("bare", "semantics", "default")
 

@@ -36,7 +36,7 @@ import pyfast
 from pyfast import _dist
 from pyfast import perf
 from pyfast._io import atomic_write_text
-from pyfast.benchmarks import netns
+from pyfast import netns
 
 ROWS, K, N = 512, 1024, 1024  # x shard per rank, in features, out features
 PIECES = (1, 2, 4, 8, 16)

@@ -29,7 +29,7 @@ from torch import nn
 
 import pyfast
 from pyfast import perf
-from pyfast.benchmarks import netns
+from pyfast import netns
 
 MODELS = {"large": (1024, 256), "tiny": (256, 32)}
 SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zb-h1": 1}  # name: virtual stages

@@ -204,7 +204,7 @@ def _status(key: str) -> int:
 
 
 def run_real(names=None) -> dict:
-    from pyfast.benchmarks import netns
+    from pyfast import netns
     from pyfast.plan.memory import predict_memory
     from pyfast.train.config import TrainConfig
     rows, t_all = [], time.perf_counter()

@@ -27,7 +27,7 @@ import time
 
 import pyfast
 from pyfast import perf
-from pyfast.benchmarks import netns
+from pyfast import netns
 from pyfast.plan import calibrate, hardware, timing
 from pyfast.plan.spec import Workload
 

@@ -40,7 +40,7 @@ from torch import nn
 import pyfast
 from pyfast import perf
 from pyfast._io import atomic_write_text
-from pyfast.benchmarks import netns
+from pyfast import netns
 
 SHAPES = {"big": (1024, 4096, 2048), "small": (256, 1024, 256),  # hidden, mlp, tokens
           "tiny": (64, 256, 64)}  # the CI size (bench/test_bench_tp.py)

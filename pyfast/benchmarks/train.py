@@ -39,7 +39,7 @@ from torch import nn
 import pyfast
 from pyfast import models, perf
 from pyfast._io import atomic_write_text
-from pyfast.benchmarks import netns
+from pyfast import netns
 from pyfast.data import Batches, load_corpus
 
 DEVICE = torch.device("cpu")  # every provider's (gloo ranks); steps are timed with perf.clock

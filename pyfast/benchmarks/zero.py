@@ -45,7 +45,7 @@ import time
 import pyfast
 from pyfast import perf
 from pyfast._io import atomic_write_text
-from pyfast.benchmarks import netns
+from pyfast import netns
 
 PEERS = ["torch DDP", "torch DDP+ZeroRedundancyOptimizer", "torch FSDP2"]
 PYFAST = {"pyfast zero1": dict(stage=1), "pyfast zero2": dict(stage=2),

@@ -14,7 +14,9 @@ knowledge of tensor parallelism: it infers its local head count from the width i
 Context parallelism (GPT.context_parallel): each rank of a cp group holds a shard of every
 sequence (pyfast.parallel.context's layout), attention runs over the whole sequence with
 context_parallel_attention, and positions (rotary angles, learned embeddings) are the shard's
-global ones; everything else in the model is per token and needs no change.
+global ones; everything else in the model is per token and needs no change. The attention
+itself is pyfast.parallel's, reached through pyfast._sequence.attention() (models do not import
+parallel/): the module that implements it registers it when imported.
 """
 from __future__ import annotations
 
@@ -27,8 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from pyfast.parallel.context import (LAYOUTS, METHODS, context_parallel_attention,
-                                     sequence_positions)
+from pyfast import _sequence
+from pyfast._sequence import LAYOUTS, METHODS, sequence_positions
 
 
 # Split the vocabulary over tp (Megatron's VocabParallelEmbedding + a column-parallel head) only
@@ -101,6 +103,7 @@ class ContextParallel:
     group: object
     layout: str
     method: str
+    attention: object  # context_parallel_attention, from pyfast._sequence.attention()
 
     def positions(self, local_len: int, table: int, what: str, device) -> torch.Tensor:
         """The global positions of this rank's local_len tokens; ValueError if the whole
@@ -156,8 +159,8 @@ class Attention(nn.Module):
                 at = self.cp.positions(t, self.cos.shape[0], "rotary", x.device)
                 cos, sin = self.cos[at], self.sin[at]
                 q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-            y = context_parallel_attention(q, k, v, self.cp.group, causal=True,
-                                           method=self.cp.method, layout=self.cp.layout)
+            y = self.cp.attention(q, k, v, self.cp.group, causal=True, method=self.cp.method,
+                                  layout=self.cp.layout)
             return self.proj(y.transpose(1, 2).reshape(b, t, -1))
         if self.cos is not None:
             if t > self.cos.shape[0]:
@@ -241,7 +244,7 @@ class GPT(nn.Sequential):
         if layout not in LAYOUTS or method not in METHODS:
             raise ValueError(f"context_parallel: layout must be one of {LAYOUTS} and method one "
                              f"of {METHODS}, got {layout!r}, {method!r}")
-        cp = ContextParallel(group, layout, method)
+        cp = ContextParallel(group, layout, method, _sequence.attention())
         for m in self.modules():
             if isinstance(m, (Embed, Attention)):
                 m.cp = cp

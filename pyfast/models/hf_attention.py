@@ -3,7 +3,8 @@
 The HF code runs unmodified: its attention modules look their attention function up by name in
 `transformers.AttentionInterface` (config._attn_implementation), so registering one more name,
 "pyfast_cp", and switching the model to it routes every layer's attention through
-pyfast.parallel.context.context_parallel_attention (ring or Ulysses), over the queries, keys
+pyfast.parallel.context.context_parallel_attention (ring or Ulysses; reached through
+pyfast._sequence.attention(): models do not import parallel/), over the queries, keys
 and values of this rank's shard of the sequence. Everything else in a decoder layer (norms,
 projections, MLP) is per token. Positions are the shard's global ones (sequence_positions, the
 layout the ids were sharded with): they are passed as position_ids to the HF model, whose
@@ -24,8 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pyfast.parallel.context import (LAYOUTS, METHODS, context_parallel_attention,
-                                     sequence_positions)
+from pyfast import _sequence
+from pyfast._sequence import LAYOUTS, METHODS, sequence_positions
 
 from .gpt import ContextParallel
 
@@ -57,8 +58,8 @@ def cp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
                          f"{key.shape[1]} key/value heads")
     if groups > 1:  # HF's repeat_kv: query head i attends with key/value head i // groups
         key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
-    out = context_parallel_attention(query, key, value, cp.group, causal=True, method=cp.method,
-                                     layout=cp.layout, scale=scaling)
+    out = cp.attention(query, key, value, cp.group, causal=True, method=cp.method,
+                       layout=cp.layout, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -98,7 +99,7 @@ def enable(model, group, layout: str | None, method: str) -> ContextParallel:
         raise ValueError(f"context_parallel: {why}")
     mods = attention_modules(hf)
     _register()
-    cp = ContextParallel(group, layout, method)
+    cp = ContextParallel(group, layout, method, _sequence.attention())
     for m in mods:
         m.pyfast_cp = cp
     hf.set_attn_implementation(NAME)

@@ -28,7 +28,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from pyfast.parallel.parallelize import _matches
+from pyfast._patterns import matches as _matches
 
 from .hf_attention import learned_limit, positions
 

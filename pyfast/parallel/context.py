@@ -28,7 +28,10 @@ Methods:
 Every rank checks its arguments and the ranks agree on them (pyfast.comm.agree: one 8-byte
 all-gather) before anything is sent: a bad length, head count, dtype or head dim raises the
 same error on every rank, naming the numbers, instead of a hang or a gloo abort on a message
-of the wrong size. CUDA tensors need a group with a CUDA backend (NCCL), never gloo's host copy.
+of the wrong size. The agreement is reached once per group and arguments and reused by the
+calls that repeat them, with no host sync (pyfast.parallel.cp_agree); a rank whose arguments
+change alone still gets the error on every rank. CUDA tensors need a group with a CUDA
+backend (NCCL), never gloo's host copy.
 A rank that fails inside the ring (a dead neighbour, its own error) tells every rank of the ring
 within 0.05 s (ring_attention.POLL), which raise CommError; the group's rings refuse later calls.
 """
@@ -38,68 +41,23 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from pyfast import _sequence
+from pyfast._sequence import (LAYOUTS, METHODS, chunks_of, length_problem, n_chunks,
+                              sequence_positions)
+from pyfast._sequence import check_layout as _check_layout
+from pyfast._sequence import world_rank as _world
 from pyfast.comm.agree import agree
 from pyfast.comm.collectives import check_backend
 from pyfast.comm.failure import naming
 from pyfast.ops.attention import check as check_qkv
 
-LAYOUTS = ("zigzag", "contiguous")
-METHODS = ("ring", "ulysses")
+from . import cp_agree
+from .ring_attention import check_broken, ring_attention
+from .ulysses import ulysses_attention
 
-
-def _world(group) -> tuple[int, int]:
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
-
-
-def _check_layout(layout: str | None, what: str = "", when: str = "") -> None:
-    if layout is None:
-        raise ValueError(f"{what + ': ' if what else ''}layout= is required{when} "
-                         f"({' or '.join(map(repr, LAYOUTS))}: how "
-                         "the shards were cut, shard_sequence's layout); there is no default, "
-                         "since guessing wrong gives a wrong result without an error")
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-
-
-def chunks_of(rank: int, world: int, layout: str) -> tuple[int, ...]:
-    """Which of the sequence's equal chunks `rank` holds, in the order it holds them: (rank,) of
-    `world` chunks (contiguous) or (rank, 2*world-1-rank) of 2*world (zigzag)."""
-    _check_layout(layout)
-    return (rank,) if layout == "contiguous" else (rank, 2 * world - 1 - rank)
-
-
-def n_chunks(world: int, layout: str) -> int:
-    _check_layout(layout)
-    return world if layout == "contiguous" else 2 * world
-
-
-def length_problem(seq_len: int, world: int, layout: str) -> str | None:
-    """Why a sequence of seq_len tokens cannot be sharded so, or None."""
-    n = n_chunks(world, layout)
-    if seq_len % n:
-        return (f"sequence length {seq_len} is not divisible by {n} "
-                f"({'2 x ' if layout == 'zigzag' else ''}{world} ranks, layout {layout!r})")
-    return None
-
-
-def sequence_positions(seq_len: int, group=None, layout: str | None = None, *,
-                       rank: int | None = None, world: int | None = None,
-                       device=None) -> torch.Tensor:
-    """The global positions (int64) of the tokens a rank holds, in its shard's order: what its
-    rotary or learned position embeddings must use. seq_len is the whole sequence's length;
-    layout (required) the shards'."""
-    _check_layout(layout, "sequence_positions")
-    if rank is None or world is None:
-        w, r = _world(group)
-        world, rank = world or w, rank if rank is not None else r
-    bad = length_problem(seq_len, world, layout)
-    if bad:
-        raise ValueError(f"sequence_positions: {bad}")
-    size = seq_len // n_chunks(world, layout)
-    return torch.cat([torch.arange(c * size, (c + 1) * size, device=device)
-                      for c in chunks_of(rank, world, layout)])
+__all__ = ["LAYOUTS", "METHODS", "check_args", "chunks_of", "context_parallel_attention",
+           "length_problem", "n_chunks", "sequence_positions", "shard_sequence",
+           "unshard_sequence"]
 
 
 def _agree_length(t: torch.Tensor, dim: int, world: int, layout: str, group, what: str,
@@ -200,14 +158,19 @@ def _describe(q, k, v, causal, method, layout, scale) -> str:
             f"{v.dtype}, causal={causal}, method={method}, layout={layout}, scale={scale}")
 
 
-def check_args(q, k, v, group, causal: bool, method: str, layout: str, scale) -> None:
-    """Raise the same error on every rank of `group` if any rank's arguments are bad or the
-    ranks' differ (shards of different lengths, dtypes, head dims, methods ...)."""
-    world, _ = _world(group)
+def _checked(q, k, v, group, world: int, causal: bool, method: str, layout: str):
     if world > 1:
         check_backend(q.device, group, "context_parallel_attention")
-    agree(_describe(q, k, v, causal, method, layout, scale),
-          _problem(q, k, v, world, causal, method, layout), group,
+    return _problem(q, k, v, world, causal, method, layout)
+
+
+def check_args(q, k, v, group, causal: bool, method: str, layout: str, scale) -> None:
+    """Raise the same error on every rank of `group` if any rank's arguments are bad or the
+    ranks' differ (shards of different lengths, dtypes, head dims, methods ...). The full check
+    every time; context_parallel_attention runs it once per group and arguments (cp_agree)."""
+    world, _ = _world(group)
+    problem = _checked(q, k, v, group, world, causal, method, layout)
+    agree(_describe(q, k, v, causal, method, layout, scale), problem, group,
           what="context_parallel_attention", device=q.device if world > 1 else None)
 
 
@@ -231,13 +194,22 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         layout = "contiguous"
     world, _ = _world(group)
     if world > 1:
-        from .ring_attention import check_broken
+        cp_agree.refuse(group)  # ranks that disagreed: the same error on every rank, at once
         check_broken(group)  # a ring that failed: its peers may be dead or a step behind
-    check_args(q, k, v, group, causal, method, layout, scale)
+    # the arguments, agreed once per group and reused while they stay the same (cp_agree)
+    try:
+        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device,
+               v.device, causal, method, layout, scale)
+    except AttributeError:  # not tensors: never a hit, the full check names the problem
+        key = object()
+    cp_agree.check(key, group, world, q.device, "context_parallel_attention",
+                   lambda: _describe(q, k, v, causal, method, layout, scale),
+                   lambda: _checked(q, k, v, group, world, causal, method, layout))
     if world == 1:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
     if method == "ulysses":
-        from .ulysses import ulysses_attention
         return ulysses_attention(q, k, v, group, causal, layout, scale)
-    from .ring_attention import ring_attention
     return ring_attention(q, k, v, group, causal, layout, scale, heads_per_pass, backend)
+
+
+_sequence.set_attention(context_parallel_attention)  # models reach it through pyfast._sequence

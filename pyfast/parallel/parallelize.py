@@ -54,13 +54,13 @@ them every one refuses further steps.
 """
 from __future__ import annotations
 
-from fnmatch import fnmatchcase
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from pyfast._patterns import matches as _matches
 from pyfast.comm.failure import Breaker, new_group_like
 
 from .tensor import ColumnParallelLinear, RowParallelLinear
@@ -134,11 +134,6 @@ CONVERTERS: dict[tuple[str, type], Callable[..., nn.Module]] = {
 ALIASES = {"column": "colwise", "ColwiseParallel": "colwise",
            "row": "rowwise", "RowwiseParallel": "rowwise"}
 SEQUENCE_PARALLEL = {"colwise_sp", "rowwise_sp"}
-
-
-def _matches(pattern: str, name: str) -> bool:
-    p, n = pattern.split("."), name.split(".")
-    return len(p) == len(n) and all(fnmatchcase(a, b) for a, b in zip(n, p))
 
 
 def _style(pattern: str, spec, tp: int) -> tuple[str, dict]:

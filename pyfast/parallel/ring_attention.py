@@ -33,9 +33,7 @@ transfer overlaps the next pass's compute, so only the last pass's is exposed.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
-import functools
 import time
 
 import torch
@@ -43,6 +41,8 @@ import torch.distributed as dist
 
 from pyfast.comm.failure import CommError, naming
 from pyfast.ops.attention import block_attention, block_attention_backward, default_scale
+
+from .cp_agree import settle, wait_polling
 
 TAG_K, TAG_V, TAG_ACC = 7301, 7302, 7303  # k and v blocks, dK/dV accumulators: one stream each
 MIN_MESSAGE = 1 << 20  # bytes: default passes send >= 1 MB (per-message cost ~0.1 ms on loopback)
@@ -118,12 +118,6 @@ _BROKEN: dict[str, str] = {}  # ring key -> why it failed (a rank only touches t
                               # a transfer keeps it waiting POLL seconds, or when it fails)
 
 
-@functools.lru_cache(maxsize=1)
-def _waiter() -> concurrent.futures.ThreadPoolExecutor:
-    # several threads: a wait left blocked by a failed ring must not queue another group's
-    return concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="pyfast-ring-wait")
-
-
 class _Ring:
     def __init__(self, group):
         self.group = group
@@ -188,16 +182,14 @@ class _Ring:
         except Exception:  # noqa: BLE001  (the store's host died too: raise the first error)
             pass
 
+    def _polled(self) -> None:
+        self.poll()
+        settle(self.group)  # a rank whose arguments changed alone never joins (cp_agree)
+
     def wait(self, *works):
         t0 = time.perf_counter()
         for w in works:
-            done = _waiter().submit(w.wait)
-            while True:
-                try:
-                    done.result(timeout=POLL)
-                    break
-                except concurrent.futures.TimeoutError:
-                    self.poll()
+            wait_polling(w, self._polled, POLL)
         self.waited += time.perf_counter() - t0
 
     def step_done(self):

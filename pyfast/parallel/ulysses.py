@@ -14,9 +14,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from pyfast._sequence import chunks_of, n_chunks
 from pyfast.comm.failure import naming
 
-from .context import chunks_of, n_chunks
+from . import cp_agree
+
+POLL = 0.05  # seconds between reads of the agreement while an all-to-all keeps a rank waiting
 
 
 def _all_to_all(x: torch.Tensor, group, scatter: int, gather: int) -> torch.Tensor:
@@ -26,7 +29,11 @@ def _all_to_all(x: torch.Tensor, group, scatter: int, gather: int) -> torch.Tens
     send = torch.stack(x.chunk(n, scatter)).contiguous()  # [N, ...piece]
     recv = torch.empty_like(send)
     with naming("context_parallel_attention(ulysses) all_to_all"):
-        dist.all_to_all_single(recv, send, group=group)
+        work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+        if cp_agree.settle(group):  # unread agreement: a rank may never join (cp_agree)
+            cp_agree.wait_polling(work, lambda: cp_agree.settle(group), POLL)
+        else:
+            work.wait()
     return torch.cat(recv.unbind(0), gather)
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import signal
 import sys
 import traceback
 
@@ -18,23 +17,6 @@ from .metrics import MetricsLog, Progress, plot, read, summary
 from .sample import Sampler
 from .telemetry import GPU, peak_rss_mb
 from .tensorboard import TensorBoardLog, describe as describe_tensorboard, resolve as tb_on
-
-
-def fault(point: str, step: int) -> None:
-    """Test hook: PYFAST_FAULT="POINT@STEP[:RANK]" SIGKILLs this process at POINT ("step":
-    after that step's update; "ckpt": with the checkpoint written but not committed) on RANK
-    (default every rank), in the first attempt only (torchrun restarts must get through)."""
-    spec = os.environ.get("PYFAST_FAULT")
-    if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        return
-    where, _, rank = spec.partition(":")
-    p, _, s = where.partition("@")
-    if p == point and int(s) == step and (not rank or int(rank) == dist.get_rank()):
-        # said first: torchrun reports whichever rank it sees fail first, and a survivor
-        # raising CommError (within ~0.05 s of the kill) can be that one
-        print(f"pyfast: PYFAST_FAULT {spec}: SIGKILL rank {dist.get_rank()}", file=sys.stderr,
-              flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def warn(msg: str) -> None:
@@ -140,7 +122,6 @@ def _loop(cfg: TrainConfig, job: Job, start: int, device) -> None:
     try:
         for step in range(start + 1, cfg.steps + 1):
             rec = job.train_step(step)
-            fault("step", step)
             if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
                 rec["val_loss"] = job.evaluate()
                 err = job.compression_error()
@@ -158,7 +139,7 @@ def _loop(cfg: TrainConfig, job: Job, start: int, device) -> None:
                 if tb is not None:
                     tb.write(rec)
             if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == cfg.steps:
-                job.save(cfg.out, step, fault, keep_last=cfg.keep_last)
+                job.save(cfg.out, step, keep_last=cfg.keep_last)
     finally:
         if rank == 0:
             bar.close()
