@@ -7,3 +7,9 @@ class NonFiniteGradient(ValueError):
     """NaN/Inf in a gradient where they cannot pass: raised where they are found (ops.topk's
     count, random-k's check) and by the collectives identically on every rank. The same class
     as pyfast.compress.NonFiniteGradient and pyfast.comm.NonFiniteGradient."""
+
+
+class NonFiniteError(RuntimeError):
+    """The training job's loss or gradient norm is NaN/Inf (identical decision on every rank):
+    raised by pyfast.train.job and, for a replica's verdict at a meeting, pyfast.train.outer;
+    the job's runner exits 3 on it."""

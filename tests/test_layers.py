@@ -30,11 +30,7 @@ FORBIDDEN = [("pyfast.models", "pyfast.parallel")]  # DESIGN: "models do not imp
 
 # Imports that break the rules for now, each with why and who removes it. The test fails when
 # one is no longer there, so the entry goes with the import.
-PENDING = {
-    ("pyfast.plan.calibrate", "pyfast.benchmarks.netns"):
-        "plan/ belongs to another branch of this session: its import becomes pyfast.netns "
-        "(pyfast/benchmarks/netns.py is that module under its old name) when the branches merge",
-}
+PENDING: dict = {}
 
 
 def modules() -> dict:

@@ -67,7 +67,7 @@ def test_outer_cost_amortized_and_hidden_behind_tau():
     a step pays (what is left + the gather, the outer step, the meeting) / (H / F)."""
     shape, work = shapes.preset("gpt-small"), Workload(1024, 64, "bf16")
     slow = build(4, 2, "h100", inter_bw="100mbit")
-    s = D.candidate(shape, work, slow)
+    s = D.candidate(shape, work, slow, search)
     o = D.outer(shape, s.plan, 0.05, slow, 2)
     n = D.local_params(shape, s.plan) / D.F / (s.plan.dp * s.plan.cp)
     assert o["bytes"] == pytest.approx(n * (0.5 + 4 / 512))
@@ -76,7 +76,7 @@ def test_outer_cost_amortized_and_hidden_behind_tau():
     assert o["delay"] == min(D.H // D.F - 1, -(-o["transfer_s"] // 0.05))
     assert o["per_step_s"] == pytest.approx(o["exposed_s"] / (D.H // D.F))
     # one node: no candidate
-    assert D.candidate(shape, work, build(2, 2, "h100")) is None
+    assert D.candidate(shape, work, build(2, 2, "h100"), search) is None
 
 
 def test_table_names_the_diloco_row_and_its_caveat(capsys):

@@ -320,9 +320,9 @@ def probe_argv(path: str, pause: bool, specs=()) -> list[str]:
 
 def probe_link(link: str, timeout: float = 180, specs=()) -> dict:
     """The link model of 2 gloo ranks inside a fresh namespace whose loopback is shaped to
-    `link` ("1gbit", "100mbit": pyfast.benchmarks.netns, as pyfast.ablate runs its cells; needs
+    `link` ("1gbit", "100mbit": pyfast.netns, as pyfast.ablate runs its cells; needs
     root), pausing before its large calls as steps do (a token bucket refills between them)."""
-    from pyfast.benchmarks import netns
+    from pyfast import netns
     netns.rate_bps(link)  # a bad link string fails before anything starts
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "link.json")

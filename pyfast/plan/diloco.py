@@ -67,10 +67,11 @@ def outer(shape: ModelShape, plan, inner_step_s: float, cluster: Cluster, replic
             "per_step_s": exposed / per, "bytes": DENSE_BYTES[OUTER_COMPRESS] * piece}
 
 
-def candidate(shape: ModelShape, work: Workload, cluster: Cluster, cross_node: bool = False):
+def candidate(shape: ModelShape, work: Workload, cluster: Cluster, search,
+              cross_node: bool = False):
     """The DiLoCo candidate (a search.Scored with .diloco set), or None: one node, a global
-    batch the replicas cannot split, or nothing fits a node."""
-    from .search import Scored, search
+    batch the replicas cannot split, or nothing fits a node. `search` is search.search, passed
+    in by it (this module sits below search.py, which calls it: no import cycle)."""
     R = cluster.nodes
     if R < 2 or work.global_batch % R:
         return None
@@ -95,7 +96,7 @@ def candidate(shape: ModelShape, work: Workload, cluster: Cluster, cross_node: b
     t["tokens_per_s"] = work.tokens / t["step_s"]
     t["steps_factor"] *= STEPS_FACTOR
     t["outer_s"] = o["per_step_s"]
-    s = Scored(plan, mem, t)
+    s = replace(best.plans[0], memory=mem, time=t)  # a Scored: the node's plan, re-timed
     s.diloco = {"replicas": R, "sync_every": H, "fragments": F, "delay": o["delay"],
                 "outer_compress": OUTER_COMPRESS, "outer_transfer_s": o["transfer_s"],
                 "outer_bytes_per_rank": o["bytes"], "steps_factor": STEPS_FACTOR,

@@ -21,6 +21,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from .diloco import candidate
 from .hardware import Cluster
 from .memory import predict_memory
 from .spec import ModelShape, Plan, Workload, divisors, powers_of_two
@@ -174,8 +175,7 @@ def search(shape: ModelShape, work: Workload, cluster: Cluster, top: int = 10,
                 res.time_scored += 1
                 fits.append(s)
     if diloco and cluster.nodes > 1:  # one DiLoCo replica a node, for a slow inter-node link
-        from .diloco import candidate
-        dl = candidate(shape, work, cluster, cross_node)
+        dl = candidate(shape, work, cluster, search, cross_node)
         if dl is not None:
             fits.append(dl)
     fits.sort(key=Scored.key)

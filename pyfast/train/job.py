@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from pyfast import models
 from pyfast.comm.dry import read
 from pyfast.data import Batches, load_corpus
+from pyfast.errors import NonFiniteError  # defined below train/ (outer.py raises it too)
 from pyfast.perf import clock
 from pyfast.parallel import DataParallel, Mesh, Pipeline, parallelize, vocab_parallel_cross_entropy
 from pyfast.parallel.context import shard_sequence
@@ -45,10 +46,6 @@ AMP = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # fp16: a run of skipped (overflowing) steps this long is a broken run, not loss scaling
 # finding its level (GradScaler halves the scale per skip: 10 skips = 1/1024 of the scale).
 MAX_SKIPS = 10
-
-
-class NonFiniteError(RuntimeError):
-    """The loss or the gradient norm is NaN/Inf (identical decision on every rank)."""
 
 
 def lr_lambda(cfg: TrainConfig):

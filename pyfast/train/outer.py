@@ -90,7 +90,7 @@ class Meeting:
     def step(self, step: int, loss: float, gnorm: float, vals: list) -> bool:
         """After the replica's own all-reduce (vals: loss, squared norm, NaN/Inf ranks, bytes
         of this replica): True while this replica must hold its update."""
-        from .job import NonFiniteError
+        from pyfast.errors import NonFiniteError
         if self.failed is None and (vals[2] > 0 or not math.isfinite(loss)
                                     or not math.isfinite(gnorm)):
             self.failed = (step, loss, gnorm, int(vals[2]))
