@@ -131,3 +131,26 @@ def test_cp_choices_are_the_context_modules():
     from pyfast.parallel import context
     from pyfast.train import config
     assert config.CP_METHODS == context.METHODS and config.CP_LAYOUTS == context.LAYOUTS
+
+
+def test_summary_counts_every_replicas_bytes():
+    """With --replicas R > 1 a step's bytes_sent are replica 0's ranks only; the world's arrive
+    as replicas_bytes_sent at the meetings, and the summary's row is their mean over the run."""
+    from rich.console import Console
+
+    from pyfast.train.metrics import summary
+
+    def text(recs):
+        c = Console(width=120)
+        with c.capture() as cap:
+            c.print(summary(recs, "t"))
+        return cap.get()
+
+    base = {"loss": 3.0, "tokens_per_s": 1.0, "step_ms": 2.0, "exposed_comm_ms": 0.0}
+    plain = [{**base, "step": s, "bytes_sent": b} for s, b in ((1, 9e6), (2, 3e6), (3, 5e6))]
+    assert "MB sent per step, all ranks (median)" in text(plain) and "4.00" in text(plain)
+    reps = [{**base, "step": s, "bytes_sent": 1e6} for s in range(1, 5)]
+    reps[1]["replicas_bytes_sent"] = 7e6   # the first meeting: steps 1-2, every rank
+    reps[3]["replicas_bytes_sent"] = 9e6   # the second: steps 3-4
+    out = text(reps)
+    assert "mean over the run" in out and "4.00" in out and "1.00" not in out

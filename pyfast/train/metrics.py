@@ -104,6 +104,17 @@ def plot(records: list[dict], path) -> str:
     return f"plot: {path}"
 
 
+def sent_row(records: list[dict], med) -> tuple[str, str]:
+    """The bytes row: with DiLoCo replicas (--replicas R > 1) a step's bytes_sent are replica
+    0's ranks only and the whole world's arrive as replicas_bytes_sent at each meeting (train/
+    outer.py), so the row is their total over the steps; without them, the median step."""
+    met = [r["replicas_bytes_sent"] for r in records if "replicas_bytes_sent" in r]
+    if met:
+        return ("MB sent per step, all ranks (mean over the run)",
+                f"{sum(met) / len(records) / 1e6:.2f}")
+    return ("MB sent per step, all ranks (median)", f"{med('bytes_sent') / 1e6:.2f}")
+
+
 def summary(records: list[dict], title: str):
     """A rich Table of the run (medians skip the first step: warm-up)."""
     from rich.table import Table
@@ -119,7 +130,7 @@ def summary(records: list[dict], title: str):
             ("tokens/s (median)", f"{med('tokens_per_s'):,.0f}"),
             ("step ms (median)", f"{med('step_ms'):.1f}"),
             ("exposed comm ms (median)", f"{med('exposed_comm_ms'):.1f}"),
-            ("MB sent per step, all ranks (median)", f"{med('bytes_sent') / 1e6:.2f}"),
+            sent_row(records, med),
             ("peak RSS MB (max rank)", f"{max(r.get('max_rss_mb', 0) for r in records):.0f}")]
     for k, v in rows:
         t.add_row(k, v)
