@@ -1,0 +1,85 @@
+"""pyfast.comm.ready, the bucket engine of DataParallel and ZeRO, in one process: launch order,
+the final callback, an unused parameter, overlap off, and the parameter-change check."""
+import pytest
+import torch
+from torch import nn
+
+from pyfast.comm.ready import Readiness, check_unchanged
+
+
+def _net():
+    # ragged widths; "skip" is used on some steps only (an unused parameter, as with DDP)
+    return nn.ModuleDict({"a": nn.Linear(7, 13), "b": nn.Linear(13, 5), "skip": nn.Linear(13, 5)})
+
+
+def _run(net, ready, use_skip: bool):
+    x = torch.randn(4, 7)
+    h = torch.tanh(net["a"](x))
+    out = net["b"](h) + (net["skip"](h) if use_skip else 0)
+    ready.arm()
+    out.square().sum().backward()
+
+
+def _engine(net, enabled=True):
+    # buckets in the order backward produces gradients: b, skip, then a
+    groups = [list(net["b"].parameters()), list(net["skip"].parameters()),
+              list(net["a"].parameters())]
+    log = []
+    ready = Readiness(groups, lambda i: log.append(("launch", i, ready.armed)),
+                      lambda: log.append(("final",)), enabled,
+                      complete=lambda i: log.append(("complete", i)))
+    return ready, log
+
+
+def test_buckets_launch_in_order_while_backward_runs_and_final_runs_once():
+    net = _net()
+    ready, log = _engine(net)
+    _run(net, ready, use_skip=True)
+    launches = [e for e in log if e[0] == "launch"]
+    assert [e[1] for e in launches] == [0, 1, 2] and all(e[2] for e in launches), log
+    assert log[-1] == ("final",) and log.count(("final",)) == 1
+    # every bucket completed before it was launched
+    for i in range(3):
+        assert log.index(("complete", i)) < log.index(("launch", i, True))
+    assert not ready.armed
+
+
+def test_a_bucket_with_an_unused_parameter_holds_back_the_later_ones_until_the_end():
+    net = _net()
+    ready, log = _engine(net)
+    _run(net, ready, use_skip=False)
+    launches = [(e[1], e[2]) for e in log if e[0] == "launch"]
+    # bucket 0 went during backward; bucket 1 (never completed) and 2 (behind it, in order)
+    # from the final callback, after the engine was disarmed
+    assert launches == [(0, True), (1, False), (2, False)], log
+    assert ("complete", 1) not in log and log[-1] == ("final",)
+
+
+def test_overlap_off_and_disarmed_backward():
+    net = _net()
+    ready, log = _engine(net, enabled=False)
+    _run(net, ready, use_skip=True)
+    assert [e[1] for e in log if e[0] == "launch"] == [0, 1, 2]
+    assert all(not e[2] for e in log if e[0] == "launch")  # all at the end
+    log.clear()
+    ready.disarm()  # as under no_sync: hooks do nothing, no callback is queued
+    out = net["b"](torch.tanh(net["a"](torch.randn(3, 7))))
+    out.sum().backward()
+    assert log == []
+    ready.close()
+    _run(net, ready, use_skip=True)  # armed, but the hooks are gone
+    assert log == []
+
+
+def test_parameter_change_is_named():
+    net = _net()
+    named = [(n, p) for n, p in net.named_parameters()]
+    check_unchanged(net, named, "X was built")  # unchanged: no error
+    net["b"].bias.requires_grad_(False)
+    with pytest.raises(RuntimeError, match=r"removed or frozen: \['b.bias'\]\): wrap it again"):
+        check_unchanged(net, named, "X was built")
+    net["b"].bias.requires_grad_(True)
+    net["c"] = nn.Linear(2, 2)
+    with pytest.raises(RuntimeError, match=r"after X was built \(added or unfrozen: \['c.weight'"):
+        check_unchanged(net, named, "X was built")
+
