@@ -83,3 +83,36 @@ def test_parameter_change_is_named():
     with pytest.raises(RuntimeError, match=r"after X was built \(added or unfrozen: \['c.weight'"):
         check_unchanged(net, named, "X was built")
 
+
+def _views(rank, world):
+    from pyfast.parallel.data import DataParallel
+    out, seen = {}, []
+    for none in (True, False):  # zero_grad(set_to_none=...): copied in, or accumulated in place
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(9, 31), nn.Tanh(), nn.Linear(31, 3))
+        net = DataParallel(m, None, bucket_mb=0.0001, engine="python",
+                           gradient_as_bucket_view=True)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(rank)
+        flats = {b.flat.untyped_storage().data_ptr() for b in net.bucketer.buckets}
+        for _ in range(3):
+            opt.zero_grad(set_to_none=none)
+            before = [p.grad for p in m.parameters()]
+            net(torch.randn(5, 9, generator=g)).square().sum().backward()
+            seen.append(all(p.grad.untyped_storage().data_ptr() in flats
+                            for p in m.parameters()))
+            if not none and before[0] is not None:  # the same tensors, written in place
+                seen.append(all(a is p.grad for a, p in zip(before, m.parameters())))
+            opt.step()
+        out[none] = [p.detach().clone() for p in m.parameters()]
+        net.close()
+    return out, seen, len(net.bucketer.buckets)
+
+
+def test_gradients_are_bucket_views_and_accumulate_in_place(pool2):
+    for out, seen, buckets in pool2.run(_views):
+        assert buckets >= 2 and all(seen) and len(seen) == 8, (buckets, seen)
+        # 0 + g written in place is g copied: the same bits either way
+        for a, b in zip(out[True], out[False]):
+            assert torch.equal(a, b)
+

@@ -57,6 +57,13 @@ class DataParallel(nn.Module):
       runs the reductions on a private group with that timeout (collective, like
       dist.new_group); without it the group's own applies.
 
+    - gradient_as_bucket_view=True (DDP's flag, off by default as in DDP): an fp32 parameter's
+      .grad is its piece of the bucket after a reduction: no copy out of the bucket, and none
+      into it when backward accumulates into an existing .grad (zero_grad(set_to_none=False),
+      no_sync); one memory for gradients and buckets. A .grad kept across steps then sees the
+      next reduction, as with DDP (pyfast.comm.buckets; its cost: `pyfast bench dp
+      --cpu-split`).
+
     state_dict() keys are the wrapped module's with a "module." prefix, exactly as DDP's, so
     checkpoints move between the two. The compression state (error-feedback memory per
     bucket, compressor state such as PowerSGD's Q or shared-seed step counters) is not a
@@ -87,7 +94,8 @@ class DataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, compressor=None, bucket_mb: float = BUCKET_MB, group=None,
                  error_feedback: bool = True, overlap: bool = True, check_finite="skip",
-                 engine: str = "auto", broadcast_buffers: bool = True, timeout=None):
+                 engine: str = "auto", broadcast_buffers: bool = True, timeout=None,
+                 gradient_as_bucket_view: bool = False):
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("DataParallel needs torch.distributed initialized "
@@ -114,7 +122,8 @@ class DataParallel(nn.Module):
         broadcast_state(module, self._comm)
         usable = [C.get(s) for s in AUTO_CANDIDATES] if self.auto else [self.compressor]
         align = math.lcm(*(c.block for c in usable))
-        self.bucketer = Bucketer(named, bucket_mb, self._launch, enabled=overlap, align=align)
+        self.bucketer = Bucketer(named, bucket_mb, self._launch, enabled=overlap, align=align,
+                                 views=gradient_as_bucket_view)
         self.selector = (AutoSelector(self.bucketer.buckets, self._comm, error_feedback)
                          if self.auto else None)
         # Per bucket, so that a per-bucket compressor could mix the two; uniform today (auto's
