@@ -116,3 +116,44 @@ def test_gradients_are_bucket_views_and_accumulate_in_place(pool2):
         for a, b in zip(out[True], out[False]):
             assert torch.equal(a, b)
 
+
+def _through(rank, world):
+    """GradScaler over DataParallel with nothing to put back (none, bf16): no finite check runs,
+    the inf crosses the reduction; every rank must still skip step 1 and go on."""
+    from pyfast.parallel.data import DataParallel
+    out = {}
+    for spec, engine in (("none", "native"), ("none", "python"), ("bf16", "native")):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(11, 29), nn.Tanh(), nn.Linear(29, 3))
+        net = DataParallel(m, spec, bucket_mb=0.0001, engine=engine)
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        g = torch.Generator().manual_seed(rank)
+        rows = []
+        for s in range(3):
+            h = None
+            if s == 1 and rank == 1:
+                h = m[2].bias.register_hook(lambda grad: grad * float("inf"))
+            before = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+            opt.zero_grad()
+            scaler.scale(net(torch.randn(6, 11, generator=g)).square().mean()).backward()
+            scaler.step(opt)
+            scaler.update()
+            if h is not None:
+                h.remove()
+            after = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+            rows.append((net.skipped, scaler.get_scale(), not torch.equal(before, after), after))
+        out[spec, engine] = (net._through, rows)
+        net.close()
+    return out
+
+
+def test_skip_without_a_check_when_nothing_must_be_put_back(pool2):
+    r0, r1 = pool2.run(_through)
+    for key, (through, rows) in r0.items():
+        assert through and r1[key][0], key  # no local check ran
+        for s, (a, b) in enumerate(zip(rows, r1[key][1])):
+            assert a[0] == b[0] == (s == 1), (key, s)  # skipped on both ranks, at step 1 only
+            assert a[1] == b[1] and a[2] == b[2] == (s != 1), (key, s)
+            assert torch.equal(a[3], b[3]), (key, s)  # the replicas stay equal
+        assert rows[1][1] == rows[0][1] / 2  # the scale backed off once

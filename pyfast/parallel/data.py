@@ -14,7 +14,7 @@ from torch import nn
 import pyfast.compress as C
 from pyfast.comm import all_reduce
 from pyfast.comm.engine import NativeEngine, status as native_status
-from pyfast.comm.collectives import all_reduce_pieces
+from pyfast.comm.collectives import all_finite, all_reduce_pieces
 from pyfast.comm.auto import CANDIDATES as AUTO_CANDIDATES, AutoSelector
 from pyfast.comm.buckets import (BUCKET_MB, ENGINES, Bucketer, broadcast_coalesced,  # noqa: F401
                                  broadcast_state, check_params, check_same_layout)
@@ -44,8 +44,11 @@ class DataParallel(nn.Module):
       whose bucket holds NaN/Inf sends zeros without touching its error-feedback memory; if any
       rank had one, every rank gets NaN in that bucket (GradScaler skips the same step
       everywhere) and every feedback memory and compressor state is put back as before the
-      step. "raise": NonFiniteGradient on every rank instead. False: no check (NaN/Inf go
-      through the compressor as they are). See pyfast.comm.guard for the costs.
+      step. With compressor none, fp16 or bf16 (nothing to put back) no check runs: NaN/Inf
+      cross the reduction as they are and reach every rank in the same elements, with the
+      same effect on GradScaler; `skipped` is then computed when read. "raise":
+      NonFiniteGradient on every rank instead. False: no check (NaN/Inf go through the
+      compressor as they are). See pyfast.comm.guard for the costs.
     - Buckets are fp32 whatever the parameters' dtype (bf16 / fp16 gradients are widened
       exactly; the average is rounded once into their dtype: more exact than DDP, whose buckets
       take the gradients' dtype); fp64 or complex parameters raise at construction. Shared
@@ -126,6 +129,8 @@ class DataParallel(nn.Module):
                                  views=gradient_as_bucket_view)
         self.selector = (AutoSelector(self.bucketer.buckets, self._comm, error_feedback)
                          if self.auto else None)
+        # NaN/Inf left to the sum (comm.guard); auto may pick a lossy compressor any step
+        self._through = not self.auto and self._guard.passes_through()
         # Per bucket, so that a per-bucket compressor could mix the two; uniform today (auto's
         # candidates are all dense).
         self.engine = "native" if native else "python"  # what engine="auto" chose
@@ -138,7 +143,7 @@ class DataParallel(nn.Module):
         self._breaker = Breaker("this DataParallel")
         self._sync, self._closed = True, False
         self.last_wait_s = 0.0
-        self.skipped = False  # whether the last reduction was a skipped (non-finite) step
+        self._skipped = False  # None: the last reduction's verdict is read on demand
 
     def _compressors(self) -> list:
         return list(self.selector.made.values()) if self.selector else [self.compressor]
@@ -171,7 +176,7 @@ class DataParallel(nn.Module):
             self._band.begin()
         if not self._bare:
             self._band.mark_used(bucket.index, bucket.params)
-        ok = self._guard.local_ok(bucket.flat)
+        ok = self._through or self._guard.local_ok(bucket.flat)
         if not ok:  # NaN/Inf here: send zeros, flag it, keep the feedback memory out of it
             bucket.flat.zero_()
             self._band.set_extra(bucket.index)
@@ -245,8 +250,18 @@ class DataParallel(nn.Module):
         """Between the wait and the copy into .grad: the non-finite verdict of the step."""
         names = [f"{b.name} ({', '.join(b.names[:3])}{'...' if len(b.names) > 3 else ''})"
                  for b in self.bucketer.buckets]
-        self.skipped = self._guard.settle(
+        skipped = self._guard.settle(
             self._band.extra(), names, lambda i: self.bucketer.buckets[i].flat.fill_(float("nan")))
+        self._skipped = None if self._through else skipped
+
+    @property
+    def skipped(self) -> bool:
+        """Whether the last reduction was a skipped (non-finite) step. Under a pass-through
+        check_finite="skip" (compressor none, fp16 or bf16) it is read from the reduced buckets
+        when asked, the first time (pyfast.comm.guard)."""
+        if self._skipped is None:
+            self._skipped = not all(all_finite(b.flat) for b in self.bucketer.buckets)
+        return self._skipped
 
     def reduce_gradients(self) -> None:
         """Average the gradients accumulated so far over the group, now, with the configured
