@@ -28,9 +28,9 @@ parameters get a gradient of their dtype, copied out. The copies are one torch._
 bucket each way, not one Python call a parameter. A memory option, not a speed one, on the CPU:
 `pyfast bench dp --cpu-split` (gpt-small, 2 ranks x 1 thread, this 2-core EPYC, loaded) has copy
 in 2.9-3.3 ms and copy out 2.9-4.0 ms a rank-step without views, 0.7 and 0.2 ms with views and
-zero_grad(set_to_none=False), but autograd's in-place accumulation and zero_grad's zeroing take
-that back; with set_to_none=True the gradients freed each step come back as page faults (the
-step's unattributed main-thread time +10-20 ms).
+zero_grad(set_to_none=False), but the step's unattributed main-thread time grows by more (+10 to
++37 ms over three runs, either zero_grad; not pinned down: autograd's in-place accumulation,
+zero_grad's zeroing and the page faults of gradients freed mid-step were not measured apart).
 
 Also here, for every bucketed reducer (DataParallel, ZeRO): the parameter checks at
 construction, the replicas' start (rank 0's state broadcast, the layouts agreed), the default
@@ -147,6 +147,7 @@ class Bucketer:
         if align < 1:
             raise ValueError(f"align must be >= 1, got {align}")
         self.launch_fn, self.align, self.views = launch, align, views
+        self.scale: float | None = None  # gradients multiplied by it on their way in
         self.buckets: list[Bucket] = []
         first = min(FIRST_BUCKET_MB if first_mb is None else first_mb, bucket_mb)
         members: list = []
@@ -197,15 +198,18 @@ class Bucketer:
         self.ready.close()
 
     def _launch(self, i: int) -> None:
-        """Bucket i's gradients into its buffer, then launch_fn: one foreach copy (a Python call
-        a bucket, not one a parameter), nothing for a gradient that is already its view."""
+        """Bucket i's gradients into its buffer (times `scale`, if set), then launch_fn: one
+        foreach copy (a Python call a bucket, not one a parameter), nothing for a gradient that
+        is already its view."""
         b = self.buckets[i]
-        unused, dst, src = [], [], []
+        unused, dst, src, inplace = [], [], [], []
         for p, v in zip(b.params, b.views):
             g = p.grad
             if g is None:  # unused this step: contributes zeros, as in DDP
                 unused.append(v)
-            elif g is not v:
+            elif g is v:
+                inplace.append(v)
+            else:
                 dst.append(v)
                 src.append(g)
         with torch.no_grad():
@@ -213,9 +217,24 @@ class Bucketer:
                 torch._foreach_zero_(b.holes)
             if unused:
                 torch._foreach_zero_(unused)
-            if dst:
-                torch._foreach_copy_(dst, src)
+            if self.scale is None:
+                if dst:
+                    torch._foreach_copy_(dst, src)
+            else:
+                self._scaled_copy(dst, src, inplace)
         self.launch_fn(b)
+
+    def _scaled_copy(self, dst, src, inplace) -> None:
+        """dst = src * scale in one pass (DDP's copy-in divides the same way): torch has no
+        foreach op with an output, so one call a parameter (~3 us each) to save the pass over
+        the bucket that a division after the reduction costs (43 MB on gpt-small)."""
+        for v, g in zip(dst, src):
+            if g.dtype == v.dtype:
+                torch.mul(g, self.scale, out=v)
+            else:  # widened first: 16-bit arithmetic would round the product
+                v.copy_(g).mul_(self.scale)
+        if inplace:
+            torch._foreach_mul_(inplace, self.scale)
 
     def flush(self) -> None:
         """Launch every bucket now (all gradients taken as they are) and wait: for gradients
