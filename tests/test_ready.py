@@ -1,5 +1,6 @@
-"""pyfast.comm.ready, the bucket engine of DataParallel and ZeRO, in one process: launch order,
-the final callback, an unused parameter, overlap off, and the parameter-change check."""
+"""pyfast.comm.ready, the bucket engine of DataParallel and ZeRO, in one process (launch order,
+the final callback, an unused parameter, overlap off, the parameter-change check); on two ranks,
+DataParallel's gradients as bucket views and check_finite="skip" left to the reduction."""
 import pytest
 import torch
 from torch import nn
