@@ -31,9 +31,10 @@ import torch.distributed as dist
 
 import pyfast.compress as C
 from pyfast.comm import all_reduce
-from pyfast.comm.collectives import all_reduce_pieces, wait_all
+from pyfast.comm.collectives import all_reduce_pieces
 from pyfast.comm.failure import Breaker, naming, new_group_like
 from pyfast.comm.guard import FiniteGuard, owns
+from pyfast.comm.ready import wait_then_raise
 
 
 class CompressionState:
@@ -192,7 +193,7 @@ def _complete(state: CompressionState, side, pending: list, seen: set) -> None:
     """On the communication thread, once the side band (FIFO: after every bucket) is done."""
     try:
         with state.breaker.guard("compression_hook reduction"):
-            wait_all([h for p in pending for h in p.handles] + [side])
+            wait_then_raise([h for p in pending for h in p.handles] + [side])
         for p in pending:
             if p.staged is not None:  # DDP's buffer holds the gradients back to back
                 flat, moves = p.staged

@@ -203,6 +203,164 @@ def table(result: dict):
     return t
 
 
+# ------------------------------------------------------------------ CPU time per step, split
+# `pyfast bench dp --cpu-split`: gpt-small (seq 256, byte vocabulary, AdamW), 2 ranks x 1
+# thread on loopback, per-rank batches 2 and 8: torch DDP (its defaults), DataParallel
+# (compressor="none", its defaults; and with gradient_as_bucket_view=True) and the bare module (no reduction: the compute they share)
+# step in turn, the order rotated each round. Per step: process CPU seconds (every thread:
+# the engine's, gloo's) and the main thread's; DataParallel's main-thread time split by part
+# (each part's own time, with wrappers this benchmark sets on the instance: nothing in the
+# library measures itself). "hooks + rest" is main - bare - the parts: the per-parameter
+# hooks, the readiness count and the noise of this shared machine.
+CPU_PARTS = {"forward checks": ("_check_usable", "_sync_buffers"),  # parameter check, buffers
+             "copy in": ("copy_in",), "launch": ("launch",), "finite check": ("local_ok",),
+             "side band": ("_reduce_and_copy",), "wait + copy out": ("finish",)}
+
+
+def _providers():
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from pyfast.parallel.data import DataParallel
+    views = lambda m: DataParallel(m, "none", gradient_as_bucket_view=True)  # noqa: E731
+    return {"bare": lambda m: m, "DDP": DDP, "DataParallel": lambda m: DataParallel(m, "none"),
+            "DataParallel views": views, "DataParallel views, zero_grad(set_to_none=False)": views}
+
+
+def _timed(obj, attr: str, acc: dict, key: str) -> None:
+    """obj.attr wrapped: its main-thread CPU seconds add to acc[key] (the inner parts'
+    included: _cpu_parts subtracts them)."""
+    fn = getattr(obj, attr)
+
+    def wrapper(*a, **k):
+        t0 = time.thread_time()
+        try:
+            return fn(*a, **k)
+        finally:
+            acc[key] += time.thread_time() - t0
+    setattr(obj, attr, wrapper)
+
+
+def _instrument(net, acc: dict) -> None:
+    b = net.bucketer
+    for attr in ("_check_usable", "_sync_buffers", "_reduce_and_copy"):
+        _timed(net, attr, acc, attr)
+    # Bucketer._launch (the copies, then launch_fn), called by the readiness engine
+    _timed(*((b.ready, "launch_fn") if hasattr(b, "ready") else (b, "_launch")), acc, "copy_in")
+    _timed(b, "launch_fn", acc, "launch")  # DataParallel._launch (flags, finite check, submit)
+    _timed(net._guard, "local_ok", acc, "local_ok")
+    _timed(b, "finish", acc, "finish")
+
+
+def _cpu_parts(acc: dict) -> dict:
+    """Each part's own seconds (nested calls subtracted), by CPU_PARTS name."""
+    own = dict(acc)
+    own["copy_in"] -= acc["launch"]
+    own["launch"] -= acc["local_ok"]
+    own["_reduce_and_copy"] -= acc["finish"]  # the side band's all-reduce, wait and read
+    return {name: sum(own[k] for k in keys) for name, keys in CPU_PARTS.items()}
+
+
+def _cpu_worker() -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from pyfast import models
+    from pyfast.parallel.data import DataParallel
+    providers = _providers()
+    job = json.loads(os.environ["PYFAST_DP_CPU"])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=job["timeout"]))
+    rank, seq = dist.get_rank(), job["seq"]
+    out = {}
+    for batch in job["batches"]:
+        g = torch.Generator().manual_seed(rank)
+        data = [torch.randint(0, 256, (batch, seq + 1), generator=g) for _ in range(2)]
+        nets, acc = {}, {}
+        for name, wrap in providers.items():
+            torch.manual_seed(0)
+            net = wrap(models.build(job["model"], 256, seq))
+            nets[name] = (net, torch.optim.AdamW(net.parameters(), lr=1e-4))
+            if isinstance(net, DataParallel):
+                acc[name] = {k: 0.0 for keys in CPU_PARTS.values() for k in keys}
+                _instrument(net, acc[name])
+        rec = {n: {"wall": [], "proc": [], "main": [], "parts": []} for n in nets}
+        names = list(nets)
+        for r in range(job["warmup"] + job["steps"]):
+            k = r % len(names)
+            for name in names[k:] + names[:k]:
+                net, opt = nets[name]
+                x = data[r % 2]
+                dist.barrier()
+                for a in acc.values():
+                    a.update(dict.fromkeys(a, 0.0))
+                w0, p0, t0 = time.perf_counter(), time.process_time(), time.thread_time()
+                opt.zero_grad(set_to_none="set_to_none=False" not in name)
+                F.cross_entropy(net(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
+                opt.step()
+                if r >= job["warmup"]:
+                    rec[name]["wall"].append(time.perf_counter() - w0)
+                    rec[name]["proc"].append(time.process_time() - p0)
+                    rec[name]["main"].append(time.thread_time() - t0)
+                    if name in acc:
+                        rec[name]["parts"].append(_cpu_parts(acc[name]))
+        med = statistics.median
+        row = {n: {k: med(v[k]) for k in ("wall", "proc", "main")} for n, v in rec.items()}
+        for name in acc:
+            nets[name][0].close()
+            row[name]["parts"] = {k: med(p[k] for p in rec[name]["parts"]) for k in CPU_PARTS}
+        out[batch] = row
+    each = [None] * dist.get_world_size()
+    dist.all_gather_object(each, out)
+    if rank == 0:
+        atomic_write_text(job["out"], json.dumps(each))
+    netns.finish_group()
+
+
+def cpu_split(batches=(2, 8), steps: int = 6, warmup: int = 2, model: str = "gpt-small",
+              seq: int = 256, timeout: float = 1800) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        job = {"batches": list(batches), "steps": steps, "warmup": warmup, "model": model,
+               "seq": seq, "timeout": timeout, "out": os.path.join(d, "r.json")}
+        netns.run_ranks(["-c", "from pyfast.benchmarks.dp import _cpu_worker; _cpu_worker()"],
+                        2, "loopback", timeout, env={"PYFAST_DP_CPU": json.dumps(job)})
+        with open(job["out"]) as f:
+            each = json.load(f)
+    rows = []
+    for b in map(str, batches):  # the ranks' mean (both do the same work)
+        for name in each[0][b]:
+            rs = [e[b][name] for e in each]
+            row = {"batch": int(b), "provider": name,
+                   **{k: statistics.mean(r[k] for r in rs) for k in ("wall", "proc", "main")}}
+            if "parts" in rs[0]:
+                row["parts"] = {k: statistics.mean(r["parts"][k] for r in rs) for k in CPU_PARTS}
+            rows.append(row)
+        bare = {r["provider"]: r for r in rows if r["batch"] == int(b)}["bare"]
+        for r in rows:
+            if r["batch"] == int(b):
+                r["over_bare"] = r["main"] - bare["main"]
+                if "parts" in r:
+                    r["parts"]["hooks + rest"] = r["over_bare"] - sum(r["parts"].values())
+    return {"machine": perf.machine(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "pyfast": pyfast.__version__, "model": model, "seq": seq, "steps": steps,
+            "warmup": warmup, "rows": rows}
+
+
+def cpu_table(result: dict):
+    from rich.table import Table
+    parts = [*CPU_PARTS, "hooks + rest"]
+    t = Table(title=f"CPU per rank-step, {result['model']} seq {result['seq']}, AdamW, 2 ranks x "
+                    f"1 thread, loopback, median of {result['steps']} steps after "
+                    f"{result['warmup']} (ranks' mean); ms\n{result['machine']}")
+    perf.columns(t, ("batch/rank", "provider", "wall", "process CPU", "main thread",
+                     "main - bare", *parts), left=("provider",))
+    for r in result["rows"]:
+        ms = lambda v: f"{v * 1e3:.1f}"  # noqa: E731
+        t.add_row(str(r["batch"]), r["provider"], ms(r["wall"]), ms(r["proc"]), ms(r["main"]),
+                  ms(r["over_bare"]), *(ms(r["parts"][k]) if "parts" in r else "" for k in parts))
+    return t
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="pyfast bench dp", description=__doc__)
     p.add_argument("--link", default="1gbit,loopback")
@@ -212,8 +370,12 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--bucket-mb", type=float, default=None,
                    help="DataParallel bucket_mb (default: DataParallel's own)")
+    p.add_argument("--cpu-split", action="store_true",
+                   help="instead: CPU per step of DataParallel(none) vs DDP on gpt-small, by part")
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
+    if a.cpu_split:
+        return perf.finish(cpu_split(steps=a.steps, warmup=a.warmup), cpu_table, a.out, width=200)
     res = run(a.link.split(","), a.configs.split(","), a.batch, a.steps, a.warmup,
               bucket_mb=a.bucket_mb)
     return perf.finish(res, table, a.out, width=170)

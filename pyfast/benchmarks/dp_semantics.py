@@ -102,22 +102,14 @@ def _components(net, dist, n: int = 40) -> dict:
 
     def flags():
         for b in net.bucketer.buckets:
-            first = net._first[b.index]
-            for i, p in enumerate(b.params):
-                if p.grad is not None:
-                    net._side[first + i] = 1.0
+            net._band.mark_used(b.index, b.params)
 
-    def side():
-        h = (net._engine.all_reduce(net._side, None, op="sum", name="sideband")
-             if net._engine is not None else None)
-        if h is None:
-            from pyfast.comm import all_reduce
-            h = all_reduce(net._side, None, net._comm, op="sum", async_op=True)
-        h.wait()
+    def side():  # on the engine (or comm's worker) as in a step
+        net._band.reduce(net._engine, net._comm).wait()
 
     with torch.no_grad():
         return {"check_s": med(net._check_usable), "flags_s": med(flags), "side_s": med(side),
-                "side_floats": net._side.numel()}
+                "side_floats": len(net._band.flags)}
 
 
 def run(specs=("int8", "none"), rounds: int = 5, steps: int = 6) -> dict:

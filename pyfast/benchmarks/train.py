@@ -15,6 +15,8 @@ one run, on plain loopback and on an emulated link (2 ranks x 1 thread).
                          by parameters), global-norm clip by an all-reduce of squared norms
 
 Step time: median over the timed steps of the slowest rank's step (a barrier before each);
+CPU ms: process CPU seconds a rank spends in a step (every thread: the engines' and gloo's too),
+the median over steps of the ranks' mean (`pyfast bench dp --cpu-split` splits DataParallel's);
 the providers of a launch take their steps in turn (round robin). Every provider's first-step
 loss must equal the dense model's on the same global batch within 1e-4 (and, uncompressed, its
 gradient norm within 0.1%) before it is timed: a wrong sharding is reported, never timed.
@@ -242,7 +244,7 @@ def _worker() -> None:
             live[name] = (_torch if name.startswith("torch") else _job)(name, j, rank, world,
                                                                        corpus)
         rows[name] = {"config": name, "ref_loss": ref_loss, "ref_grad_norm": ref_norm}
-        log[name] = {"times": [], "sent": [], "recs": []}
+        log[name] = {"times": [], "sent": [], "recs": [], "cpu": []}
     # Round robin, one step of each provider in turn, not one provider after the other: run
     # in sequence, whichever of a pair ran first was up to 12% slower (global batch 2, loopback:
     # DDP first 444 vs dp2 438 ms, dp2 first 426 vs DDP 374), and the first training job in
@@ -251,10 +253,11 @@ def _worker() -> None:
     for i in range(j["warmup"] + j["steps"]):
         for name, (step, close) in [(n, live[n]) for n in j["configs"] if n in live]:
             dist.barrier()
-            w0, t0 = bytes_written(), perf.clock(DEVICE)
+            w0, t0, c0 = bytes_written(), perf.clock(DEVICE), time.process_time()
             share, gnorm, rec = step(i + 1)
             if i >= j["warmup"]:
                 log[name]["times"].append(perf.clock(DEVICE) - t0)
+                log[name]["cpu"].append(time.process_time() - c0)
                 log[name]["sent"].append(bytes_written() - w0)
                 log[name]["recs"].append(rec)
             if i == 0:
@@ -279,6 +282,9 @@ def _worker() -> None:
         per_step = [mine[r]["times"][i] for i, r in enumerate(slow)]
         row.update(**perf.summary(per_step), times=per_step,
                    wire_bytes=statistics.median(map(sum, zip(*(e["sent"] for e in mine)))))
+        if name not in ONE:  # process CPU seconds a rank-step (every thread), the ranks' mean
+            row["cpu_ms"] = 1e3 * statistics.median(map(statistics.mean,
+                                                        zip(*(e["cpu"] for e in mine))))
         if mine[0]["recs"][0]:  # Job's own breakdown, from the slowest rank of each step
             for k in ("compute_ms", "exposed_comm_ms", "bytes_sent"):
                 row[k] = statistics.median(mine[r]["recs"][i][k] for i, r in enumerate(slow))
@@ -366,7 +372,7 @@ def table(result: dict):
         f"after {result['warmup']} (slowest rank); 1-min load avg {load[0]:.2f} before, "
         f"{load[1]:.2f} after", result,
         ("link", "config", "step ms", "tokens/s", "vs peer", "loss@1 - dense", "compute ms",
-         "exposed comm ms", "MB sent", "floor ms"), left=("link", "config"))
+         "exposed comm ms", "MB sent", "floor ms", "CPU ms"), left=("link", "config"))
     notes = []
     for r in result["rows"]:
         if "skipped" in r or "error" in r:
@@ -378,7 +384,8 @@ def table(result: dict):
         t.add_row(r["link"], escape(r["config"]), f("median_s", 0, 1e3), f("tokens_s"),
                   f"{r['vs_peer']:.2f}x" if "vs_peer" in r else "",
                   f"{r['loss1'] - r['ref_loss']:+.1e}" if "loss1" in r else "",
-                  f("compute_ms"), f("exposed_comm_ms"), f"{mb:.1f}", f("floor_s", 0, 1e3))
+                  f("compute_ms"), f("exposed_comm_ms"), f"{mb:.1f}", f("floor_s", 0, 1e3),
+                  f("cpu_ms"))
     t.caption = escape("\n".join(notes)) if notes else None
     g = Table(title="targets (tokens/s ratios)")
     for col in ("target", "ratio", "need", "met"):

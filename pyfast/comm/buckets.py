@@ -16,12 +16,35 @@ relative error against 0.8% alone, a block's scale being set by its larger neigh
 
 Buckets are fp32 whatever the gradients' dtype (bf16 and fp16 gradients are widened exactly and
 the reduced average is rounded once, back into their dtype) and live on the parameters' device.
+
+Gradients as bucket views (views=True: DataParallel's gradient_as_bucket_view, DDP's flag): after
+a reduction an fp32 parameter's .grad is its piece of the bucket, so the result is not copied
+out; a backward that accumulates into it (zero_grad(set_to_none=False), no_sync, no zero_grad)
+writes the bucket directly, so it is not copied in either. zero_grad() (set_to_none=True,
+torch's default) gives autograd a fresh tensor: that one is copied in. As with DDP's flag, a
+reference to .grad kept across steps sees the next reduction (clone it to keep it), and the
+gradients and the buckets are one memory (4 bytes a parameter less between steps). 16-bit
+parameters get a gradient of their dtype, copied out. The copies are one torch._foreach_copy_ a
+bucket each way, not one Python call a parameter. A memory option, not a speed one, on the CPU:
+`pyfast bench dp --cpu-split` (gpt-small, 2 ranks x 1 thread, this 2-core EPYC, loaded) has copy
+in 2.9-3.3 ms and copy out 2.9-4.0 ms a rank-step without views, 0.7 and 0.2 ms with views and
+zero_grad(set_to_none=False), but the step's unattributed main-thread time grows by more (+10 to
++37 ms over three runs, either zero_grad; not pinned down: autograd's in-place accumulation,
+zero_grad's zeroing and the page faults of gradients freed mid-step were not measured apart).
+
+Also here, for every bucketed reducer (DataParallel, ZeRO): the parameter checks at
+construction, the replicas' start (rank 0's state broadcast, the layouts agreed), the default
+bucket size and the engine choices. Readiness and the side band: pyfast.comm.ready.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
+
+from pyfast.comm.agree import agree
+from pyfast.comm.ready import Readiness, wait_then_raise
 
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -42,6 +65,51 @@ def check_params(named, who: str) -> None:
                          f"{sorted(map(str, devices))}")
 
 
+ENGINES = ("auto", "native", "python")
+# 4 MB buckets (the first 1 MB, FIRST_BUCKET_MB), not DDP's 25: the engine pipelines
+# pieces inside a bucket, so a bucket only has to be big enough to hide a job's fixed cost, and
+# small buckets start the link early. `pyfast bench dp`'s MLP (9.4M parameters), int8, native
+# engine, 2 ranks on this 2-core EPYC at 1 Gbit/s, medians of 10 steps, two rounds: 25 MB
+# (2 buckets, the first ready 3/4 into backward) 237-245 ms; DDP's 1 MB first + 25 MB 234-237;
+# 4 MB (one bucket per layer) 203-210 (comm alone 150-155, compute alone 80). Job cost: 9.4M
+# elements as 16 int8 jobs of 2.25 MB take the time of one job (37 vs 48 ms on loopback, 151
+# vs 165 ms at 1 Gbit/s); 256 jobs of 0.14 MB took 199 ms on loopback.
+BUCKET_MB = 4.0
+
+
+def check_same_layout(params: list[tuple[str, torch.Tensor]], group=None) -> None:
+    """Raise on every rank, naming ranks and tensor, if parameter names/shapes/dtypes differ
+    (instead of hanging in a collective of mismatched sizes). comm.agree: one small all_gather."""
+    lines = [f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in params]
+
+    def differ(every: list) -> str:
+        bad = next(r for r, x in enumerate(every) if x != every[0])
+        a, b, n = every[0], every[bad], max(len(every[0]), len(every[bad]))
+        a, b = a + [None] * (n - len(a)), b + [None] * (n - len(b))  # one may be the other's prefix
+        first = next(i for i in range(n) if a[i] != b[i])
+        return (f"parameters differ across ranks: rank 0 has {len(every[0])} tensors, rank {bad} "
+                f"has {len(every[bad])}; first difference at #{first}: rank 0 {a[first]!r} vs "
+                f"rank {bad} {b[first]!r}")
+    agree(lines, None, group, device=params[0][1].device if params else None, differ=differ)
+
+
+def broadcast_state(module: torch.nn.Module, group=None) -> None:
+    broadcast_coalesced(list(module.parameters()) + list(module.buffers()), group)
+
+
+def broadcast_coalesced(tensors: list[torch.Tensor], group=None) -> None:
+    """Group rank 0's values into every rank's tensors: one broadcast per (device, dtype)."""
+    kinds: dict = {}
+    for t in tensors:
+        kinds.setdefault((t.device, t.dtype), []).append(t)
+    with torch.no_grad():
+        for ts in kinds.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in ts])
+            dist.broadcast(flat, group=group, group_src=0)
+            for t, part in zip(ts, flat.split([t.numel() for t in ts])):
+                t.copy_(part.view(t.shape))
+
+
 @dataclass
 class Bucket:
     index: int
@@ -49,11 +117,16 @@ class Bucket:
     names: list
     offsets: list
     flat: torch.Tensor
-    pending: int = 0
-    ready: bool = False
     handle: object = None
     extra: dict = field(default_factory=dict)
     gaps: list = field(default_factory=list)  # [start, end) of the zero padding between params
+    views: list = field(default_factory=list)  # each parameter's piece of flat, in its shape
+    holes: list = field(default_factory=list)  # flat's views of the gaps
+
+    def __post_init__(self):
+        self.views = [self.flat[o:o + p.numel()].view(p.shape)
+                      for p, o in zip(self.params, self.offsets)]
+        self.holes = [self.flat[a:e] for a, e in self.gaps]
 
     @property
     def name(self) -> str:
@@ -61,16 +134,20 @@ class Bucket:
 
 
 # The first bucket is capped at 1 MB (as DDP's _DEFAULT_FIRST_BUCKET_BYTES) so the link starts
-# working right after the last layer's backward; see DataParallel's bucket_mb for the rest.
+# working right after the last layer's backward; see BUCKET_MB for the rest.
 FIRST_BUCKET_MB = 1.0
 
 
 class Bucketer:
+    """DataParallel's buckets (module docstring), launched by a comm.ready.Readiness:
+    launch(bucket) is called with the bucket's gradients copied in, in bucket order."""
+
     def __init__(self, named_params, bucket_mb: float, launch, enabled: bool = True,
-                 first_mb: float | None = None, align: int = 1):
+                 first_mb: float | None = None, align: int = 1, views: bool = False):
         if align < 1:
             raise ValueError(f"align must be >= 1, got {align}")
-        self.launch_fn, self.enabled, self.align = launch, enabled, align
+        self.launch_fn, self.align, self.views = launch, align, views
+        self.scale: float | None = None  # gradients multiplied by it on their way in
         self.buckets: list[Bucket] = []
         first = min(FIRST_BUCKET_MB if first_mb is None else first_mb, bucket_mb)
         members: list = []
@@ -83,16 +160,9 @@ class Bucketer:
                 members, size = [], 0
         if members:
             self._add(members)
-        self.where = {}
-        self._hooks = []
-        for b in self.buckets:
-            for i, p in enumerate(b.params):
-                self.where[p] = (b, i)
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._hook))
-        self.armed = False
+        self.ready = Readiness([b.params for b in self.buckets], self._launch, self._final,
+                               enabled)
         self.on_finish = None
-        self._next = 0
-        self._queued = False
 
     def _add(self, members) -> None:
         offsets, gaps, off = [], [], 0
@@ -109,84 +179,84 @@ class Bucketer:
                                    [n for n, _ in members], offsets,
                                    torch.zeros(off, dtype=torch.float32, device=dev), gaps=gaps))
 
+    @property
+    def armed(self) -> bool:
+        return self.ready.armed
+
     def arm(self, on_finish) -> None:
         """Reduce the gradients of the next backward (called by forward)."""
-        self.armed, self.on_finish, self._next, self._queued = True, on_finish, 0, False
+        self.on_finish = on_finish
         for b in self.buckets:
-            b.pending, b.ready, b.handle = len(b.params), False, None
+            b.handle = None
+        self.ready.arm()
 
     def disarm(self) -> None:
-        self.armed = False
+        self.ready.disarm()
 
     def close(self) -> None:
         """Remove the gradient hooks: the parameters no longer reference this bucketer."""
-        self.armed = False
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        self.ready.close()
 
-    def _hook(self, p: torch.Tensor) -> None:
-        if not self.armed:
-            return
-        if not self._queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._final)
-            self._queued = True
-        b, _ = self.where[p]
-        b.pending -= 1
-        if b.pending == 0:
-            b.ready = True
-            if self.enabled:
-                self._launch_ready()
-
-    def _launch_ready(self) -> None:
-        while self._next < len(self.buckets) and self.buckets[self._next].ready:
-            self._launch(self.buckets[self._next])
-            self._next += 1
-
-    def _launch(self, b: Bucket) -> None:
+    def _launch(self, i: int) -> None:
+        """Bucket i's gradients into its buffer (times `scale`, if set), then launch_fn: one
+        foreach copy (a Python call a bucket, not one a parameter), nothing for a gradient that
+        is already its view."""
+        b = self.buckets[i]
+        unused, dst, src, inplace = [], [], [], []
+        for p, v in zip(b.params, b.views):
+            g = p.grad
+            if g is None:  # unused this step: contributes zeros, as in DDP
+                unused.append(v)
+            elif g is v:
+                inplace.append(v)
+            else:
+                dst.append(v)
+                src.append(g)
         with torch.no_grad():
-            for a, e in b.gaps:  # the reduction wrote decoded values here (sign: +-scale)
-                b.flat[a:e].zero_()
-            for p, off in zip(b.params, b.offsets):
-                dst = b.flat[off: off + p.numel()]
-                if p.grad is None:  # unused this step: contributes zeros, as in DDP
-                    dst.zero_()
-                else:
-                    dst.copy_(p.grad.reshape(-1))
+            if b.holes:  # the reduction wrote decoded values here (sign: +-scale)
+                torch._foreach_zero_(b.holes)
+            if unused:
+                torch._foreach_zero_(unused)
+            if self.scale is None:
+                if dst:
+                    torch._foreach_copy_(dst, src)
+            else:
+                self._scaled_copy(dst, src, inplace)
         self.launch_fn(b)
+
+    def _scaled_copy(self, dst, src, inplace) -> None:
+        """dst = src * scale in one pass (DDP's copy-in divides the same way): torch has no
+        foreach op with an output, so one call a parameter (~3 us each) to save the pass over
+        the bucket that a division after the reduction costs (43 MB on gpt-small)."""
+        for v, g in zip(dst, src):
+            if g.dtype == v.dtype:
+                torch.mul(g, self.scale, out=v)
+            else:  # widened first: 16-bit arithmetic would round the product
+                v.copy_(g).mul_(self.scale)
+        if inplace:
+            torch._foreach_mul_(inplace, self.scale)
 
     def flush(self) -> None:
         """Launch every bucket now (all gradients taken as they are) and wait: for gradients
         accumulated outside an armed backward."""
-        self._final()
+        self.ready.flush()
 
     def _final(self) -> None:
-        """Autograd final callback: launch what is left (unused parameters), then wait."""
-        self.armed = False
-        for b in self.buckets:
-            b.ready = True
-        self._launch_ready()
-        self.finish_and_callback()
+        if self.on_finish is not None:
+            self.on_finish()
+        else:
+            self.finish()
 
     def finish(self, keep=None, before=None) -> list[Bucket]:
-        """Wait for every launched bucket, call before(buckets), then copy the reduced values
-        into the gradients. keep(bucket, i) False: the i-th parameter's .grad is left as it is
-        (None when no rank produced one)."""
-        # Wait for every launched bucket even after one failed: a reduction still running on
-        # the communication thread would otherwise interleave with the caller's next
-        # collective, in a different order on each rank (seen as a 120 s gloo hang in tests).
-        errors = []
-        for b in self.buckets:
-            if b.handle is not None:
-                try:
-                    b.handle.wait()
-                except BaseException as e:
-                    errors.append(e)
-                    b.extra["failed"] = True
-        if errors:
+        """Wait for every launched bucket (comm.ready.wait_then_raise), call before(buckets),
+        then copy the reduced values into the gradients. keep(bucket, i) False: the i-th
+        parameter's .grad is left as it is (None when no rank produced one)."""
+        try:
+            wait_then_raise([b.handle for b in self.buckets])
+        except BaseException:
             for b in self.buckets:
                 b.handle = None
-            raise errors[0]
+            raise
         if before is not None:
             before(self.buckets)
         done = []
@@ -195,20 +265,19 @@ class Bucketer:
                 continue
             b.extra["seconds"] = getattr(b.handle, "seconds", float("nan"))
             b.handle = None
-            with torch.no_grad():
-                for i, (p, off) in enumerate(zip(b.params, b.offsets)):
-                    if keep is not None and not keep(b, i):
-                        continue
-                    src = b.flat[off: off + p.numel()].view(p.shape)
-                    if p.grad is None:
-                        p.grad = src.to(p.dtype).clone()
-                    else:
-                        p.grad.copy_(src)
+            dst, src = [], []
+            for i, (p, v) in enumerate(zip(b.params, b.views)):
+                if (keep is not None and not keep(b, i)) or p.grad is v:
+                    continue
+                if self.views and p.dtype == v.dtype and p.is_contiguous():
+                    p.grad = v  # the gradient is the bucket's view: no copy (module docstring)
+                elif p.grad is None:
+                    p.grad = v.to(p.dtype).clone()
+                else:
+                    dst.append(p.grad)
+                    src.append(v)
+            if dst:
+                with torch.no_grad():
+                    torch._foreach_copy_(dst, src)
             done.append(b)
         return done
-
-    def finish_and_callback(self) -> None:
-        if self.on_finish is not None:
-            self.on_finish()
-        else:
-            self.finish()

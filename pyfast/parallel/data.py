@@ -13,60 +13,17 @@ from torch import nn
 
 import pyfast.compress as C
 from pyfast.comm import all_reduce
-from pyfast.comm.agree import agree
-from pyfast.comm.dry import read
 from pyfast.comm.engine import NativeEngine, status as native_status
-from pyfast.comm.collectives import all_reduce_pieces
+from pyfast.comm.collectives import all_finite, all_reduce_pieces
 from pyfast.comm.auto import CANDIDATES as AUTO_CANDIDATES, AutoSelector
-from pyfast.comm.buckets import Bucketer, check_params
+from pyfast.comm.buckets import (BUCKET_MB, ENGINES, Bucketer, broadcast_coalesced,  # noqa: F401
+                                 broadcast_state, check_params, check_same_layout)
 from pyfast.comm.failure import Breaker, new_group_like
 from pyfast.comm.guard import FiniteGuard
+from pyfast.comm.ready import SideBand, check_unchanged
 from pyfast.perf import clock
 
 log = logging.getLogger(__name__)
-ENGINES = ("auto", "native", "python")
-# 4 MB buckets (the first 1 MB, buckets.FIRST_BUCKET_MB), not DDP's 25: the engine pipelines
-# pieces inside a bucket, so a bucket only has to be big enough to hide a job's fixed cost, and
-# small buckets start the link early. `pyfast bench dp`'s MLP (9.4M parameters), int8, native
-# engine, 2 ranks on this 2-core EPYC at 1 Gbit/s, medians of 10 steps, two rounds: 25 MB
-# (2 buckets, the first ready 3/4 into backward) 237-245 ms; DDP's 1 MB first + 25 MB 234-237;
-# 4 MB (one bucket per layer) 203-210 (comm alone 150-155, compute alone 80). Job cost: 9.4M
-# elements as 16 int8 jobs of 2.25 MB take the time of one job (37 vs 48 ms on loopback, 151
-# vs 165 ms at 1 Gbit/s); 256 jobs of 0.14 MB took 199 ms on loopback.
-BUCKET_MB = 4.0
-
-
-def check_same_layout(params: list[tuple[str, torch.Tensor]], group=None) -> None:
-    """Raise on every rank, naming ranks and tensor, if parameter names/shapes/dtypes differ
-    (instead of hanging in a collective of mismatched sizes). comm.agree: one small all_gather."""
-    lines = [f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in params]
-
-    def differ(every: list) -> str:
-        bad = next(r for r, x in enumerate(every) if x != every[0])
-        a, b, n = every[0], every[bad], max(len(every[0]), len(every[bad]))
-        a, b = a + [None] * (n - len(a)), b + [None] * (n - len(b))  # one may be the other's prefix
-        first = next(i for i in range(n) if a[i] != b[i])
-        return (f"parameters differ across ranks: rank 0 has {len(every[0])} tensors, rank {bad} "
-                f"has {len(every[bad])}; first difference at #{first}: rank 0 {a[first]!r} vs "
-                f"rank {bad} {b[first]!r}")
-    agree(lines, None, group, device=params[0][1].device if params else None, differ=differ)
-
-
-def broadcast_state(module: nn.Module, group=None) -> None:
-    broadcast_coalesced(list(module.parameters()) + list(module.buffers()), group)
-
-
-def broadcast_coalesced(tensors: list[torch.Tensor], group=None) -> None:
-    """Group rank 0's values into every rank's tensors: one broadcast per (device, dtype)."""
-    kinds: dict = {}
-    for t in tensors:
-        kinds.setdefault((t.device, t.dtype), []).append(t)
-    with torch.no_grad():
-        for ts in kinds.values():
-            flat = torch.cat([t.detach().reshape(-1) for t in ts])
-            dist.broadcast(flat, group=group, group_src=0)
-            for t, part in zip(ts, flat.split([t.numel() for t in ts])):
-                t.copy_(part.view(t.shape))
 
 
 class DataParallel(nn.Module):
@@ -87,8 +44,11 @@ class DataParallel(nn.Module):
       whose bucket holds NaN/Inf sends zeros without touching its error-feedback memory; if any
       rank had one, every rank gets NaN in that bucket (GradScaler skips the same step
       everywhere) and every feedback memory and compressor state is put back as before the
-      step. "raise": NonFiniteGradient on every rank instead. False: no check (NaN/Inf go
-      through the compressor as they are). See pyfast.comm.guard for the costs.
+      step. With compressor none, fp16 or bf16 (nothing to put back) no check runs: NaN/Inf
+      cross the reduction as they are and reach every rank in the same elements, with the
+      same effect on GradScaler; `skipped` is then computed when read. "raise":
+      NonFiniteGradient on every rank instead. False: no check (NaN/Inf go through the
+      compressor as they are). See pyfast.comm.guard for the costs.
     - Buckets are fp32 whatever the parameters' dtype (bf16 / fp16 gradients are widened
       exactly; the average is rounded once into their dtype: more exact than DDP, whose buckets
       take the gradients' dtype); fp64 or complex parameters raise at construction. Shared
@@ -99,6 +59,13 @@ class DataParallel(nn.Module):
       module is then broken and every later forward raises. `timeout=` (seconds or timedelta)
       runs the reductions on a private group with that timeout (collective, like
       dist.new_group); without it the group's own applies.
+
+    - gradient_as_bucket_view=True (DDP's flag, off by default as in DDP): an fp32 parameter's
+      .grad is its piece of the bucket after a reduction: no copy out of the bucket, and none
+      into it when backward accumulates into an existing .grad (zero_grad(set_to_none=False),
+      no_sync); one memory for gradients and buckets. A .grad kept across steps then sees the
+      next reduction, as with DDP (pyfast.comm.buckets; its cost: `pyfast bench dp
+      --cpu-split`).
 
     state_dict() keys are the wrapped module's with a "module." prefix, exactly as DDP's, so
     checkpoints move between the two. The compression state (error-feedback memory per
@@ -130,7 +97,8 @@ class DataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, compressor=None, bucket_mb: float = BUCKET_MB, group=None,
                  error_feedback: bool = True, overlap: bool = True, check_finite="skip",
-                 engine: str = "auto", broadcast_buffers: bool = True, timeout=None):
+                 engine: str = "auto", broadcast_buffers: bool = True, timeout=None,
+                 gradient_as_bucket_view: bool = False):
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("DataParallel needs torch.distributed initialized "
@@ -157,24 +125,32 @@ class DataParallel(nn.Module):
         broadcast_state(module, self._comm)
         usable = [C.get(s) for s in AUTO_CANDIDATES] if self.auto else [self.compressor]
         align = math.lcm(*(c.block for c in usable))
-        self.bucketer = Bucketer(named, bucket_mb, self._launch, enabled=overlap, align=align)
+        self.bucketer = Bucketer(named, bucket_mb, self._launch, enabled=overlap, align=align,
+                                 views=gradient_as_bucket_view)
         self.selector = (AutoSelector(self.bucketer.buckets, self._comm, error_feedback)
                          if self.auto else None)
+        # NaN/Inf left to the sum (comm.guard); auto may pick a lossy compressor any step
+        self._through = not self.auto and self._guard.passes_through()
+        # The backend's own all-reduce (compressor "none"): the average is taken on the way into
+        # the bucket, as DDP's copy-in does, so the reduction sums and nothing divides after it
+        # (a pass over every bucket: 2-3 ms of the engine thread's CPU a step on gpt-small).
+        # x / W summed equals the sum / W bit for bit when W is a power of two (no underflow).
+        self._sum = not self.auto and self.compressor.algorithm == "native" and self.world > 1
+        if self._sum:
+            self.bucketer.scale = 1.0 / self.world
         # Per bucket, so that a per-bucket compressor could mix the two; uniform today (auto's
         # candidates are all dense).
         self.engine = "native" if native else "python"  # what engine="auto" chose
         self.engine_kind = [self.engine] * len(self.bucketer.buckets)
         self._engine = NativeEngine.private(group, timeout) if native else None
-        self._params = [p for _, p in named]
-        self._first = [0]  # side band: bucket i's used flags start at _first[i]
-        for b in self.bucketer.buckets:
-            self._first.append(self._first[-1] + len(b.params))
-        dev = self._params[0].device if self._params else None
-        self._side = torch.zeros(self._first[-1] + len(self.bucketer.buckets), device=dev)
+        self._named, self._params = named, [p for _, p in named]
+        # used flags per parameter, then one non-finite flag per bucket
+        buckets = self.bucketer.buckets
+        self._band = SideBand([len(b.params) for b in buckets], len(buckets), dev)
         self._breaker = Breaker("this DataParallel")
         self._sync, self._closed = True, False
         self.last_wait_s = 0.0
-        self.skipped = False  # whether the last reduction was a skipped (non-finite) step
+        self._skipped = False  # None: the last reduction's verdict is read on demand
 
     def _compressors(self) -> list:
         return list(self.selector.made.values()) if self.selector else [self.compressor]
@@ -204,32 +180,31 @@ class DataParallel(nn.Module):
         """Called by the bucketer when a bucket's gradients are all ready (in bucket order)."""
         if bucket.index == 0:
             self._guard.begin()
-            self._side.zero_()
-        first = self._first[bucket.index]
-        for i, p in enumerate(bucket.params):
-            if p.grad is not None and not self._bare:
-                self._side[first + i] = 1.0
-        ok = self._guard.local_ok(bucket.flat)
+            self._band.begin()
+        if not self._bare:
+            self._band.mark_used(bucket.index, bucket.params)
+        ok = self._through or self._guard.local_ok(bucket.flat)
         if not ok:  # NaN/Inf here: send zeros, flag it, keep the feedback memory out of it
             bucket.flat.zero_()
-            self._side[self._first[-1] + bucket.index] = 1.0
+            self._band.set_extra(bucket.index)
         c = self.selector.compressor(bucket) if self.selector else self.compressor
-        bucket.handle = self.reduce_async(bucket, self._guard.for_bucket(c, bucket.name, ok))
+        bucket.handle = self.reduce_async(bucket, self._guard.for_bucket(c, bucket.name, ok),
+                                          "sum" if self._sum else "avg")
 
-    def reduce_async(self, bucket, c=None):
-        """Start averaging bucket.flat over the group with compressor c (default: this
-        DataParallel's); returns a handle with wait() and `seconds` (what compressor="auto"
-        measures)."""
+    def reduce_async(self, bucket, c=None, op: str = "avg"):
+        """Start averaging (op="sum": summing) bucket.flat over the group with compressor c
+        (default: this DataParallel's); returns a handle with wait() and `seconds` (what
+        compressor="auto" measures)."""
         if c is None:
             c = self.selector.compressor(bucket) if self.selector else self.compressor
         if self.engine_kind[bucket.index] == "native":
-            return self._engine.all_reduce(bucket.flat, c, op="avg", name=bucket.name)
+            return self._engine.all_reduce(bucket.flat, c, op=op, name=bucket.name)
         if c.per_tensor:  # a matrix to factor, a selection: each parameter alone
             pieces = [(n, o, p.shape)
                       for p, n, o in zip(bucket.params, bucket.names, bucket.offsets)]
-            return all_reduce_pieces(bucket.flat, pieces, c, self._comm, op="avg",
+            return all_reduce_pieces(bucket.flat, pieces, c, self._comm, op=op,
                                      name=bucket.name)
-        return all_reduce(bucket.flat, c, self._comm, op="avg", async_op=True, name=bucket.name)
+        return all_reduce(bucket.flat, c, self._comm, op=op, async_op=True, name=bucket.name)
 
     def close(self) -> None:
         """Wait for reductions in flight, remove the gradient hooks, join the native engine's
@@ -266,31 +241,35 @@ class DataParallel(nn.Module):
             self.selector.after_step([b.extra["seconds"] for b in done])
 
     def _reduce_and_copy(self) -> list:
-        if self._bare:
+        band = self._band
+        if self._bare:  # no exchange: this rank's own flags
+            band.summed = list(band.flags)
             return self.bucketer.finish(before=self._before_copy)
-        if self._engine is not None:
-            side = self._engine.all_reduce(self._side, None, op="sum", name="sideband")
-        else:
-            side = all_reduce(self._side, None, self._comm, op="sum", async_op=True,
-                              name="sideband")
+        side = band.reduce(self._engine, self._comm)
         try:
             side.wait()  # FIFO behind the buckets: they are done too
         finally:  # wait for every bucket even so: none may run on behind the caller's back
-            # a dry run moved nothing: every parameter is used and every bucket finite
-            n = self._first[-1]
-            used = read(self._side, [1.0] * n + [0.0] * (self._side.numel() - n), self._comm)
-            done = self.bucketer.finish(keep=lambda b, i: used[self._first[b.index] + i] > 0,
+            band.read(self._comm)
+            done = self.bucketer.finish(keep=lambda b, i: band.used(b.index, i),
                                         before=self._before_copy)
         return done
 
     def _before_copy(self, buckets) -> None:
         """Between the wait and the copy into .grad: the non-finite verdict of the step."""
-        side = self._side[self._first[-1]:]
-        flags = [int(f) for f in read(side, [0] * side.numel(), self._comm)]
         names = [f"{b.name} ({', '.join(b.names[:3])}{'...' if len(b.names) > 3 else ''})"
                  for b in self.bucketer.buckets]
-        self.skipped = self._guard.settle(
-            flags, names, lambda i: self.bucketer.buckets[i].flat.fill_(float("nan")))
+        skipped = self._guard.settle(
+            self._band.extra(), names, lambda i: self.bucketer.buckets[i].flat.fill_(float("nan")))
+        self._skipped = None if self._through else skipped
+
+    @property
+    def skipped(self) -> bool:
+        """Whether the last reduction was a skipped (non-finite) step. Under a pass-through
+        check_finite="skip" (compressor none, fp16 or bf16) it is read from the reduced buckets
+        when asked, the first time (pyfast.comm.guard)."""
+        if self._skipped is None:
+            self._skipped = not all(all_finite(b.flat) for b in self.bucketer.buckets)
+        return self._skipped
 
     def reduce_gradients(self) -> None:
         """Average the gradients accumulated so far over the group, now, with the configured
@@ -317,15 +296,7 @@ class DataParallel(nn.Module):
         if self._closed:
             raise RuntimeError("this DataParallel was closed; call the wrapped .module directly")
         self._breaker.check()
-        now = [p for p in self.module.parameters() if p.requires_grad]
-        if len(now) != len(self._params) or any(a is not b for a, b in zip(now, self._params)):
-            names = {id(p): n for n, p in self.module.named_parameters()}
-            was = {id(p) for p in self._params}
-            new = [names[id(p)] for p in now if id(p) not in was]
-            gone = [names.get(id(p), "?") for p in self._params if id(p) not in {id(q) for q in now}]
-            raise RuntimeError(f"the wrapped module's trainable parameters changed after "
-                               f"DataParallel was built (added or unfrozen: {new or 'none'}; "
-                               f"removed or frozen: {gone or 'none'}): wrap it again")
+        check_unchanged(self.module, self._named, "DataParallel was built")
 
     def forward(self, *args, **kwargs):
         if self._bare:

@@ -40,9 +40,9 @@ from torch import nn
 
 import pyfast.compress as C
 from pyfast.comm.agree import agree
-from pyfast.comm.buckets import check_params
+from pyfast.comm.buckets import (BUCKET_MB, ENGINES, broadcast_state, check_params,
+                                 check_same_layout)
 from pyfast.comm.engine import NativeEngine, status as native_status
-from pyfast.parallel.data import BUCKET_MB, ENGINES, broadcast_state, check_same_layout
 
 from .layout import Layout, ParamShard, Unit, bucket_groups, shard_range, shard_size
 from .model import ZeroModel

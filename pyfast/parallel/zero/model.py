@@ -3,8 +3,8 @@
 
 Gradients are averaged by a reduce-scatter of each unit's buffer (pyfast.parallel.zero.layout):
 rank r receives the average of its shards, the fp32 .grad of its master shards. Every rank
-launches the units in unit order (strictly, as pyfast.comm.buckets does), so the collectives
-pair up whatever order backward finishes gradients in.
+launches the units in unit order (strictly: pyfast.comm.ready, DataParallel's bucket engine too),
+so the collectives pair up whatever order backward finishes gradients in.
 
 - stage 1: backward leaves full gradients in param.grad (no hook, no communication); step()
   reduce-scatters every unit, then frees param.grad.
@@ -44,10 +44,10 @@ import contextlib
 import torch
 from torch import nn
 
-from pyfast.comm import all_gather, all_reduce, reduce_scatter
-from pyfast.comm.dry import read
+from pyfast.comm import all_gather, reduce_scatter
+from pyfast.comm.buckets import broadcast_coalesced
 from pyfast.comm.failure import Breaker
-from pyfast.parallel.data import broadcast_coalesced
+from pyfast.comm.ready import Readiness, SideBand, check_unchanged, wait_then_raise
 
 
 class ZeroModel(nn.Module):
@@ -68,10 +68,9 @@ class ZeroModel(nn.Module):
         self.module, self.layout, self.stage = module, layout, stage
         self.compressor, self.group = compressor, group
         self.world, self.rank = layout.world, layout.rank
-        self._params = [p for _, p in named]
+        self._named, self._params = named, [p for _, p in named]
         self._names = {id(p): n for n, p in named}
-        # the side band's index of each parameter
-        self._flag = {id(p): i for i, p in enumerate(p for u in layout.units for p in u.params)}
+        self._ids = {id(p) for p in self._params}
         # Per unit, per parameter: this rank's fp32 master shard. Stages 1/2 with an fp32
         # parameter: a view of the parameter itself (its elements [start, start+length) are
         # contiguous in the flat view), so no fp32 copy is kept twice: 4 psi + 12 psi / N. A
@@ -82,17 +81,16 @@ class ZeroModel(nn.Module):
                 self.masters.append([self._master(p, sh) for p, sh in zip(u.params, u.shards)])
         self._breaker = Breaker("this zero model")
         self._sync = True
-        self._armed = False
         self._dirty = False  # a forward under no_sync since the last reduction (same on all ranks)
-        self._used = torch.zeros(len(self._flag), device=self._device)  # the side band
-        self._pending: list[int] = []
-        self._next = 0
-        self._queued = False
+        # which parameters each rank used: one flag per parameter, unit by unit
+        self._band = SideBand([len(u.params) for u in layout.units], 0, self._device)
         self._inflight: list = []  # (unit, out, handle)
-        self._hooks = []
-        if stage >= 2:
-            for p in self._params:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+        self._hooks = []  # stage 3's module hooks
+        # stage 2/3: each unit's reduce-scatter launched (in unit order) as its gradients
+        # complete, the rest and the wait in the autograd final callback
+        self._ready = None if stage < 2 else Readiness(
+            [u.params for u in layout.units], lambda i: self._launch(self.layout.units[i]),
+            self._final, complete=self._complete)
 
     def _master(self, p, sh) -> torch.Tensor:
         piece = p.detach().reshape(-1)[sh.start:sh.start + sh.length]
@@ -109,18 +107,8 @@ class ZeroModel(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def _check_params(self) -> None:
-        """The shards were laid out for these trainable parameters: freezing, unfreezing or
-        replacing one later would desynchronize layouts silently (DataParallel checks alike)."""
-        now = [p for p in self.module.parameters() if p.requires_grad]
-        if len(now) == len(self._params) and all(a is b for a, b in zip(now, self._params)):
-            return
-        names = {id(p): n for n, p in self.module.named_parameters()}
-        was, new = {id(p) for p in self._params}, {id(p) for p in now}
-        added = [names[id(p)] for p in now if id(p) not in was]
-        gone = [self._names[id(p)] for p in self._params if id(p) not in new]
-        raise RuntimeError(f"the wrapped module's trainable parameters changed after zero() "
-                           f"(added or unfrozen: {added or 'none'}; removed or frozen: "
-                           f"{gone or 'none'}): wrap it again")
+        """The shards were laid out for these trainable parameters (comm.ready.check_unchanged)."""
+        check_unchanged(self.module, self._named, "zero()")
 
     def forward(self, *args, **kwargs):
         self._breaker.check()
@@ -131,10 +119,10 @@ class ZeroModel(nn.Module):
             bufs = list(self.module.buffers())
             if bufs:
                 broadcast_coalesced(bufs, self.group)
-            if self.stage >= 2:
-                self._arm()
-        elif self.stage >= 2:
-            self._armed = False
+            if self._ready is not None:
+                self._ready.arm()
+        elif self._ready is not None:
+            self._ready.disarm()
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
@@ -148,31 +136,17 @@ class ZeroModel(nn.Module):
             self._sync = old
 
     # ------------------------------------------------------------------ stage 2
-    def _arm(self) -> None:
-        self._armed, self._next, self._queued = True, 0, False
-        self._pending = [len(u.params) for u in self.layout.units]
+    @property
+    def _armed(self) -> bool:
+        """Whether the running backward launches units as they complete."""
+        return self._ready is not None and self._ready.armed
 
-    def _grad_ready(self, p: torch.Tensor) -> None:
-        if not self._armed:
-            return
-        if not self._queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._final)
-            self._queued = True
-        u, _ = self.layout.of(p)
-        self._pending[u.index] -= 1
-        self._launch_ready()
-
-    def _launch_ready(self) -> None:
-        units = self.layout.units
-        while self._next < len(units) and self._pending[self._next] == 0:
-            self._launch(units[self._next])
-            self._next += 1
+    def _complete(self, i: int) -> None:
+        """Unit i's last gradient arrived (stage 3 packs it here)."""
 
     def _final(self) -> None:
-        """Autograd final callback: launch the units left (unused parameters), then wait."""
-        self._armed, self._dirty = False, False
-        self._pending = [0] * len(self.layout.units)
-        self._launch_ready()
+        """Autograd final callback, after the units left were launched: wait."""
+        self._dirty = False
         self.finish()
 
     def _launch(self, u) -> None:
@@ -192,10 +166,9 @@ class ZeroModel(nn.Module):
     def _pack(self, u) -> torch.Tensor:
         """Unit u's gradients in a fresh buffer (zeros for None), the full .grad freed."""
         buf = u.new_buffer(self._device)
+        self._band.mark_used(u.index, u.params)
         with torch.no_grad():
             for i, p in enumerate(u.params):
-                if p.grad is not None:
-                    self._used[self._flag[id(p)]] = 1.0
                 u.copy_in(buf, i, p.grad)
                 p.grad = None
         return buf
@@ -212,28 +185,18 @@ class ZeroModel(nn.Module):
             self._finish()
 
     def _finish(self) -> None:
-        errors = []
-        for _, _, h in self._inflight:
-            if h is not None:
-                try:
-                    h.wait()
-                except BaseException as e:  # noqa: BLE001
-                    errors.append(e)
         inflight, self._inflight = self._inflight, []
-        if errors:
-            raise errors[0]
+        wait_then_raise([h for _, _, h in inflight])
         if not inflight:
             return
         # on the FIFO of the reduce-scatters (stage 3 may have a gather queued there too)
-        if self.engine_kind["reduce_scatter"] == "native":
-            self._engine.all_reduce(self._used, None, op="sum", name="sideband").wait()
-        else:
-            all_reduce(self._used, None, self.group, op="sum", async_op=True).wait()
-        used = read(self._used, [1.0] * self._used.numel(), self.group)  # dry run: all used
-        self._used.zero_()
+        native = self.engine_kind["reduce_scatter"] == "native"
+        self._band.reduce(self._engine if native else None, self.group).wait()
+        self._band.read(self.group)  # a dry run: all used
+        self._band.begin()
         for u, out, _ in inflight:
             for i, p in enumerate(u.params):
-                if used[self._flag[id(p)]] == 0:
+                if not self._band.used(u.index, i):
                     continue
                 m = self.masters[u.index][i]
                 g = u.shard_view(out, i)
@@ -245,7 +208,9 @@ class ZeroModel(nn.Module):
     def reduce_gradients(self) -> None:
         """Reduce what the parameters' .grad hold now (stage 1 at step(); stage 2 after a
         backward under no_sync, or one that did not go through forward)."""
-        self._armed, self._dirty = False, False
+        self._dirty = False
+        if self._ready is not None:
+            self._ready.disarm()
         with self._breaker.guard("zero gradient reduce-scatter"):  # stage 1's run here
             for u in self.layout.units:
                 self._launch(u)
@@ -286,6 +251,8 @@ class ZeroModel(nn.Module):
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if self._ready is not None:
+            self._ready.close()
         pending = [h for _, _, h in self._inflight if h is not None]
         pending += [h for h, _ in getattr(self, "_gathering", {}).values()]
         for h in pending:

@@ -118,7 +118,7 @@ class Stage3Model(ZeroModel):
         # one called outside its unit's forward gets this error instead of a shape mismatch
         names = {id(m): n for n, m in module.named_modules()}
         for m in module.modules():
-            own = [(n, p) for n, p in m.named_parameters(recurse=False) if id(p) in self._flag]
+            own = [(n, p) for n, p in m.named_parameters(recurse=False) if id(p) in self._ids]
             if own:
                 self._hooks.append(m.register_forward_pre_hook(self._check(names[id(m)], own)))
         self.free_all()
@@ -238,20 +238,13 @@ class Stage3Model(ZeroModel):
             self.free_all()
         return out
 
-    def _grad_ready(self, p: torch.Tensor) -> None:
-        if self._armed:
-            u, _ = self.layout.of(p)
-            if self._pending[u.index] == 1 and u.module is not None:
-                # the unit's last gradient: pack it and free the parameters now, launch in order
-                self._pending[u.index] = 0
-                u.extra["packed"] = self._pack(u)
-                self.free(u)
-                if not self._queued:
-                    torch.autograd.Variable._execution_engine.queue_callback(self._final)
-                    self._queued = True
-                self._launch_ready()
-                return
-        super()._grad_ready(p)
+    def _complete(self, i: int) -> None:
+        """Unit i's last gradient arrived: pack it and free the parameters now (the root's stay
+        until the end of backward); comm.ready launches it in unit order."""
+        u = self.layout.units[i]
+        if u.module is not None:
+            u.extra["packed"] = self._pack(u)
+            self.free(u)
 
     def _final(self) -> None:
         super()._final()
