@@ -47,11 +47,14 @@ from pyfast.data import Batches, load_corpus
 DEVICE = torch.device("cpu")  # every provider's (gloo ranks); steps are timed with perf.clock
 ONE = {"1proc x 1thr": 1, "1proc x 2thr": 2}  # name -> threads of the single process
 PYFAST = {"pyfast dp2": {"dp": 2}, "pyfast dp2+int8": {"dp": 2, "compress": "int8"},
-          "pyfast tp2": {"tp": 2}, "pyfast pp2": {"pp": 2, "schedule": "1f1b"}}
+          "pyfast tp2": {"tp": 2}, "pyfast pp2": {"pp": 2, "schedule": "1f1b"},
+          # what a user who asks for "auto" on a fast link gets (issue 25: >= 1.0x DDP)
+          "pyfast dp2+auto": {"dp": 2, "compress": "auto"}}
 PEER = {"pyfast dp2": "torch DDP", "pyfast dp2+int8": "torch DDP+bf16 hook",
-        "pyfast tp2": "torch DTensor TP", "pyfast pp2": "torch pipelining"}
+        "pyfast tp2": "torch DTensor TP", "pyfast pp2": "torch pipelining",
+        "pyfast dp2+auto": "torch DDP"}
 # each pyfast mesh next to its peer: the two see the same load on the shared machine
-CONFIGS = [*ONE, *(c for p in PYFAST for c in (p, PEER[p]))]
+CONFIGS = list(dict.fromkeys([*ONE, *(c for p in PYFAST for c in (p, PEER[p]))]))
 DIVIDES = {"dp": 2, "DDP": 2, "pp2": 4, "pipelining": 4}  # global batch must divide by this
 TOL = 1e-4
 
