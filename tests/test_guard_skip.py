@@ -89,3 +89,22 @@ def test_skipped_int8_step_leaves_the_memory_as_never_seen(pool2):
     for ra, rb in zip(out[0]["native"]["a"], out[0]["python"]["a"]):
         assert torch.equal(ra[3], rb[3]), ra[0]
         assert all(torch.equal(ra[2][k], rb[2][k]) for k in ra[2]), ra[0]
+
+
+def test_one_read_a_block_finds_any_non_finite_element():
+    """check_finite="skip" folded into the quantization (comm.guard.folds): a NaN/Inf anywhere
+    in any block, the ragged tail block included, shows at the one element a block that
+    blocks_finite reads once decoded, for every block quantizer; a finite tensor passes."""
+    from pyfast.ops.quantize import blocks_finite, dequantize, quantize
+    n, block = 1000 + 37, 128  # 8 full blocks and a 13-element tail
+    for kind in ("int8", "int4", "fp8", "sign"):
+        x = torch.randn(n)
+        codes, scales = quantize(x, kind, block)
+        assert blocks_finite(dequantize(codes, scales, n, kind, block), block), kind
+        for i in torch.randint(0, n, (6,)).tolist() + [n - 1, 1]:
+            for bad in (float("nan"), float("inf"), -float("inf")):
+                y = x.clone()
+                y[i] = bad
+                codes, scales = quantize(y, kind, block)
+                assert not blocks_finite(dequantize(codes, scales, n, kind, block), block), \
+                    (kind, i, bad)

@@ -36,7 +36,9 @@ from __future__ import annotations
 
 import torch
 
+import pyfast.compress as C
 from pyfast.comm.collectives import NonFiniteGradient, all_finite
+from pyfast.ops.quantize import blocks_finite
 
 MODES = ("skip", "raise", False)
 
@@ -81,6 +83,19 @@ class FiniteGuard:
 
     def local_ok(self, flat: torch.Tensor) -> bool:
         return self.mode is False or all_finite(flat)
+
+    def folds(self, c) -> bool:
+        """Whether the check of a bucket reduced whole with c can ride on its quantization
+        ("skip" only): a block quantizer decodes a block holding NaN/Inf to NaN throughout
+        (compress.quant), on every rank, so the reduced bucket read once a block
+        (reduced_ok) tells what the full pass before compressing did, at 1/512 of its reads;
+        the memory the non-finite rank wrote is staged like the others' and dropped."""
+        return self.mode == "skip" and isinstance(c.base, C.Quantizer) and not c.per_tensor
+
+    @staticmethod
+    def reduced_ok(c, flat: torch.Tensor) -> bool:
+        """After the reduction, for a bucket that folds(c): whether no rank had NaN/Inf."""
+        return blocks_finite(flat, c.base.block)
 
     def for_bucket(self, c, name: str, ok: bool):
         """The compressor to reduce bucket `name` with: c itself, or c without its memory if
