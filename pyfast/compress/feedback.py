@@ -114,7 +114,8 @@ class ErrorFeedback:
                                  f"{v.dtype} of shape {tuple(v.shape)}")
         self.memory = {k: v.to(self.device, copy=True) if self.device is not None else v.clone()
                        for k, v in state["memory"].items()}
-        self._spare.clear()
+        self._spare.clear()  # and a step staged before the load writes nothing over it
+        self._staged, self._made = (None if self._staged is None else {}), set()
 
 
 class WithFeedback(Compressor):

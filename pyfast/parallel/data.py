@@ -44,7 +44,11 @@ class DataParallel(nn.Module):
       whose bucket holds NaN/Inf sends zeros without touching its error-feedback memory; if any
       rank had one, every rank gets NaN in that bucket (GradScaler skips the same step
       everywhere) and every feedback memory and compressor state is put back as before the
-      step. With compressor none, fp16 or bf16 (nothing to put back) no check runs: NaN/Inf
+      step (the memory is double-buffered for the step: nothing is copied). A block
+      quantizer (int8, int4, fp8, sign) carries a NaN/Inf block to every rank as NaN, so its
+      buckets are checked after the reduction, one element a block, not before compressing
+      (the rank with the NaN sends it; its memory is dropped with the step's). With
+      compressor none, fp16 or bf16 (nothing to put back) no check runs: NaN/Inf
       cross the reduction as they are and reach every rank in the same elements, with the
       same effect on GradScaler; `skipped` is then computed when read. "raise":
       NonFiniteGradient on every rank instead. False: no check (NaN/Inf go through the
