@@ -82,10 +82,10 @@ at::Tensor bytes(int64_t len, const at::Tensor& like) {  // on like's device
 }
 
 // slot (a send slot, at least c.bytes(x.numel()) bytes) = x's wire image through the
-// error-feedback memory ef (if defined), the rest of the slot zeroed.
-void pack(const Codec& c, const at::Tensor& x, const at::Tensor& ef, const at::Tensor& slot) {
+// error-feedback memory m.in (if defined; the new memory into m.out), the rest zeroed.
+void pack(const Codec& c, const at::Tensor& x, const Mem& m, const at::Tensor& slot) {
   const int64_t b = c.bytes(x.numel());
-  c.compress(x, ef, slot.narrow(0, 0, b));
+  c.compress(x, m.in, m.out, slot.narrow(0, 0, b));
   slot.narrow(0, b, slot.numel() - b).zero_();
 }
 
@@ -123,8 +123,12 @@ struct Engine::Job {
   Algo algo;
   bool avg;
   int64_t align, chunk;
-  std::vector<at::Tensor> ef;
-  std::string what;  // names the job in errors
+  std::vector<at::Tensor> ef, ef_out;  // ef_out: empty (in place) or where each new memory goes
+  std::string what;
+  Mem mem(size_t i) const {
+    if (ef.empty()) return {};
+    return {ef[i], ef_out.empty() ? ef[i] : ef_out[i]};
+  }  // names the job in errors
   std::unique_ptr<DeviceJob> device;  // null on CPU
   bool done = false;
   double seconds = std::numeric_limits<double>::quiet_NaN();
@@ -151,7 +155,7 @@ void Engine::shutdown() {
 
 int64_t Engine::submit(const at::Tensor& t, const std::string& kind, int64_t block,
                        const std::string& algorithm, bool avg, std::vector<at::Tensor> ef,
-                       int64_t align, int64_t chunk) {
+                       int64_t align, int64_t chunk, std::vector<at::Tensor> ef_out) {
   auto j = std::make_shared<Job>();
   j->codec = Codec{lookup(kKinds, kind, "compression kind"), kind, block};
   j->algo = lookup(kAlgos, algorithm, "algorithm");
@@ -178,7 +182,15 @@ int64_t Engine::submit(const at::Tensor& t, const std::string& kind, int64_t blo
     TORCH_CHECK(ef[i].numel() == want[i], "pyfast engine: error-feedback buffer ", i, " holds ",
                 ef[i].numel(), " elements, its part of the tensor has ", want[i]);
   }
+  TORCH_CHECK(ef_out.empty() || ef_out.size() == ef.size(), "pyfast engine: ", ef.size(),
+              " error-feedback buffers but ", ef_out.size(), " to write the new memory into");
+  for (size_t i = 0; i < ef_out.size(); ++i) {
+    check_float(ef_out[i], "an error-feedback output buffer", t);
+    TORCH_CHECK(ef_out[i].numel() == want[i], "pyfast engine: error-feedback output buffer ", i,
+                " holds ", ef_out[i].numel(), " elements, its part of the tensor has ", want[i]);
+  }
   j->t = t, j->avg = avg, j->ef = std::move(ef), j->align = align, j->chunk = chunk;
+  j->ef_out = std::move(ef_out);
   return enqueue(std::move(j), kind + ", " + algorithm + ", " + std::to_string(n) + " elements");
 }
 
@@ -268,6 +280,7 @@ int64_t Engine::enqueue(std::shared_ptr<Job> j, const std::string& what) {
 std::unique_ptr<DeviceJob> Engine::device_job(const Job& j) {
   std::vector<at::Tensor> tensors{j.t, j.in};
   tensors.insert(tensors.end(), j.ef.begin(), j.ef.end());
+  tensors.insert(tensors.end(), j.ef_out.begin(), j.ef_out.end());
   if constexpr (kWithCuda) {  // submit's checks let only CPU and CUDA tensors through
     if (!cuda_) cuda_ = cuda_queue(j.t.device().index());
     return cuda_->job(tensors);
@@ -332,6 +345,7 @@ void Engine::loop() {
     j->t.reset();  // release the buffers now, outside the lock
     j->in.reset();
     j->ef.clear();
+    j->ef_out.clear();
     {
       std::lock_guard<std::mutex> g(mu_);
       j->done = true, j->seconds = s, j->error = error;
@@ -372,7 +386,7 @@ void Engine::gather_sum(Job& j) {
   for (auto [a, b] : pieces(j.algo, j.t.numel(), j.align, j.chunk, world_)) {
     Flight f{a, b - a, round8(c.bytes(b - a))};
     f.send = bytes(f.slot, j.t), f.recv = bytes(f.slot * world_, j.t);
-    pack(c, j.t.narrow(0, a, f.len), j.ef.empty() ? at::Tensor() : j.ef[e++], f.send);
+    pack(c, j.t.narrow(0, a, f.len), j.mem(e++), f.send);
     f.work = pyfast::pg::all_gather_single(*pg_, f.recv, f.send);
     flying.push_back(std::move(f));
     if (flying.size() > 2) {  // two in flight: the link never idles (pipelined.py)
@@ -398,7 +412,7 @@ void Engine::two_phase(Job& j) {
     WorkPtr work;
   };
   std::deque<Stage> stage_a, stage_b;
-  auto ef = [&](size_t i) { return j.ef.empty() ? at::Tensor() : j.ef[i]; };
+  auto ef = [&](size_t i) { return j.mem(i); };
   auto reduce_gather = [&](Stage s) {
     s.work->wait();
     const auto [p, q] = s.parts[rank_];
@@ -446,7 +460,7 @@ void Engine::gather(Job& j) {
   if (n == 0) return;  // as the reference: nothing moves
   const int64_t slot = round8(c.bytes(n));
   at::Tensor send = bytes(slot, j.t), recv = bytes(slot * world_, j.t);
-  pack(c, j.in, j.ef.empty() ? at::Tensor() : j.ef[0], send);
+  pack(c, j.in, j.mem(0), send);
   pyfast::pg::all_gather_single(*pg_, recv, send)->wait();
   for (int64_t r = 0; r < world_; ++r)
     c.decode(recv.narrow(0, r * slot, c.bytes(n)), j.t.narrow(0, r * n, n));
@@ -472,7 +486,7 @@ void Engine::reduce_scatter(Job& j) {
   for (int64_t r = 0; r < world_; ++r) parts.emplace_back(r * n, (r + 1) * n);
   std::vector<int64_t> slots;  // all equal
   at::Tensor send = pack_parts(
-      c, j.in, parts, [&](size_t i) { return j.ef.empty() ? at::Tensor() : j.ef[i]; }, slots);
+      c, j.in, parts, [&](size_t i) { return j.mem(i); }, slots);
   at::Tensor recv = bytes(slots[0] * world_, j.t);
   pyfast::pg::all_to_all_single(*pg_, recv, send, equal, equal)->wait();
   sum_slots(c, recv, slots[0], world_, j.t);

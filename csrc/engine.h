@@ -65,9 +65,11 @@ class Engine {
   // chunk: elements per pipelined piece (pipelined.py's chunk_elems(); 0 = one piece, the
   // reference functions); ef: empty, or one fp32 memory per compression, per piece in order:
   // allgather [piece], two-phase [part 0..W-1, sum]. Checked here, on the caller's thread.
+  // ef_out: empty (each memory updated in place) or as many buffers as ef, where each new
+  // memory is written, ef left as it was (check_finite="skip"'s double buffer).
   int64_t submit(const at::Tensor& t, const std::string& kind, int64_t block,
                  const std::string& algorithm, bool avg, std::vector<at::Tensor> ef,
-                 int64_t align, int64_t chunk);
+                 int64_t align, int64_t chunk, std::vector<at::Tensor> ef_out = {});
   // All-gather / reduce-scatter jobs on the same FIFO (tensor-parallel overlap: the next
   // chunk's collective runs here while the caller multiplies; ZeRO's gradient reduce-scatter
   // and parameter all-gather). Contiguous float32 tensors, any shape. kind (none|fp16|bf16|

@@ -42,7 +42,7 @@ PYBIND11_MODULE(_C, m) {
   engine.def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>>(), py::arg("group"))
       .def("submit", &Engine::submit, nogil(), py::arg("tensor"), py::arg("kind"),
            py::arg("block"), py::arg("algorithm"), py::arg("avg"), py::arg("ef"),
-           py::arg("align"), py::arg("chunk"))
+           py::arg("align"), py::arg("chunk"), py::arg("ef_out") = std::vector<at::Tensor>{})
       .def("submit_all_gather", &Engine::submit_all_gather, nogil(), py::arg("out"),
            py::arg("input"), py::arg("kind") = "none", py::arg("block") = 1,
            py::arg("ef") = std::vector<at::Tensor>{})

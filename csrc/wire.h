@@ -48,6 +48,12 @@ inline const auto& accumulate_op() {
   return pyfast_op<AccumulateFn>("pyfast::dequantize_accumulate_");
 }
 
+// One error-feedback memory of a compression: read from `in`, the new one written into `out`
+// (the same tensor: in place). Both undefined: no error feedback.
+struct Mem {
+  at::Tensor in, out;
+};
+
 struct Codec {
   Kind kind;
   std::string name;  // the kernels' kind string
@@ -69,13 +75,17 @@ struct Codec {
   }
 
   // dst (uint8[bytes(len)]) = wire image of x, through the error-feedback memory ef if defined:
-  // r = x + ef; send compress(r); ef = r - decompress (compress/base.py compress_with_feedback).
-  void compress(const at::Tensor& x, at::Tensor ef, const at::Tensor& dst) const {
+  // r = x + ef; send compress(r); ef_out = r - decompress (compress/base.py
+  // compress_with_feedback). ef_out undefined: ef itself (in place); another buffer: ef is
+  // left as it was (check_finite="skip" keeps both and swaps on commit: pyfast/comm/guard.py).
+  void compress(const at::Tensor& x, const at::Tensor& ef, at::Tensor ef_out,
+                const at::Tensor& dst) const {
     const at::Tensor r = ef.defined() ? at::add(x, ef) : x;
+    if (ef.defined() && !ef_out.defined()) ef_out = ef;
     if (cast()) {
       at::Tensor w = dst.view(wire_dtype());
       w.copy_(r);  // one rounding, as r.to(fp16)
-      if (ef.defined()) at::sub_out(ef, r, w.to(at::kFloat));
+      if (ef.defined()) at::sub_out(ef_out, r, w.to(at::kFloat));
       return;
     }
     auto [codes, sc] = quantize_op().call(r, name, block, false, 0);
@@ -83,7 +93,7 @@ struct Codec {
     wire_scales.copy_(sc);
     wire_codes.copy_(codes);
     if (ef.defined())
-      at::sub_out(ef, r, dequantize_op().call(codes, sc, x.numel(), name, block, at::kFloat));
+      at::sub_out(ef_out, r, dequantize_op().call(codes, sc, x.numel(), name, block, at::kFloat));
   }
   void decode_add(const at::Tensor& buf, const at::Tensor& out) const {  // out += decode(buf)
     if (cast()) {

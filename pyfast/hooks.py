@@ -230,7 +230,7 @@ def compression_hook(state: CompressionState,
     if not ok:  # send zeros, keep the memory out of it; the side band tells every rank
         buf.zero_()
     keys = _names(c, numbers)
-    # the memory each name will update, copied first ("skip"); c.base if this rank is not finite
+    # c.base if this rank is not finite ("skip" stages the memories' updates: comm.guard)
     c = [state.guard.for_bucket(c, key, ok) for key in keys][-1]
     state._seen.update(keys)
     fut = torch.futures.Future()

@@ -240,8 +240,13 @@ class NativeEngine:
         # every quantization block is the unchunked one; the pieces must be the same.
         align = c.align
         chunk = pipelined.chunk_elems() if fast_path(t) else 0
-        ef = self._feedback(c, x, name, algorithm, align, chunk)
-        job = self._engine.submit(x, kind, align, algorithm, op == "avg", ef, align, chunk)
+        mems = self._feedback(c, x, name, algorithm, align, chunk)
+        ef, out = [m[0] for m in mems], [m[1] for m in mems]
+        if all(o is e for o, e in zip(out, ef)):  # in place (no step staged: comm.guard)
+            job = self._engine.submit(x, kind, align, algorithm, op == "avg", ef, align, chunk)
+        else:
+            job = self._engine.submit(x, kind, align, algorithm, op == "avg", ef, align, chunk,
+                                      ef_out=out)
         label = name or f"a {x.numel()}-element tensor"
         return _job_handle(self._engine, job, t,
                       f"all_reduce of {label} ({c.spec}, {algorithm}) on the native engine")
@@ -250,8 +255,9 @@ class NativeEngine:
         check_device(device)
         check_backend(device, self.group, what)
 
-    def _feedback(self, c, x, name, algorithm, align, chunk) -> list[torch.Tensor]:
-        """The memories pyfast.comm.all_reduce would use, created under its names if missing."""
+    def _feedback(self, c, x, name, algorithm, align, chunk) -> list[tuple]:
+        """The memories pyfast.comm.all_reduce would use, created under its names if missing,
+        each as (read, write) (ErrorFeedback.pair)."""
         if c.feedback is None or algorithm == "native":
             return []
         fb, n, w = c.feedback, x.numel(), self.world
@@ -259,13 +265,13 @@ class NativeEngine:
         step = max(n, 1) if chunk <= 0 else -(-chunk // unit) * unit
         bounds = [(a, min(n, a + step)) for a in range(0, n, step)]
         if algorithm == "allgather":
-            return [fb._buffer(x[a:b], f"{name}.{i}" if len(bounds) > 1 else name)
+            return [fb.pair(x[a:b], f"{name}.{i}" if len(bounds) > 1 else name)
                     for i, (a, b) in enumerate(bounds)]
         out = []
         for j, (a, b) in enumerate(bounds):
             pre = name if len(bounds) == 1 else f"{name}.{j}"
             parts = _chunks(b - a, w, align)
-            out += [fb._buffer(x[a + p:a + q], f"{pre}.{i}") for i, (p, q) in enumerate(parts)]
+            out += [fb.pair(x[a + p:a + q], f"{pre}.{i}") for i, (p, q) in enumerate(parts)]
             p, q = parts[self.rank]
-            out.append(fb._buffer(x[a + p:a + q], f"{pre}.sum"))
+            out.append(fb.pair(x[a + p:a + q], f"{pre}.sum"))
         return out

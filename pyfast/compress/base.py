@@ -102,8 +102,10 @@ class Compressor:
         slice); it may be non-contiguous. Equal to decompress(p) bit for bit."""
         raise NotImplementedError
 
-    def compress_with_feedback(self, x: torch.Tensor, ef: torch.Tensor, name: str = "") -> Payload:
-        """Compress x + ef and leave in ef what was not sent (ef is fp32, x's numel).
+    def compress_with_feedback(self, x: torch.Tensor, ef: torch.Tensor, name: str = "",
+                               out: torch.Tensor | None = None) -> Payload:
+        """Compress x + ef and leave in ef what was not sent (ef is fp32, x's numel); with out
+        (ef's shape), leave it in out instead and ef as it was.
 
         The generic form; compressors with a fused kernel override it. The residual is first
         rounded to x's dtype (what an uncompressed wire would carry) so that rounding, too,
@@ -111,7 +113,8 @@ class Compressor:
         """
         r = x.reshape(-1).to(torch.float32) + ef
         p = self.compress(r.to(x.dtype).view(x.shape), name)
-        ef.copy_(r - self.decompress(p).reshape(-1).to(torch.float32))
+        torch.sub(r, self.decompress(p).reshape(-1).to(torch.float32),
+                  out=ef if out is None else out)
         return p
 
     def layout(self, numel: int) -> list[tuple[str, torch.dtype, int]] | None:

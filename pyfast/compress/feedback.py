@@ -21,26 +21,82 @@ class ErrorFeedback:
         self.compressor = compressor
         self.device = torch.device(device) if device is not None else None
         self.memory: dict[str, torch.Tensor] = {}
+        # staged (begin_step .. commit / rollback): name -> the new memory written this step,
+        # memory[name] left as it was; spare: last step's old memories, reused as the targets
+        self._staged: dict[str, torch.Tensor] | None = None
+        self._made: set[str] = set()  # names first made this step (rollback drops them)
+        self._spare: dict[str, torch.Tensor] = {}
 
     def _buffer(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """The memory to update in place under `name`. While staged, a copy of it (rolled
+        back by not keeping it): for callers that cannot write out of place (pair())."""
+        e, out = self.pair(x, name)
+        if out is not e:
+            out.copy_(e)
+            self._staged[name] = out
+        return out
+
+    def pair(self, x: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(read, write): the memory under `name` and where its update goes, the same tensor
+        unless staged (begin_step): then a spare buffer, kept by commit(), and `read` stays
+        as it was, so a skipped step costs no copy (pyfast.comm.guard)."""
+        if self._staged is not None and name in self._staged:  # updated again this step
+            e = self._staged[name]
+            return e, e
         e = self.memory.get(name)
         if e is None:
             e = self.memory[name] = torch.zeros(x.numel(), dtype=torch.float32, device=x.device)
+            if self._staged is not None:
+                self._made.add(name)
         elif e.numel() != x.numel():
             raise ValueError(f"error feedback {name!r} holds {e.numel()} elements but the tensor "
                              f"has {x.numel()}: the same name was used for another tensor")
         elif e.device != x.device:  # loaded where the device was not known: once per name
             e = self.memory[name] = e.to(x.device)
-        return e
+        if self._staged is None:
+            return e, e
+        out = self._spare.pop(name, None)
+        if out is None or out.shape != e.shape or out.device != e.device:
+            out = torch.empty_like(e)
+        self._staged[name] = out
+        return e, out
+
+    def begin_step(self) -> None:
+        """Stage every update until commit() or rollback(); a step left open is committed."""
+        self.commit()
+        self._staged = {}
+
+    def commit(self) -> None:
+        """Keep the staged updates: swap them in (the old memories become the spares)."""
+        for name, new in (self._staged or {}).items():
+            old = self.memory.get(name)
+            self.memory[name] = new
+            if old is not None and old is not new:
+                self._spare[name] = old
+        self._staged, self._made = None, set()
+
+    def rollback(self) -> None:
+        """Drop the staged updates and the memories made this step: memory is as before."""
+        for name, new in (self._staged or {}).items():
+            if name not in self._made:
+                self._spare[name] = new
+        for name in self._made:
+            self.memory.pop(name, None)
+        self._staged, self._made = None, set()
 
     def compress(self, x: torch.Tensor, name: str = "") -> Payload:
-        return self.compressor.compress_with_feedback(x, self._buffer(x, name), name)
+        ef, out = self.pair(x, name)
+        if out is ef:
+            return self.compressor.compress_with_feedback(x, ef, name)
+        return self.compressor.compress_with_feedback(x, ef, name, out=out)
 
     def decompress(self, p: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
         return self.compressor.decompress(p, out)
 
     def reset(self) -> None:
         self.memory.clear()
+        self._spare.clear()
+        self._staged, self._made = (None if self._staged is None else {}), set()
 
     def state_dict(self) -> dict:
         return {"memory": {k: v.detach().cpu().clone() for k, v in self.memory.items()}}
@@ -58,6 +114,8 @@ class ErrorFeedback:
                                  f"{v.dtype} of shape {tuple(v.shape)}")
         self.memory = {k: v.to(self.device, copy=True) if self.device is not None else v.clone()
                        for k, v in state["memory"].items()}
+        self._spare.clear()  # and a step staged before the load writes nothing over it
+        self._staged, self._made = (None if self._staged is None else {}), set()
 
 
 class WithFeedback(Compressor):

@@ -46,7 +46,9 @@ class TopK(Compressor):
     def compress(self, x, name=""):
         return self._select(x)
 
-    def compress_with_feedback(self, x, ef, name=""):
+    def compress_with_feedback(self, x, ef, name="", out=None):
+        if out is not None and out is not ef:  # the fused kernel updates in place
+            ef = out.copy_(ef)
         return self._select(x, ef)
 
     def compress_parts(self, x, bounds, name="", ef=None):

@@ -144,6 +144,17 @@ def quantize_ref(x: torch.Tensor, kind: str, block: int = DEFAULT_BLOCK,
     return (nib[:, 0] | (nib[:, 1] << 4)).to(torch.uint8), scales
 
 
+def blocks_finite(decoded: torch.Tensor, block: int) -> bool:
+    """Whether a flat tensor made of decoded blocks (block-aligned from its element 0: every
+    collective's pieces are, comm.collectives' `align`), or of their sums, is finite, read at
+    one element a block: a block holding NaN/Inf gets a NaN scale (quantize_ref and the
+    kernels alike) and decodes to NaN throughout, and NaN survives the sums. n / block reads
+    where a full pass reads n (check_finite="skip", pyfast.comm.guard)."""
+    if decoded.numel() == 0:
+        return True
+    return bool(torch.isfinite(decoded[::block]).all()) and bool(torch.isfinite(decoded[-1]))
+
+
 def decode_ref(codes: torch.Tensor, n: int, kind: str) -> torch.Tensor:
     """fp32 code values (before scaling) of the first n elements."""
     if kind == "int8":

@@ -44,7 +44,11 @@ class DataParallel(nn.Module):
       whose bucket holds NaN/Inf sends zeros without touching its error-feedback memory; if any
       rank had one, every rank gets NaN in that bucket (GradScaler skips the same step
       everywhere) and every feedback memory and compressor state is put back as before the
-      step. With compressor none, fp16 or bf16 (nothing to put back) no check runs: NaN/Inf
+      step (the memory is double-buffered for the step: nothing is copied). A block
+      quantizer (int8, int4, fp8, sign) carries a NaN/Inf block to every rank as NaN, so its
+      buckets are checked after the reduction, one element a block, not before compressing
+      (the rank with the NaN sends it; its memory is dropped with the step's). With
+      compressor none, fp16 or bf16 (nothing to put back) no check runs: NaN/Inf
       cross the reduction as they are and reach every rank in the same elements, with the
       same effect on GradScaler; `skipped` is then computed when read. "raise":
       NonFiniteGradient on every rank instead. False: no check (NaN/Inf go through the
@@ -183,11 +187,14 @@ class DataParallel(nn.Module):
             self._band.begin()
         if not self._bare:
             self._band.mark_used(bucket.index, bucket.params)
-        ok = self._through or self._guard.local_ok(bucket.flat)
+        c = self.selector.compressor(bucket) if self.selector else self.compressor
+        # a block quantizer carries NaN/Inf through to every rank: checked after (comm.guard)
+        fold = bucket.extra["fold"] = not self._through and self._guard.folds(c)
+        ok = self._through or fold or self._guard.local_ok(bucket.flat)
         if not ok:  # NaN/Inf here: send zeros, flag it, keep the feedback memory out of it
             bucket.flat.zero_()
             self._band.set_extra(bucket.index)
-        c = self.selector.compressor(bucket) if self.selector else self.compressor
+        bucket.extra["c"] = c
         bucket.handle = self.reduce_async(bucket, self._guard.for_bucket(c, bucket.name, ok),
                                           "sum" if self._sum else "avg")
 
@@ -258,8 +265,11 @@ class DataParallel(nn.Module):
         """Between the wait and the copy into .grad: the non-finite verdict of the step."""
         names = [f"{b.name} ({', '.join(b.names[:3])}{'...' if len(b.names) > 3 else ''})"
                  for b in self.bucketer.buckets]
+        flagged = [f or int(b.handle is not None and b.extra.get("fold", False)
+                            and not self._guard.reduced_ok(b.extra["c"], b.flat))
+                   for f, b in zip(self._band.extra(), self.bucketer.buckets)]
         skipped = self._guard.settle(
-            self._band.extra(), names, lambda i: self.bucketer.buckets[i].flat.fill_(float("nan")))
+            flagged, names, lambda i: self.bucketer.buckets[i].flat.fill_(float("nan")))
         self._skipped = None if self._through else skipped
 
     @property
