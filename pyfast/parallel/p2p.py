@@ -255,20 +255,17 @@ class Peer:
     (a boundary's activations once its header is read).
 
     Every receive is posted as soon as that order allows: at begin(), right after each send,
-    right after a header is read. A receive posted after its send (late) makes the peer's gloo
-    I/O thread write the data at once, which lands while this rank is inside its next isend or
-    irecv: gloo's I/O thread then finds the pair's mutex held, skips the event and returns to
-    a level-triggered epoll_wait (tcp/pair.cc, handleEvents' try_lock), so it spins on the
-    core of the main thread that holds the mutex, and that call takes a scheduler slice (2-4
-    ms measured, 1f1b on 2 pinned ranks). 1f1b at 2 ranks posted late at every step's start
-    (act 1 before its header was read) and on each tie of the schedule; posting here as well
-    took its per-action overhead from 424-429 to 223-330 us (tiny model, side by side in one
-    pool, a loaded 2-core AMD EPYC) and its I/O threads' CPU from 2.4-2.6 to 1.3-2.4 ms a step.
-    The receives a send must post first go out with it in one batch_isend_irecv, the send
-    ahead: on gloo their data (already sent by the peer, often) then arrives after this rank's
-    send rather than during it; under NCCL a batch is one group, so the order inside does not
-    matter. Overhead 150-287 -> 160-252 us over three runs side by side (loaded machine):
-    within the noise, kept for the mechanism."""
+    right after a header is read; the receives a send must post first go out with it in one
+    batch_isend_irecv, the send ahead (under NCCL a batch is one group: the order inside it
+    does not matter). Why: a receive posted after its send (late) makes the peer's gloo I/O
+    thread write the data at once, and it lands while this rank is in its next isend/irecv,
+    which holds the pair's mutex; gloo's I/O thread then skips the event (try_lock in
+    tcp/pair.cc handleEvents) and returns to a level-triggered epoll_wait, spinning on the
+    core of the main thread (the ranks are pinned), so that call takes a scheduler slice: 2-4
+    ms isend/irecv calls traced on 1f1b, 2 ranks, right after late receives. Side by side
+    with the version before (tiny model, 1f1b, 2 ranks, 3 alternated runs on a 2-core AMD EPYC
+    at load 5): overhead per action 220-360 -> 134-204 us; gloo's I/O threads still burn
+    2.2-2.8 ms a rank-step (torch's Schedule1F1B 0.4-0.7 ms), so this is not all of it."""
 
     def __init__(self, group, rank: int, me: int):
         self.group, self.rank, self.me = group, rank, me  # ranks in `group`
@@ -497,7 +494,8 @@ class Link:
     def post(self, kind, mb, size, posted=None):
         """Receive a message (posted: (work, buffer) where a batch posted it already)."""
         if posted is None:
-            pending = self._irecv(torch.empty(size, dtype=torch.uint8, device=self.device), kind, mb)
+            buf = torch.empty(size, dtype=torch.uint8, device=self.device)
+            pending = self._irecv(buf, kind, mb)
         else:
             pending = (*posted, kind, mb)
         if kind == ACT_HEADER:
