@@ -262,10 +262,12 @@ class Peer:
     which holds the pair's mutex; gloo's I/O thread then skips the event (try_lock in
     tcp/pair.cc handleEvents) and returns to a level-triggered epoll_wait, spinning on the
     core of the main thread (the ranks are pinned), so that call takes a scheduler slice: 2-4
-    ms isend/irecv calls traced on 1f1b, 2 ranks, right after late receives. Side by side
-    with the version before (tiny model, 1f1b, 2 ranks, 3 alternated runs on a 2-core AMD EPYC
-    at load 5): overhead per action 220-360 -> 134-204 us; gloo's I/O threads still burn
-    2.2-2.8 ms a rank-step (torch's Schedule1F1B 0.4-0.7 ms), so this is not all of it."""
+    ms isend/irecv calls traced on 1f1b, 2 ranks, right after late receives. Against the
+    version before, 5 alternated runs (tiny model, 1f1b, 2 pinned ranks, a 2-core AMD EPYC at
+    load 3-6): gloo I/O-thread CPU 2.2-5.8 (median 4.2) -> 2.3-2.8 (2.4) ms a rank-step, the
+    step over torch Schedule1F1B's in the same run 1.32-1.78x (1.54) -> 1.01-1.45x (1.24);
+    overhead per action within that noise. torch's I/O threads burn 0.4-0.7 ms a rank-step:
+    this is not all of the gap."""
 
     def __init__(self, group, rank: int, me: int):
         self.group, self.rank, self.me = group, rank, me  # ranks in `group`
