@@ -252,22 +252,7 @@ class Peer:
     """This rank's messages with one other rank in a step, both ways, issued in pair_orders'
     order: a send first posts every receive due before it; a receive is posted as far ahead
     as that order allows (never past a send of this rank not made yet) and its size is known
-    (a boundary's activations once its header is read).
-
-    Every receive is posted as soon as that order allows: at begin(), right after each send,
-    right after a header is read; the receives a send must post first go out with it in one
-    batch_isend_irecv, the send ahead (under NCCL a batch is one group: the order inside it
-    does not matter). Why: a receive posted after its send (late) makes the peer's gloo I/O
-    thread write the data at once, and it lands while this rank is in its next isend/irecv,
-    which holds the pair's mutex; gloo's I/O thread then skips the event (try_lock in
-    tcp/pair.cc handleEvents) and returns to a level-triggered epoll_wait, spinning on the
-    core of the main thread (the ranks are pinned), so that call takes a scheduler slice: 2-4
-    ms isend/irecv calls traced on 1f1b, 2 ranks, right after late receives. Against the
-    version before, 5 alternated runs (tiny model, 1f1b, 2 pinned ranks, a 2-core AMD EPYC at
-    load 3-6): gloo I/O-thread CPU 2.2-5.8 (median 4.2) -> 2.3-2.8 (2.4) ms a rank-step, the
-    step over torch Schedule1F1B's in the same run 1.32-1.78x (1.54) -> 1.01-1.45x (1.24);
-    overhead per action within that noise. torch's I/O threads burn 0.4-0.7 ms a rank-step:
-    this is not all of the gap."""
+    (a boundary's activations once its header is read)."""
 
     def __init__(self, group, rank: int, me: int):
         self.group, self.rank, self.me = group, rank, me  # ranks in `group`
@@ -291,43 +276,13 @@ class Peer:
         if i is None or i < self.next:
             raise PipelineError(f"internal: rank {self.me} sends {(kind, link.stage, mb)} to "
                                 f"rank {self.rank}, which its schedule does not (or did)")
-        due = self._sized(i)
-        if due:  # the send first, then the receives due before it, in one batch (class doc)
-            self._batch(link, t, kind, mb, due)
-        else:
-            self.post(i - 1, block=True)
-            if self.next != i:
-                raise PipelineError(f"internal: rank {self.me} sends {(kind, link.stage, mb)} to "
-                                    f"rank {self.rank} before {self.order[self.next]}")
-            self.sent.append((t.numel(), link.tag(kind, mb)))
-            link.isend(t, kind, mb)
-        self.next = i + 1
-        self.post(len(self.order) - 1, block=False)  # what it opened: early (class doc)
-
-    def _sized(self, i: int) -> list:
-        """(link, kind, mb, size) of every receive due before message i, when there are some
-        and all their sizes are known without waiting; else []."""
-        due = []
-        for sender, kind, b, mb in self.order[self.next:i]:
-            size = self.links[b].size(kind)
-            if sender == self.me or size is None:
-                return []
-            due.append((self.links[b], kind, mb, size))
-        return due
-
-    def _batch(self, link, t, kind, mb, due) -> None:
-        """Send t, then post `due`, as one batch_isend_irecv: a group under NCCL (so the order
-        inside it does not matter there), the send ahead of the receives on gloo."""
-        ops = [link.op(t, kind, mb)] + [lk.op(None, k, m, size) for lk, k, m, size in due]
-        works = _named(lambda: f"Pipeline: sending {link._what(kind, mb)} to rank {self.rank}",
-                       dist.batch_isend_irecv, ops)
-        if len(works) != len(ops):  # NCCL coalesces a batch into one work: it waits for all
-            works = works[-1:] * len(ops)
+        self.post(i - 1, block=True)
+        if self.next != i:
+            raise PipelineError(f"internal: rank {self.me} sends {(kind, link.stage, mb)} to "
+                                f"rank {self.rank} before {self.order[self.next]}")
         self.sent.append((t.numel(), link.tag(kind, mb)))
-        link.isend(t, kind, mb, works[0])
-        for (lk, k, m, size), op, w in zip(due, ops[1:], works[1:]):
-            lk.post(k, m, size, (w, op.tensor))
-            self.posted.append((size, lk.tag(k, m)))
+        link.isend(t, kind, mb)
+        self.next = i + 1
 
     def post(self, upto: int, block: bool) -> None:
         """Post the receives up to index `upto`, stopping at a send of this rank; block: read
@@ -360,7 +315,6 @@ class Peer:
             if sender != self.me and kind_j in (ACT_HEADER, GRAD_HEADER):
                 self.links[b_j].read_header(kind_j)
         self.checked = max(self.checked, i)
-        self.post(len(self.order) - 1, block=False)  # the headers read size more (class doc)
 
     def fail(self, message: str) -> None:
         """The rest of this rank's messages to the peer, as failures, in order: an error
@@ -458,22 +412,10 @@ class Link:
     def tag(self, kind, mb) -> int:
         return tag(self.uid, kind, self.stage, mb)
 
-    def op(self, t, kind, mb, size=0) -> dist.P2POp:
-        """The P2POp of a send of t, or (t None) of a receive of `size` bytes into a new buffer."""
-        if t is not None:
-            peer = self.dst if kind in (ACT, ACT_HEADER) else self.src
-            return dist.P2POp(dist.isend, t, group=self.group, group_peer=peer,
-                              tag=self.tag(kind, mb))
-        peer = self.src if kind in (ACT, ACT_HEADER) else self.dst
-        return dist.P2POp(dist.irecv, torch.empty(size, dtype=torch.uint8, device=self.device),
-                          group=self.group, group_peer=peer, tag=self.tag(kind, mb))
-
-    def isend(self, t, kind, mb, w=None):
-        """Send t (w: its work where a batch sent it already)."""
+    def isend(self, t, kind, mb):
         peer = self.dst if kind in (ACT, ACT_HEADER) else self.src
-        if w is None:
-            w = _named(lambda: f"Pipeline: sending {self._what(kind, mb)} to rank {peer}",
-                       dist.isend, t, group=self.group, tag=self.tag(kind, mb), group_dst=peer)
+        w = _named(lambda: f"Pipeline: sending {self._what(kind, mb)} to rank {peer}",
+                   dist.isend, t, group=self.group, tag=self.tag(kind, mb), group_dst=peer)
         if kind == ACT and self.training:
             self.act_sends[mb] = (w, t)
         else:
@@ -493,13 +435,8 @@ class Link:
             return None
         return self._layouts[kind][1]
 
-    def post(self, kind, mb, size, posted=None):
-        """Receive a message (posted: (work, buffer) where a batch posted it already)."""
-        if posted is None:
-            buf = torch.empty(size, dtype=torch.uint8, device=self.device)
-            pending = self._irecv(buf, kind, mb)
-        else:
-            pending = (*posted, kind, mb)
+    def post(self, kind, mb, size):
+        pending = self._irecv(torch.empty(size, dtype=torch.uint8, device=self.device), kind, mb)
         if kind == ACT_HEADER:
             self._hf = pending
         elif kind == GRAD_HEADER:
