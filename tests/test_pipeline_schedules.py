@@ -194,19 +194,6 @@ def test_one_rank_equals_dense(schedule):
     torch.testing.assert_close(pipe(x), want_y, rtol=1e-6, atol=1e-6 * want_y.abs().max().item())
 
 
-def test_step_device_follows_module_to():
-    """A step's buffers go to the device of the first parameter (else buffer), whose slot
-    Pipeline finds once and reads each step: module.to() puts new tensors in the slots."""
-    with_params = Pipeline.from_sequential(_model(), 2, "1f1b", F.mse_loss)
-    buffers_only = Pipeline.from_sequential(nn.Sequential(nn.BatchNorm1d(4, affine=False)), 2,
-                                            "1f1b", F.mse_loss)
-    for pipe, cols in ((with_params, 10), (buffers_only, 4)):
-        pipe.step(torch.randn(6, cols), torch.randn(6, 4))
-        assert pipe._device(None) == torch.device("cpu")
-        pipe.to("meta")
-        assert pipe._device(None) == torch.device("meta")
-
-
 def test_one_rank_bad_input():
     with pytest.raises(ValueError, match="more stages than layers"):
         Pipeline.from_sequential(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), 2, "interleaved-1f1b",

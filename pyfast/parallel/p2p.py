@@ -31,7 +31,7 @@ import struct
 import torch
 import torch.distributed as dist
 
-from pyfast.comm.dry import moved_nothing
+from pyfast.comm.dry import moved_nothing, read
 from pyfast.comm.failure import CommError, naming
 from .schedules import B, F, I, simulate
 
@@ -103,36 +103,20 @@ def _layout(specs) -> tuple[list[int], int]:
     return offs, o + 1  # + the status byte
 
 
-def pack(ts: list[torch.Tensor], specs, device, tails=None) -> torch.Tensor:
-    """One contiguous message: each tensor's bytes, zero padding to the next 16-byte offset,
-    then the status byte OK, made by one torch.cat (4 ops a tensor where an empty buffer
-    filled piece by piece took 9: a 4 KB activation packs in 6 us instead of 16, AMD EPYC,
-    one thread). tails: pads(specs, device), which a Link keeps for its step's layout."""
-    if not specs:  # no tensor (no activation requires grad): the status byte alone
-        return torch.zeros(1, dtype=torch.uint8, device=device)
-    parts = []
-    for t, pad in zip(ts, tails or pads(specs, device)):
-        raw = t.detach().reshape(-1).view(torch.uint8)
-        parts.append(raw if raw.device == device else raw.to(device))
-        if pad is not None:
-            parts.append(pad)
-    return torch.cat(parts)
+def pack(ts: list[torch.Tensor], specs, device) -> torch.Tensor:
+    offs, size = _layout(specs)
+    buf = torch.empty(size, dtype=torch.uint8, device=device)
+    for t, o in zip(ts, offs):
+        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        buf.narrow(0, o, raw.numel()).copy_(raw)
+    buf[-1:].fill_(OK)
+    return buf
 
 
-def pads(specs, device) -> list[torch.Tensor | None]:
-    """What pack() puts after each tensor: zeros up to the next 16-byte offset (None where
-    there are none), the last one ending with the status byte OK."""
-    out = []
-    for i, (shape, dtype, _) in enumerate(specs):
-        n = -_nbytes(shape, dtype) % _ALIGN + (i == len(specs) - 1)
-        out.append(torch.zeros(n, dtype=torch.uint8, device=device) if n else None)
-    return out  # OK == 0: the status byte is one more zero
-
-
-def unpack(buf: torch.Tensor, specs, layout=None) -> list[torch.Tensor]:
-    """Views into buf (no copy). layout: _layout(specs), cached."""
-    offs, _ = layout or _layout(specs)
-    return [buf[o:o + _nbytes(shape, dtype)].view(dtype).view(shape)
+def unpack(buf: torch.Tensor, specs) -> list[torch.Tensor]:
+    """Views into buf (no copy)."""
+    offs, _ = _layout(specs)
+    return [buf.narrow(0, o, _nbytes(shape, dtype)).view(dtype).view(shape)
             for o, (shape, dtype, _) in zip(offs, specs)]
 
 
@@ -149,12 +133,9 @@ def failed_message(specs, message: str, device) -> torch.Tensor:
     return buf
 
 
-def read_failure(buf: torch.Tensor, nothing: bool | None = None) -> str | None:
-    """None if buf's status is OK, else the text it carries. nothing: whether the receive
-    that filled buf moved nothing (comm.dry.moved_nothing; asked when None), then OK."""
-    if nothing is None:
-        nothing = moved_nothing(buf)
-    if nothing or buf[-1].item() == OK:  # a dry run's receives hold nothing: taken as OK
+def read_failure(buf: torch.Tensor) -> str | None:
+    """None if buf's status is OK, else the text it carries."""
+    if read(buf[-1], OK) == OK:  # a dry run's receives hold nothing: taken as OK
         return None
     raw = bytes(buf.cpu().numpy())
     n = struct.unpack_from("<H", raw)[0] if len(raw) >= 3 else 0
@@ -163,9 +144,7 @@ def read_failure(buf: torch.Tensor, nothing: bool | None = None) -> str | None:
 
 # -- headers ---------------------------------------------------------------------------------
 def pack_header(step: int, training: bool, spec=None, error: str | None = None,
-                device=None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The header, HEADER_BYTES long; written into `out` (a header of an earlier step whose
-    send has completed) when given, else a new tensor."""
+                device=None) -> torch.Tensor:
     is_tuple, specs = spec if spec is not None else (False, ())
     ints = [_MAGIC, step, int(training), int(error is not None), int(is_tuple), len(specs)]
     for shape, dtype, rg in specs:
@@ -176,11 +155,10 @@ def pack_header(step: int, training: bool, spec=None, error: str | None = None,
     ints += [0] * (_INTS - len(ints))
     head = struct.pack(f"<{_INTS}q", *ints)
     text = (error or "").encode()[:HEADER_BYTES - len(head) - 2]
-    raw = bytearray(head + struct.pack("<H", len(text)) + text)
-    raw += bytes(HEADER_BYTES - len(raw))
-    if out is None:
-        out = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=device)
-    return out.copy_(torch.frombuffer(raw, dtype=torch.uint8))
+    raw = head + struct.pack("<H", len(text)) + text
+    buf = torch.zeros(HEADER_BYTES, dtype=torch.uint8, device=device)
+    buf[:len(raw)].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+    return buf
 
 
 def unpack_header(buf: torch.Tensor) -> dict:
@@ -204,17 +182,6 @@ def _forwarded(message: str) -> PipelineError:
     err = PipelineError(message)
     err.forwarded = True  # already names its rank; pass it on unchanged
     return err
-
-
-def _named(what, fn, *args, **kwargs):
-    """fn(*args, **kwargs) as inside comm.failure.naming(what()), the message built only
-    when the call fails: 0.1 us a call instead of 2.9 us with naming(f"...") (AMD EPYC),
-    paid on every send, receive and wait."""
-    try:
-        return fn(*args, **kwargs)
-    except Exception:
-        with naming(what()):
-            raise
 
 
 def pair_orders(lists: list, p: int, n_stages: int) -> dict[tuple, list[tuple]]:
@@ -257,14 +224,10 @@ class Peer:
     def __init__(self, group, rank: int, me: int):
         self.group, self.rank, self.me = group, rank, me  # ranks in `group`
         self.links: dict[int, Link] = {}     # boundary -> Link (each Link adds itself)
-        self._index: dict[int, tuple] = {}  # id(order) -> (order, its `at`), built once each
 
     def begin(self, order: list):
         self.order = order
-        if id(order) not in self._index:  # the same two orders (training, inference) each step
-            self._index[id(order)] = (order, {(kind, b, mb): i
-                                              for i, (_, kind, b, mb) in enumerate(order)})
-        self.at = self._index[id(order)][1]
+        self.at = {(kind, b, mb): i for i, (_, kind, b, mb) in enumerate(order)}
         self.next = 0     # the first message of `order` not issued yet
         self.checked = 0  # the headers received before this index have been read
         self.sent: list = []    # (bytes, tag) of each message sent, for drain()
@@ -364,8 +327,6 @@ class Link:
         self.act_sends: dict = {}  # mb -> (work, tensor): released when the gradient returns
         self.abandoned: list = []  # a failed step's pending transfers: their buffers stay alive
         self.dry_spec = None  # the activations' layout where headers arrive empty (Pipeline.expect)
-        self._headers: dict = {}  # kind -> this Link's header tensor, rewritten each step
-        self._cached = None  # (meta, device) that the layouts and pads below were made for
 
     def begin(self, step: int, training: bool, device):
         self.abandoned += self.sends + list(self.act_sends.values())
@@ -376,46 +337,22 @@ class Link:
         self.grad_ok = not training  # gradient header received (or not expected)
         self.acts, self.grads, self.mailbox = {}, {}, {}
         self._hf = self._hb = None
-        self._nothing = None  # this step's receives moved nothing (a dry run): on the first wait
-
-    def _set_meta(self, meta):
-        """This step's activation layout, and what every message of the step reuses: both
-        messages' specs, byte layouts and pack() pads (kept while the layout stays the same)."""
-        self.meta = meta
-        if self._cached != (meta, self.device):
-            self._cached = (meta, self.device)
-            self._gspecs = tuple(s for s in meta[1] if s[2])
-            self._layouts = {ACT: _layout(meta[1]), GRAD: _layout(self._gspecs)}
-            self._pads = {}
-
-    def _pad(self, kind):
-        if kind not in self._pads:
-            self._pads[kind] = pads(self.meta[1] if kind == ACT else self._gspecs, self.device)
-        return self._pads[kind]
-
-    def _header_out(self, kind):
-        """The header tensor of an earlier step (its send completed at finish()), if any on
-        this step's device."""
-        h = self._headers.get(kind)
-        return h if h is not None and h.device == self.device else None
 
     # -- transport -------------------------------------------------------------------------
     def _what(self, kind, mb):
-        if kind == ACT:
-            return f"stage {self.stage}'s output for micro-batch {mb}"
-        if kind == GRAD:
-            return f"the gradient of stage {self.stage}'s output for micro-batch {mb}"
-        if kind == ACT_HEADER:
-            return f"stage {self.stage}'s output header"
-        return f"the header of stage {self.stage}'s output gradients"
+        name = {ACT: f"stage {self.stage}'s output for micro-batch {mb}",
+                GRAD: f"the gradient of stage {self.stage}'s output for micro-batch {mb}",
+                ACT_HEADER: f"stage {self.stage}'s output header",
+                GRAD_HEADER: f"the header of stage {self.stage}'s output gradients"}[kind]
+        return name
 
     def tag(self, kind, mb) -> int:
         return tag(self.uid, kind, self.stage, mb)
 
     def isend(self, t, kind, mb):
         peer = self.dst if kind in (ACT, ACT_HEADER) else self.src
-        w = _named(lambda: f"Pipeline: sending {self._what(kind, mb)} to rank {peer}",
-                   dist.isend, t, group=self.group, tag=self.tag(kind, mb), group_dst=peer)
+        with naming(f"Pipeline: sending {self._what(kind, mb)} to rank {peer}"):
+            w = dist.isend(t, group=self.group, tag=self.tag(kind, mb), group_dst=peer)
         if kind == ACT and self.training:
             self.act_sends[mb] = (w, t)
         else:
@@ -423,8 +360,8 @@ class Link:
 
     def _irecv(self, buf, kind, mb):
         peer = self.src if kind in (ACT, ACT_HEADER) else self.dst
-        work = _named(lambda: f"Pipeline: receiving {self._what(kind, mb)} from rank {peer}",
-                      dist.irecv, buf, group=self.group, tag=self.tag(kind, mb), group_src=peer)
+        with naming(f"Pipeline: receiving {self._what(kind, mb)} from rank {peer}"):
+            work = dist.irecv(buf, group=self.group, tag=self.tag(kind, mb), group_src=peer)
         return work, buf, kind, mb
 
     def size(self, kind) -> int | None:
@@ -433,7 +370,7 @@ class Link:
             return HEADER_BYTES
         if self.meta is None:
             return None
-        return self._layouts[kind][1]
+        return _layout(self.meta[1] if kind == ACT else self._grad_specs())[1]
 
     def post(self, kind, mb, size):
         pending = self._irecv(torch.empty(size, dtype=torch.uint8, device=self.device), kind, mb)
@@ -446,7 +383,7 @@ class Link:
 
     def read_header(self, kind):
         if kind == ACT_HEADER and self.meta is None:
-            self._set_meta(self._header(self._hf, f"sender of stage {self.stage}")["spec"])
+            self.meta = self._header(self._hf, f"sender of stage {self.stage}")["spec"]
         elif kind == GRAD_HEADER and not self.grad_ok:
             self._header(self._hb, f"receiver of stage {self.stage}")
             self.grad_ok = True
@@ -454,16 +391,15 @@ class Link:
     def _wait(self, pending) -> torch.Tensor:
         work, buf, kind, mb = pending
         peer = self.src if kind in (ACT, ACT_HEADER) else self.dst
-        _named(lambda: f"Pipeline: receiving {self._what(kind, mb)} from rank {peer}", work.wait)
-        if self._nothing is None:  # every receive of the step alike: asked once
-            self._nothing = moved_nothing(buf, self.group)
-        if kind in (ACT, GRAD) and (text := read_failure(buf, self._nothing)) is not None:
+        with naming(f"Pipeline: receiving {self._what(kind, mb)} from rank {peer}"):
+            work.wait()
+        if kind in (ACT, GRAD) and (text := read_failure(buf)) is not None:
             raise _forwarded(text or f"rank {peer} failed (its message was too small to say why)")
         return buf
 
     def _header(self, pending, who: str) -> dict:
         buf = self._wait(pending)
-        if self._nothing:  # a dry run: the header the peer would have sent
+        if moved_nothing(buf, self.group):  # a dry run: the header the peer would have sent
             if self.dry_spec is None and pending[2] == ACT_HEADER:
                 raise PipelineError(f"boundary {self.stage}->{self.stage + 1}: the header arrived "
                                     "empty (meta tensors or the fake backend) and no layout was "
@@ -482,19 +418,17 @@ class Link:
         return h
 
     def _grad_specs(self):
-        return self._gspecs
+        return [s for s in self.meta[1] if s[2]]
 
     # -- activations, stage -> stage + 1 ---------------------------------------------------
     def send_act(self, mb: int, y):
         is_tuple, ts = as_tensors(y, f"stage {self.stage}'s output")
         meta = spec_of(is_tuple, ts)
         if self.meta is None:
-            self._set_meta(meta)
+            self.meta = meta
             if not self.local:
-                h = pack_header(self.step, self.training, meta, device=self.device,
-                                out=self._header_out(ACT_HEADER))
-                self._headers[ACT_HEADER] = h
-                self.peer.send(self, h, ACT_HEADER, 0)
+                self.peer.send(self, pack_header(self.step, self.training, meta,
+                                                 device=self.device), ACT_HEADER, 0)
         elif meta != self.meta:  # requires_grad too: it decides what the gradient message holds
             raise PipelineError(
                 f"stage {self.stage} output for micro-batch {mb} is {describe(meta)} but earlier "
@@ -503,7 +437,7 @@ class Link:
         if self.local:
             self.mailbox[mb] = [t.detach() for t in ts]
         else:
-            self.peer.send(self, pack(ts, self.meta[1], self.device, self._pad(ACT)), ACT, mb)
+            self.peer.send(self, pack(ts, self.meta[1], self.device), ACT, mb)
 
     def post_act(self, mb: int):
         """Post the receive (and the peer's earlier ones) as far as their sizes are known;
@@ -515,7 +449,7 @@ class Link:
         if self.local:
             return self.mailbox.pop(mb)
         self.peer.take(ACT, self.stage, mb)
-        return unpack(self._wait(self.acts.pop(mb)), self.meta[1], self._layouts[ACT])
+        return unpack(self._wait(self.acts.pop(mb)), self.meta[1])
 
     # -- gradients, stage + 1 -> stage -----------------------------------------------------
     def send_grad(self, mb: int, gs: list):
@@ -528,12 +462,10 @@ class Link:
             self.mailbox[("g", mb)] = gs
             return
         if not self.opened_b:
-            h = pack_header(self.step, self.training, device=self.device,
-                            out=self._header_out(GRAD_HEADER))
-            self._headers[GRAD_HEADER] = h
-            self.peer.send(self, h, GRAD_HEADER, 0)
+            self.peer.send(self, pack_header(self.step, self.training, device=self.device),
+                           GRAD_HEADER, 0)
             self.opened_b = True
-        self.peer.send(self, pack(gs, specs, self.device, self._pad(GRAD)), GRAD, mb)
+        self.peer.send(self, pack(gs, specs, self.device), GRAD, mb)
 
     def post_grad(self, mb: int):
         """As post_act (the gradient's size is known once this step's output was sent)."""
@@ -544,14 +476,14 @@ class Link:
         if self.local:
             return self.mailbox.pop(("g", mb))
         self.peer.take(GRAD, self.stage, mb)  # the gradients' header is read by now
-        gs = unpack(self._wait(self.grads.pop(mb)), self._gspecs, self._layouts[GRAD])
+        gs = unpack(self._wait(self.grads.pop(mb)), self._grad_specs())
         # Its gradient is back, so the activation has arrived: this wait returns at once, and
         # dropping the send keeps 1F1B's bound of p micro-batches held (work.is_completed()
         # stays False on gloo until wait() is called, so it cannot be polled instead).
         sent = self.act_sends.pop(mb, None)
         if sent is not None:
-            _named(lambda: f"Pipeline: sending stage {self.stage}'s output for micro-batch {mb}",
-                   sent[0].wait)
+            with naming(f"Pipeline: sending stage {self.stage}'s output for micro-batch {mb}"):
+                sent[0].wait()
         return gs
 
     # -- end of step -----------------------------------------------------------------------
@@ -572,7 +504,6 @@ class Link:
         self.abandoned += list(self.acts.values()) + list(self.grads.values())
         self.abandoned += [h for h in (self._hf, self._hb) if h is not None]
         self.sends, self.act_sends, self.acts, self.grads = [], {}, {}, {}
-        self._headers = {}  # a header may still be in flight: never rewrite it
 
     def finish(self):
         with naming(f"Pipeline: completing the sends of boundary {self.stage}->{self.stage + 1}"):

@@ -179,14 +179,10 @@ class Pipeline(nn.Module):
         self._split = {s: zb or (split_backward if split_backward is not None else
                                  any(isinstance(mod, nn.Linear) and mod.weight.numel() >= 1 << 18
                                      for mod in st.modules())) for s, st in stages.items()}
-        run = {schedules.F: self._f, schedules.B: self._b, schedules.I: self._i,
-               schedules.W: self._w, schedules.SEND_F: self._send_f, schedules.SEND_B: self._send_b,
-               schedules.RECV_F: self._recv_f, schedules.RECV_B: self._recv_b}
-        # each action with its method, once per schedule: the loop does no lookup
-        self._plans = {True: [(run[a.kind], a) for a in self.actions],
-                       False: [(run[a.kind], a) for a in self.forward_actions]}
-        self._flag = None  # _agree's all-reduced flag, reused every step
-        self._anchor = None  # (module, "_parameters" or "_buffers", name): see _device
+        self._run_action = {schedules.F: self._f, schedules.B: self._b, schedules.I: self._i,
+                            schedules.W: self._w, schedules.SEND_F: self._comm,
+                            schedules.SEND_B: self._comm, schedules.RECV_F: self._comm,
+                            schedules.RECV_B: self._comm}
 
     # -- public ------------------------------------------------------------------------------
     def expect(self, specs: dict) -> None:
@@ -203,7 +199,7 @@ class Pipeline(nn.Module):
         graph when x.requires_grad)."""
         if not torch.is_grad_enabled():
             raise PipelineError("step() needs autograd enabled; use forward() for inference")
-        self._run(True, x, target, trace)
+        self._run(self.actions, x, target, True, trace)
         if self.n_stages - 1 not in self.stages:
             return None
         return torch.stack([self._losses[k] for k in range(self.n_microbatches)]).mean()
@@ -213,7 +209,7 @@ class Pipeline(nn.Module):
         """Inference through the pipeline (no autograd graph kept): the last stage's output for
         the whole batch (a tensor, or a tuple if the stage returns one) on the rank holding it,
         None elsewhere."""
-        self._run(False, x, None, trace)
+        self._run(self.forward_actions, x, None, False, trace)
         if self.n_stages - 1 not in self.stages:
             return None
         outs = [self._outputs[k] for k in range(self.n_microbatches)]
@@ -222,42 +218,25 @@ class Pipeline(nn.Module):
         return type(outs[0])(torch.cat(parts) for parts in zip(*outs))
 
     # -- the runtime loop ----------------------------------------------------------------------
-    def _set(self, **state):
-        """Per-step attributes (none a Module, Parameter or buffer) straight into __dict__:
-        nn.Module.__setattr__'s checks cost ~4 us an attribute (AMD EPYC), 17 of them a step."""
-        self.__dict__.update(state)
-
     def _device(self, x):
         """Where this step's buffers go: this rank's parameters', else x's (first stage), else
-        the default device (a stage without parameters or buffers on a middle rank). The slot
-        of the first parameter (or buffer) is found once (walking the modules cost ~50 us a
-        step) and read again each step, so module.to(), which puts new tensors in the slots,
-        is followed."""
-        if self._anchor is not None:
-            mod, kind, name = self._anchor
-            t = getattr(mod, kind).get(name)
-            if t is not None:
-                return t.device
+        the default device (a stage without parameters or buffers on a middle rank)."""
         for st in self.stages.values():
-            for kind in ("_parameters", "_buffers"):
-                for mod in st.modules():
-                    for name, t in getattr(mod, kind).items():
-                        if t is not None:
-                            self._set(_anchor=(mod, kind, name))
-                            return t.device
+            for t in (*st.parameters(), *st.buffers()):
+                return t.device
         return x.device if isinstance(x, torch.Tensor) else torch.get_default_device()
 
-    def _run(self, training: bool, x, target, trace: bool):
+    def _run(self, actions, x, target, training: bool, trace: bool):
         op = "Pipeline.step" if training else "Pipeline.forward"
         if self._broken:
             raise PipelineError(f"{op}: this Pipeline is broken: a step failed earlier "
                                 f"({self._broken}); messages of that step may still be in "
                                 f"flight, so build a new Pipeline")
-        plan = self._plans[training]
-        stats = {"compute": 0.0, "idle": 0.0, "actions": len(plan)}
-        self._set(_steps=self._steps + 1, _training=training, _state={}, _gin={}, _losses={},
-                  _outputs={}, last_stats=stats, _dev=self._device(x),
-                  _rec=Recorder(self.rank, self.group) if trace else None)
+        self._steps += 1
+        self._training, self._rec = training, Recorder(self.rank, self.group) if trace else None
+        self._state, self._gin, self._losses, self._outputs = {}, {}, {}, {}
+        self.last_stats = stats = {"compute": 0.0, "idle": 0.0, "actions": len(actions)}
+        self._dev = self._device(x)
         t0 = clock(self._dev)  # the step's wall time; the trace's per-action marks stay host times
         error = None
         try:
@@ -266,14 +245,8 @@ class Pipeline(nn.Module):
             for q, peer in self.peers.items():
                 peer.begin(self._orders[training].get((min(q, self.rank), max(q, self.rank)), []))
             self._take_inputs(x, target, training)
-            for run, a in plan:
-                try:
-                    run(a)
-                except Exception as e:  # noqa: BLE001  (named after the action, below)
-                    err = self._action_error(a, e)
-                    if err is e:
-                        raise
-                    raise err from e
+            for a in actions:
+                self._act(a)
             if self._x_root is not None:
                 self._backward_into_x()
         except Exception as e:  # noqa: BLE001  (every failure must reach the other ranks)
@@ -282,7 +255,7 @@ class Pipeline(nn.Module):
                 with contextlib.suppress(Exception):  # the group itself may be what failed
                     peer.fail(self._message(e))
         finally:
-            self._set(_state={}, _gin={}, _x=None, _t=None, _x_root=None)
+            self._state, self._gin, self._x, self._t, self._x_root = {}, {}, None, None, None
         self._agree(op, error)
         try:  # every rank has received everything: these waits return at once
             for link in self.links.values():
@@ -291,7 +264,7 @@ class Pipeline(nn.Module):
             self._broken = str(e)
             raise PipelineCommError(f"{op} failed: rank {self.rank}: {e}") from e
         stats["wall"] = clock(self._dev) - t0
-        stats["overhead_per_action"] = (stats["wall"] - stats["compute"] - stats["idle"]) / len(plan)
+        stats["overhead_per_action"] = (stats["wall"] - stats["compute"] - stats["idle"]) / len(actions)
         if trace:
             stats["peak_activation_bytes"] = self._rec.peak_activation_bytes
 
@@ -310,11 +283,7 @@ class Pipeline(nn.Module):
         failed, why = error is not None, None
         if self.world_size > 1:
             try:
-                flag = self._flag
-                if flag is None or flag.device != self._dev:
-                    flag = torch.empty(1, dtype=torch.int32, device=self._dev)
-                    self._set(_flag=flag)
-                flag.fill_(int(failed))
+                flag = torch.tensor([int(failed)], dtype=torch.int32, device=self._dev)
                 dist.all_reduce(flag, dist.ReduceOp.MAX, group=self.group)
                 if read(flag, [int(failed)], self.group)[0]:  # dry run: every rank is this one
                     # with what each rank sent to and posted from each other, for drain()
@@ -347,20 +316,20 @@ class Pipeline(nn.Module):
             f" (rank {self.rank} stopped because of it)"
         raise kind(f"{op} failed: {why}{where}") from error
 
-    @staticmethod
-    def _action_error(a, e: Exception) -> Exception:
-        """What a failure of action `a` raises: a PipelineError as it is, else one naming a."""
-        if isinstance(e, PipelineError):
-            return e
-        if isinstance(e, CommError):
-            return PipelineCommError(f"{ACTION_NAMES[a.kind]} of stage {a.stage}, micro-batch "
-                                     f"{a.mb}: {e}")
-        return PipelineError(f"{ACTION_NAMES[a.kind]} of stage {a.stage} failed on micro-batch "
-                             f"{a.mb}: {type(e).__name__}: {e}")
+    def _act(self, a):
+        try:
+            self._run_action[a.kind](a)
+        except PipelineError:
+            raise
+        except CommError as e:
+            raise PipelineCommError(f"{ACTION_NAMES[a.kind]} of stage {a.stage}, micro-batch "
+                                    f"{a.mb}: {e}") from e
+        except Exception as e:
+            raise PipelineError(f"{ACTION_NAMES[a.kind]} of stage {a.stage} failed on micro-batch "
+                                f"{a.mb}: {type(e).__name__}: {e}") from e
 
     def _take_inputs(self, x, target, training):
-        m = self.n_microbatches
-        self._set(_x=None, _t=None, _x_root=None)
+        m, self._x, self._t, self._x_root = self.n_microbatches, None, None, None
         if 0 in self.stages:
             if not isinstance(x, torch.Tensor):
                 raise PipelineError(f"the first stage (rank {self.rank}) needs x, a tensor; "
@@ -369,15 +338,15 @@ class Pipeline(nn.Module):
                 raise PipelineError(f"batch size {x.shape[0] if x.dim() else 0} is not divisible by "
                                     f"n_microbatches={m}: micro-batches must have equal sizes")
             if training and x.requires_grad:  # x gets its gradient, like loss.backward() would
-                self._set(_x_root=x, _x=[c.detach().requires_grad_()
-                                         for c in x.detach().split(x.shape[0] // m)])
+                self._x_root = x
+                self._x = [c.detach().requires_grad_() for c in x.detach().split(x.shape[0] // m)]
             else:
-                self._set(_x=x.detach().split(x.shape[0] // m))
+                self._x = x.detach().split(x.shape[0] // m)
         if training and self.n_stages - 1 in self.stages and target is not None:
             if not isinstance(target, torch.Tensor) or target.dim() == 0 or target.shape[0] % m:
                 rows = target.shape[0] if isinstance(target, torch.Tensor) and target.dim() else target
                 raise PipelineError(f"target batch size {rows} is not divisible by n_microbatches={m}")
-            self._set(_t=target.split(target.shape[0] // m))
+            self._t = target.split(target.shape[0] // m)
 
     def _backward_into_x(self):
         """The first stage's input gradients, gathered per micro-batch, into x's graph at once."""
@@ -432,20 +401,16 @@ class Pipeline(nn.Module):
         if last and target is not None and target.shape[0] != rows:
             raise PipelineError(f"target has {target.shape[0]} rows per micro-batch but the input has "
                                 f"{rows}: x and target batch sizes differ")
-        loss, in_loss = None, False
+        loss, what = None, f"stage {s} (layers {self.bounds[s]}..{self.bounds[s + 1] - 1})"
         try:
             with self._saving((s, mb)):
                 y = self.stages[s](x)
                 if last and self._training:
-                    in_loss = True
+                    what = f"loss_fn of stage {s}"
                     loss = self.loss_fn(y, target) if target is not None else self.loss_fn(y)
         except Exception as e:
-            if in_loss:
-                what = f"loss_fn of stage {s}"
-            else:
-                what = f"stage {s} (layers {self.bounds[s]}..{self.bounds[s + 1] - 1})"
-                if s > 0:
-                    what += f" cannot take stage {s - 1}'s output"
+            if s > 0 and not what.startswith("loss_fn"):
+                what += f" cannot take stage {s - 1}'s output"
             raise PipelineError(f"{what} failed on micro-batch {mb}, input {_describe(x)}: "
                                 f"{type(e).__name__}: {e}") from e
         self._mark("idle", a, t0, t1)
@@ -522,27 +487,20 @@ class Pipeline(nn.Module):
         self._release((a.stage, a.mb))
         self._mark("weight-grad", a, t0, now())
 
-    # Transfers: a receive is posted (never blocking: take_* waits), a send goes out
-    def _send_f(self, a):
+    def _comm(self, a):
+        """Post a receive (it never blocks: take_* waits) or send a tensor produced earlier."""
         t0, key = now(), (a.stage, a.mb)
-        y = self._state[key][2] if self._training else self._state.pop(key)[2]
-        self.links[a.stage].send_act(a.mb, y)
-        self._mark("send", a, t0, now())
-
-    def _send_b(self, a):
-        t0 = now()
-        self.links[a.stage - 1].send_grad(a.mb, self._gin.pop((a.stage, a.mb)))
-        self._mark("send", a, t0, now())
-
-    def _recv_f(self, a):
-        t0 = now()
-        self.links[a.stage - 1].post_act(a.mb)
-        self._mark("recv", a, t0, now())
-
-    def _recv_b(self, a):  # before this step's first forward is sent, take_grad posts it
-        t0 = now()
-        self.links[a.stage].post_grad(a.mb)
-        self._mark("recv", a, t0, now())
+        if a.kind == schedules.SEND_F:
+            y = self._state[key][2] if self._training else self._state.pop(key)[2]
+            self.links[a.stage].send_act(a.mb, y)
+        elif a.kind == schedules.SEND_B:
+            self.links[a.stage - 1].send_grad(a.mb, self._gin.pop(key))
+        elif a.kind == schedules.RECV_F:
+            self.links[a.stage - 1].post_act(a.mb)
+        else:  # RECV_B: before this step's first forward is sent, take_grad posts it
+            self.links[a.stage].post_grad(a.mb)
+        self._mark("send" if a.kind in (schedules.SEND_F, schedules.SEND_B) else "recv", a, t0,
+                   now())
 
 
 def _describe(x) -> str:
