@@ -9,6 +9,8 @@
 
 #include <ATen/Parallel.h>
 
+#include "check.h"
+
 #include <cstdint>
 #include <cstring>
 

@@ -44,24 +44,24 @@ T lookup(const std::pair<std::string_view, T> (&table)[N], const std::string& ke
     if (name == key) return v;
     valid += (valid.empty() ? "" : ", ") + std::string(name);
   }
-  TORCH_CHECK(false, "pyfast engine: unknown ", what, " '", key, "'; valid: ", valid);
+  PYFAST_CHECK(false, "pyfast engine: unknown ", what, " '", key, "'; valid: ", valid);
   return table[0].second;  // not reached
 }
 
 // CPU, or CUDA in the CUDA build; `like` (defined): the device every tensor of the job is on.
 void check_device(const at::Tensor& t, const char* what, const at::Tensor& like = {}) {
-  TORCH_CHECK(kWithCuda || !t.is_cuda(), "pyfast._C was built without CUDA: the engine cannot ",
+  PYFAST_CHECK(kWithCuda || !t.is_cuda(), "pyfast._C was built without CUDA: the engine cannot ",
               "take ", what, " on ", t.device(), "; rebuild pyfast where torch is a CUDA build ",
               "and nvcc exists (setup.py), or use pyfast.comm.all_reduce");
-  TORCH_CHECK(t.is_cpu() || t.is_cuda(), "pyfast engine: ", what, " is on ", t.device(),
+  PYFAST_CHECK(t.is_cpu() || t.is_cuda(), "pyfast engine: ", what, " is on ", t.device(),
               "; the engine takes CPU", kWithCuda ? " and CUDA" : "", " tensors");
-  TORCH_CHECK(!like.defined() || t.device() == like.device(), "pyfast engine: ", what,
+  PYFAST_CHECK(!like.defined() || t.device() == like.device(), "pyfast engine: ", what,
               " is on ", t.device(), ", the job's other tensors on ", like.device());
 }
 
 void check_float(const at::Tensor& t, const char* what, const at::Tensor& like = {}) {
   check_device(t, what, like);
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 1,
+  PYFAST_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 1,
               "pyfast engine: ", what, " must be a flat contiguous float32 tensor, got ",
               t.scalar_type(), " of shape ", t.sizes(), " on ", t.device());
 }
@@ -160,10 +160,10 @@ int64_t Engine::submit(const at::Tensor& t, const std::string& kind, int64_t blo
   j->codec = Codec{lookup(kKinds, kind, "compression kind"), kind, block};
   j->algo = lookup(kAlgos, algorithm, "algorithm");
   check_float(t, "the reduced tensor");
-  TORCH_CHECK((j->codec.kind == Kind::None) == (j->algo == Algo::Native),
+  PYFAST_CHECK((j->codec.kind == Kind::None) == (j->algo == Algo::Native),
               "pyfast engine: kind '", kind, "' cannot use algorithm '", algorithm,
               "' (none is reduced natively; the other kinds use two-phase or allgather)");
-  TORCH_CHECK(align >= 1 && block >= 1, "pyfast engine: align and block must be >= 1, got ",
+  PYFAST_CHECK(align >= 1 && block >= 1, "pyfast engine: align and block must be >= 1, got ",
               align, " and ", block);
   const int64_t n = t.numel();
   std::vector<int64_t> want;  // element count of each error-feedback memory, in order
@@ -174,19 +174,19 @@ int64_t Engine::submit(const at::Tensor& t, const std::string& kind, int64_t blo
     for (auto [p, q] : parts) want.push_back(q - p);
     want.push_back(parts[rank_].second - parts[rank_].first);
   }
-  TORCH_CHECK(ef.empty() || ef.size() == want.size(), "pyfast engine: ", algorithm, " of ", n,
+  PYFAST_CHECK(ef.empty() || ef.size() == want.size(), "pyfast engine: ", algorithm, " of ", n,
               " elements on ", world_, " ranks needs ", want.size(),
               " error-feedback buffers, got ", ef.size());
   for (size_t i = 0; i < ef.size(); ++i) {
     check_float(ef[i], "an error-feedback buffer", t);
-    TORCH_CHECK(ef[i].numel() == want[i], "pyfast engine: error-feedback buffer ", i, " holds ",
+    PYFAST_CHECK(ef[i].numel() == want[i], "pyfast engine: error-feedback buffer ", i, " holds ",
                 ef[i].numel(), " elements, its part of the tensor has ", want[i]);
   }
-  TORCH_CHECK(ef_out.empty() || ef_out.size() == ef.size(), "pyfast engine: ", ef.size(),
+  PYFAST_CHECK(ef_out.empty() || ef_out.size() == ef.size(), "pyfast engine: ", ef.size(),
               " error-feedback buffers but ", ef_out.size(), " to write the new memory into");
   for (size_t i = 0; i < ef_out.size(); ++i) {
     check_float(ef_out[i], "an error-feedback output buffer", t);
-    TORCH_CHECK(ef_out[i].numel() == want[i], "pyfast engine: error-feedback output buffer ", i,
+    PYFAST_CHECK(ef_out[i].numel() == want[i], "pyfast engine: error-feedback output buffer ", i,
                 " holds ", ef_out[i].numel(), " elements, its part of the tensor has ", want[i]);
   }
   j->t = t, j->avg = avg, j->ef = std::move(ef), j->align = align, j->chunk = chunk;
@@ -197,7 +197,7 @@ int64_t Engine::submit(const at::Tensor& t, const std::string& kind, int64_t blo
 namespace {
 at::Tensor flat_float(const at::Tensor& t, const char* what, const at::Tensor& like = {}) {
   check_device(t, what, like);
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(),
+  PYFAST_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(),
               "pyfast engine: ", what, " must be a contiguous float32 tensor, got ",
               t.scalar_type(), " of shape ", t.sizes(), " on ", t.device());
   return t.view(-1);
@@ -209,15 +209,15 @@ namespace {
 Codec sharded_codec(const std::string& kind, int64_t block, const std::vector<at::Tensor>& ef,
                     size_t count, int64_t each, const at::Tensor& t, const char* what) {
   Codec c{lookup(kKinds, kind, "compression kind"), kind, block};
-  TORCH_CHECK(block >= 1, "pyfast engine: block must be >= 1, got ", block);
-  TORCH_CHECK(ef.empty() || c.kind != Kind::None, "pyfast engine: ", what,
+  PYFAST_CHECK(block >= 1, "pyfast engine: block must be >= 1, got ", block);
+  PYFAST_CHECK(ef.empty() || c.kind != Kind::None, "pyfast engine: ", what,
               " without compression takes no error-feedback buffers, got ", ef.size());
-  TORCH_CHECK(ef.empty() || ef.size() == count, "pyfast engine: ", what, " on this many ranks ",
+  PYFAST_CHECK(ef.empty() || ef.size() == count, "pyfast engine: ", what, " on this many ranks ",
               "needs ", count, " error-feedback buffers (one per compressed piece), got ",
               ef.size());
   for (size_t i = 0; i < ef.size(); ++i) {
     check_float(ef[i], "an error-feedback buffer", t);
-    TORCH_CHECK(ef[i].numel() == each, "pyfast engine: error-feedback buffer ", i, " of ", what,
+    PYFAST_CHECK(ef[i].numel() == each, "pyfast engine: error-feedback buffer ", i, " of ", what,
                 " holds ", ef[i].numel(), " elements, its piece has ", each);
   }
   return c;
@@ -230,7 +230,7 @@ int64_t Engine::submit_all_gather(const at::Tensor& out, const at::Tensor& in,
   auto j = std::make_shared<Job>();
   j->t = flat_float(out, "all_gather's output");
   j->in = flat_float(in, "all_gather's input", out);
-  TORCH_CHECK(j->t.numel() == world_ * j->in.numel(), "pyfast engine: all_gather of ",
+  PYFAST_CHECK(j->t.numel() == world_ * j->in.numel(), "pyfast engine: all_gather of ",
               j->in.numel(), " elements on ", world_, " ranks needs an output of ",
               world_ * j->in.numel(), " elements, got ", j->t.numel());
   j->codec = sharded_codec(kind, block, ef, 1, j->in.numel(), j->t, "all_gather");
@@ -245,11 +245,11 @@ int64_t Engine::submit_reduce_scatter(const at::Tensor& out, const at::Tensor& i
   auto j = std::make_shared<Job>();
   j->t = flat_float(out, "reduce_scatter's output");
   j->in = flat_float(in, "reduce_scatter's input", out);
-  TORCH_CHECK(j->in.numel() == world_ * j->t.numel(), "pyfast engine: reduce_scatter into ",
+  PYFAST_CHECK(j->in.numel() == world_ * j->t.numel(), "pyfast engine: reduce_scatter into ",
               j->t.numel(), " elements on ", world_, " ranks needs an input of ",
               world_ * j->t.numel(), " elements, got ", j->in.numel());
   j->codec = sharded_codec(kind, block, ef, world_, j->t.numel(), j->t, "reduce_scatter");
-  TORCH_CHECK(algorithm == "rank-order" || (algorithm == "backend" && j->codec.kind == Kind::None),
+  PYFAST_CHECK(algorithm == "rank-order" || (algorithm == "backend" && j->codec.kind == Kind::None),
               "pyfast engine: reduce_scatter's algorithm is 'rank-order', or 'backend' for kind ",
               "'none' only; got '", algorithm, "' with kind '", kind, "'");
   j->algo = algorithm == "backend" ? Algo::BackendReduceScatter : Algo::ReduceScatter;
@@ -261,7 +261,7 @@ int64_t Engine::submit_reduce_scatter(const at::Tensor& out, const at::Tensor& i
 int64_t Engine::enqueue(std::shared_ptr<Job> j, const std::string& what) {
   {
     std::lock_guard<std::mutex> g(mu_);
-    TORCH_CHECK(!stop_, "pyfast engine: submit after shutdown");
+    PYFAST_CHECK(!stop_, "pyfast engine: submit after shutdown");
     if (!j->t.is_cpu()) j->device = device_job(*j);  // CUDA: records the caller's stream now
     j->id = next_id_++;
     // Plain string arithmetic, no ostream (c10::str): on the lent H200 (torch 2.11, its image's
@@ -285,7 +285,7 @@ std::unique_ptr<DeviceJob> Engine::device_job(const Job& j) {
     if (!cuda_) cuda_ = cuda_queue(j.t.device().index());
     return cuda_->job(tensors);
   }
-  TORCH_CHECK(false, "pyfast engine: no device queue for ", j.t.device());  // not reached
+  PYFAST_CHECK(false, "pyfast engine: no device queue for ", j.t.device());  // not reached
   return nullptr;
 }
 
@@ -294,7 +294,7 @@ double Engine::wait(int64_t id) {
   {
     std::unique_lock<std::mutex> g(mu_);
     auto it = jobs_.find(id);
-    TORCH_CHECK(it != jobs_.end(), "pyfast engine: no job ", id, " (already waited for?)");
+    PYFAST_CHECK(it != jobs_.end(), "pyfast engine: no job ", id, " (already waited for?)");
     j = it->second;
     done_cv_.wait(g, [&] { return j->done; });
     jobs_.erase(id);
@@ -307,7 +307,7 @@ double Engine::wait(int64_t id) {
 double Engine::seconds(int64_t id) {
   std::lock_guard<std::mutex> g(mu_);
   auto it = jobs_.find(id);
-  TORCH_CHECK(it != jobs_.end(), "pyfast engine: no job ", id, " (already waited for?)");
+  PYFAST_CHECK(it != jobs_.end(), "pyfast engine: no job ", id, " (already waited for?)");
   return it->second->seconds;
 }
 
@@ -328,7 +328,7 @@ void Engine::loop() {
     try {
       // A failed collective may leave ranks at different points of the sequence: running
       // later jobs could pair one rank's bucket 3 with another's bucket 4. Fail them instead.
-      TORCH_CHECK(broken_.empty(), "not run: ", broken_);
+      PYFAST_CHECK(broken_.empty(), "not run: ", broken_);
       if (j->device)
         j->device->issue([&] { run(*j); });
       else
@@ -336,7 +336,7 @@ void Engine::loop() {
     } catch (c10::Error& e) {  // keeps its type (DistBackendError -> torch's Python class)
       e.add_context(j->what);
       error = std::current_exception();
-      if (broken_.empty()) broken_ = c10::str(j->what, " failed: ", e.msg());
+      if (broken_.empty()) broken_ = j->what + " failed: " + e.msg();  // no ostream: check.h
     } catch (std::exception& e) {
       error = std::make_exception_ptr(std::runtime_error(j->what + ": " + e.what()));
       if (broken_.empty()) broken_ = j->what + " failed: " + e.what();

@@ -11,6 +11,8 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include "check.h"
+
 #include <condition_variable>
 #include <cstdint>
 #include <deque>

@@ -7,6 +7,8 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include "check.h"
+
 #include <cstdint>
 
 namespace pyfast {
@@ -34,11 +36,11 @@ template <class S>
 Quant parse(const S& kind) {
   for (int k = 0; k < kCount; ++k)
     if (kind == S(kSpecs[k].name)) return static_cast<Quant>(k);
-  TORCH_CHECK_VALUE(false, "unknown quantization kind '", kind, "'; valid: int8, int4, fp8, sign");
+  PYFAST_CHECK_VALUE(false, "unknown quantization kind '", kind, "'; valid: int8, int4, fp8, sign");
 }
 
 inline int64_t check_block(int64_t block) {
-  TORCH_CHECK_VALUE(block >= kMinBlock && block <= kMaxBlock && (block & (block - 1)) == 0,
+  PYFAST_CHECK_VALUE(block >= kMinBlock && block <= kMaxBlock && (block & (block - 1)) == 0,
                     "block size must be a power of two in [", kMinBlock, ", ", kMaxBlock,
                     "], got ", block);
   return block;
@@ -47,11 +49,11 @@ inline int64_t check_block(int64_t block) {
 // codes / scales of n elements as quantize(kind, block) writes them.
 inline void check_layout(const at::Tensor& codes, const at::Tensor& scales, int64_t n, Quant k,
                          int64_t block) {
-  TORCH_CHECK_VALUE(n >= 0, "element count must be >= 0, got ", n);
-  TORCH_CHECK_VALUE(codes.scalar_type() == at::kByte && codes.numel() == codes_len(n, k),
+  PYFAST_CHECK_VALUE(n >= 0, "element count must be >= 0, got ", n);
+  PYFAST_CHECK_VALUE(codes.scalar_type() == at::kByte && codes.numel() == codes_len(n, k),
                     "codes for ", n, " elements must be uint8[", codes_len(n, k), "], got ",
                     codes.scalar_type(), "[", codes.numel(), "]");
-  TORCH_CHECK_VALUE(scales.scalar_type() == at::kFloat && scales.numel() == scales_len(n, block),
+  PYFAST_CHECK_VALUE(scales.scalar_type() == at::kFloat && scales.numel() == scales_len(n, block),
                     "scales for ", n, " elements in blocks of ", block, " must be float32[",
                     scales_len(n, block), "], got ", scales.scalar_type(), "[", scales.numel(), "]");
 }

@@ -173,7 +173,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_cpu(const at::Tensor& x_in, std::str
                                                 int64_t block, bool stochastic, int64_t seed) {
   const Quant k = format::parse(kind);
   format::check_block(block);
-  TORCH_CHECK(!(stochastic && k == SIGN),
+  PYFAST_CHECK(!(stochastic && k == SIGN),
               "sign has no stochastic rounding: its codes are exact signs");
   const at::Tensor x = x_in.contiguous();
   const int64_t n = x.numel(), nb = scales_len(n, block);
@@ -188,7 +188,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_cpu(const at::Tensor& x_in, std::str
     case at::kBFloat16: quantize_dispatch<Bf16>(x, k, block, stochastic, sm, c, s); break;
     case at::kHalf: quantize_dispatch<F16>(x, k, block, stochastic, sm, c, s); break;
     default:
-      TORCH_CHECK(false, "quantize takes float32, bfloat16 or float16 tensors, got ",
+      PYFAST_CHECK(false, "quantize takes float32, bfloat16 or float16 tensors, got ",
                   x.scalar_type());
   }
   return {codes, scales};
@@ -258,7 +258,7 @@ at::Tensor dequantize_cpu(const at::Tensor& codes_in, const at::Tensor& scales_i
   const Quant k = format::parse(kind);
   format::check_block(block);
   format::check_layout(codes_in, scales_in, n, k, block);
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+  PYFAST_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
               "dequantize writes float32, bfloat16 or float16, not ", dtype);
   const at::Tensor codes = codes_in.contiguous(), scales = scales_in.contiguous();
   at::Tensor out = at::empty({n}, codes.options().dtype(dtype));
@@ -276,7 +276,7 @@ void dequantize_accumulate_cpu(const at::Tensor& out, const at::Tensor& codes_in
                                const at::Tensor& scales_in, std::string_view kind, int64_t block) {
   const Quant k = format::parse(kind);
   format::check_block(block);
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous(),
+  PYFAST_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous(),
               "accumulate buffer must be contiguous float32, got ", out.scalar_type());
   const int64_t n = out.numel();
   format::check_layout(codes_in, scales_in, n, k, block);

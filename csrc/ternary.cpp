@@ -60,7 +60,7 @@ void encode_all(const at::Tensor& x, int64_t B, uint32_t seed_mix, uint8_t* code
 }
 
 void check_block(int64_t block) {
-  TORCH_CHECK(block >= 4 && block % 4 == 0, "ternary: block must be a positive multiple of 4, got ",
+  PYFAST_CHECK(block >= 4 && block % 4 == 0, "ternary: block must be a positive multiple of 4, got ",
               block);
 }
 
@@ -68,7 +68,7 @@ std::tuple<at::Tensor, at::Tensor> ternary_encode_cpu(const at::Tensor& x_in, in
                                                       int64_t seed) {
   check_block(block);
   const auto dt = x_in.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
+  PYFAST_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
               "ternary: takes float32, bfloat16 or float16 tensors, got ", dt);
   const at::Tensor x = x_in.contiguous().view(-1);
   const int64_t n = x.numel();
@@ -97,12 +97,12 @@ void decode_all(const uint8_t* codes, const float* scales, int64_t n, int64_t B,
 at::Tensor ternary_decode_cpu(const at::Tensor& codes_in, const at::Tensor& scales_in, int64_t n,
                               int64_t block, at::ScalarType dtype) {
   check_block(block);
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+  PYFAST_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
               "ternary: decodes to float32, bfloat16 or float16, got ", dtype);
   const at::Tensor codes = codes_in.contiguous(), scales = scales_in.contiguous();
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.numel() == (n + 3) / 4,
+  PYFAST_CHECK(codes.scalar_type() == at::kByte && codes.numel() == (n + 3) / 4,
               "ternary: codes must be uint8[", (n + 3) / 4, "]");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == (n + block - 1) / block,
+  PYFAST_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == (n + block - 1) / block,
               "ternary: scales must be float32[", (n + block - 1) / block, "]");
   auto y = at::empty({n}, codes.options().dtype(dtype));
   const uint8_t* c = codes.data_ptr<uint8_t>();

@@ -184,16 +184,16 @@ std::tuple<at::Tensor, at::Tensor> select_all(const at::Tensor& x, float* ef, fl
 }
 
 void check_args(const at::Tensor& x, const std::optional<at::Tensor>& ef) {
-  TORCH_CHECK(x.numel() < (int64_t(1) << 31), "topk indices are int32: ", x.numel(),
+  PYFAST_CHECK(x.numel() < (int64_t(1) << 31), "topk indices are int32: ", x.numel(),
               " elements is too many");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
+  PYFAST_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
                   x.scalar_type() == at::kHalf,
               "topk takes float32, bfloat16 or float16 tensors, got ", x.scalar_type());
   if (!ef.has_value()) return;
-  TORCH_CHECK(ef->scalar_type() == at::kFloat && ef->is_contiguous() && ef->numel() == x.numel(),
+  PYFAST_CHECK(ef->scalar_type() == at::kFloat && ef->is_contiguous() && ef->numel() == x.numel(),
               "error-feedback buffer must be contiguous float32[", x.numel(), "], got ",
               ef->scalar_type(), "[", ef->numel(), "]");
-  TORCH_CHECK(ef->device() == x.device(), "error feedback on ", ef->device(), " but input on ",
+  PYFAST_CHECK(ef->device() == x.device(), "error feedback on ", ef->device(), " but input on ",
               x.device());
 }
 

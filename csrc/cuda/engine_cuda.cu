@@ -61,7 +61,7 @@ class CudaQueue final : public DeviceQueue {
       : side_(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device)) {}
   std::unique_ptr<DeviceJob> job(const std::vector<at::Tensor>& tensors) override {
     const auto device = tensors.at(0).device();
-    TORCH_CHECK(device.is_cuda() && device.index() == side_.device_index(),
+    PYFAST_CHECK(device.is_cuda() && device.index() == side_.device_index(),
                 "pyfast engine: a job on ", device, ", but this engine's CUDA jobs run on cuda:",
                 static_cast<int>(side_.device_index()), " (one engine per GPU)");
     return std::make_unique<CudaJob>(side_, tensors);

@@ -296,7 +296,7 @@ int check_block(int64_t block) { return static_cast<int>(pyfast::format::check_b
 Dt dt_of(at::ScalarType t, const char* what) {
   if (t == at::kFloat) return F32;
   if (t == at::kBFloat16) return BF16;
-  TORCH_CHECK_TYPE(t == at::kHalf, what, " must be float32, bfloat16 or float16, got ", t);
+  PYFAST_CHECK_TYPE(t == at::kHalf, what, " must be float32, bfloat16 or float16, got ", t);
   return F16;
 }
 
@@ -335,13 +335,13 @@ std::tuple<at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& x_in, c10::st
   const Quant kind = pyfast::format::parse(kind_s);
   const int B = check_block(block);
   const Dt dt = dt_of(x_in.scalar_type(), "quantize input");
-  TORCH_CHECK_VALUE(!(stochastic && kind == SIGN),
+  PYFAST_CHECK_VALUE(!(stochastic && kind == SIGN),
                     "sign has no stochastic rounding: its codes are exact signs");
-  TORCH_CHECK(x_in.is_cuda(), "quantize (CUDA): input must be a CUDA tensor");
+  PYFAST_CHECK(x_in.is_cuda(), "quantize (CUDA): input must be a CUDA tensor");
   const c10::cuda::CUDAGuard guard(x_in.device());
   const at::Tensor x = x_in.contiguous();  // flattened view of the elements in order
   const int64_t n = x.numel(), nb = scales_len(n, B);
-  TORCH_CHECK_VALUE(nb < (int64_t{1} << 31), "quantize (CUDA): ", nb, " blocks exceed the grid limit");
+  PYFAST_CHECK_VALUE(nb < (int64_t{1} << 31), "quantize (CUDA): ", nb, " blocks exceed the grid limit");
   at::Tensor codes = at::empty({codes_len(n, kind)}, x.options().dtype(at::kByte));
   at::Tensor scales = at::empty({nb}, x.options().dtype(at::kFloat));
   if (n == 0) return {codes, scales};
@@ -354,7 +354,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& x_in, c10::st
 }
 
 void check_codes(const at::Tensor& codes, const at::Tensor& scales, int64_t n, Quant kind, int B) {
-  TORCH_CHECK(codes.is_cuda() && scales.is_cuda() && codes.device() == scales.device(),
+  PYFAST_CHECK(codes.is_cuda() && scales.is_cuda() && codes.device() == scales.device(),
               "dequantize (CUDA): codes and scales must be on one CUDA device");
   pyfast::format::check_layout(codes, scales, n, kind, B);
 }
@@ -401,9 +401,9 @@ void dequantize_accumulate_cuda(const at::Tensor& out, const at::Tensor& codes_i
                                 const at::Tensor& scales_in, c10::string_view kind_s, int64_t block) {
   const Quant kind = pyfast::format::parse(kind_s);
   const int B = check_block(block);
-  TORCH_CHECK_VALUE(out.scalar_type() == at::kFloat && out.is_contiguous(),
+  PYFAST_CHECK_VALUE(out.scalar_type() == at::kFloat && out.is_contiguous(),
                     "accumulate buffer must be contiguous float32, got ", out.scalar_type());
-  TORCH_CHECK(out.is_cuda() && out.device() == codes_in.device(),
+  PYFAST_CHECK(out.is_cuda() && out.device() == codes_in.device(),
               "dequantize_accumulate_ (CUDA): out, codes and scales must be on one CUDA device");
   const int64_t n = out.numel();
   check_codes(codes_in, scales_in, n, kind, B);

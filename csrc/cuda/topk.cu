@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <optional>
 
+#include "../check.h"
 #include "load.cuh"
 
 namespace {
@@ -176,17 +177,17 @@ select_kernel(const void* __restrict__ x, float* __restrict__ ef, int64_t n, flo
 
 // ------------------------------------------------------------------ host side
 Dt check_inputs(const at::Tensor& x, const std::optional<at::Tensor>& ef, const char* op) {
-  TORCH_CHECK(x.is_cuda(), op, " (CUDA): input must be a CUDA tensor");
+  PYFAST_CHECK(x.is_cuda(), op, " (CUDA): input must be a CUDA tensor");
   const auto st = x.scalar_type();
-  TORCH_CHECK_TYPE(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf,
+  PYFAST_CHECK_TYPE(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf,
                    "topk takes float32, bfloat16 or float16 tensors, got ", st);
-  TORCH_CHECK_VALUE(x.numel() < (int64_t{1} << 31), "topk indices are int32: ", x.numel(),
+  PYFAST_CHECK_VALUE(x.numel() < (int64_t{1} << 31), "topk indices are int32: ", x.numel(),
                     " elements is too many");
   if (ef.has_value()) {
-    TORCH_CHECK_VALUE(ef->scalar_type() == at::kFloat && ef->is_contiguous() && ef->numel() == x.numel(),
+    PYFAST_CHECK_VALUE(ef->scalar_type() == at::kFloat && ef->is_contiguous() && ef->numel() == x.numel(),
                       "error-feedback buffer must be contiguous float32[", x.numel(), "], got ",
                       ef->scalar_type(), "[", ef->numel(), "]");
-    TORCH_CHECK_VALUE(ef->device() == x.device(), "error feedback on ", ef->device(),
+    PYFAST_CHECK_VALUE(ef->device() == x.device(), "error feedback on ", ef->device(),
                       " but input on ", x.device());
   }
   return st == at::kFloat ? F32 : st == at::kBFloat16 ? BF16 : F16;
@@ -241,7 +242,7 @@ std::tuple<at::Tensor, at::Tensor> topk_select_cuda(const at::Tensor& x_in,
                                                     const std::optional<at::Tensor>& ef,
                                                     double threshold, int64_t limit) {
   const Dt dt = check_inputs(x_in, ef, "topk_select");
-  TORCH_CHECK_VALUE(limit >= 0, "topk_select: limit must be >= 0, got ", limit);
+  PYFAST_CHECK_VALUE(limit >= 0, "topk_select: limit must be >= 0, got ", limit);
   const c10::cuda::CUDAGuard guard(x_in.device());
   const at::Tensor x = x_in.contiguous();
   const int64_t n = x.numel();
