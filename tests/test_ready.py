@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from pyfast.comm.ready import Readiness, check_unchanged
+from pyfast.comm.ready import Readiness, ParamWatch, check_unchanged
 
 
 def _net():
@@ -158,3 +158,46 @@ def test_skip_without_a_check_when_nothing_must_be_put_back(pool2):
             assert a[1] == b[1] and a[2] == b[2] == (s != 1), (key, s)
             assert torch.equal(a[3], b[3]), (key, s)  # the replicas stay equal
         assert rows[1][1] == rows[0][1] / 2  # the scale backed off once
+
+
+def test_param_watch_walks_only_after_a_possible_change(monkeypatch):
+    """ParamWatch: no walk of the module while nothing changed; each way of changing the
+    trainable parameters is caught at the next check (the walk then names it)."""
+    import pyfast.comm.ready as ready_mod
+    walks = []
+    real = ready_mod.check_unchanged
+    monkeypatch.setattr(ready_mod, "check_unchanged", lambda *a: (walks.append(1), real(*a)))
+
+    def fresh():
+        net = _net()
+        net["frozen"] = nn.Linear(3, 3).requires_grad_(False)
+        return net, ParamWatch(net, [(n, p) for n, p in net.named_parameters()
+                                     if p.requires_grad], "X was built")
+    spare = nn.Linear(2, 2)  # made before the watch: attaching it registers no parameter
+    net, watch = fresh()
+    for _ in range(3):
+        watch.check()
+    assert walks == []
+    watch.check(suspect=True)  # a backward left a bucket short: walk, nothing changed
+    assert walks == [1]
+
+    changes = {
+        "freeze": lambda n: n["b"].bias.requires_grad_(False),
+        "unfreeze": lambda n: n["frozen"].weight.requires_grad_(True),
+        "replace": lambda n: setattr(n["a"], "weight", nn.Parameter(torch.randn(5, 7))),
+        "attach": lambda n: n.__setitem__("spare", spare),
+    }
+    for what, change in changes.items():
+        net, watch = fresh()
+        change(net)
+        with pytest.raises(RuntimeError, match="wrap it again"):
+            watch.check()
+        watch.close()
+    # behind torch's back (the dict itself): seen once the old parameter's bucket comes up short
+    net, watch = fresh()
+    net["a"]._parameters["bias"] = nn.Parameter(torch.zeros(5))
+    watch.dirty = False  # the new Parameter's construction registers nothing, but be sure
+    watch.check()
+    with pytest.raises(RuntimeError, match="wrap it again"):
+        watch.check(suspect=True)
+    watch.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import time
 
 import torch
 import torch.distributed as dist
@@ -17,11 +18,11 @@ from pyfast.comm.engine import NativeEngine, status as native_status
 from pyfast.comm.collectives import all_finite, all_reduce_pieces
 from pyfast.comm.auto import CANDIDATES as AUTO_CANDIDATES, AutoSelector
 from pyfast.comm.buckets import (BUCKET_MB, ENGINES, Bucketer, broadcast_coalesced,  # noqa: F401
-                                 broadcast_state, check_params, check_same_layout)
+                                 broadcast_state, check_params, check_same_layout,
+                                 default_bucket_mb)
 from pyfast.comm.failure import Breaker, new_group_like
 from pyfast.comm.guard import FiniteGuard
-from pyfast.comm.ready import SideBand, check_unchanged
-from pyfast.perf import clock
+from pyfast.comm.ready import ParamWatch, SideBand
 
 log = logging.getLogger(__name__)
 
@@ -99,15 +100,15 @@ class DataParallel(nn.Module):
     # Unused parameters then get zeros and NaN flags are not exchanged: never set in training.
     _bare = False
 
-    def __init__(self, module: nn.Module, compressor=None, bucket_mb: float = BUCKET_MB, group=None,
-                 error_feedback: bool = True, overlap: bool = True, check_finite="skip",
+    def __init__(self, module: nn.Module, compressor=None, bucket_mb: float | None = None,
+                 group=None, error_feedback: bool = True, overlap: bool = True, check_finite="skip",
                  engine: str = "auto", broadcast_buffers: bool = True, timeout=None,
                  gradient_as_bucket_view: bool = False):
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("DataParallel needs torch.distributed initialized "
                                "(torchrun + dist.init_process_group)")
-        if bucket_mb <= 0:
+        if bucket_mb is not None and bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
         if engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
@@ -129,6 +130,8 @@ class DataParallel(nn.Module):
         broadcast_state(module, self._comm)
         usable = [C.get(s) for s in AUTO_CANDIDATES] if self.auto else [self.compressor]
         align = math.lcm(*(c.block for c in usable))
+        if bucket_mb is None:  # 4 MB; 25 as DDP for compressor none on CUDA (comm.buckets)
+            bucket_mb = default_bucket_mb("auto" if self.auto else base.spec, dev)
         self.bucketer = Bucketer(named, bucket_mb, self._launch, enabled=overlap, align=align,
                                  views=gradient_as_bucket_view)
         self.selector = (AutoSelector(self.bucketer.buckets, self._comm, error_feedback)
@@ -148,12 +151,13 @@ class DataParallel(nn.Module):
         self.engine_kind = [self.engine] * len(self.bucketer.buckets)
         self._engine = NativeEngine.private(group, timeout) if native else None
         self._named, self._params = named, [p for _, p in named]
+        self._watch = ParamWatch(module, named, "DataParallel was built")
         # used flags per parameter, then one non-finite flag per bucket
         buckets = self.bucketer.buckets
         self._band = SideBand([len(b.params) for b in buckets], len(buckets), dev)
         self._breaker = Breaker("this DataParallel")
         self._sync, self._closed = True, False
-        self.last_wait_s = 0.0
+        self._wait = 0.0  # last_wait_s
         self._skipped = False  # None: the last reduction's verdict is read on demand
 
     def _compressors(self) -> list:
@@ -224,6 +228,7 @@ class DataParallel(nn.Module):
                     b.handle.wait()
                 b.handle = None
         self.bucketer.close()
+        self._watch.close()
         if self._engine is not None:
             self._engine.close()
             self._engine = None
@@ -234,23 +239,42 @@ class DataParallel(nn.Module):
 
     def _finish(self) -> None:
         # exposed communication: what the training thread spent waiting for the buckets (and
-        # copying them back) after backward's last gradient; on CUDA from the end of
-        # backward's kernels to the end of the reductions' (perf.clock synchronizes: two host
-        # syncs a step, the price of the number; without them it timed the launches)
+        # copying them back) after backward's last gradient. On CUDA, two events on the stream
+        # (from the end of backward's kernels to the end of the reductions' copy back), read
+        # when last_wait_s is: timing it with host clocks cost two host syncs a step, which
+        # stop the CPU from queueing the next step's kernels (issue 25, measured on the H200)
         dev = self._params[0].device if self._params else None
-        t0 = clock(dev)
+        cuda = dev is not None and dev.type == "cuda"
+        t0 = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
+        if cuda:
+            t0.record()
         try:
             with self._breaker.guard("DataParallel gradient reduction"):
                 done = self._reduce_and_copy()
         finally:
-            self.last_wait_s = clock(dev) - t0
+            if cuda:
+                t1 = torch.cuda.Event(enable_timing=True)
+                t1.record()
+                self._wait = (t0, t1)
+            else:
+                self._wait = time.perf_counter() - t0
         if self.selector is not None and len(done) == len(self.bucketer.buckets):
             self.selector.after_step([b.extra["seconds"] for b in done])
+
+    @property
+    def last_wait_s(self) -> float:
+        """Seconds the last reduction kept the training thread (on CUDA, its stream) waiting
+        after backward's last gradient; on CUDA reading it waits for that reduction."""
+        if isinstance(self._wait, tuple):
+            t0, t1 = self._wait
+            t1.synchronize()
+            return t0.elapsed_time(t1) / 1e3
+        return self._wait
 
     def _reduce_and_copy(self) -> list:
         band = self._band
         if self._bare:  # no exchange: this rank's own flags
-            band.summed = list(band.flags)
+            band.local()
             return self.bucketer.finish(before=self._before_copy)
         side = band.reduce(self._engine, self._comm)
         try:
@@ -265,9 +289,11 @@ class DataParallel(nn.Module):
         """Between the wait and the copy into .grad: the non-finite verdict of the step."""
         names = [f"{b.name} ({', '.join(b.names[:3])}{'...' if len(b.names) > 3 else ''})"
                  for b in self.bucketer.buckets]
+        # pass-through (none, fp16, bf16): no rank sets a flag, so none is read (a host sync)
+        extra = [0] * len(names) if self._through else self._band.extra()
         flagged = [f or int(b.handle is not None and b.extra.get("fold", False)
                             and not self._guard.reduced_ok(b.extra["c"], b.flat))
-                   for f, b in zip(self._band.extra(), self.bucketer.buckets)]
+                   for f, b in zip(extra, self.bucketer.buckets)]
         skipped = self._guard.settle(
             flagged, names, lambda i: self.bucketer.buckets[i].flat.fill_(float("nan")))
         self._skipped = None if self._through else skipped
@@ -306,7 +332,7 @@ class DataParallel(nn.Module):
         if self._closed:
             raise RuntimeError("this DataParallel was closed; call the wrapped .module directly")
         self._breaker.check()
-        check_unchanged(self.module, self._named, "DataParallel was built")
+        self._watch.check(self.bucketer.ready.incomplete)
 
     def forward(self, *args, **kwargs):
         if self._bare:
