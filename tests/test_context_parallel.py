@@ -238,19 +238,21 @@ def test_a_dead_rank_fails_the_others_within_seconds():
     with RankPool(3, pg_timeout=30.0) as pool:
         got = pool.run(_killed, timeout=60, expect_errors=True)
     assert isinstance(got[2], RankError) and got[2].kind == "died"
-    # rank 0 receives from the dead rank 2 (gloo: connection reset, in ms); rank 1 only talks
-    # to ranks 0 and 2 and is waiting on rank 0, which stopped: it learns of rank 0's failure
-    # from the store within POLL seconds (it waited the group's 30 s before)
-    causes = {0: "failed on rank 0: ", 1: "rank 0 failed: RuntimeError"}
+    # rank 0 receives from the dead rank 2 (gloo: connection reset, in ms); rank 1 is usually
+    # waiting on rank 0, which stopped: it learns of rank 0's failure from the store within POLL
+    # seconds (it waited the group's 30 s before); when its own transfer with rank 2 is still
+    # open as rank 2 dies, it meets the reset itself (seen once in CI-like runs)
+    dead = ("Connection reset", "Connection closed by peer")
+    causes = {0: ["failed on rank 0: "], 1: ["rank 0 failed: RuntimeError", "failed on rank 1: "]}
     for rank in (0, 1):
         text, took, again, took2 = got[rank]
         assert text.startswith("CommError: context_parallel_attention(ring)"), text
         # gloo names a SIGKILLed peer "Connection reset" when its socket held unread data as it
         # died, else "Connection closed by peer": a race with the kill (closed: 1 run in 8)
-        assert causes[rank] in text and ("Connection reset" in text
-                                         or "Connection closed by peer" in text), text
+        assert any(c in text for c in causes[rank]) and any(d in text for d in dead), text
         assert took < 10.0, took  # measured 0.07 s; 10 s: a loaded machine
-        assert again.startswith("CommError: ") and "rank 0 failed" in again and took2 < 1.0, \
+        first = "rank 0 failed" if causes[rank][0] in text else f"rank {rank} failed"
+        assert again.startswith("CommError: ") and first in again and took2 < 1.0, \
             (again, took2)
 
 

@@ -77,15 +77,42 @@ def test_auto_step_time_syncs(syncs):
     assert syncs == [CUDA]
 
 
-def test_exposed_comm_time_reads_the_parameters_device(monkeypatch):
+def test_exposed_comm_time_is_timed_on_the_cuda_stream(monkeypatch, syncs):
+    """DataParallel's last_wait_s on CUDA: two events recorded on the stream around the wait and
+    copy back, resolved when it is read (one sync then); no host sync during the step, which
+    would stop the CPU from queueing the next step's kernels (issue 25: 0.87x DDP on an H200
+    with three syncs a step). Elsewhere the host clock."""
     from pyfast.parallel import data
     with torch.device("meta"):
         net = data.DataParallel(nn.Linear(5, 3), None, engine="python")
-    read = []
-    monkeypatch.setattr(data, "clock", lambda device=None: read.append(device) or 0.0)
+    made = []
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.recorded = self.synced = False
+            made.append(self)
+
+        def record(self):
+            self.recorded = True
+
+        def synchronize(self):
+            self.synced = True
+
+        def elapsed_time(self, other):
+            assert other is made[1]
+            return 7.0  # milliseconds, as torch's
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(net, "_reduce_and_copy", lambda: [])
+    monkeypatch.setattr(net, "_params", [_OnCuda()])
     net._finish()
-    assert read == [torch.device("meta")] * 2, read  # exposed_comm_ms: clock at both ends
+    assert len(made) == 2 and all(e.recorded for e in made) and not any(e.synced for e in made)
+    assert syncs == []
+    assert net.last_wait_s == pytest.approx(0.007) and made[1].synced
+    monkeypatch.setattr(net, "_params", [torch.empty(1, device="meta")])
+    net._finish()  # not CUDA: the host clock, seconds
+    assert len(made) == 2 and 0.0 <= net.last_wait_s < 1.0
     net.close()
 
 

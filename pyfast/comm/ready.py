@@ -141,10 +141,13 @@ class SideBand:
     def reduce(self, engine, group):
         """Start the sum over the ranks, behind the buckets on `engine` (a NativeEngine) or on
         comm's FIFO worker over `group`: it completes after them."""
-        cuda = self.t.is_cuda  # pinned + non_blocking: the caching host allocator keeps the
-        # block until the copy is done, so the next step cannot overwrite it early
-        host = torch.tensor(self.flags, dtype=self.t.dtype, pin_memory=cuda)
-        self.t.copy_(host, non_blocking=cuda)
+        if self.t.is_cuda:  # pinned + non_blocking: the caching host allocator keeps the block
+            # until the copy is done, so the next step cannot overwrite it early
+            cpu = torch.device("cpu")  # cpu-literal: the pinned staging copy of the flags
+            host = torch.tensor(self.flags, dtype=self.t.dtype, device=cpu, pin_memory=True)
+            self.t.copy_(host, non_blocking=True)
+        else:
+            self.t.copy_(torch.tensor(self.flags, dtype=self.t.dtype, device=self.t.device))
         if engine is not None:
             return engine.all_reduce(self.t, None, op="sum", name="sideband")
         return all_reduce(self.t, None, group, op="sum", async_op=True, name="sideband")
