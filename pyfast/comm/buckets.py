@@ -75,18 +75,19 @@ ENGINES = ("auto", "native", "python")
 # elements as 16 int8 jobs of 2.25 MB take the time of one job (37 vs 48 ms on loopback, 151
 # vs 165 ms at 1 Gbit/s); 256 jobs of 0.14 MB took 199 ms on loopback.
 BUCKET_MB = 4.0
-# Compressor "none" on CUDA: DDP's 25 MB. Nothing is encoded or pipelined inside such a bucket,
-# so a smaller one only adds a collective's fixed cost (Python launch, NCCL launch): on the lent
-# H200 (gpt-small, NCCL world of one, tools/gpu_dp_vs_ddp.py, medians of 7) 25 MB buckets ran
-# 1.6-2.6 ms a step faster than 4 MB (3 collectives against 11) out of 20-23 ms. The CPU keeps 4 MB:
-# over gloo at 1 Gbit/s the finer buckets start the link sooner.
-DENSE_CUDA_BUCKET_MB = 25.0
+# Compressor "none": DDP's 25 MB. Nothing is encoded or pipelined inside such a bucket, so a
+# smaller one only adds a collective's fixed cost (Python launch, NCCL or gloo launch). On the
+# lent H200 (gpt-small, NCCL world of one, tools/gpu_dp_vs_ddp.py, medians of 7) 25 MB buckets ran
+# 1.6-2.6 ms a step faster than 4 MB (3 collectives against 11) out of 20-23 ms. On this 2-core
+# EPYC (`pyfast bench dp --configs ddp,pyfast:none`, 9.4M-parameter MLP, 2 ranks, 10 steps):
+# loopback 106 ms a step with 25 MB against 110 with 4 MB (DDP 112-114); at 1 Gbit/s 648 and 648
+# (the link bound: 605 ms of it): the finer buckets bought nothing there.
+NONE_BUCKET_MB = 25.0
 
 
-def default_bucket_mb(spec: str, device) -> float:
-    """DataParallel's bucket size when the caller gives none (BUCKET_MB, DENSE_CUDA_BUCKET_MB)."""
-    cuda = device is not None and torch.device(device).type == "cuda"
-    return DENSE_CUDA_BUCKET_MB if spec == "none" and cuda else BUCKET_MB
+def default_bucket_mb(spec: str) -> float:
+    """DataParallel's bucket size when the caller gives none (BUCKET_MB, NONE_BUCKET_MB)."""
+    return NONE_BUCKET_MB if spec == "none" else BUCKET_MB
 
 
 def check_same_layout(params: list[tuple[str, torch.Tensor]], group=None) -> None:

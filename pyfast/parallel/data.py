@@ -78,6 +78,11 @@ class DataParallel(nn.Module):
     module state: save it with compression_state_dict() and restore it with
     load_compression_state_dict() (DDP's comm hooks have no equivalent).
 
+    bucket_mb: the gradient buckets' size in MB (fp32; the first bucket 1 MB, as DDP's).
+    None: DDP's 25 for compressor none, whose buckets are the backend's plain all-reduce (fewer
+    collectives, less fixed cost a step), 4 for the others, whose buckets are encoded in pieces
+    that pipeline with the transfer (pyfast.comm.buckets says what decided both).
+
     engine: who reduces the buckets while backward runs. "native": the C++ overlap engine
     (pyfast.comm.engine), no Python and no GIL on the communication path; dense deterministic
     compressors only (none, fp16, bf16, int8, int4, fp8, sign, and compressor="auto", whose
@@ -130,8 +135,8 @@ class DataParallel(nn.Module):
         broadcast_state(module, self._comm)
         usable = [C.get(s) for s in AUTO_CANDIDATES] if self.auto else [self.compressor]
         align = math.lcm(*(c.block for c in usable))
-        if bucket_mb is None:  # 4 MB; 25 as DDP for compressor none on CUDA (comm.buckets)
-            bucket_mb = default_bucket_mb("auto" if self.auto else base.spec, dev)
+        if bucket_mb is None:  # 4 MB; DDP's 25 for compressor none (comm.buckets)
+            bucket_mb = default_bucket_mb("auto" if self.auto else base.spec)
         self.bucketer = Bucketer(named, bucket_mb, self._launch, enabled=overlap, align=align,
                                  views=gradient_as_bucket_view)
         self.selector = (AutoSelector(self.bucketer.buckets, self._comm, error_feedback)

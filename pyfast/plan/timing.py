@@ -55,7 +55,7 @@ DENSE_BYTES = {"bf16": 2.0, "fp16": 2.0, "int8": 1 + 4 / 512, "fp8": 1 + 4 / 512
                "int4": 0.5 + 4 / 512, "e3m0": 0.5 + 4 / 512, "sign": 1 / 8 + 4 / 512,
                "ternary": 0.25 + 4 / 512}
 FIRST_BUCKET_MB, BUCKET_MB = 1.0, 4.0  # pyfast.comm.buckets / pyfast.parallel.data
-DENSE_CUDA_BUCKET_MB = 25.0  # pyfast.comm.buckets: DataParallel's default for "none" on CUDA
+NONE_BUCKET_MB = 25.0  # pyfast.comm.buckets: DataParallel's default for compressor "none"
 ALLGATHER_MAX_BYTES = 1 << 20          # collectives.choose: dense payloads up to this all-gather
 VOCAB_PARALLEL_MIN = 2048              # pyfast.models.gpt: smaller vocabularies stay whole on tp
 BWD_PER_FWD = 2.0                      # backward = 2 forwards of matmul FLOPs (uncalibrated)
@@ -436,9 +436,8 @@ def _predict(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster,
     cpu_link = _cpu_link(cluster, world)
     if world > 1 and not plan.zero:
         per_param = plan.compress.partition(":")[0] in ("topk", "powersgd")
-        cuda = cluster.gpu.name != "cpu"  # as search.py sizes ranks
-        bks = _buckets(mods, per_param, bucket_mb=DENSE_CUDA_BUCKET_MB
-                       if plan.compress == "none" and cuda else BUCKET_MB)
+        bks = _buckets(mods, per_param,
+                       bucket_mb=NONE_BUCKET_MB if plan.compress == "none" else BUCKET_MB)
         cost, cdc = zip(*(_bucket_cost(plan.compress, bk, dp_link, cluster, len(bks))
                           for bk in bks))
         dp_c, codec = sum(cost), sum(cdc)
