@@ -509,4 +509,6 @@ class Link:
         with naming(f"Pipeline: completing the sends of boundary {self.stage}->{self.stage + 1}"):
             for w, _ in self.sends + list(self.act_sends.values()):
                 w.wait()
-        self.sends, self.act_sends = [], {}
+        # the headers' receives are read by now: dropped with the sends, so no work object or
+        # buffer of this step is held until the next one
+        self.sends, self.act_sends, self._hf, self._hb = [], {}, None, None
