@@ -15,8 +15,15 @@ is measured, not assumed, and the 16-bit reduction is the bar:
    Costs are all-reduced (max over ranks) so every rank picks the same; a candidate must beat
    fp16 by MARGIN to be picked.
 3. the next step runs the picks and is timed; any bucket whose pick was slower than its fp16
-   time (max over ranks) goes back to fp16 for good. So auto is never slower than 16-bit by
-   more than the noise of one measurement, and it decides once, then stays out of the way.
+   time (max over ranks) goes back to fp16.
+4. the step after runs every bucket uncompressed ("none") and is timed: a bucket whose plain
+   reduction took no longer than what step 3 left it with reduces uncompressed for good (lossless
+   and at least as fast). Predicted costs miss this where the link is fast and the codec
+   competes with compute or only launches work: on one H200 (a NCCL world of one), auto ran at
+   0.69-0.87x DDP's step rate before this step (bench/results/gpu_h200_dp), on this 2-core EPYC's
+   loopback at 0.92-0.98x with 37-44 MB a step where "none" sends 87.
+So auto is never slower than the faster of 16-bit and uncompressed by more than the noise of one
+measurement, and it decides once, then stays out of the way.
 """
 from __future__ import annotations
 
@@ -50,6 +57,10 @@ class AutoSelector:
             self.made[spec] = C.wrap(C.get(spec), error_feedback, dev)
         self.choice = ["fp16"] * len(buckets)
         self.t16 = [0.0] * len(buckets)
+        # step WARMUP's result per bucket (the choice it leaves, and that time) while step
+        # WARMUP + 1 tries "none" everywhere
+        self.trial = list(self.choice)
+        self.kept_s = [0.0] * len(buckets)
         self.report: list[dict] = []
         self.step_s, self._last = 0.0, None  # the whole step's time, between after_step calls
 
@@ -80,6 +91,14 @@ class AutoSelector:
                 self.report[i].update(measured=took[i], reverted=slower and self.choice[i] != "fp16")
                 if slower:
                     self.choice[i] = "fp16"
+                self.kept_s[i] = min(took[i], self.t16[i])
+            self.trial, self.choice = list(self.choice), ["none"] * len(self.buckets)
+        elif self.step == WARMUP + 1:  # every bucket ran uncompressed this step
+            took = self._agree(seconds)
+            for i, b in enumerate(self.buckets):
+                plain = took[i] <= self.kept_s[i]
+                self.report[i].update(none_s=took[i], none=plain)
+                self.choice[i] = "none" if plain else self.trial[i]
             self.fixed = True
         self.step += 1
 

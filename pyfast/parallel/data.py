@@ -366,7 +366,8 @@ class DataParallel(nn.Module):
         if self.selector is not None:
             sel = self.selector
             return {"spec": "auto", "choice": list(sel.choice), "fixed": sel.fixed,
-                    "step": sel.step, "t16": list(sel.t16),
+                    "step": sel.step, "t16": list(sel.t16), "trial": list(sel.trial),
+                    "kept_s": list(sel.kept_s),
                     "state": {s: c.state_dict() for s, c in sel.made.items()}}
         return {"spec": self.compressor.spec, "state": self.compressor.state_dict()}
 
@@ -384,6 +385,9 @@ class DataParallel(nn.Module):
                              f"DataParallel has {len(sel.choice)} (another bucket_mb or model?)")
         sel.choice, sel.fixed, sel.step, sel.t16 = (list(state["choice"]), state["fixed"],
                                                    state["step"], list(state["t16"]))
+        # checkpoints from before the "none" trial step have no trial: it then keeps the choice
+        sel.trial = list(state.get("trial", sel.choice))
+        sel.kept_s = list(state.get("kept_s", [float("inf")] * len(sel.choice)))
         for s, st in state["state"].items():
             sel.made[s].load_state_dict(st)
 
