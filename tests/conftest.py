@@ -52,3 +52,15 @@ def pool4():
     from dist_utils import RankPool
     with RankPool(4) as pool:
         yield pool
+
+
+@pytest.fixture(scope="module")
+def fake_world():
+    """This process as rank 0 of 2 on torch's `fake` group, for a module's tests (no peers:
+    collectives return at once, a read of their result gets this rank's values). A module asks
+    for it with `pytestmark = pytest.mark.usefixtures("fake_world")`."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    yield
+    dist.destroy_process_group()

@@ -7,7 +7,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from pyfast import perf
@@ -20,12 +19,7 @@ class _OnCuda:
     device = CUDA
 
 
-@pytest.fixture(scope="module", autouse=True)
-def fake_world():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("fake_world")  # tests/conftest.py
 
 
 @pytest.fixture

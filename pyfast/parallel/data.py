@@ -291,16 +291,18 @@ class DataParallel(nn.Module):
         return done
 
     def _before_copy(self, buckets) -> None:
-        """Between the wait and the copy into .grad: the non-finite verdict of the step."""
-        names = [f"{b.name} ({', '.join(b.names[:3])}{'...' if len(b.names) > 3 else ''})"
-                 for b in self.bucketer.buckets]
+        """Between the wait and the copy into .grad: the non-finite verdict of the step
+        (buckets: the bucketer's, all of them)."""
         # pass-through (none, fp16, bf16): no rank sets a flag, so none is read (a host sync)
-        extra = [0] * len(names) if self._through else self._band.extra()
+        extra = [0] * len(buckets) if self._through else self._band.extra()
         flagged = [f or int(b.handle is not None and b.extra.get("fold", False)
                             and not self._guard.reduced_ok(b.extra["c"], b.flat))
-                   for f, b in zip(extra, self.bucketer.buckets)]
+                   for f, b in zip(extra, buckets)]
+        # the buckets' names, for the message of a "raise": formatted only when one is flagged
+        names = [f"{b.name} ({', '.join(b.names[:3])}{'...' if len(b.names) > 3 else ''})"
+                 for b in buckets] if any(flagged) else [""] * len(buckets)
         skipped = self._guard.settle(
-            flagged, names, lambda i: self.bucketer.buckets[i].flat.fill_(float("nan")))
+            flagged, names, lambda i: buckets[i].flat.fill_(float("nan")))
         self._skipped = None if self._through else skipped
 
     @property
