@@ -80,6 +80,13 @@ class TrainConfig:
     outer_momentum: float = 0.9
     outer_nesterov: bool = True
     diloco_alpha: float = 0.0       # mixing of local and global parameters (0: take global)
+    # LoRA fine-tuning (pyfast.models.lora, peft); check_lora
+    lora: int = 0                   # adapter rank R; 0: a full fine-tune (every weight trains)
+    lora_alpha: float = 0.0         # the update's scale is alpha / R; 0: 2 R
+    lora_targets: str = "all-linear"  # all-linear or module names: q_proj,v_proj,...
+    lora_dropout: float = 0.0
+    base_dtype: str = "none"        # the frozen base's storage: none (as built), bf16, int8, nf4
+    base_placement: str = "auto"    # --zero 3: auto, replicate (whole on every rank) or shard
 
     @property
     def m(self) -> int:
@@ -189,6 +196,7 @@ def parser() -> argparse.ArgumentParser:
            f"{', '.join(RESUME_ALLOWABLE)}: extend a run); logged")
     add_watch_flags(p, d)
     add_diloco_flags(p, d)
+    add_lora_flags(p, d)
     g = p.add_argument_group("dry run (pyfast.train.dryrun: no process is started)")
     g.add_argument("--dry-run", action="store_true", help="run one whole step of the job for a "
                    "world of --nproc ranks in this process, on memoryless (meta) tensors over "
@@ -253,6 +261,7 @@ def check(cfg: TrainConfig, world: int, model: bool = True) -> dict:
     check_cp(cfg)
     check_zero(cfg)
     check_diloco(cfg)
+    check_lora(cfg)
     data = check_data(cfg)
     check_watch(cfg)
     check_model_vocab(cfg, data)
@@ -458,6 +467,12 @@ def build_model(cfg: TrainConfig, vocab_size: int, device=None):
         with torch.device(device) if device is not None else contextlib.nullcontext():
             m = models.build(cfg.model, vocab_size, cfg.seq, positions=cfg.positions,
                              tie_embeddings=cfg.tie_embeddings)
+            if cfg.lora:  # before the pipeline's cut: the stages hold the adapted modules
+                from pyfast.models.lora import apply_lora
+                apply_lora(m, lora_options(cfg))
+                if cfg.base_dtype != "none":
+                    from pyfast.models.quant_base import quantize_base
+                    quantize_base(m, cfg.base_dtype)
             # an HF model is pipelined as its Sequential form (pyfast.models.hf_stages)
             return m.as_sequential() if cfg.pp > 1 and hasattr(m, "as_sequential") else m
     except (ImportError, ValueError) as e:
@@ -589,3 +604,57 @@ def check_fragments(cfg: TrainConfig, m) -> None:
     if cfg.diloco and cfg.fragments > n:
         raise ConfigError(f"--fragments {cfg.fragments}: more fragments than the {n} parameter "
                           f"tensors of {cfg.model}")
+
+
+BASE_DTYPES = ("none", "bf16", "int8", "nf4")
+BASE_PLACEMENTS = ("auto", "replicate", "shard")
+
+
+def add_lora_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
+    g = p.add_argument_group("LoRA fine-tuning (adapters through peft; a frozen base)")
+    g.add_argument("--lora", type=int, default=d.lora, metavar="R",
+                   help="train rank-R LoRA adapters on a frozen base (default 0: full fine-tune)")
+    g.add_argument("--lora-alpha", type=float, default=d.lora_alpha,
+                   help="the adapters' update is scaled by alpha / R (default 0: 2 R)")
+    g.add_argument("--lora-targets", default=d.lora_targets,
+                   help="all-linear (every Linear of the layers, not the head) or module names: "
+                        "q_proj,v_proj,...")
+    g.add_argument("--lora-dropout", type=float, default=d.lora_dropout)
+    g.add_argument("--base-dtype", default=d.base_dtype, choices=BASE_DTYPES,
+                   help="store the frozen base's adapted Linear weights as bf16, int8 or nf4 "
+                        "(QLoRA); none: as built")
+    g.add_argument("--base-placement", default=d.base_placement, choices=BASE_PLACEMENTS,
+                   help="--zero 3: keep the frozen base whole on every rank (replicate) or "
+                        "shard it like the trainable parameters; auto: replicate when it fits")
+
+
+def lora_options(cfg: TrainConfig):
+    """The LoraOptions of --lora/--lora-alpha/--lora-targets/--lora-dropout (ConfigError)."""
+    from pyfast.models.lora import LoraOptions
+    try:
+        return LoraOptions(cfg.lora, cfg.lora_alpha, cfg.lora_targets, cfg.lora_dropout)
+    except ValueError as e:
+        raise ConfigError(f"--lora {cfg.lora}: {e}") from None
+
+
+def check_lora(cfg: TrainConfig) -> None:
+    """The LoRA flags alone (a target that names no module is told by build_model)."""
+    if cfg.lora < 0:
+        raise ConfigError(f"--lora must be >= 1 (the adapter rank; 0: off), got {cfg.lora}")
+    if not cfg.lora:
+        for flag, v, default in (("--base-dtype", cfg.base_dtype, "none"),
+                                 ("--base-placement", cfg.base_placement, "auto")):
+            if v != default:
+                raise ConfigError(f"{flag} {v}: the base is frozen only under LoRA adapters; "
+                                  "add --lora R (a full fine-tune trains every weight)")
+        return
+    lora_options(cfg)
+    if cfg.base_dtype not in BASE_DTYPES:
+        raise ConfigError(f"--base-dtype must be one of {', '.join(BASE_DTYPES)}, "
+                          f"got {cfg.base_dtype!r}")
+    if cfg.base_placement not in BASE_PLACEMENTS:
+        raise ConfigError(f"--base-placement must be one of {', '.join(BASE_PLACEMENTS)}, "
+                          f"got {cfg.base_placement!r}")
+    if cfg.base_placement != "auto" and cfg.zero != 3:
+        raise ConfigError(f"--base-placement {cfg.base_placement}: only --zero 3 shards "
+                          "parameters (the others keep the base whole on every rank)")
