@@ -51,7 +51,8 @@ template <class S>
 Quant parse(const S& kind) {
   for (int k = 0; k < kCount; ++k)
     if (kind == S(kSpecs[k].name)) return static_cast<Quant>(k);
-  PYFAST_CHECK_VALUE(false, "unknown quantization kind '", kind, "'; valid: int8, int4, fp8, sign, nf4");
+  PYFAST_CHECK_VALUE(false, "unknown quantization kind '", kind,
+                    "'; valid: int8, int4, fp8, sign, nf4");
 }
 
 inline int64_t check_block(int64_t block) {

@@ -1,7 +1,7 @@
 """The quantization format table for Python and Triton: kinds, their kernel ids, qmax and
-elements per code byte, block limits, wire sizes, and NF4's codebook. csrc/format.h is the same table for C++ and
-CUDA. Plain Python (no torch, no triton): the bottom layer, read by kernels/quantize.py and by
-pyfast/ops/quantize.py above it."""
+elements per code byte, block limits, wire sizes, NF4's codebook. csrc/format.h is the same
+table for C++ and CUDA. Plain Python (no torch, no triton): the bottom layer, read by
+kernels/quantize.py and by pyfast/ops/quantize.py above it."""
 from __future__ import annotations
 
 from typing import NamedTuple

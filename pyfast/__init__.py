@@ -70,7 +70,8 @@ class _SourceKernels:
         import importlib.util
         import os
         return importlib.util.spec_from_file_location(
-            fullname, os.path.join(self.root, "__init__.py"), submodule_search_locations=[self.root])
+            fullname, os.path.join(self.root, "__init__.py"),
+            submodule_search_locations=[self.root])
 
 
 def _install_source_kernels() -> None:
