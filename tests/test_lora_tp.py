@@ -239,3 +239,12 @@ def test_train_tp2_lora_matches_one_process(pool):
         for a, b in zip(recs, one):
             for k in ("loss", "grad_norm"):
                 assert abs(a[k] - b[k]) <= 1e-5 * abs(b[k]), (k, a, b)
+
+
+def test_quantized_base_with_tp_fails_before_any_rank_starts(tmp_path, capsys):
+    from pyfast.train import main
+    argv = ["--model", "hf-llama-tiny", "--lora", "4", "--base-dtype", "int8", "--tp", "2",
+            "--steps", "2", "--batch", "2", "--seq", "32", "--out", str(tmp_path)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--base-dtype int8 with --tp 2" in err and "use --base-dtype bf16" in err, err
