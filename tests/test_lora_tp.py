@@ -15,6 +15,8 @@ products, the adapters' all-reduced gradients); a missing all-reduce or a mis-sp
 by the value's own size. The train job (hf-llama-tiny --lora 4, 2 steps): loss and gradient norm
 within 1e-5 relative of one process (the norm checks that a replicated adapter counts once).
 """
+import importlib.util
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,8 +24,13 @@ from torch import nn
 
 from dist_utils import RankPool, run_ranks
 
-pytest.importorskip("peft", reason="LoRA needs peft")
-pytest.importorskip("transformers", reason="hf-llama-tiny needs transformers")
+# found, not imported: peft (and the transformers it imports) costs ~7 s of a loaded 2-core
+# machine, paid once by the ranks' forkserver (PRELOAD below), not also by this process
+for _need in ("peft", "transformers"):
+    if importlib.util.find_spec(_need) is None:
+        pytest.skip(f"LoRA on hf-llama-tiny needs {_need}", allow_module_level=True)
+PRELOAD = ["peft", "transformers.models.llama.modeling_llama", "pyfast.parallel.lora_tp",
+           "pyfast.train.job"]
 
 SEED, VOCAB, B, T = 7, 256, 2, 16
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -31,7 +38,7 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 
 @pytest.fixture(scope="module")
 def pool():
-    with RankPool(2, preload=["peft", "transformers", "pyfast.parallel.lora_tp"]) as p:
+    with RankPool(2, preload=PRELOAD) as p:
         yield p
 
 
