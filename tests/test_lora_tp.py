@@ -187,7 +187,14 @@ def _mlp_parity(rank, world, case):
     else:
         xg = xt.grad
     kinds = {n: type(m).__name__ for n, m in model.named_modules()}
-    return dict(y=(y.detach(), out.detach()), xgrad=(xd.grad, xg), grads=(ref, _gathered(model)),
+    merged = None
+    if case == "tp":  # peft's merge on the shards: B shard @ A (column), B @ A shard (row)
+        with torch.no_grad():
+            model.fc1.merge()
+            model.fc2.merge()
+            assert model.fc1.merged and model.fc2.merged  # forward now skips the adapters
+            merged = (out.detach(), model(x))
+    return dict(merged=merged, y=(y.detach(), out.detach()), xgrad=(xd.grad, xg), grads=(ref, _gathered(model)),
                 kinds=kinds)
 
 
@@ -203,6 +210,8 @@ def test_lora_tp2_mlp_styles(pool, case):
         for n in ref:
             assert ref[n].abs().max() > 0, n
             torch.testing.assert_close(got[n], ref[n], **TOL, msg=n)
+        if r["merged"] is not None:
+            torch.testing.assert_close(r["merged"][1], r["merged"][0], **TOL)
         if case.startswith("bf16"):
             assert r["kinds"]["fc1.base_layer"] == "QuantColumnParallelLinear"
             assert r["kinds"]["fc2.base_layer"] == "QuantRowParallelLinear"
