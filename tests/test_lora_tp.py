@@ -194,8 +194,8 @@ def _mlp_parity(rank, world, case):
             model.fc2.merge()
             assert model.fc1.merged and model.fc2.merged  # forward now skips the adapters
             merged = (out.detach(), model(x))
-    return dict(merged=merged, y=(y.detach(), out.detach()), xgrad=(xd.grad, xg), grads=(ref, _gathered(model)),
-                kinds=kinds)
+    return dict(merged=merged, y=(y.detach(), out.detach()), xgrad=(xd.grad, xg),
+                grads=(ref, _gathered(model)), kinds=kinds)
 
 
 @pytest.mark.dist
