@@ -133,7 +133,11 @@ class _QuantShard:
     """A frozen QuantLinear base ("bf16": `codes` is the weight cast) split as its Column /
     RowParallelLinear parent splits an nn.Linear; `weight` is the shard dequantized to fp32 (the
     parent's forward casts it under autocast, as QuantLinear dequantizes into the autocast
-    dtype: the same values, bf16 -> fp32 -> bf16 being exact)."""
+    dtype: the same values, bf16 -> fp32 -> bf16 being exact).
+
+    The parent's __init__ builds (and marks) a meta `weight` Parameter, which from_quant then
+    deletes: until `codes` exists, the `weight` property raises AttributeError and Python falls
+    back to nn.Module.__getattr__, which finds that meta Parameter."""
 
     @classmethod
     def from_quant(cls, q, group, **options):
