@@ -226,3 +226,27 @@ def test_matches_bitsandbytes(n, dtype):
     y = bnbf.dequantize_4bit(swapped.view(-1, 1), state, quant_type="nf4", blocksize=64)
     assert torch.equal(y.reshape(-1), quantize.dequantize(codes, scales, n, "nf4", 64, dtype))
     assert torch.equal(torch.tensor(quantize.NF4_CODEBOOK), state.code.float().cpu())
+
+
+def test_codes_match_torchao():
+    """torchao's NF4Tensor (torchtune's QLoRA) uses the codebook rounded to 4 digits and always
+    quantizes its scales to int8 (double quantization), so only its codes are comparable: they
+    are pyfast's wherever y = x / absmax is more than 1e-4 from a midpoint (its rounded entries
+    move the midpoints by < 5e-5). Its byte holds element 2j in the high nibble."""
+    nf4t = pytest.importorskip("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
+    x = torch.randn(64, 256)  # torchao needs whole blocks and whole scaler blocks
+    n = x.numel()
+    t = nf4t.to_nf4(x, 64, 256)
+    qd = t.quantized_data.reshape(-1).to(torch.int64)
+    theirs = torch.stack([qd >> 4, qd & 0xF], 1).reshape(-1)
+    codes, scales = quantize.quantize(x, "nf4", 64)
+    y = x.reshape(-1) / scales.repeat_interleave(64)
+    near = ((y[:, None] - torch.tensor(quantize.NF4_THRESHOLDS)).abs() < 1e-4).any(1)
+    assert torch.equal(theirs[~near], codes_of(codes, n)[~near])
+
+
+def test_benchmark_runs():
+    from pyfast.benchmarks import nf4_ops
+    r = nf4_ops.run(numel=4096 + 7, repeats=1)
+    assert r["nf4_vs_bf16"] >= 3.5 and len(r["rows"]) == 9
+    assert "bytes a parameter" in nf4_ops.table(r)
