@@ -181,6 +181,9 @@ def test_refusals():
             quantize.quantize(x, "nf4", 64, stochastic=True, backend=backend)
     import pyfast.compress as C
     from pyfast.compress.quant import Quantizer
+    if status("cpp", torch.device("cpu"))[0]:  # the op itself refuses too
+        with pytest.raises(RuntimeError, match="nf4 has no stochastic"):
+            torch.ops.pyfast.quantize(x, "nf4", 64, True, 0)
     with pytest.raises(ValueError, match="frozen weights"):
         Quantizer("nf4")
     with pytest.raises(ValueError, match="unknown compressor spec"):
@@ -205,6 +208,32 @@ def test_quant_linear_nf4(bias):
                                                None if lin.bias is None else lin.bias.bfloat16()))
     bits = 8 * (q.codes.numel() + 4 * q.scales.numel()) / 7000
     assert bits <= 4.6 and 16 / bits >= 3.5, "vs bf16: >= 3.5x fewer bytes"
+
+
+def test_lora_over_an_nf4_base():
+    # QLoRA in small: adapters over an nf4 base train (gradients reach them only), and the
+    # model computes what the same model with the dequantized weights in plain Linears does
+    from pyfast.models.lora import LoraOptions, apply_lora
+    from pyfast.models.quant_base import QuantLinear, quantize_base
+    model = nn.Sequential(nn.Linear(100, 70), nn.GELU(), nn.Linear(70, 33))
+    apply_lora(model, LoraOptions(rank=4, targets=("0", "2")))
+    for m in model.modules():
+        if hasattr(m, "lora_B"):
+            nn.init.normal_(m.lora_B["default"].weight)  # peft starts B at 0
+    assert quantize_base(model, "nf4") == ["0", "2"]
+    assert all(isinstance(model[i].base_layer, QuantLinear) for i in (0, 2))
+    x = torch.randn(8, 100)
+    y = model(x)
+    y.square().mean().backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert all((g is not None) == (".lora_" in n) for n, g in grads.items())
+    plain = nn.Sequential(nn.Linear(100, 70), nn.GELU(), nn.Linear(70, 33))
+    for i in (0, 2):
+        m, q = model[i], model[i].base_layer
+        plain[i].weight.data = q.dequantized() + m.scaling["default"] * (
+            m.lora_B["default"].weight @ m.lora_A["default"].weight)
+        plain[i].bias.data = q.bias.data.clone()
+    torch.testing.assert_close(y, plain(x), rtol=1e-5, atol=1e-5)
 
 
 # --------------------------------------------------------------------------- bitsandbytes
