@@ -181,6 +181,9 @@ def test_refusals():
             quantize.quantize(x, "nf4", 64, stochastic=True, backend=backend)
     import pyfast.compress as C
     from pyfast.compress.quant import Quantizer
+    if status("cpp", torch.device("cpu"))[0]:  # the op itself refuses too
+        with pytest.raises(RuntimeError, match="nf4 has no stochastic"):
+            torch.ops.pyfast.quantize(x, "nf4", 64, True, 0)
     with pytest.raises(ValueError, match="frozen weights"):
         Quantizer("nf4")
     with pytest.raises(ValueError, match="unknown compressor spec"):
@@ -207,6 +210,32 @@ def test_quant_linear_nf4(bias):
     assert bits <= 4.6 and 16 / bits >= 3.5, "vs bf16: >= 3.5x fewer bytes"
 
 
+def test_lora_over_an_nf4_base():
+    # QLoRA in small: adapters over an nf4 base train (gradients reach them only), and the
+    # model computes what the same model with the dequantized weights in plain Linears does
+    from pyfast.models.lora import LoraOptions, apply_lora
+    from pyfast.models.quant_base import QuantLinear, quantize_base
+    model = nn.Sequential(nn.Linear(100, 70), nn.GELU(), nn.Linear(70, 33))
+    apply_lora(model, LoraOptions(rank=4, targets=("0", "2")))
+    for m in model.modules():
+        if hasattr(m, "lora_B"):
+            nn.init.normal_(m.lora_B["default"].weight)  # peft starts B at 0
+    assert quantize_base(model, "nf4") == ["0", "2"]
+    assert all(isinstance(model[i].base_layer, QuantLinear) for i in (0, 2))
+    x = torch.randn(8, 100)
+    y = model(x)
+    y.square().mean().backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert all((g is not None) == (".lora_" in n) for n, g in grads.items())
+    plain = nn.Sequential(nn.Linear(100, 70), nn.GELU(), nn.Linear(70, 33))
+    for i in (0, 2):
+        m, q = model[i], model[i].base_layer
+        plain[i].weight.data = q.dequantized() + m.scaling["default"] * (
+            m.lora_B["default"].weight @ m.lora_A["default"].weight)
+        plain[i].bias.data = q.bias.data.clone()
+    torch.testing.assert_close(y, plain(x), rtol=1e-5, atol=1e-5)
+
+
 # --------------------------------------------------------------------------- bitsandbytes
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n", [1, 1000, 7000])
@@ -226,3 +255,27 @@ def test_matches_bitsandbytes(n, dtype):
     y = bnbf.dequantize_4bit(swapped.view(-1, 1), state, quant_type="nf4", blocksize=64)
     assert torch.equal(y.reshape(-1), quantize.dequantize(codes, scales, n, "nf4", 64, dtype))
     assert torch.equal(torch.tensor(quantize.NF4_CODEBOOK), state.code.float().cpu())
+
+
+def test_codes_match_torchao():
+    """torchao's NF4Tensor (torchtune's QLoRA) uses the codebook rounded to 4 digits and always
+    quantizes its scales to int8 (double quantization), so only its codes are comparable: they
+    are pyfast's wherever y = x / absmax is more than 1e-4 from a midpoint (its rounded entries
+    move the midpoints by < 5e-5). Its byte holds element 2j in the high nibble."""
+    nf4t = pytest.importorskip("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
+    x = torch.randn(64, 256)  # torchao needs whole blocks and whole scaler blocks
+    n = x.numel()
+    t = nf4t.to_nf4(x, 64, 256)
+    qd = t.quantized_data.reshape(-1).to(torch.int64)
+    theirs = torch.stack([qd >> 4, qd & 0xF], 1).reshape(-1)
+    codes, scales = quantize.quantize(x, "nf4", 64)
+    y = x.reshape(-1) / scales.repeat_interleave(64)
+    near = ((y[:, None] - torch.tensor(quantize.NF4_THRESHOLDS)).abs() < 1e-4).any(1)
+    assert torch.equal(theirs[~near], codes_of(codes, n)[~near])
+
+
+def test_benchmark_runs():
+    from pyfast.benchmarks import nf4_ops
+    r = nf4_ops.run(numel=4096 + 7, repeats=1)
+    assert r["nf4_vs_bf16"] >= 3.5 and len(r["rows"]) == 9
+    assert "bytes a parameter" in nf4_ops.table(r)
