@@ -221,3 +221,15 @@ def test_cli_json():
     doc = json.loads(out.stdout)  # exactly one JSON object on stdout
     assert list(doc) == ["ranks"]
     check_rows(doc["ranks"], [0, 1])
+
+
+def test_a_hugging_face_llama_with_lora_under_tensor_parallelism():
+    """transformers' mask code reads position ids back (models/hf.py _unpacked_rows): an HF
+    model dry-runs; LoRA adapters (peft) hold the only optimizer state."""
+    c = TrainConfig(model="hf-llama-tiny", tp=2, lora=4, seq=64, batch=2)
+    rows = dry_run(c, 2, [1])
+    check_rows(rows, [1])
+    m = build_model(c, 256, "meta")
+    adapters = sum(p.numel() for p in m.parameters() if p.requires_grad)
+    # AdamW state: the adapters only (A whole, B split on column-parallel layers: <= all)
+    assert 0 < rows[0]["optimizer"] <= 1.01 * adapters * ADAM
