@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from pyfast.tokens import tokenizer_file
 from pyfast.train import checkpoint as ck
@@ -111,9 +112,10 @@ def load_model(path) -> tuple[TrainConfig, dict, torch.nn.Module]:
         else:  # DCP reshards tp DTensors and pipeline stages into the whole tensors
             try:
                 ck.load({"model": {n: p.detach() for n, p in params.items()}}, path)
-            except Exception as e:  # noqa: BLE001 (DCP's errors: a key or a shard missing)
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 (a key, a shard)
                 raise ExportError(f"{path}: the checkpoint does not hold the run's whole model "
-                                  f"(a tensor or a shard file missing?): {_first(e)}") from None
+                                  f"(a tensor or a shard file missing?): {_first(e)}"
+                                  f"{_in_missing_files(path)}") from None
     model.eval()
     return cfg, meta, model
 
@@ -123,6 +125,23 @@ def _first(e: Exception) -> str:
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
     keys = [ln for ln in lines if "key" in ln.lower() or "No such file" in ln]
     return (keys or lines or [type(e).__name__])[-1][:400]
+
+
+def _in_missing_files(path: Path) -> str:
+    """'; FILE held NAME, ...' for DCP shard files that DCP's metadata lists but are gone."""
+    from torch.distributed.checkpoint import FileSystemReader
+    try:
+        sd = FileSystemReader(str(path)).read_metadata().storage_data
+    except Exception:  # noqa: BLE001 (an unreadable .metadata: DCP's message says enough)
+        return ""
+    gone = {}
+    for idx, info in sd.items():
+        if not (path / info.relative_path).is_file():
+            gone.setdefault(info.relative_path, []).append(idx.fqn.removeprefix("model."))
+    def order(n):  # a LoRA run's adapters first: what the user is after
+        return (".lora_" not in n, n)
+    return "".join(f"; {f} held {', '.join(sorted(set(n), key=order)[:4])}"
+                   f"{' and more' if len(set(n)) > 4 else ''}" for f, n in sorted(gone.items()))
 
 
 def _load_zero(path: Path, cfg: TrainConfig, model, params: dict) -> None:
