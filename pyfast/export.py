@@ -340,6 +340,9 @@ def export(run, out, step: int | None = None, to: str = "hf", force: bool = Fals
     if merge and not cfg.lora:
         raise ExportError(f"--merge: {run} was trained without --lora, there are no adapters "
                           "to merge (drop --merge)")
+    if to == "peft" and not cfg.lora:
+        raise ExportError(f"--to peft: {run} was trained without --lora, there are no adapters "
+                          "to export (export the whole model with --to hf)")
     note = ""
     if base:  # the model as the job built it: no checkpoint to read
         model, what = P.base_model(cfg, meta["vocab_size"]), "the run's base (before step 1)"
