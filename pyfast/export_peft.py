@@ -9,9 +9,9 @@
   query_key_value, B's rows reordered exactly as the base's fused rows are (the update B A is
   row-permuted like W, so A is unchanged); proj/fc/proj -> their HF names, unchanged.
 - `--to hf --merge`: W + (alpha / r) B A written into the full-precision base (peft's merge,
-  safe_merge: NaN refused). A run with a quantized base (--base-dtype) merges into the base
-  rebuilt from --model and --seed (or hf:DIR's weights), never into its dequantized int8/nf4
-  copy: that adds the quantization error to every merged weight, and quantizing the merged
+  safe_merge: NaN refused). A run whose base is held below fp32 (--base-dtype bf16/int8/nf4)
+  merges into the base rebuilt from --model and --seed (or hf:DIR's weights), never into its
+  dequantized copy: that adds the quantization error to every merged weight, and quantizing the merged
   weight again would move it further (peft#2321). The rebuilt base is checked against the
   run's: it must quantize to the very codes the run trained on.
 - `--to hf --base`: the run's full-precision base as its job built it (seeded, no adapters):
@@ -157,8 +157,9 @@ def base_model(cfg: TrainConfig, vocab_size: int, lora: bool = False) -> nn.Modu
 
 
 def _same_base(run: nn.Module, full: nn.Module, cfg: TrainConfig, path) -> None:
-    """ExportError unless `full`'s base (rebuilt) is the one `run` (a quantized-base run at
-    `path`) trained on: each adapted weight quantizes to the run's codes, the rest equal."""
+    """ExportError unless `full`'s base (rebuilt) is the one `run` (a reduced-base run at
+    `path`) trained on: each adapted weight quantizes to the run's codes, the rest equal once
+    cast to the run's dtype."""
     from pyfast.models.lora import is_adapter
     from pyfast.models.quant_base import QuantLinear, quantize_weight
     why = (f"the base rebuilt from --model {cfg.model} --seed {cfg.seed} is not the one the "
@@ -178,12 +179,20 @@ def _same_base(run: nn.Module, full: nn.Module, cfg: TrainConfig, path) -> None:
             raise _error(f"{why}: {n} differs")
 
 
+def _reduced(model) -> bool:
+    """Whether the model's frozen base is held below fp32 (--base-dtype, or frozen tensors the
+    job keeps in bf16): then the checkpoint is not the full-precision base to merge into."""
+    from pyfast.models.quant_base import QuantLinear
+    return any(isinstance(m, QuantLinear) for m in model.modules()) or \
+        any(p.dtype != torch.float32 for p in model.parameters())
+
+
 def merged(model, cfg: TrainConfig, meta: dict, path) -> nn.Module:
     """The run's model with W + scaling B A merged into its full-precision base and the
     adapters removed: a plain pyfast model for export.to_hf."""
     from peft.tuners.lora import LoraLayer
     lora_of(model, cfg, path)
-    if cfg.base_dtype != "none":  # merge into the rebuilt full-precision base, never the codes
+    if _reduced(model):  # merge into the rebuilt full-precision base, never the codes
         full = base_model(cfg, meta["vocab_size"], lora=True)
         _same_base(model, full, cfg, path)
         mine = dict(model.named_parameters())
