@@ -11,9 +11,9 @@
 - `--to hf --merge`: W + (alpha / r) B A written into the full-precision base (peft's merge,
   safe_merge: NaN refused). A run whose base is held below fp32 (--base-dtype bf16/int8/nf4)
   merges into the base rebuilt from --model and --seed (or hf:DIR's weights), never into its
-  dequantized copy: that adds the quantization error to every merged weight, and quantizing the merged
-  weight again would move it further (peft#2321). The rebuilt base is checked against the
-  run's: it must quantize to the very codes the run trained on.
+  dequantized copy: that adds the quantization error to every merged weight, and quantizing
+  the merged weight again would move it further (peft#2321). The rebuilt base is checked
+  against the run's: it must quantize to the very codes the run trained on.
 - `--to hf --base`: the run's full-precision base as its job built it (seeded, no adapters):
   what the adapters of an hf-llama-tiny or GPT run load onto.
 """
