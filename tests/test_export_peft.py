@@ -29,7 +29,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from pyfast import export_peft as P  # noqa: E402
-from pyfast.export import ExportError, export, load_model, to_hf  # noqa: E402
+from pyfast.export import ExportError, export, load_model, main, to_hf  # noqa: E402
 from pyfast.train.config import TrainConfig, build_model  # noqa: E402
 
 LORA = ["--model", "hf-llama-tiny", "--lora", "4", "--lr", "1e-2", "--steps", "2", "--batch",
@@ -160,6 +160,19 @@ def test_int8_merge_refuses_another_base(exported):
     cfg = TrainConfig(lora=4, seq=32, seed=7, **BUILT["llama-int8"])
     with pytest.raises(ExportError, match="--seed 7.*not the one the run"):
         P.merged(exported["llama-int8"]["pyfast"], cfg, {"vocab_size": 256}, "run")
+
+
+@pytest.mark.dist
+def test_command_line(runs, tmp_path, capsys):
+    """`pyfast export RUN --to peft OUT --step N` as parsed by the command (flags anywhere)."""
+    run = runs["llama"]
+    assert main([str(run), "--to", "peft", str(tmp_path / "a"), "--step", str(STEP)]) == 0
+    said = capsys.readouterr().out
+    assert f"step {STEP}" in said and "PEFT LoRA adapter: r 4, alpha 8, 14 modules" in said
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= \
+        {p.name for p in (tmp_path / "a").iterdir()}
+    assert main([str(run), "--to", "hf", str(tmp_path / "b")]) == 2
+    assert "--merge" in capsys.readouterr().err and not (tmp_path / "b").exists()
 
 
 def _rewrite(run, dst, change_meta=None, change_model=None):
