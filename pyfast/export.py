@@ -138,6 +138,7 @@ def _in_missing_files(path: Path) -> str:
     for idx, info in sd.items():
         if not (path / info.relative_path).is_file():
             gone.setdefault(info.relative_path, []).append(idx.fqn.removeprefix("model."))
+
     def order(n):  # a LoRA run's adapters first: what the user is after
         return (".lora_" not in n, n)
     return "".join(f"; {f} held {', '.join(sorted(set(n), key=order)[:4])}"

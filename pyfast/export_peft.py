@@ -141,6 +141,11 @@ def write_peft(model, cfg: TrainConfig, path, out: Path) -> str:
     save_file({k: v.to(torch.float32) for k, v in tensors.items()},
               str(out / FILES[0]), metadata={"format": "pt"})
     config.save_pretrained(str(out))
+    conf_file = out / FILES[1]  # peft writes target_modules from a set: sorted, the file is stable
+    c = json.loads(conf_file.read_text())
+    if isinstance(c.get("target_modules"), list):
+        c["target_modules"] = sorted(c["target_modules"])
+        conf_file.write_text(json.dumps(c, indent=2, sort_keys=True))  # peft's own layout
     return f"PEFT LoRA adapter: r {o.rank}, alpha {o.alpha:g}, {len(names)} modules"
 
 
