@@ -64,10 +64,15 @@ def lr_lambda(cfg: TrainConfig):
 def autocast_layers(model, device_type: str, dtype) -> None:
     """Run every top-level layer's forward under autocast (fp32 master weights stay fp32).
     Per layer rather than around the step, so that whatever runs a layer (the plain loop or a
-    pipeline stage) autocasts its forward and no backward runs inside an autocast region."""
+    pipeline stage) autocasts its forward and no backward runs inside an autocast region.
+    On the meta device (a dry run) MetaAutocast instead (dtype None: fp32, GPU attention)."""
     layers = list(model) if models.pipelinable(model) else [model]
     for m in layers:
-        m.forward = torch.autocast(device_type, dtype=dtype)(m.forward)
+        if device_type == "meta":  # a dry run: autocast casts no meta tensor (meta_autocast.py)
+            from .meta_autocast import autocast_forward
+            m.forward = autocast_forward(m.forward, dtype)
+        else:
+            m.forward = torch.autocast(device_type, dtype=dtype)(m.forward)
 
 
 class Job:
@@ -96,8 +101,8 @@ class Job:
             model.retie()
         if cfg.cp > 1:  # after tp: attention then runs over each tp rank's local heads
             model.context_parallel(mesh.cp_group, layout=cfg.cp_layout, method=cfg.cp_method)
-        if cfg.precision in AMP:
-            autocast_layers(model, device.type, AMP[cfg.precision])
+        if cfg.precision in AMP or device.type == "meta":  # meta: GPU attention (meta_autocast)
+            autocast_layers(model, device.type, AMP.get(cfg.precision))
         self.model, self.mult, self.scaling = model, 1.0, False
         self.pipe = None
         if cfg.pp > 1:
