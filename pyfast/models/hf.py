@@ -155,11 +155,14 @@ class HFCausalLM(nn.Module):
         from .hf_stages import HFStages
         return HFStages(self)
 
-    def enable_activation_checkpointing(self) -> None:
+    def enable_activation_checkpointing(self, context_fn=None) -> None:
         # transformers 5 renamed gradient_checkpointing_enable (the old name warns there).
         # Non-reentrant, as GPT's blocks: no input needs requires_grad. Unlike GPT, HF's
         # layers recompute only in train() mode, not whenever grad is enabled.
+        # context_fn: torch.utils.checkpoint's (the dry run's casts in the recomputation).
         kwargs = {"use_reentrant": False}
+        if context_fn is not None:
+            kwargs["context_fn"] = context_fn
         if hasattr(self.hf, "activation_checkpointing_enable"):
             self.hf.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:

@@ -61,6 +61,13 @@ def lr_lambda(cfg: TrainConfig):
     return f
 
 
+def meta_recompute(dtype):
+    """torch.utils.checkpoint's context_fn for a dry run: the recomputation runs under the same
+    MetaAutocast as the forward (torch's own autocast restore skips the meta device)."""
+    from .meta_autocast import MetaAutocast, POLICY
+    return lambda: (contextlib.nullcontext(), MetaAutocast(dtype, POLICY))
+
+
 def autocast_layers(model, device_type: str, dtype) -> None:
     """Run every top-level layer's forward under autocast (fp32 master weights stay fp32).
     Per layer rather than around the step, so that whatever runs a layer (the plain loop or a
@@ -94,8 +101,10 @@ class Job:
             or self.corpus.vocab_size
         self.n_params = sum(p.numel() for p in model.parameters())
         model.to(device)
-        if cfg.activation_checkpointing:
-            model.enable_activation_checkpointing()
+        if cfg.activation_checkpointing:  # a dry run recomputes under its casts too
+            model.enable_activation_checkpointing(
+                **({"context_fn": meta_recompute(AMP.get(cfg.precision))}
+                   if device.type == "meta" else {}))
         if cfg.tp > 1:
             parallelize(model, model.tp_plan(), group=mesh.tp_group)
             model.retie()
