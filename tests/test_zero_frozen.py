@@ -84,7 +84,13 @@ def _train(rank, world, name, fmt, frozen, engine="auto"):
                       weight_decay=0.1)
     with torch.no_grad():
         logits = model(PROBE)
-    losses, held = [], []
+    losses, held, peak = [], [], [0]
+    gather = model.gather
+
+    def watched(g):  # the frozen bytes held once each unit is gathered (forward and backward)
+        gather(g)
+        peak[0] = max(peak[0], _frozen_storage(model))
+    model.gather = watched
     for s in range(STEPS):
         loss = _loss(model, *_data(s, rank))
         loss.backward()
@@ -95,21 +101,24 @@ def _train(rank, world, name, fmt, frozen, engine="auto"):
         losses.append(float(t) / world)
         held.append(_frozen_storage(model))
     stored = model.frozen_bytes()[0] if frozen == "shard" else None
+    model.gather = gather
     model.gather_all()
     out = {n: p.detach().clone() for n, p in model.module.named_parameters() if p.requires_grad}
     model.free_all()
     model.close()
-    return {"adapters": out, "losses": losses, "logits": logits, "held": held,
+    return {"adapters": out, "losses": losses, "logits": logits, "held": held, "peak": peak[0],
             "stored": stored, "whole": whole,
             "nparams": sum(1 for p in m.parameters() if not p.requires_grad)}
 
 
+# engine: who runs the gathers (the frozen one too): comm's FIFO worker or the native engine
 @pytest.mark.dist
-@pytest.mark.parametrize("name,fmt", [("hf-llama-tiny", "bf16"), ("hf-llama-tiny", "int8"),
-                                      ("gpt-tiny", "int8")])
-def test_sharded_base_matches_one_process_and_replicate(pool2, name, fmt):
+@pytest.mark.parametrize("name,fmt,engine", [("hf-llama-tiny", "bf16", "python"),
+                                             ("hf-llama-tiny", "int8", "auto"),
+                                             ("gpt-tiny", "int8", "auto")])
+def test_sharded_base_matches_one_process_and_replicate(pool2, name, fmt, engine):
     ref, noisy, ref_losses, ref_logits = _reference(name, fmt, 2)
-    shard = pool2.run(_train, name, fmt, "shard")
+    shard = pool2.run(_train, name, fmt, "shard", engine)
     rep = pool2.run(_train, name, fmt, "replicate")
     for r, got in enumerate(shard):
         assert torch.equal(got["logits"], ref_logits)  # the gathered bytes are the base's
@@ -126,16 +135,8 @@ def test_sharded_base_matches_one_process_and_replicate(pool2, name, fmt):
         half = got["whole"] / 2
         assert half <= got["stored"] <= half + 16 * got["nparams"], (got["stored"], half)
         assert rep[r]["held"] == [rep[r]["whole"]] * STEPS  # replicated: all of it, always
-
-
-@pytest.mark.dist
-def test_python_engine_gathers_the_same_bytes(pool2):
-    """The frozen gather on comm's FIFO worker (engine="python") as on the native engine."""
-    a = pool2.run(_train, "hf-llama-tiny", "int8", "shard", "python")
-    b = pool2.run(_train, "hf-llama-tiny", "int8", "shard", "auto")
-    for x, y in zip(a, b):
-        assert x["losses"] == y["losses"]
-        assert all(torch.equal(x["adapters"][n], y["adapters"][n]) for n in x["adapters"])
+        if name == "gpt-tiny":  # units [embed, 2 blocks, head]: never all gathered at once
+            assert got["peak"] < got["whole"], (got["peak"], got["whole"])
 
 
 class _Odd(nn.Module):
