@@ -44,6 +44,16 @@ def _loss(m, x, y):
     return nn.functional.cross_entropy(m(x).reshape(-1, V), y.reshape(-1))
 
 
+@pytest.fixture(scope="module")
+def pool2():
+    """conftest's pool2, with transformers and peft imported once by the forkserver (each rank
+    importing them took ~20 s of this file's time on the loaded 2-core machine)."""
+    from dist_utils import RankPool
+    with RankPool(2, preload=("transformers", "peft", "pyfast.models.lora",
+                              "pyfast.models.hf")) as pool:
+        yield pool
+
+
 PROBE = torch.arange(2 * SEQ).remainder(V).view(2, SEQ)
 
 
