@@ -203,3 +203,14 @@ def summary(mode: str, fmt: str, frozen_bytes: int, world: int, why: str) -> str
     what = "sharded" if mode == "shard" else "replicated"
     return (f"frozen base: {what} {fmt}, {per / 2**20:.1f} MB a rank of "
             f"{frozen_bytes / 2**20:.1f} ({why})")
+
+
+def decide(module, requested: str, fmt: str, world: int, device) -> tuple[str, str]:
+    """The job's zero(frozen=...) for --base-placement `requested` and its log line: the frozen
+    bytes of `module` whole, the rest a rank's ZeRO-3 state of the trainable ones (16 bytes a
+    parameter over W: fp32 master, gradient, two Adam moments), the budget memory_budget()."""
+    frozen = sum(p.numel() * p.element_size() for p in module.parameters() if not p.requires_grad)
+    rest = 16 * sum(p.numel() for p in module.parameters() if p.requires_grad) // world
+    mode, why = choose_placement(requested, frozen, rest, world,
+                                 memory_budget(device) if requested == "auto" else (0, ""))
+    return mode, summary(mode, fmt if fmt != "none" else "as built", frozen, world, why)
