@@ -250,6 +250,10 @@ def test_lora_zero3_sharded_int8_base_runs_and_resumes_replicated(tmp_path):
     assert "frozen base: sharded int8, 0.1 MB a rank of 0.2 (--base-placement shard)" in p.stdout
     shutil.rmtree(out / "checkpoints" / "step-2")
     want = [json.dumps(r["loss"]) for r in records(out)]
+    sharded = records(out)[-1]["bytes_sent"]
     p = ok(train(out, 2, flags + ["--base-placement", "replicate", "--resume"]))
     assert "resumed from" in p.stdout and "frozen base: replicated int8" in p.stdout
     assert [json.dumps(r["loss"]) for r in records(out)] == want
+    # bytes_sent counts the frozen all-gathers: the whole int8 base (0.2 MB) crosses at least
+    # once a step over both ranks (forward; the layers again in backward)
+    assert sharded > records(out)[-1]["bytes_sent"] + 150_000
