@@ -19,6 +19,11 @@ master shards hold the values.
   backward; when the last gradient of the unit is accumulated (post-accumulate-grad hooks) the
   gradients are packed into the unit's buffer, the parameters freed, and the reduce-scatter
   launched in unit order (as stage 2).
+- frozen="shard" (frozen.py): a unit's frozen parameters are gathered as their stored bytes
+  right behind its trainable ones (one Handle for both, the same prefetch) and freed with them
+  after forward; in backward only when the unit before it in forward order starts its backward
+  (the unit's backward is then over: a norm weight autograd saved is still read until then).
+  A module with frozen parameters only is a unit too (the root: embeddings, final norm, head).
 - param_compressor ("bf16", "fp16", "int8", "fp8", or None: exact fp32): each rank compresses
   its fp32 master segment once per gather and every rank decodes the same bytes, its own
   included, so the gathered parameters are bit-identical everywhere; no error feedback (the
