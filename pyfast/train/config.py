@@ -285,6 +285,9 @@ RESUME_ALLOWABLE = ("steps",)
 RESUME_FREE += ("tensorboard", "sample_every", "prompt", "sample_tokens", "sample_top_k")
 # DiLoCo's global parameters and outer state are the same on every replica: --replicas may change
 RESUME_FREE += ("replicas",)
+# where a --zero 3 LoRA base lives changes no value (replicated and sharded bases run the same
+# bytes: tests/test_zero_frozen.py) and the checkpoints hold no frozen parameter either way
+RESUME_FREE += ("base_placement",)
 
 
 def resume_changes(cfg: TrainConfig, record: dict, data: dict | None = None

@@ -36,6 +36,7 @@ from pyfast.parallel import DataParallel, Mesh, Pipeline, parallelize, vocab_par
 from pyfast.parallel.context import shard_sequence
 from pyfast.parallel.zero import checkpoint as zck
 from pyfast.parallel.zero import zero
+from pyfast.parallel.zero.frozen import decide as decide_frozen
 
 from . import checkpoint as ck
 from . import outer
@@ -124,16 +125,23 @@ class Job:
         # this rank's parameters (a pipeline's own stages; by identity, not by device: the
         # others' layers are on the meta device, and so is everything in a dry run)
         mine = {id(p) for p in module.parameters()}
-        self.named = [(n, p) for n, p in model.named_parameters() if id(p) in mine]
+        # trainable ones only: a LoRA base is frozen (no optimizer state, no gradient norm)
+        self.named = [(n, p) for n, p in model.named_parameters()
+                      if id(p) in mine and p.requires_grad]
         self.params = [p for _, p in self.named]
         decay = [p for p in self.params if p.dim() >= 2]
         rest = [p for p in self.params if p.dim() < 2]
         groups = [{"params": decay, "weight_decay": cfg.weight_decay},
                   {"params": rest, "weight_decay": 0.0}]
         self.dp = self.zero = None
+        self.frozen_note = None  # --lora --zero 3: where the frozen base lives, and why
         if cfg.zero:  # config.check_zero: dp x cp > 1, no tp/pp; shards over dp x cp
+            frozen = "replicate"
+            if cfg.zero == 3 and cfg.lora:
+                frozen, self.frozen_note = decide_frozen(module, cfg.base_placement,
+                                                         cfg.base_dtype, cfg.dp * cfg.cp, device)
             self.zero, self.opt = zero(
-                module, torch.optim.AdamW, stage=cfg.zero, compressor=cfg.compress,
+                module, torch.optim.AdamW, stage=cfg.zero, compressor=cfg.compress, frozen=frozen,
                 param_compressor=None if cfg.param_compress == "none" else cfg.param_compress,
                 group=mesh.dp_cp_group, params=groups, lr=cfg.lr, betas=(0.9, 0.95),
                 error_feedback=cfg.error_feedback == "on",
