@@ -58,12 +58,32 @@ class QuantLinear(nn.Module):
         dtype = x.dtype  # autocast's, where it runs (it knows no meta device: a dry run's)
         if x.device.type != "meta" and torch.is_autocast_enabled(x.device.type):
             dtype = torch.get_autocast_dtype(x.device.type)
-        bias = None if self.bias is None else self.bias.to(dtype)
-        return F.linear(x.to(dtype), self.dequantized(dtype), bias)
+        return _FrozenLinear.apply(x.to(dtype), self, dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, " \
                f"fmt={self.fmt}, block={self.block}"
+
+
+class _FrozenLinear(torch.autograd.Function):
+    """y = x W^T + b for a frozen QuantLinear, dequantizing W again in backward rather than
+    saving it: F.linear on the dequantized weight would keep every layer's full weight (4 bytes
+    a parameter in fp32: 30 GB at 8B) alive from forward to backward, which is what storing
+    the base in 4 bits is meant to avoid. Backward reads the module's codes as they are then:
+    ZeRO-3 gathers a unit again before its backward. Only the input's gradient is computed."""
+
+    @staticmethod
+    def forward(ctx, x, module, dtype):
+        ctx.module, ctx.dtype = module, dtype
+        bias = None if module.bias is None else module.bias.to(dtype)
+        return F.linear(x, module.dequantized(dtype), bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not ctx.needs_input_grad[0]:
+            return None, None, None
+        w = ctx.module.dequantized(ctx.dtype)
+        return grad.to(w.dtype) @ w, None, None
 
 
 def quantize_weight(w: torch.Tensor, fmt: str, block: int = BLOCK):
