@@ -8,8 +8,7 @@ gradient within atol 1e-5 (gradients also within fp32's rtol 1.3e-6: they reach 
 
 The job (pyfast.train.job.Job on forked gloo ranks, as `pyfast train` runs it): hf-llama-tiny
 with --lora 4 on one rank, dp2, dp2 --zero 2, pp2 and two DiLoCo replicas in bf16 (one module
-fixture, 4 steps each), then
-a resume from step 2. Tolerances: the meshes agree with one rank
+fixture, 4 steps each), then a resume from step 2. Tolerances: the meshes agree with one rank
 within 1e-5 relative on the losses (as tests/test_train.py) and within 1e-6 absolute on the
 adapters after 4 steps (measured: <= 3.1e-7 at lr 3e-3; fp32 sums reordered).
 """
