@@ -133,7 +133,11 @@ class Job:
         if cfg.activation_checkpointing:
             model.enable_activation_checkpointing()
         if cfg.tp > 1:
-            parallelize(model, model.tp_plan(), group=mesh.tp_group)
+            try:
+                parallelize(model, model.tp_plan(), group=mesh.tp_group)
+            except ValueError as e:  # the same on every rank (e.g. a plan that meets an adapter)
+                lora = f" with --lora {cfg.lora}" if cfg.lora else ""
+                raise ConfigError(f"--tp {cfg.tp}{lora}: {e}") from None
             model.retie()
         if cfg.cp > 1:  # after tp: attention then runs over each tp rank's local heads
             model.context_parallel(mesh.cp_group, layout=cfg.cp_layout, method=cfg.cp_method)
