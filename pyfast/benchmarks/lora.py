@@ -2,7 +2,7 @@
 global batch through `pyfast train --nproc 2 --dp 2`, with and without --lora R, each run
 twice, alternating (lora, full, lora, full) so that a load change on a shared machine hits both.
 Recorded: bench/results/lora_vs_full.json / .txt (`pyfast bench lora --out
-bench/results/lora_vs_full`; 5 minutes on a 2-core VM (Intel Xeon, /proc/cpuinfo), torch 2.13
+bench/results/lora_vs_full`; 4 minutes on a 2-core VM (Intel Xeon, /proc/cpuinfo), torch 2.13
 CPU, gloo, shared with other jobs).
 
 The model: a random LlamaForCausalLM saved with save_pretrained (safetensors + config.json) and
@@ -74,7 +74,7 @@ def one_run(model_dir: str, out: str, flags: list[str], common: list[str]) -> di
             "first_loss": recs[0]["loss"], "last_loss": recs[-1]["loss"], "wall_s": wall}
 
 
-def run(rank: int = 16, steps: int = 4, batch: int = 4, seq: int = 64, repeats: int = 2) -> dict:
+def run(rank: int = 16, steps: int = 6, batch: int = 4, seq: int = 64, repeats: int = 2) -> dict:
     common = ["--steps", str(steps), "--batch", str(batch), "--seq", str(seq), "--seed", "0",
               "--warmup", "1", "--eval-batches", "1", "--no-tensorboard"]
     configs = {f"lora r{rank}": ["--lora", str(rank)], "full": []}
@@ -115,7 +115,7 @@ def table(result: dict):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="pyfast bench lora", description=__doc__.split("\n\n")[0])
     p.add_argument("--rank", type=int, default=16)
-    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--steps", type=int, default=6)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)

@@ -446,7 +446,9 @@ class Job:
         drawn or loaded before the adapters, config.build_model), so a checkpoint of a 70B
         base's adapters is the adapters' size (megabytes), not the base's (140 GB in bf16)
         every --ckpt-every steps. An exporter of such a checkpoint rebuilds the base the same
-        way (meta.json records "lora" and "base_dtype") and reads the adapters from here."""
+        way (meta.json records "lora" and "base_dtype") and reads the adapters from here.
+        Under --zero the state is pyfast.parallel.zero.checkpoint's, which still writes the
+        frozen parameters whole (its load_target requires every parameter of the module)."""
         if self.zero is not None:  # flat shards by FQN: pyfast.parallel.zero.checkpoint
             zsd = zck.get_state_dict(self.zero, self.opt)
             model, optim = zsd["model"], zsd["optim"]
