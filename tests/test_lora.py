@@ -1,10 +1,11 @@
 """LoRA fine-tuning (--lora): pyfast's adapters against references, and through the training job.
 
-References: peft's own get_peft_model on an identical copy of hf-llama-tiny (GQA, RMSNorm), and
-for pyfast's gpt-tiny (LayerNorm with biases) the merged-weight formula W + (alpha / r) B A
-run through the base model itself (torch.func.functional_call). Both in fp32, random lora_B
-(peft's init is zeros, which would leave every gradient of A zero), logits and every adapter
-gradient within atol 1e-5 (gradients also within fp32's rtol 1.3e-6: they reach ~20).
+References: peft's own get_peft_model on an identical copy of the model, for hf-llama-tiny (GQA,
+RMSNorm) and pyfast's gpt-tiny (LayerNorm with biases); for gpt-tiny also the merged-weight
+formula W + (alpha / r) B A run through the base model itself (torch.func.functional_call).
+All in fp32, random lora_B (peft's init is zeros, which would leave every gradient of A zero),
+logits and every adapter gradient within atol 1e-5 (gradients also within fp32's rtol 1.3e-6:
+they reach ~20).
 
 The job (pyfast.train.job.Job on forked gloo ranks, as `pyfast train` runs it): hf-llama-tiny
 with --lora 4 on one rank, dp2, dp2 --zero 2, pp2 and two DiLoCo replicas in bf16 (one module
@@ -79,17 +80,30 @@ def test_hf_llama_lora_equals_peft_get_peft_model():
     assert all(not ours.get_parameter(n).requires_grad for n in frozen)
 
 
-def test_gpt_lora_equals_the_merged_weight_reference():
+def test_gpt_lora_equals_peft_and_the_merged_weight_reference():
+    """pyfast's GPT (LayerNorm with biases, fused qkv) with adapters on two of its Linear kinds
+    against peft's get_peft_model on a copy, and against the plain GPT run with W + alpha/r B A
+    in place of each adapted W (the LoRA paper's formula, by autograd)."""
+    from peft import LoraConfig, get_peft_model
     torch.manual_seed(0)
     base = models.build("gpt-tiny", VOCAB, SEQ)
     ours = copy.deepcopy(base)
     opts = LoraOptions(rank=4, alpha=6, targets="attn.qkv,mlp.proj")
     apply_lora(ours, opts)
     _random_b(ours)
+    mods = ours.lora_modules
+    peft = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, lora_alpha=6,
+                                                          target_modules=list(mods)))
+    theirs = {n.removeprefix("base_model.model."): p for n, p in peft.named_parameters()
+              if p.requires_grad}
+    mine = dict(adapter_params(ours))
+    assert sorted(theirs) == sorted(mine) and len(mine) == 2 * 2 * 2  # 2 layers x 2 kinds x A, B
+    with torch.no_grad():
+        for n, p in mine.items():
+            theirs[n].copy_(p)
     x = torch.randint(0, VOCAB, (2, SEQ))
     got = ours(x)
     # reference: the plain GPT with W + alpha/r B A in place of each adapted W, by autograd
-    mods = ours.lora_modules
     A = {m: ours.get_submodule(m).lora_A["default"].weight.detach().clone().requires_grad_()
          for m in mods}
     B = {m: ours.get_submodule(m).lora_B["default"].weight.detach().clone().requires_grad_()
@@ -98,17 +112,20 @@ def test_gpt_lora_equals_the_merged_weight_reference():
     for m in mods:
         params[f"{m}.weight"] = params[f"{m}.weight"] + opts.scaling * B[m] @ A[m]
     want = torch.func.functional_call(base, {**params, **dict(base.named_buffers())}, (x,))
+    by_peft = peft(x)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got, by_peft, atol=1e-5, rtol=0)
     w = torch.randn_like(got)
-    (got * w).sum().backward()
-    (want * w).sum().backward()
+    for out in (got, want, by_peft):
+        (out * w).sum().backward()
     for m in mods:
         layer = ours.get_submodule(m)
-        for mine, ref in ((layer.lora_A["default"].weight, A[m]),
-                          (layer.lora_B["default"].weight, B[m])):
+        for ab, ref in (("lora_A", A[m]), ("lora_B", B[m])):
+            mine_g = getattr(layer, ab)["default"].weight.grad
             assert ref.grad.abs().max() > 0
-            torch.testing.assert_close(mine.grad, ref.grad, atol=1e-5, rtol=RTOL,
-                                       msg=lambda s, m=m: f"{m}: {s}")
+            for other in (ref.grad, theirs[f"{m}.{ab}.default.weight"].grad):
+                torch.testing.assert_close(mine_g, other, atol=1e-5, rtol=RTOL,
+                                           msg=lambda s, m=m, ab=ab: f"{m}.{ab}: {s}")
     assert all(p.grad is None for n, p in ours.named_parameters() if not is_adapter(n))
 
 
