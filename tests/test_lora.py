@@ -8,8 +8,8 @@ logits and every adapter gradient within atol 1e-5 (gradients also within fp32's
 they reach ~20).
 
 The job (pyfast.train.job.Job on forked gloo ranks, as `pyfast train` runs it): hf-llama-tiny
-with --lora 4 on one rank, dp2, dp2 --zero 2, pp2 and two DiLoCo replicas in bf16 (one module
-fixture, 4 steps each), then a resume from step 2. Tolerances: the meshes agree with one rank
+with --lora 4 on one rank, dp2, dp2 --zero 2 and 3, pp2 and two DiLoCo replicas in bf16 (one
+module fixture, 4 steps each), then a resume from step 2. Tolerances: the meshes agree with one rank
 within 1e-5 relative on the losses (as tests/test_train.py) and within 1e-6 absolute on the
 adapters after 4 steps (measured: <= 3.1e-7 at lr 3e-3; fp32 sums reordered).
 """
@@ -220,6 +220,7 @@ STEPS = 4
 FLAGS = dict(model="hf-llama-tiny", lora=4, steps=STEPS, batch=4, seq=SEQ, seed=1, lr=3e-3,
              eval_batches=1, tensorboard="off")
 MESHES = {"1proc": {}, "dp2": {"dp": 2}, "dp2-zero2": {"dp": 2, "zero": 2}, "pp2": {"pp": 2},
+          "dp2-zero3": {"dp": 2, "zero": 3},  # the frozen base as zero 3 places it (auto)
           # two replicas meeting every 2 steps, in bf16 (frozen Linear weights stored in bf16)
           "diloco-bf16": {"diloco": 2, "replicas": 2, "precision": "bf16"}}
 
@@ -240,7 +241,12 @@ def _job(rank, world, kw, first=1, save=(), load=None):
             if step in save:
                 job.save(job.cfg.out, step)
         frozen = [p for p in job.model.parameters() if not p.requires_grad]
-        return (recs, {n: p.detach().clone() for n, p in job.named},
+        mine = {n: p.detach().clone() for n, p in job.named}
+        if job.cfg.zero == 3:  # the parameters are freed between steps: the masters, whole
+            from pyfast.parallel.zero.checkpoint import full_state_dict
+            whole = full_state_dict(job.zero, job.opt)["model"]
+            mine = {n: whole[n].detach().clone() for n in mine}
+        return (recs, mine,
                 (job.n_params, job.n_trainable), all(p.grad is None for p in frozen),
                 {n: str(p.dtype) for n, p in job.model.named_parameters() if not p.requires_grad})
     finally:
@@ -281,7 +287,7 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("name", ["dp2", "dp2-zero2", "pp2"])
+@pytest.mark.parametrize("name", ["dp2", "dp2-zero2", "dp2-zero3", "pp2"])
 def test_lora_meshes_train_as_one_rank(runs, name):
     (recs, got, *_), (ref_recs, ref, *_) = runs[name], runs["1proc"]
     loss = [r["loss"] for r in recs]
