@@ -29,6 +29,8 @@ BENCHMARKS = {
             "step, RSS vs corpus size",
     "diloco": "DiLoCo / Streaming DiLoCo vs data parallelism on 100 Mbit/s and 1 Gbit/s links: "
               "time to loss, bytes, peak bandwidth, compute utilization",
+    "lora": "LoRA vs a full fine-tune of a ~100M Llama on dp2: tokens/s, peak RSS, bytes, "
+            "checkpoint size",
     "report": "write docs/benchmarks.md from bench/results/ (no benchmark is run)",
 }
 

@@ -308,6 +308,10 @@ def resume_changes(cfg: TrainConfig, record: dict, data: dict | None = None
                            "tensors: resume with zero on or off as saved)")
         elif k == "warmup" and cfg.warmup < 0:
             refused.append(what + f" (resolved from --steps; pass --warmup {saved[k]})")
+        elif k in LORA_RESUME:
+            why = lora_resume_hint(k, saved, mine)
+            if why:
+                refused.append(what + why)
         elif k in RESUME_FREE or k == "zero" or k in allowed:
             changed.append(what)
         else:
@@ -321,6 +325,43 @@ def resume_changes(cfg: TrainConfig, record: dict, data: dict | None = None
         refused.append(f"--data: {fp(saved.get('data'), record['data'])} in the checkpoint, "
                        f"{fp(cfg.data, data)} here")
     return refused, changed
+
+
+LORA_RESUME = ("lora", "lora_alpha", "lora_targets", "lora_dropout", "base_dtype",
+               "base_placement")
+
+
+def lora_resume_hint(k: str, saved: dict, mine: dict) -> str:
+    """Why a LoRA flag may not change on --resume (resume_changes); "" when the change is none
+    (--lora-alpha 0 means 2 R: 0 and 2 R are the same run)."""
+    r0, r1 = saved.get("lora", 0), mine["lora"]
+    if k == "lora":
+        if not r1:
+            return (" (the checkpoint holds LoRA adapters and their optimizer state only, on a "
+                    "frozen base it does not store: a full fine-tune cannot resume from it; "
+                    f"resume with --lora {r0}, or start a fresh full fine-tune)")
+        if not r0:
+            return (" (a full fine-tune's checkpoint: every weight trained, no adapters to "
+                    f"resume; continue it without --lora, or start a fresh --lora {r1} run "
+                    "under another --out)")
+        return (f" (adapters of rank {r0} are [{r0} x features] tensors: rank {r1} is another "
+                f"set of adapters; resume with --lora {r0})")
+    if not r0 and not r1:
+        return ""  # LoRA off in both: the LoRA flags' values mean nothing (check_lora)
+    if k == "lora_alpha":
+        a0, a1 = saved[k] or 2.0 * r0, mine[k] or 2.0 * r1
+        return "" if a0 == a1 else (f" (alpha / rank scales every adapter update: the "
+                                    f"adapters trained at scale {a0 / r0:g} would mean "
+                                    f"another update at {a1 / r1:g}; resume with "
+                                    f"--lora-alpha {saved[k]})")
+    if k == "lora_targets":
+        return (" (the checkpoint's adapters sit on other modules than these flags would put "
+                f"them on; resume with --lora-targets {saved[k]})")
+    if k == "base_dtype":
+        return (" (the frozen base is not in the checkpoint: a resume rebuilds it, and in "
+                "another --base-dtype it is another base under the same adapters; resume "
+                f"with --base-dtype {saved[k]})")
+    return f" (resume with --{k.replace('_', '-')} {saved[k]})"
 
 
 def add_watch_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
@@ -472,12 +513,17 @@ def build_model(cfg: TrainConfig, vocab_size: int, device=None):
                              tie_embeddings=cfg.tie_embeddings)
             if cfg.lora:  # before the pipeline's cut: the stages hold the adapted modules
                 from pyfast.models.lora import apply_lora
-                apply_lora(m, lora_options(cfg))
+                try:
+                    apply_lora(m, lora_options(cfg))
+                except ValueError as e:  # a target that names no module (the options: check)
+                    raise ConfigError(f"--lora-targets {cfg.lora_targets}: {e}") from None
                 if cfg.base_dtype != "none":
                     from pyfast.models.quant_base import quantize_base
                     quantize_base(m, cfg.base_dtype)
             # an HF model is pipelined as its Sequential form (pyfast.models.hf_stages)
             return m.as_sequential() if cfg.pp > 1 and hasattr(m, "as_sequential") else m
+    except ConfigError:
+        raise
     except (ImportError, ValueError) as e:
         raise ConfigError(f"--model {cfg.model}: {e}") from None
 
@@ -650,7 +696,23 @@ def check_lora(cfg: TrainConfig) -> None:
             if v != default:
                 raise ConfigError(f"{flag} {v}: the base is frozen only under LoRA adapters; "
                                   "add --lora R (a full fine-tune trains every weight)")
+        d = TrainConfig()
+        given = [f"--{k.replace('_', '-')} {getattr(cfg, k)}"
+                 for k in ("lora_alpha", "lora_targets", "lora_dropout")
+                 if getattr(cfg, k) != getattr(d, k)]
+        if given:
+            raise ConfigError(f"{', '.join(given)} without --lora R: these shape LoRA adapters, "
+                              "and a full fine-tune has none (add --lora R)")
         return
+    # each value named by its flag (LoraOptions' own checks, which lora_options reports too)
+    if cfg.lora_alpha < 0 or cfg.lora_alpha != cfg.lora_alpha:
+        raise ConfigError(f"--lora-alpha must be > 0 (the update's scale is alpha / R; 0: the "
+                          f"default 2 R), got {cfg.lora_alpha}")
+    if not 0.0 <= cfg.lora_dropout < 1.0:
+        raise ConfigError(f"--lora-dropout must be in [0, 1), got {cfg.lora_dropout}")
+    if isinstance(cfg.lora_targets, str) and not cfg.lora_targets.replace(",", "").strip():
+        raise ConfigError(f"--lora-targets {cfg.lora_targets!r}: no module name given (e.g. "
+                          "q_proj,v_proj, or all-linear)")
     lora_options(cfg)
     if cfg.base_dtype not in BASE_DTYPES:
         raise ConfigError(f"--base-dtype must be one of {', '.join(BASE_DTYPES)}, "

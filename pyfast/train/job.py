@@ -16,6 +16,14 @@ Context parallelism: the cp ranks of a dp replica read the same batch and each k
 of every sequence (shard_sequence, --cp-layout), so each computes the mean loss of its equal
 share of the tokens; averaging the gradients over dp x cp is then the gradient of the whole
 batch's mean loss, and the parameters stay replicated over cp.
+
+LoRA (--lora R, pyfast.models.lora): the model comes out of build_model with its base frozen
+(requires_grad=False). Only the trainable parameters (the adapters) go into the optimizer, the
+gradient norm and clip, DataParallel's buckets and zero()'s shards: a frozen parameter never
+gets a .grad, never enters an optimizer and is never reduced, so a dp step sends adapter bytes
+only. Checkpoints hold the trainable parameters and their optimizer state only (Job.state).
+Under --precision bf16 the frozen weights and biases of the Linear layers are stored in bf16
+(store_frozen_linear: autocast casts them to bf16 for the matmul anyway, so this is exact).
 """
 from __future__ import annotations
 
@@ -40,7 +48,8 @@ from pyfast.parallel.zero.frozen import decide as decide_frozen
 
 from . import checkpoint as ck
 from . import outer
-from .config import ConfigError, TrainConfig, build_model, check_data, check_model
+from .config import (ConfigError, TrainConfig, build_model, check_data, check_model,
+                     lora_options)
 from .telemetry import bytes_written
 
 AMP = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -83,6 +92,37 @@ def autocast_layers(model, device_type: str, dtype) -> None:
             m.forward = torch.autocast(device_type, dtype=dtype)(m.forward)
 
 
+def store_frozen_linear(model, dtype) -> int:
+    """Store the frozen floating weights and biases of every nn.Linear / QuantLinear of `model`
+    in `dtype`, in place; returns the elements converted. Exact under autocast to `dtype`:
+    autocast casts a Linear's weight and bias to it before the matmul (round to nearest, as
+    this cast), so the forward is bit-identical (tests/test_lora.py) and a frozen base is not
+    kept in fp32 only to be cast every step (accelerate#3844).
+    Not the embeddings, norms or a head tied to the embedding: they are not autocast (a bf16
+    embedding makes the whole residual stream bf16; a bf16 RMSNorm/LayerNorm weight makes its
+    output bf16): measured on gpt-tiny and hf-llama-tiny with LoRA, storing every frozen
+    tensor in bf16 moved the logits by 4e-3, these only by 0."""
+    from torch import nn
+
+    from pyfast.models.quant_base import QuantLinear
+    owners: dict[int, int] = {}  # parameter -> modules holding it (a tied head is shared)
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    n = 0
+    for m in model.modules():
+        if not isinstance(m, (nn.Linear, QuantLinear)):
+            continue
+        for name in ("weight", "bias"):
+            p = m._parameters.get(name)
+            if p is None or p.requires_grad or not p.is_floating_point() or p.dtype == dtype \
+                    or owners[id(p)] > 1:
+                continue
+            p.data = p.data.to(dtype)
+            n += p.numel()
+    return n
+
+
 class Job:
     def __init__(self, cfg: TrainConfig, device: torch.device, data: dict | None = None):
         """data: the data's fingerprint (config.check_data), computed here if not given."""
@@ -101,16 +141,23 @@ class Job:
         self.vocab_size = getattr(getattr(model, "config", None), "vocab_size", None) \
             or self.corpus.vocab_size
         self.n_params = sum(p.numel() for p in model.parameters())
+        self.n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         model.to(device)
         if cfg.activation_checkpointing:  # a dry run recomputes under its casts too
             model.enable_activation_checkpointing(
                 **({"context_fn": meta_recompute(AMP.get(cfg.precision))}
                    if device.type == "meta" else {}))
         if cfg.tp > 1:
-            parallelize(model, model.tp_plan(), group=mesh.tp_group)
+            try:
+                parallelize(model, model.tp_plan(), group=mesh.tp_group)
+            except ValueError as e:  # the same on every rank (e.g. a plan that meets an adapter)
+                lora = f" with --lora {cfg.lora}" if cfg.lora else ""
+                raise ConfigError(f"--tp {cfg.tp}{lora}: {e}") from None
             model.retie()
         if cfg.cp > 1:  # after tp: attention then runs over each tp rank's local heads
             model.context_parallel(mesh.cp_group, layout=cfg.cp_layout, method=cfg.cp_method)
+        if cfg.precision == "bf16" and self.n_trainable < self.n_params:  # a frozen base
+            store_frozen_linear(model, torch.bfloat16)
         if cfg.precision in AMP or device.type == "meta":  # meta: GPU attention (meta_autocast)
             autocast_layers(model, device.type, AMP.get(cfg.precision))
         self.model, self.mult, self.scaling = model, 1.0, False
@@ -122,12 +169,11 @@ class Job:
                                                  virtual_stages=cfg.virtual_stages,
                                                  split_backward=False)
         module = self.pipe if self.pipe is not None else model
-        # this rank's parameters (a pipeline's own stages; by identity, not by device: the
-        # others' layers are on the meta device, and so is everything in a dry run)
-        mine = {id(p) for p in module.parameters()}
-        # trainable ones only: a LoRA base is frozen (no optimizer state, no gradient norm)
-        self.named = [(n, p) for n, p in model.named_parameters()
-                      if id(p) in mine and p.requires_grad]
+        # this rank's trainable parameters (a pipeline's own stages; by identity, not by device:
+        # the others' layers are on the meta device, and so is everything in a dry run). A
+        # frozen one (a LoRA base) is in none of what follows: optimizer, norm, checkpoint
+        mine = {id(p) for p in module.parameters() if p.requires_grad}
+        self.named = [(n, p) for n, p in model.named_parameters() if id(p) in mine]
         self.params = [p for _, p in self.named]
         decay = [p for p in self.params if p.dim() >= 2]
         rest = [p for p in self.params if p.dim() < 2]
@@ -412,7 +458,17 @@ class Job:
         """What a checkpoint holds. full=False leaves out the per-rank part (RNG states and
         compression / error-feedback memory), which only means something on the same mesh.
         --diloco (outer.state): replica: whose local state (default this rank's replica);
-        pending: -1 to save, else the fragment in flight a load reads (None: none)."""
+        pending: -1 to save, else the fragment in flight a load reads (None: none).
+
+        "model" and "optim" hold the trainable parameters only (self.named). With --lora the
+        frozen base is not saved: it is rebuilt, bit for bit, from what --resume requires to
+        be unchanged (--model and its files, --seed, --base-dtype, the LoRA flags: the base is
+        drawn or loaded before the adapters, config.build_model), so a checkpoint of a 70B
+        base's adapters is the adapters' size (megabytes), not the base's (140 GB in bf16)
+        every --ckpt-every steps. An exporter of such a checkpoint rebuilds the base the same
+        way (meta.json records "lora" and "base_dtype") and reads the adapters from here.
+        Under --zero the state is pyfast.parallel.zero.checkpoint's, which still writes the
+        frozen parameters whole (its load_target requires every parameter of the module)."""
         if self.zero is not None:  # flat shards by FQN: pyfast.parallel.zero.checkpoint
             zsd = zck.get_state_dict(self.zero, self.opt)
             model, optim = zsd["model"], zsd["optim"]
@@ -462,6 +518,10 @@ class Job:
                          **({"replicas": c.replicas} if c.diloco else {})},
                 "compress": c.compress,
                 "precision": c.precision, "batch": c.batch, "n_params": self.n_params,
+                "trainable_params": self.n_trainable,
+                # LoRA: the checkpoint holds the adapters only (state); the base is rebuilt
+                "lora": lora_options(c).describe() if c.lora else None,
+                "base_dtype": c.base_dtype if c.lora else None,
                 "zero": c.zero, "param_compress": c.param_compress,
                 "error_feedback": c.error_feedback,
                 # the run's record, which --resume compares (config.resume_changes)

@@ -91,7 +91,9 @@ def main(cfg: TrainConfig) -> int:
                                                  "precision or --zero stage: per-rank RNG and "
                                                  "compression state not restored)")
         if rank == 0:
-            print(f"pyfast train: {cfg.model} ({job.n_params / 1e6:.2f}M parameters), "
+            lora = (f", LoRA rank {cfg.lora}: {job.n_trainable / 1e6:.3f}M trainable"
+                    if cfg.lora else "")
+            print(f"pyfast train: {cfg.model} ({job.n_params / 1e6:.2f}M parameters{lora}), "
                   f"{job.mesh}, {cfg.precision}, compress {cfg.compress}; "
                   f"{job.corpus.source}; {note}", flush=True)
             print(describe_tensorboard(cfg.tensorboard, cfg.out), flush=True)
