@@ -13,3 +13,8 @@ class NonFiniteError(RuntimeError):
     """The training job's loss or gradient norm is NaN/Inf (identical decision on every rank):
     raised by pyfast.train.job and, for a replica's verdict at a meeting, pyfast.train.outer;
     the job's runner exits 3 on it."""
+
+
+class ExportError(ValueError):
+    """Bad input to `pyfast export` (pyfast.export, pyfast.export_peft); the message names the
+    path, step or flag."""

@@ -39,15 +39,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from pyfast.errors import ExportError  # export_peft raises it too
 from pyfast.tokens import tokenizer_file
 from pyfast.train import checkpoint as ck
 from pyfast.train.config import ConfigError, TrainConfig, build_model
 
+from .export_peft import _halves, _qkv_major  # the GPT -> HF row maps, shared with adapters
+
 FORMATS = ("hf", "peft")
-
-
-class ExportError(ValueError):
-    """Bad input to the export; the message names the path, step or flag."""
 
 
 def pick(run, step: int | None = None) -> tuple[int, Path]:
@@ -101,12 +100,15 @@ def load_model(path) -> tuple[TrainConfig, dict, torch.nn.Module]:
     path = Path(path)
     meta = ck.read_meta(path)
     cfg = run_config(meta, path)
+    torch.manual_seed(cfg.seed)  # as the job: a LoRA run's frozen base is rebuilt, not loaded
     try:
         model = build_model(cfg, meta["vocab_size"])
     except ConfigError as e:
         raise ExportError(f"{path}: cannot rebuild the run's model: {e}") from None
     with _one_process():
-        params = dict(model.named_parameters())  # tied weights once, under their first name
+        # tied weights once, under their first name; a LoRA run's checkpoint holds the
+        # adapters only (its base is --model's at --seed: pyfast.train.job.Job.state)
+        params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         if meta.get("zero", 0):
             _load_zero(path, cfg, model, params)
         else:  # DCP reshards tp DTensors and pipeline stages into the whole tensors
@@ -175,21 +177,6 @@ def _load_zero(path: Path, cfg: TrainConfig, model, params: dict) -> None:
 def _tokens(tok: dict | None) -> dict:
     eos = tok["eos_id"] if tok else None
     return {"bos_token_id": eos, "eos_token_id": eos, "pad_token_id": None}
-
-
-def _qkv_major(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """Rows [head, (q,k,v), hd] -> [(q,k,v), head, hd] (a weight [3D, D] or a bias [3D])."""
-    return w.reshape(heads, 3, -1, *w.shape[1:]).transpose(0, 1).reshape(w.shape)
-
-
-def _halves(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """Rows [head, (q,k,v), hd]: within q and k of each head, the even rows then the odd ones
-    (rotary pairs (2i, 2i+1) -> (i, i + hd/2)); v unchanged."""
-    x = w.reshape(heads, 3, -1, *w.shape[1:]).clone()
-    hd = x.shape[2]
-    order = torch.cat([torch.arange(0, hd, 2), torch.arange(1, hd, 2)])
-    x[:, :2] = x[:, :2, order]
-    return x.reshape(w.shape)
 
 
 def gpt_to_hf(model, tok: dict | None = None):

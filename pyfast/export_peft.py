@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pyfast.errors import ExportError
 from pyfast.models.lora import ADAPTER, peft_root
 from pyfast.train.config import ConfigError, TrainConfig, build_model
 
@@ -38,8 +39,22 @@ NEOX_NAMES = {"attn.qkv": "attention.query_key_value", "attn.proj": "attention.d
 
 
 def _error(msg: str):
-    from pyfast.export import ExportError
     return ExportError(msg)
+
+
+def _qkv_major(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rows [head, (q,k,v), hd] -> [(q,k,v), head, hd] (a weight [3D, D] or a bias [3D])."""
+    return w.reshape(heads, 3, -1, *w.shape[1:]).transpose(0, 1).reshape(w.shape)
+
+
+def _halves(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rows [head, (q,k,v), hd]: within q and k of each head, the even rows then the odd ones
+    (rotary pairs (2i, 2i+1) -> (i, i + hd/2)); v unchanged."""
+    x = w.reshape(heads, 3, -1, *w.shape[1:]).clone()
+    hd = x.shape[2]
+    order = torch.cat([torch.arange(0, hd, 2), torch.arange(1, hd, 2)])
+    x[:, :2] = x[:, :2, order]
+    return x.reshape(w.shape)
 
 
 def lora_of(model, cfg: TrainConfig, path) -> nn.Module:
@@ -87,7 +102,6 @@ def _hf_modules(root: nn.Module) -> list[str]:
 def _gpt_adapters(model) -> tuple[dict, list[str], list[str], bool]:
     """(peft-format tensors, target module names, every block module name, fan_in_fan_out) of
     a pyfast GPT's adapters, named and ordered as export.gpt_to_hf names and orders its base."""
-    from pyfast.export import _halves, _qkv_major
     c = model.cfg
     gpt2 = c.positions == "learned"
     table, top = (GPT2_NAMES, "transformer.h") if gpt2 else (NEOX_NAMES, "gpt_neox.layers")

@@ -23,7 +23,8 @@ LAYERS = [  # (layer, the modules in it: a name covers its submodules), bottom t
     ("parallel", ["pyfast.parallel"]),
     ("hooks", ["pyfast.hooks"]),
     ("models, data", ["pyfast.models", "pyfast.data", "pyfast.tokens", "pyfast.prepare"]),
-    ("train, ablate, plan", ["pyfast.train", "pyfast.ablate", "pyfast.plan", "pyfast.export"]),
+    ("train, ablate, plan", ["pyfast.train", "pyfast.ablate", "pyfast.plan", "pyfast.export",
+                              "pyfast.export_peft"]),
     ("cli, benchmarks", ["pyfast.cli", "pyfast.__main__", "pyfast.info", "pyfast.benchmarks"]),
 ]
 FORBIDDEN = [("pyfast.models", "pyfast.parallel"),  # DESIGN: "models do not import parallel/"

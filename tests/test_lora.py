@@ -10,8 +10,9 @@ they reach ~20).
 The job (pyfast.train.job.Job on forked gloo ranks, as `pyfast train` runs it): hf-llama-tiny
 with --lora 4 on one rank, dp2, dp2 --zero 2 and 3, pp2 and two DiLoCo replicas in bf16 (one
 module fixture, 4 steps each), then a resume from step 2. Tolerances: the meshes agree with one rank
-within 1e-5 relative on the losses (as tests/test_train.py) and within 1e-6 absolute on the
-adapters after 4 steps (measured: <= 3.1e-7 at lr 3e-3; fp32 sums reordered).
+within 1e-5 relative on the losses (as tests/test_train.py) and within 1e-3 x lr x steps
+absolute on the adapters after 4 steps (measured: 3e-7 to 4.6e-6 at lr 3e-3, by data; fp32
+sums reordered, see test_lora_meshes_train_as_one_rank).
 """
 import copy
 import dataclasses
@@ -261,13 +262,18 @@ PRELOAD = ("transformers.models.llama.modeling_llama", "peft", "pyfast.models.hf
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """{mesh: (records of rank 0, every adapter by name, (parameters, trainable))}; 1proc also
-    saves step-2 and step-4 checkpoints under out (its TrainConfig.out). The data: pyfast's own
-    sources as one text file (the default, the stdlib's, takes 4 s a rank to read)."""
+    saves step-2 and step-4 checkpoints under out (its TrainConfig.out). The data: a fixed
+    text drawn from a seeded generator (the default, the stdlib's, takes 4 s a rank to read;
+    pyfast's own sources would change the trajectory, and so the rounding, at every edit)."""
+    import random
+
     from dist_utils import RankPool
     root = tmp_path_factory.mktemp("lora")
     text = root / "text.txt"
-    src = sorted((Path(__file__).parents[1] / "pyfast" / "train").glob("*.py"))
-    text.write_text("".join(f.read_text() for f in src))
+    rng = random.Random(0)
+    words = ["def", "return", "self", "rank", "tensor", "grad", "step", "loss", "(", ")", ":",
+             "=", "+", "\n", "    ", "import", "torch", "lora", "adapter", "base"]
+    text.write_text(" ".join(rng.choice(words) for _ in range(40_000)))
     data = {"data": str(text)}
     out = root / "1proc"
     got = {}
@@ -295,8 +301,12 @@ def test_lora_meshes_train_as_one_rank(runs, name):
     assert max(abs(a - b) / b for a, b in zip(loss, want)) < 1e-5, (loss, want)
     assert sorted(got) == sorted(ref) and len(ref) == 2 * 7 * 2  # 2 layers x 7 Linear x (A, B)
     assert all(is_adapter(n) for n in ref)
+    # the meshes sum the gradient in another order (fp32: ~1e-7 relative); AdamW's first steps
+    # move an element by ~lr whatever its gradient's size (g / sqrt(v)), so an element whose
+    # gradient is near its own rounding noise may move differently: bound by 1e-3 of the
+    # largest possible movement, lr x steps = 1.2e-2 (measured: 3e-7 to 4.6e-6 by data)
     for k in ref:
-        torch.testing.assert_close(got[k], ref[k], atol=1e-6, rtol=0,
+        torch.testing.assert_close(got[k], ref[k], atol=1e-3 * FLAGS["lr"] * STEPS, rtol=0,
                                    msg=lambda s, k=k: f"{k}: {s}")
     assert all(ref[k].abs().max() > 0 for k in ref if ".lora_B." in k)  # B has trained
 
