@@ -327,8 +327,8 @@ def resume_changes(cfg: TrainConfig, record: dict, data: dict | None = None
     return refused, changed
 
 
-LORA_RESUME = ("lora", "lora_alpha", "lora_targets", "lora_dropout", "base_dtype",
-               "base_placement")
+LORA_RESUME = ("lora", "lora_alpha", "lora_targets", "lora_dropout", "base_dtype")
+# (--base-placement is free: RESUME_FREE)
 
 
 def lora_resume_hint(k: str, saved: dict, mine: dict) -> str:
