@@ -20,7 +20,10 @@ FLAGS = dict(batch=2, seq=16, seed=1, lr=3e-3, eval_batches=1, tensorboard="off"
 # of K matmuls. Both are fp32 reorderings: torch.testing's fp32 rtol, atol well under 1e-6
 RTOL, ATOL = 1.3e-6, 1e-7
 CASES = {"gpt": dict(model="gpt-tiny"), "gpt-lora": dict(model="gpt-tiny", lora=4),
-         "llama": dict(model="hf-llama-tiny"), "llama-lora": dict(model="hf-llama-tiny", lora=4)}
+         "llama": dict(model="hf-llama-tiny"), "llama-lora": dict(model="hf-llama-tiny", lora=4),
+         # the head outside HF's forward still runs under the job's autocast: an fp32 head
+         # would move the loss by bf16's rounding (~1e-3), not by fp32's
+         "llama-lora-bf16": dict(model="hf-llama-tiny", lora=4, precision="bf16")}
 
 
 def _text(root: Path) -> str:
