@@ -279,8 +279,10 @@ class Job:
         """loss_fn(head(h), target) with the head and the loss run on cfg.loss_chunks chunks of
         the tokens (ragged: the first N % K chunks hold one token more), each checkpointed.
         The head runs under the job's autocast (MetaAutocast on the meta device) in forward
-        and in the recomputation: _chunk_sum enters it. Under
-        --zero 3 the head's unit is gathered and freed once a chunk (and again in backward)."""
+        and in the recomputation: _chunk_sum enters it. Under --zero 3 a head that is a unit of
+        its own (GPT's Head) is gathered and freed once a chunk in forward and twice in backward
+        (recomputation, then its output's gradient hook); an HF lm_head belongs to the root's
+        unit, gathered from the wrapper's forward to the end of backward."""
         h, target = h.flatten(0, -2), target.flatten()
         n, k = target.numel(), min(self.cfg.loss_chunks, target.numel())
         sizes = [n // k + (i < n % k) for i in range(k)]
