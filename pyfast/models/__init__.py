@@ -6,6 +6,9 @@
     enable_activation_checkpointing()
     vocab_parallel -> bool       whether the plan splits the vocabulary over tp
     forward(ids [B, T]) -> logits [B, T, vocab / tp if vocab_parallel else vocab]
+    forward(ids, hidden=True) -> the hidden states [B, T, D] that the LM head reads
+    head_module                  the module that maps those hidden states to the logits
+                                 (so a loss can run the head on chunks of the tokens)
 
 and, if it can be cut into pipeline stages, is an nn.Sequential (`pipelinable(model)`).
 A registry is a dict: a new model is one entry.

@@ -228,6 +228,19 @@ class GPT(nn.Sequential):
         if cfg.tie_embeddings:
             self[-1].lm_head.weight = self[0].tok.weight
 
+    def forward(self, ids: torch.Tensor, hidden: bool = False) -> torch.Tensor:
+        """The logits; hidden=True: the residual stream that Head (head_module) reads, the
+        model's modules up to the head (a chunked loss runs the head per chunk of tokens)."""
+        layers = list(self)
+        for m in layers[:-1] if hidden else layers:
+            ids = m(ids)
+        return ids
+
+    @property
+    def head_module(self) -> nn.Module:
+        """Head (final LayerNorm + lm_head): forward(ids) == head_module(forward(ids, hidden=True))."""
+        return self[-1]
+
     def enable_activation_checkpointing(self, context_fn=None) -> None:
         """Recompute each block in backward. context_fn: torch.utils.checkpoint's (a pair of
         context managers for the forward and the recomputation; the dry run's casts)."""

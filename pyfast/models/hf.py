@@ -90,11 +90,22 @@ class HFCausalLM(nn.Module):
         self.hf, self._plan, self._fields, self._no_tp = hf, plan, fields, no_tp
         self.config = hf.config
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, hidden: bool = False) -> torch.Tensor:
+        """The logits; hidden=True: the base model's last hidden state (after its final norm),
+        which head_module (lm_head) maps to the logits -- for a loss that runs the head on
+        chunks of the tokens."""
+        run = (lambda: self.hf.base_model(input_ids=ids).last_hidden_state) if hidden else \
+            (lambda: self.hf(input_ids=ids).logits)
         if ids.device.type == "meta":  # a dry run (pyfast.train.dryrun)
             with _unpacked_rows():
-                return self.hf(input_ids=ids).logits
-        return self.hf(input_ids=ids).logits
+                return run()
+        return run()
+
+    @property
+    def head_module(self) -> nn.Module:
+        """The LM head (lm_head, as peft may have wrapped it): forward(ids) ==
+        head_module(forward(ids, hidden=True))."""
+        return self.hf.get_output_embeddings()
 
     vocab_parallel = True  # the plan splits embed_tokens and lm_head
 

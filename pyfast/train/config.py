@@ -87,6 +87,7 @@ class TrainConfig:
     lora_dropout: float = 0.0
     base_dtype: str = "none"        # the frozen base's storage: none (as built), bf16, int8, nf4
     base_placement: str = "auto"    # --zero 3: auto, replicate (whole on every rank) or shard
+    loss_chunks: int = 0            # K: the LM head and loss in K checkpointed chunks; 0: off
 
     @property
     def m(self) -> int:
@@ -169,6 +170,10 @@ def parser() -> argparse.ArgumentParser:
     a("--precision", default=d.precision, choices=PRECISIONS,
       help="bf16/fp16: autocast with fp32 master weights; fp16 adds a GradScaler")
     a("--activation-checkpointing", action="store_true")
+    a("--loss-chunks", type=int, default=d.loss_chunks, metavar="K",
+      help="run the LM head and the fp32 cross-entropy on K chunks of the tokens, each "
+           "recomputed in backward, so no step keeps the whole [tokens, vocab] logits "
+           "(default 0: off)")
     a("--steps", type=int, default=d.steps)
     a("--batch", type=int, default=d.batch, help="global batch: sequences per optimizer step")
     a("--seq", type=int, default=d.seq)
@@ -258,6 +263,7 @@ def check(cfg: TrainConfig, world: int, model: bool = True) -> dict:
         raise ConfigError(f"--allow-change {cfg.allow_change}: only "
                           f"{', '.join(RESUME_ALLOWABLE)} may be allowed to change on --resume "
                           f"(not {', '.join(sorted(unknown))})")
+    check_loss_chunks(cfg)
     check_cp(cfg)
     check_zero(cfg)
     check_diloco(cfg)
@@ -288,6 +294,8 @@ RESUME_FREE += ("replicas",)
 # where a --zero 3 LoRA base lives changes no value (replicated and sharded bases run the same
 # bytes: tests/test_zero_frozen.py) and the checkpoints hold no frozen parameter either way
 RESUME_FREE += ("base_placement",)
+# --loss-chunks computes the same mean loss (to fp32 rounding: tests/test_loss_chunks.py)
+RESUME_FREE += ("loss_chunks",)
 
 
 def resume_changes(cfg: TrainConfig, record: dict, data: dict | None = None
@@ -448,6 +456,22 @@ def check_model_vocab(cfg: TrainConfig, data: dict) -> None:
                           "data tokenized for this model")
 
 
+def check_loss_chunks(cfg: TrainConfig) -> None:
+    """--loss-chunks K (Job.chunked_loss): K >= 0, and not where the job's loss does not see the
+    whole head's output on one rank."""
+    k = cfg.loss_chunks
+    if k < 0:
+        raise ConfigError(f"--loss-chunks must be >= 0 (0: off), got {k}")
+    if k and cfg.pp > 1:
+        raise ConfigError(f"--loss-chunks {k} with --pp {cfg.pp}: the pipeline's last stage "
+                          "computes the loss from the logits its own layers return (Pipeline's "
+                          "loss_fn), so the head cannot be split from them; use --pp 1")
+    if k and cfg.tp > 1:
+        raise ConfigError(f"--loss-chunks {k} with --tp {cfg.tp}: the head's logits are "
+                          "vocabulary-parallel under tp (vocab_parallel_cross_entropy's mean "
+                          "over the whole piece), not chunked yet; use --tp 1 (e.g. --zero 3)")
+
+
 def check_degrees(cfg: TrainConfig) -> None:
     """The mesh's degrees are >= 1 (the launcher sizes the job by them, before check)."""
     for name in ("replicas", "dp", "cp", "tp", "pp"):
@@ -541,6 +565,9 @@ def check_model(cfg: TrainConfig, m=None) -> None:
     from pyfast import models
     m = build_model(cfg, 256, "meta") if m is None else m
     check_fragments(cfg, m)
+    if cfg.loss_chunks and not hasattr(m, "head_module"):
+        raise ConfigError(f"--loss-chunks {cfg.loss_chunks}: --model {cfg.model} does not split "
+                          "its LM head from the rest (forward(ids, hidden=True), head_module)")
     why = m.tp_check(cfg.tp)
     if why:
         raise ConfigError(f"--tp {cfg.tp}: {why}")

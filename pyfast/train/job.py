@@ -24,6 +24,14 @@ gets a .grad, never enters an optimizer and is never reduced, so a dp step sends
 only. Checkpoints hold the trainable parameters and their optimizer state only (Job.state).
 Under --precision bf16 the frozen weights and biases of the Linear layers are stored in bf16
 (store_frozen_linear: autocast casts them to bf16 for the matmul anyway, so this is exact).
+
+--loss-chunks K (Job.chunked_loss, torchtune's chunked cross-entropy): the model runs up to the
+hidden states its LM head reads (forward(ids, hidden=True)), and the head, the fp32 cast and
+the cross-entropy run on K chunks of the tokens, each inside a non-reentrant checkpoint: only
+the chunk's hidden states are saved and its logits are rebuilt in backward, so a step never
+keeps the whole [tokens, vocab] fp32 logits and their softmax (5 GiB a rank at 8B Llama's
+128,256 vocabulary, 2 x 2048 tokens). The mean loss is the same quantity (a sum of chunk sums
+over the token count). Validation keeps the unchunked path (no_grad saves nothing).
 """
 from __future__ import annotations
 
@@ -34,6 +42,7 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from pyfast import models
 from pyfast.comm.dry import read
@@ -260,6 +269,46 @@ class Job:
         loss = loss * self.mult
         return self.scaler.scale(loss) if self.scaler is not None and self.scaling else loss
 
+    def piece_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """loss_fn of the model's logits for x, or, with --loss-chunks, chunked_loss."""
+        if not self.cfg.loss_chunks:
+            return self.loss_fn(self.net(x), y)
+        return self.chunked_loss(self.net(x, hidden=True), y)
+
+    def chunked_loss(self, h: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """loss_fn(head(h), target) with the head and the loss run on cfg.loss_chunks chunks of
+        the tokens (ragged: the first N % K chunks hold one token more), each checkpointed.
+        The head runs under the job's autocast (MetaAutocast on the meta device) in forward
+        and in the recomputation: _chunk_sum enters it. Under --zero 3 a head that is a unit of
+        its own (GPT's Head) is gathered and freed once a chunk in forward and twice in backward
+        (recomputation, then its output's gradient hook); an HF lm_head belongs to the root's
+        unit, gathered from the wrapper's forward to the end of backward."""
+        h, target = h.flatten(0, -2), target.flatten()
+        n, k = target.numel(), min(self.cfg.loss_chunks, target.numel())
+        sizes = [n // k + (i < n % k) for i in range(k)]
+        # one split (one backward node that concatenates the chunks' gradients), not K slices
+        hs, ts = torch.split(h, sizes), torch.split(target, sizes)
+        # _chunk_sum enters the autocast itself, so the recomputation runs under the same one
+        # on every device (meta included: no context_fn needed, unlike meta_recompute's blocks)
+        total = sum(checkpoint(self._chunk_sum, hc, tc, use_reentrant=False)
+                    for hc, tc in zip(hs, ts))
+        loss = total / n * self.mult
+        return self.scaler.scale(loss) if self.scaler is not None and self.scaling else loss
+
+    def _chunk_sum(self, h: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The summed fp32 cross-entropy of one chunk of tokens, through the model's head."""
+        dtype = AMP.get(self.cfg.precision)
+        if self.device.type == "meta":  # autocast_layers' casts, here for the head alone
+            from .meta_autocast import POLICY, MetaAutocast
+            amp = MetaAutocast(dtype, POLICY)
+        elif dtype is not None:
+            amp = torch.autocast(self.device.type, dtype=dtype)
+        else:
+            amp = contextlib.nullcontext()
+        with amp:
+            logits = self.model.head_module(h)
+        return F.cross_entropy(logits.float(), target, reduction="sum")
+
     # ---------------------------------------------------------------- one optimizer step
     def _forward_backward(self, x, y) -> tuple[torch.Tensor, float]:
         """(sum of the pieces' weighted losses on this rank, seconds waited on communication).
@@ -279,7 +328,7 @@ class Job:
             wrapper = self.dp or self.zero
             sync = contextlib.nullcontext() if wrapper is None or last else wrapper.no_sync()
             with sync:
-                loss = self.loss_fn(self.net(x), y)
+                loss = self.piece_loss(x, y)
                 loss.backward()
             total += loss.detach().double()
         return total, self.dp.last_wait_s if self.dp is not None else 0.0
