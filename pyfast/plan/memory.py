@@ -265,6 +265,9 @@ def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = 
         raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
     if work.precision not in ("fp32", "bf16", "fp16"):
         raise ValueError(f"precision must be fp32, bf16 or fp16, got {work.precision!r}")
+    if plan.lora:  # a frozen base under LoRA adapters: finetune.py's model
+        from .finetune import lora_memory
+        return lora_memory(shape, plan, work, device)
     tp, pp, cp, dp, v = plan.tp, plan.pp, plan.cp, plan.dp, plan.virtual_stages
     n = dp * cp  # the gradient-averaging group (DataParallel or ZeRO's shards)
     zero = plan.zero if n > 1 else 0
