@@ -21,7 +21,8 @@ Memory per rank (lora_memory), N = dp, r = the rank, P_b = the frozen base:
 - comm_buffers: DataParallel's buckets of the adapters' gradients, 4A.
 - activations: the base model's (memory._block_saved: what a block saves per token, the same
   tensors: the adapters' A reads the Linear's input the base would have saved) with the chosen
-  recompute, plus per adapted Linear the r-wide output of A (saved by B), and with dropout its
+  recompute (a recomputed layer's input in the training dtype: the frozen embedding, stored in
+  it, starts the residual stream there), plus per adapted Linear the r-wide output of A (saved by B), and with dropout its
   output and 1-byte mask, in-wide; a base stored int8/nf4 (or bf16 under fp32) is dequantized
   into the training dtype just before its matmul (models/quant_base.QuantLinear), and F.linear
   keeps that copy for the input's gradient: each layer's dequantized weights are saved until
@@ -121,7 +122,8 @@ def lora_memory(shape: ModelShape, plan: Plan, work: Workload, device: str) -> d
     deq_live = big_lin * tb if deq else 0            # the Linear running now
     ckpt = plan.activation_checkpointing
     if ckpt:  # every layer's input; one layer recomputed at a time, with its saved weights
-        act = tok * F32 * h * L + tok * saved + deq
+        # (the residual stream is in the training dtype: the frozen embedding is stored in it)
+        act = tok * tb * h * L + tok * saved + deq
     else:
         act = tok * saved * L + deq * L
     act += tok * (F32 * 2 * h + 8 + F32 * shape.vocab)   # the head: LN in/out, log-softmax
