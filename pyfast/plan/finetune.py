@@ -83,8 +83,11 @@ def check(plan: Plan) -> None:
                          f"cp {plan.cp}, pp {plan.pp}")
 
 
-def lora_memory(shape: ModelShape, plan: Plan, work: Workload, device: str) -> dict:
-    """memory.predict_memory's answer for a LoRA plan (module doc)."""
+def lora_memory(shape: ModelShape, plan: Plan, work: Workload, device: str,
+                logits: bool = True) -> dict:
+    """memory.predict_memory's answer for a LoRA plan (module doc). logits=False: a what-if
+    for a loss computed in chunks (torchtune's CEWithChunkedOutputLoss), no vocab-wide fp32
+    tensor per token held (pyfast's job holds them: its default)."""
     from .memory import KINDS, _block_saved
     check(plan)
     n = plan.dp
@@ -123,16 +126,21 @@ def lora_memory(shape: ModelShape, plan: Plan, work: Workload, device: str) -> d
     ckpt = plan.activation_checkpointing
     if ckpt:  # every layer's input; one layer recomputed at a time, with its saved weights
         # (the residual stream is in the training dtype: the frozen embedding is stored in it)
-        act = tok * tb * h * L + tok * saved + deq
+        act = tok * tb * h * L
+        layer = tok * saved + deq + max(tok * temp, deq_live)
     else:
         act = tok * saved * L + deq * L
-    act += tok * (F32 * 2 * h + 8 + F32 * shape.vocab)   # the head: LN in/out, log-softmax
-    t_head = tok * F32 * 2 * shape.vocab                  # dlogits, the loss's gradient
+        layer = max(tok * temp, deq_live)
+    vocab = shape.vocab if logits else 0
+    head = tok * (F32 * 2 * h + 8 + F32 * vocab)          # the head: LN in/out, log-softmax
+    t_head = tok * F32 * 2 * vocab                        # dlogits, the loss's gradient
     if zero == 3:  # this unit and the prefetched one
         act += 2 * (F32 * a_layer + (base_layer_bytes(shape, plan.base_dtype, tb)
                                      if shard else 0))
     g_start = (grads_end if zero >= 2 else grads_full) if plan.micro_batches > 1 else 0.0
-    start = (g_start, act + max(tok * temp, t_head, deq_live))
+    # the head's backward (its saved tensors and dlogits) ends before the last layer's
+    # backward (or its recompute) starts: the two are never live together
+    start = (g_start, act + max(head + t_head, layer))
     # the end of backward: all the adapters' gradients, the first layer's activations only
     g_end = grads_full if zero < 2 else grads_end + 2 * min(4 * 2**20, F32 * A)
     end = (g_end, tok * saved + deq + tok * temp)
