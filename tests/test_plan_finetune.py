@@ -121,6 +121,7 @@ def test_l40s_lora_fits_and_prints_its_command(capsys):
     assert "huggingface-cli download meta-llama/Llama-2-7b-hf" in out
     rc, out_auto, err = plan(L40S + ["--finetune", "auto"], capsys)
     assert rc == 0 and out_auto.strip().splitlines()[-1] == cmd
+    assert "note: --finetune auto: no full plan fits" in out_auto and "49.4 GiB" in out_auto
     rc, js, err = plan(L40S + ["--finetune", "auto", "--json", "--lora-rank", "8"], capsys)
     d = json.loads(js)["plans"]
     assert all(p["finetune"] == "lora" and p["lora"] == 8 for p in d)

@@ -70,6 +70,8 @@ class Result:
     seconds: float = 0.0
     smallest: Scored | None = None   # the least memory of any plan scored
     mesh_problems: dict = field(default_factory=dict)  # (dp, cp, tp, pp) -> why not
+    finetune: str = "full"       # the kind searched (full, lora, qlora)
+    passed_over: list = field(default_factory=list)  # --finetune auto: (kind, its smallest)
 
     @property
     def scored(self) -> int:
@@ -194,7 +196,7 @@ def search(shape: ModelShape, work: Workload, cluster: Cluster, top: int = 10,
     variants = finetune_variants(finetune, work, lora_rank)
     t0 = time.perf_counter()
     cap = cluster.gpu.memory_bytes
-    res = Result([], [])
+    res = Result([], [], finetune=finetune)
     fits, oom = [], {}
     # what the ranks run on: CPU ranks keep the math attention's softmax and single-tensor AdamW's
     # temporaries, GPUs flash attention and foreach AdamW (memory.py's DEVICES)
