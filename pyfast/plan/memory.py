@@ -32,6 +32,9 @@ LM head by tp only when vocab >= 2048, models/gpt.py VOCAB_PARALLEL_MIN):
   log-softmax, fp32 [tokens, vocab/tp]) and the largest temporary of the backward. With
   activation checkpointing a layer keeps only its input, and one layer is recomputed at a time.
 
+A LoRA plan (plan.lora > 0: a frozen base under adapters) is finetune.py's model
+(finetune.lora_memory), which reuses _block_saved for the base's activations.
+
 The peak is the larger of two phases: forward/backward (activations at the start of the last
 micro-batch's backward, or the full gradients at its end when those outweigh them) and the
 optimizer step (no activations, AdamW's temporaries); the worst pipeline stage and ZeRO shard.

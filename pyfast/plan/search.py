@@ -10,6 +10,8 @@ with error feedback; not powersgd under ZeRO), micro-batch sizes (powers of two 
 rank's batch; the count follows from global = dp x micro_batch x micro_batches), the schedules
 when pp > 1, ring or Ulysses attention when cp > 1, activation checkpointing on and off.
 
+--finetune lora / qlora (finetune.py): LoRA plans instead, on dp-only meshes (mesh_plans).
+
 Each is scored by memory.predict_memory; one over the GPU's memory is rejected with the amount
 and where; the rest by timing.predict_time, ranked by time to the target loss (step_s x
 steps_factor: a lossy compressor's extra steps), ties by memory. Pruning: a larger micro-batch
