@@ -184,3 +184,14 @@ def test_dry_run_agrees_on_a_lora_gpt():
     assert abs(pred / traced - 1) < 0.10, (pred, traced)
     assert shlex.split(" ".join(plan_of(cfg)[1].train_flags("x", plan_of(cfg)[2])))[-2:] == \
         ["--lora", "8"]
+
+
+def test_constants_and_new_presets_match_their_sources():
+    from pyfast.models.quant_base import BLOCK, FORMATS
+    from pyfast.train.config import BASE_DTYPES, BASE_PLACEMENTS
+    assert FT.QBLOCK == BLOCK and set(FT.QLORA_DTYPES) | {"bf16"} == set(FORMATS)
+    assert FT.BASE_DTYPES == BASE_DTYPES and set(FT.PLACEMENTS) < set(BASE_PLACEMENTS)
+    # Llama 3.1 8B 8.03B, Llama 2 70B 69.0B (their model cards)
+    assert round(shapes.preset("llama-8b").params() / 1e9, 2) == 8.03
+    assert round(shapes.preset("llama-2-70b").params() / 1e9, 1) == 69.0
+    assert set(shapes.HF_REPOS) == {n for n in shapes.PRESETS if n.startswith("llama-")}

@@ -22,14 +22,14 @@ Memory per rank (lora_memory), N = dp, r = the rank, P_b = the frozen base:
 - activations: the base model's (memory._block_saved: what a block saves per token, the same
   tensors: the adapters' A reads the Linear's input the base would have saved) with the chosen
   recompute (a recomputed layer's input in the training dtype: the frozen embedding, stored in
-  it, starts the residual stream there), plus per adapted Linear the r-wide output of A (saved by B), and with dropout its
-  output and 1-byte mask, in-wide; a base stored int8/nf4 (or bf16 under fp32) is dequantized
-  into the training dtype just before its matmul (models/quant_base.QuantLinear), and F.linear
-  keeps that copy for the input's gradient: each layer's dequantized weights are saved until
-  its backward (with recompute: only the layer being recomputed's). While one Linear runs, its
-  dequantized weight (the largest, in the training dtype) is live. ZeRO 3: two gathered units
-  (this layer and the prefetched one): their adapters fp32, and when sharded the base's layer
-  in its stored format.
+  it, starts the residual stream there), plus per adapted Linear the r-wide output of A (saved
+  by B), and with dropout its output and 1-byte mask, in-wide; a base stored int8/nf4 (or bf16
+  under fp32) is dequantized into the training dtype just before its matmul
+  (models/quant_base.QuantLinear), and F.linear keeps that copy for the input's gradient: each
+  layer's dequantized weights are saved until its backward (with recompute: only the layer
+  being recomputed's). While one Linear runs, its dequantized weight (the largest, in the
+  training dtype) is live. ZeRO 3: two gathered units (this layer and the prefetched one):
+  their adapters fp32, and when sharded the base's layer in its stored format.
 """
 from __future__ import annotations
 

@@ -224,7 +224,8 @@ def search(shape: ModelShape, work: Workload, cluster: Cluster, top: int = 10,
                 s.time = predict_time(shape, plan, work, cluster)
                 res.time_scored += 1
                 fits.append(s)
-    if diloco and cluster.nodes > 1 and finetune == "full":  # one DiLoCo replica a node, for a slow inter-node link
+    # one DiLoCo replica a node, for a slow inter-node link (full fine-tunes only)
+    if diloco and cluster.nodes > 1 and finetune == "full":
         dl = candidate(shape, work, cluster, search, cross_node)
         if dl is not None:
             fits.append(dl)
