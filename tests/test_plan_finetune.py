@@ -135,9 +135,10 @@ def test_70b_on_two_24gb_gpus_reports_the_smallest_qlora_plan(capsys):
     assert "zero 3" in err and "qlora 16, nf4 base sharded" in err and "recompute" in err
     need = float(err.split("needs ")[1].split(" GiB")[0])
     assert 24 < need < 40
-    # a shorter sequence fits: the plan is QLoRA on the sharded nf4 base
-    rc, out, err = plan(B70[:-4] + ["--seq", "512", "--global-batch", "16", "--finetune",
-                                    "qlora", "--json"], capsys)
+    # on four of them it fits: the plan is QLoRA on the sharded nf4 base
+    four = list(B70)
+    four[3] = "4"
+    rc, out, err = plan(four + ["--finetune", "auto", "--json"], capsys)
     assert rc == 0, err
     best = json.loads(out)["plans"][0]
     assert (best["zero"], best["base_dtype"], best["base_placement"]) == (3, "nf4", "shard")

@@ -7,12 +7,16 @@
     in chunks (no vocab-wide fp32 tensor a token: torchtune's CEWithChunkedOutputLoss; a
     what-if: pyfast's job keeps them) and torchtune's published figures (one RTX 4090: LoRA
     16.2 GiB, QLoRA 7.4 GiB, Llama 3.1 8B, batch 2, seq 2048) and the issue's targets on 2 ranks
-    with the base sharded (LoRA <= 12 GiB, QLoRA <= 6 GiB).
+    with the base sharded (LoRA <= 12 GiB, QLoRA <= 6 GiB); and torchtune's setup as a what-if
+    (the chunked loss, and the embedding, norms and head in bf16: the job keeps them fp32).
 (b) against the dry run (fp32: autocast has no meta device) at the 7B/8B depth and width
     (pyfast's GPT, 32 x 4096: the dry run builds pyfast's GPT only; transformers' Llama calls
     .item() in its mask code, which meta tensors refuse): LoRA on DataParallel at 2, 4 and 8
     ranks, int8 and bf16 bases, dropout. Target: within 10%. What the dry run cannot run yet
     is listed as pending, with why.
+(c) against real CPU allocations (bf16 autocast, which the dry run cannot trace): gpt-small
+    LoRA on 2 gloo ranks, bf16 and int8 bases, recompute, dropout: the job's second step under
+    MemoryTracker (plan_memory's REAL harness). Target: within 15%.
 """
 from __future__ import annotations
 
@@ -46,6 +50,16 @@ PENDING = [
      "(\"params: '0.tok.weight' is frozen\"): the frozen-base ZeRO work is on another branch"),
     ("lora / qlora zero 3, base sharded (dp 2-8)", "the same: ZeRO-3 sharding and gathering a "
      "frozen base is another engineer's branch"),
+]
+SMALL = dict(model="gpt-small", dp=2, seq=256, batch=4, lora=8)
+REAL = [
+    ("small lora fp32", 2, dict(SMALL)),
+    ("small lora bf16 base", 2, dict(SMALL, precision="bf16", base_dtype="bf16")),
+    ("small qlora int8 bf16", 2, dict(SMALL, precision="bf16", base_dtype="int8")),
+    ("small qlora int8 bf16 ckpt", 2, dict(SMALL, precision="bf16", base_dtype="int8",
+                                           activation_checkpointing=True)),
+    ("small lora bf16 dropout 0.1", 2, dict(SMALL, precision="bf16", base_dtype="bf16",
+                                            lora_dropout=0.1)),
 ]
 TORCHTUNE = {"lora": 16.2, "qlora": 7.4}   # one RTX 4090, unsharded (torchtune's README)
 TARGET_2 = {"lora": 12.0, "qlora": 6.0}    # the issue's, 2 ranks, base sharded
@@ -90,8 +104,10 @@ def predicted() -> list[dict]:
             m = predict_memory(shape, p, work)
             chunked = lora_memory(shape, p, work, "cuda", logits=False)["peak_bytes"] \
                 if p.lora else None
+            tt = lora_memory(shape, p, work, "cuda", logits=False, rest=2)["peak_bytes"] \
+                if p.lora else None
             row = {"ranks": n, "finetune": kind, "plan": what, "predicted": m["peak_bytes"],
-                   "chunked_loss": chunked,
+                   "chunked_loss": chunked, "torchtune_like": tt,
                    "kinds": {k: m[k] for k in ("parameters", "gradients", "optimizer",
                                                "activations", "comm_buffers")},
                    "torchtune_1x4090": TORCHTUNE.get(kind) if n == 1 and "int8" not in what
@@ -108,18 +124,30 @@ def dry(names=None) -> dict:
         return run_dry(names, DRY)
 
 
+def real(names=None) -> dict:
+    from pyfast.benchmarks.plan_memory import run_real
+    return run_real(names, REAL)
+
+
 def summary(res: dict) -> str:
     out = []
     for r in res["predicted"]:
         if r["target"]:
             out.append(f"{r['finetune']} on 2 ranks, {r['plan']}: {r['predicted'] / GiB:.1f} GiB "
                        f"(target <= {r['target']:g}; with a chunked loss "
-                       f"{r['chunked_loss'] / GiB:.1f})")
+                       f"{r['chunked_loss'] / GiB:.1f}, and the embedding and head in bf16 "
+                       f"{r['torchtune_like'] / GiB:.1f})")
     rows = res.get("dry", {}).get("rows", [])
     if rows:
         worst = max(abs(r["error"]) for r in rows)
         out.append(f"predicted vs dry run: {len(rows)} LoRA/QLoRA configs, max |error| "
                    f"{worst:.1%}, {sum(abs(r['error']) > 0.10 for r in rows)} over 10%")
+    rows = res.get("real", {}).get("rows", [])
+    if rows:
+        worst = max(abs(r["error"]) for r in rows)
+        out.append(f"predicted vs real CPU allocations: {len({r['config'] for r in rows})} LoRA "
+                   f"configs, {len(rows)} ranks, max |error| {worst:.1%}, "
+                   f"{sum(abs(r['error']) > 0.15 for r in rows)} over 15%")
     out.append("pending: " + "; ".join(n for n, _ in PENDING))
     return "\n".join(out)
 
@@ -131,13 +159,13 @@ def table(res: dict):
     t = Table(title="llama-8b (Llama 3.1 8B), seq 2048, 2 seqs a rank, bf16, recompute, AdamW, "
               "r 16: predicted peak GiB a rank")
     for c in ("ranks", "fine-tune", "plan", "predicted", "params", "grads", "optim", "activ",
-              "chunked loss", "torchtune 1x4090", "target"):
+              "chunked loss", "+ bf16 rest", "torchtune 1x4090", "target"):
         t.add_column(c, justify="left" if c in ("fine-tune", "plan") else "right")
     for r in res["predicted"]:
         k = r["kinds"]
         t.add_row(str(r["ranks"]), r["finetune"], r["plan"], g(r["predicted"]),
                   g(k["parameters"]), g(k["gradients"]), g(k["optimizer"]), g(k["activations"]),
-                  g(r["chunked_loss"]),
+                  g(r["chunked_loss"]), g(r["torchtune_like"]),
                   f"{r['torchtune_1x4090']:g}" if r["torchtune_1x4090"] else "-",
                   f"<= {r['target']:g}" if r["target"] else "-")
     parts = [t]
@@ -151,6 +179,16 @@ def table(res: dict):
             d.add_row(r["config"], str(r["ranks"]), f"{r['traced'] / 2**20:,.0f}",
                       f"{r['predicted'] / 2**20:,.0f}", f"{r['error']:+.1%}")
         parts.append(d)
+    rows = res.get("real", {}).get("rows", [])
+    if rows:
+        d = Table(title="predicted vs real CPU allocations (gloo, the job's 2nd step), gpt-small "
+                  "LoRA r 8, seq 256, 2 seqs a rank: peak MiB")
+        for c in ("config", "rank", "measured", "predicted", "error"):
+            d.add_column(c, justify="left" if c == "config" else "right")
+        for r in rows:
+            d.add_row(r["config"], str(r["rank"]), f"{r['measured'] / 2**20:,.1f}",
+                      f"{r['predicted'] / 2**20:,.1f}", f"{r['error']:+.1%}")
+        parts.append(d)
     p = Table(title="pending (the dry run cannot run them yet)")
     p.add_column("case", justify="left")
     p.add_column("why", justify="left")
@@ -163,7 +201,8 @@ def table(res: dict):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="pyfast bench plan_finetune",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--part", default="predicted,dry", help="predicted, dry or both")
+    p.add_argument("--part", default="predicted,dry,real",
+                   help="predicted, dry, real (comma list; predicted always)")
     p.add_argument("--configs", default="", help="comma list of dry-run config names")
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
@@ -172,6 +211,8 @@ def main(argv=None) -> int:
            "predicted": predicted(), "pending": [dict(case=n, why=w) for n, w in PENDING]}
     if "dry" in a.part:
         res["dry"] = dry(set(a.configs.split(",")) if a.configs else None)
+    if "real" in a.part:
+        res["real"] = real(set(a.configs.split(",")) if a.configs else None)
     res["summary"] = summary(res)
     return perf.finish(res, table, a.out, width=150)
 

@@ -12,8 +12,9 @@ The search (search.py) plans them on dp-only meshes (tp = cp = pp = 1): DataPara
 Memory per rank (lora_memory), N = dp, r = the rank, P_b = the frozen base:
 - parameters: the base's adapted Linear weights in their stored format (bf16 2 bytes; int8 1
   byte + an fp32 absmax per 64 = 8.5 bits; nf4 4.5 bits; none: the training dtype), the rest
-  of the base (embedding, norms, biases, head) in the training dtype (a frozen tensor is only
-  read), /N when sharded; the adapters fp32, A = sum over adapted Linears in x out of
+  of the base (embedding, norms, biases, head) fp32, as pyfast's job keeps them today (REST:
+  quant_base's docstring says the job stores them in bf16 under bf16; job.py does not yet;
+  measured on gpt-small, 2 gloo ranks, bf16), /N when sharded; the adapters fp32, A = sum over adapted Linears in x out of
   r (in + out), /N under ZeRO 3; the rotary buffers as memory.py.
 - gradients: the adapters' only, 4A (ZeRO 2/3: 4A/N once reduced); the base never has any.
 - optimizer: AdamW's two fp32 moments of the adapters, 8A (ZeRO: /N) + 4 bytes a tensor, and
@@ -21,8 +22,8 @@ Memory per rank (lora_memory), N = dp, r = the rank, P_b = the frozen base:
 - comm_buffers: DataParallel's buckets of the adapters' gradients, 4A.
 - activations: the base model's (memory._block_saved: what a block saves per token, the same
   tensors: the adapters' A reads the Linear's input the base would have saved) with the chosen
-  recompute (a recomputed layer's input in the training dtype: the frozen embedding, stored in
-  it, starts the residual stream there), plus per adapted Linear the r-wide output of A (saved
+  recompute (a recomputed layer's input in the embedding's dtype, REST: it starts the residual
+  stream, which autocast's bf16 outputs added to it keep there), plus per adapted Linear the r-wide output of A (saved
   by B), and with dropout its output and 1-byte mask, in-wide; a base stored int8/nf4 (or bf16
   under fp32) is dequantized into the training dtype just before its matmul
   (models/quant_base.QuantLinear), and F.linear keeps that copy for the input's gradient: each
@@ -42,6 +43,13 @@ BASE_DTYPES = ("none", "bf16", "int8", "nf4")   # pyfast.train.config.BASE_DTYPE
 PLACEMENTS = ("replicate", "shard")
 QLORA_DTYPES = ("nf4", "int8")
 DEFAULT_RANK = 16
+# bytes of a frozen parameter that is not an adapted Linear's weight (embedding, norms,
+# biases, head), and so of the residual stream the embedding starts: fp32, as the job builds
+# them (measured: gpt-small LoRA bf16 with recompute, 2 gloo ranks: fp32 checkpoints)
+REST = F32
+# the adapted Linears (shape.adapted_linears order) fed by a norm: under autocast a LayerNorm's
+# output is fp32, so dropout's output, which A's cast reads, is fp32 there
+NORM_FED = {"gpt": (0, 2), "llama": (0, 1, 2, 4, 5)}
 
 
 def stored_bytes(n: int, fmt: str, train_bytes: int) -> int:
@@ -54,17 +62,17 @@ def stored_bytes(n: int, fmt: str, train_bytes: int) -> int:
     return codes + F32 * -(-n // QBLOCK)
 
 
-def base_layer_bytes(shape: ModelShape, fmt: str, train_bytes: int) -> int:
-    """One block's frozen base: its Linear weights stored as fmt, the rest (norms, biases) in
-    the training dtype."""
+def base_layer_bytes(shape: ModelShape, fmt: str, train_bytes: int, rest: int = REST) -> int:
+    """One block's frozen base: its Linear weights stored as fmt, the rest (norms, biases)
+    `rest` bytes each."""
     lin = sum(stored_bytes(i * o, fmt, train_bytes) for i, o in shape.adapted_linears())
-    return lin + train_bytes * (shape.layer_params() - shape.layer_matmul_params())
+    return lin + rest * (shape.layer_params() - shape.layer_matmul_params())
 
 
-def base_bytes(shape: ModelShape, fmt: str, train_bytes: int) -> int:
+def base_bytes(shape: ModelShape, fmt: str, train_bytes: int, rest: int = REST) -> int:
     """The whole frozen base: the blocks, the embedding, the final norm and the head."""
-    return shape.layers * base_layer_bytes(shape, fmt, train_bytes) + \
-        train_bytes * (shape.embed_params() + shape.head_params())
+    return shape.layers * base_layer_bytes(shape, fmt, train_bytes, rest) + \
+        rest * (shape.embed_params() + shape.head_params())
 
 
 def check(plan: Plan) -> None:
@@ -84,16 +92,18 @@ def check(plan: Plan) -> None:
 
 
 def lora_memory(shape: ModelShape, plan: Plan, work: Workload, device: str,
-                logits: bool = True) -> dict:
-    """memory.predict_memory's answer for a LoRA plan (module doc). logits=False: a what-if
-    for a loss computed in chunks (torchtune's CEWithChunkedOutputLoss), no vocab-wide fp32
-    tensor per token held (pyfast's job holds them: its default)."""
+                logits: bool = True, rest: int | None = None) -> dict:
+    """memory.predict_memory's answer for a LoRA plan (module doc). What-ifs: logits=False, a
+    loss computed in chunks (torchtune's CEWithChunkedOutputLoss): no vocab-wide fp32 tensor
+    per token held (pyfast's job holds them); rest=2, the embedding, norms, biases and head
+    stored in bf16 (and so the residual stream), as torchtune does (the job: fp32, REST)."""
     from .memory import KINDS, _block_saved
     check(plan)
     n = plan.dp
     zero = plan.zero if n > 1 else 0
     shard = zero == 3 and plan.base_placement == "shard" and n > 1
     tb = F32 if work.precision == "fp32" else 2      # the training dtype's bytes
+    rest = REST if rest is None else rest
     bpe = tb                                         # autocast: 16-bit matmul outputs
     h, r, L = shape.hidden, plan.lora, shape.layers
     lins = shape.adapted_linears()
@@ -106,7 +116,7 @@ def lora_memory(shape: ModelShape, plan: Plan, work: Workload, device: str,
     cdiv = lambda x: -(-x // n)  # noqa: E731  (shard 0's: ceil)
 
     k = dict.fromkeys(KINDS, 0.0)
-    frozen = base_bytes(shape, plan.base_dtype, tb)
+    frozen = base_bytes(shape, plan.base_dtype, tb, rest)
     k["parameters"] = (cdiv(frozen) if shard else frozen) + \
         F32 * (cdiv(A) if zero == 3 else A) + rotary
     k["optimizer"] = 2 * F32 * (cdiv(A) if zero else A) + F32 * n_tensors
@@ -117,16 +127,17 @@ def lora_memory(shape: ModelShape, plan: Plan, work: Workload, device: str,
     # ---- activations of a micro-batch
     saved, temp = _block_saved(shape, 1, work.seq, device, "ring", 1, bpe, plan.micro_batch)
     saved += bpe * r * len(lins)                     # A's outputs, saved by B
-    if plan.lora_dropout > 0:                        # dropout's output (A's input) and mask
-        saved += sum((bpe + 1) * i for i, _ in lins)
+    if plan.lora_dropout > 0:  # dropout's output (A's input; fp32 after a norm) and its mask
+        fed = NORM_FED[shape.arch]
+        saved += sum(((F32 if j in fed else bpe) + 1) * i for j, (i, _) in enumerate(lins))
     deq = shape.layer_matmul_params() * tb if (
         plan.base_dtype in ("int8", "nf4") or (plan.base_dtype == "bf16" and tb == F32)) else 0
     big_lin = max(i * o for i, o in lins)
     deq_live = big_lin * tb if deq else 0            # the Linear running now
     ckpt = plan.activation_checkpointing
     if ckpt:  # every layer's input; one layer recomputed at a time, with its saved weights
-        # (the residual stream is in the training dtype: the frozen embedding is stored in it)
-        act = tok * tb * h * L
+        # (in the embedding's dtype: the residual stream's)
+        act = tok * rest * h * L
         layer = tok * saved + deq + max(tok * temp, deq_live)
     else:
         act = tok * saved * L + deq * L
@@ -135,7 +146,7 @@ def lora_memory(shape: ModelShape, plan: Plan, work: Workload, device: str,
     head = tok * (F32 * 2 * h + 8 + F32 * vocab)          # the head: LN in/out, log-softmax
     t_head = tok * F32 * 2 * vocab                        # dlogits, the loss's gradient
     if zero == 3:  # this unit and the prefetched one
-        act += 2 * (F32 * a_layer + (base_layer_bytes(shape, plan.base_dtype, tb)
+        act += 2 * (F32 * a_layer + (base_layer_bytes(shape, plan.base_dtype, tb, rest)
                                      if shard else 0))
     g_start = (grads_end if zero >= 2 else grads_full) if plan.micro_batches > 1 else 0.0
     # the head's backward (its saved tensors and dlogits) ends before the last layer's

@@ -549,14 +549,14 @@ def _trainable(shape: ModelShape, plan: Plan, mods: list, work: Workload):
     """A LoRA plan's modules as the reduction sees them: each block's adapters (A r x in,
     B out x r per adapted Linear), nothing elsewhere; and, the base sharded under ZeRO 3, each
     unit's frozen bytes in their stored format (None otherwise)."""
-    from .finetune import base_layer_bytes
+    from .finetune import REST, base_layer_bytes
     r, tb = plan.lora, 4 if work.precision == "fp32" else 2
     ad = [x for i, o in shape.adapted_linears() for x in ((r * i, (r, i)), (o * r, (o, r)))]
     gmods = [(kind, ad if kind == "block" else []) for kind, _ in mods]
     if not (plan.zero == 3 and plan.base_placement == "shard"):
         return gmods, None
     frozen = [base_layer_bytes(shape, plan.base_dtype, tb) if kind == "block" else
-              tb * sum(n for n, _ in ps) for kind, ps in mods]
+              REST * sum(n for n, _ in ps) for kind, ps in mods]
     return gmods, frozen
 
 
