@@ -196,3 +196,13 @@ def test_constants_and_new_presets_match_their_sources():
     assert round(shapes.preset("llama-8b").params() / 1e9, 2) == 8.03
     assert round(shapes.preset("llama-2-70b").params() / 1e9, 1) == 69.0
     assert set(shapes.HF_REPOS) == {n for n in shapes.PRESETS if n.startswith("llama-")}
+
+
+def test_lora_kinds_need_a_dp_only_mesh(capsys):
+    """A global batch dp cannot split leaves LoRA no mesh: said so; auto then reports the full
+    plans' smallest without suggesting the kinds it already tried."""
+    odd = L40S[:-1] + ["3"]
+    rc, out, err = plan(odd + ["--finetune", "lora"], capsys)
+    assert rc == 2 and "(--finetune lora: dp-only meshes" in err and "not divisible by dp 2" in err
+    rc, out, err = plan(odd + ["--finetune", "auto"], capsys)
+    assert rc == 2 and "nothing fits" in err and "--finetune lora or qlora" not in err

@@ -98,8 +98,10 @@ def nothing_fits(res: Result, shape: ModelShape, work: Workload, cl) -> str:
     if res.smallest is None:
         why = list(dict.fromkeys(res.mesh_problems.values()))
         more = f"; and {len(why) - 4} more" if len(why) > 4 else ""
-        return (f"no dp x cp x tp x pp of {where} can run {shape.name} with --seq {work.seq} "
-                f"--global-batch {work.global_batch}: {'; '.join(why[:4])}{more}")
+        lora = "" if res.finetune == "full" else \
+            f" (--finetune {res.finetune}: dp-only meshes, tp = cp = pp = 1)"
+        return (f"no dp x cp x tp x pp of {where} can run {shape.name}{lora} with --seq "
+                f"{work.seq} --global-batch {work.global_batch}: {'; '.join(why[:4])}{more}")
     s, cap = res.smallest, cl.gpu.memory_bytes
     bigger = [n for n, g in GPUS.items() if g.memory_bytes > s.peak and n != "cpu"]
     return (f"nothing fits: the smallest plan ({describe(s)}) needs {s.peak / GiB:.1f} GiB a "
@@ -108,7 +110,7 @@ def nothing_fits(res: Result, shape: ModelShape, work: Workload, cl) -> str:
             "and recompute the job can run); try more GPUs"
             + (f", a GPU with more memory (--gpu {', '.join(bigger)})" if bigger else "")
             + (", --finetune lora or qlora (adapters on a frozen base)"
-               if s.plan.finetune == "full" else "")
+               if s.plan.finetune == "full" and len(res.passed_over) < 2 else "")
             + ", or a shorter --seq / smaller --global-batch")
 
 
@@ -384,14 +386,19 @@ def plan_finetune(shape: ModelShape, work: Workload, cl, ns) -> Result:
     all: the last kind's result (its smallest plan is the smallest of any)."""
     kinds = ("full", "lora", "qlora") if ns.finetune == "auto" else (ns.finetune,)
     rank = ns.lora_rank or DEFAULT_RANK
-    passed = []
+    passed, scored = [], []
     for kind in kinds:
         res = search(shape, work, cl, ns.top, ns.allow_cross_node_tp, diloco=True,
                      finetune=kind, lora_rank=rank)
         res.passed_over = list(passed)
         if res.plans:
-            break
+            return res
         passed.append((kind, res.smallest))
+        if res.smallest is not None:
+            scored.append(res)
+    # nothing fits: the last kind that had plans to score (a LoRA kind may have no mesh)
+    res = scored[-1] if scored else res
+    res.passed_over = passed
     return res
 
 
