@@ -6,6 +6,10 @@
 // sorts above Inf so one compare finds a non-finite block, and an integer max vectorizes
 // (GCC keeps an fp max loop scalar: with NaNs its result depends on the order).
 //
+// nf4 (frozen LoRA base weights): the code is a count of threshold compares, 15 per element,
+// branch-free so the loop vectorizes; dequantize scales the 16-entry codebook once per block
+// and then each nibble is a table lookup (see dequantize_block).
+//
 // Deliberate difference from FORMATS.md, kept because the tests compare bitwise with
 // pyfast.ops.quantize.quantize_ref: `inv` is (1 / amax) * qmax, two roundings, because torch
 // evaluates the reference's `qmax / amax` (python float / tensor) as reciprocal() * qmax.
@@ -27,6 +31,7 @@ using format::codes_len;
 using format::FP8;
 using format::INT4;
 using format::INT8;
+using format::NF4;
 using format::Quant;
 using format::scales_len;
 using format::SIGN;
@@ -35,11 +40,15 @@ constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
 // ------------------------------------------------------------------ quantize
 // Code of y = x * inv, element i (global index, for the hash) of a finite block: the byte for
-// int8 / fp8, the nibble in the low 4 bits for int4. y is not NaN (see quantize_block). Written
-// without fp compares in conditions (common.h) so that all four variants vectorize.
+// int8 / fp8, the nibble in the low 4 bits for int4 / nf4. y is not NaN (see quantize_block).
+// Written without fp compares in conditions (common.h) so that all variants vectorize.
 template <int K, bool STOCH>
 PYFAST_INLINE uint32_t encode(float y, uint32_t i, uint32_t seed_mix) {
-  if constexpr (K == FP8) {
+  if constexpr (K == NF4) {  // #{k : y > t_k}: the nearest codebook entry, ties to the smaller
+    uint32_t c = 0;
+    for (int k = 0; k < 15; ++k) c += uint32_t(y > format::kNF4Threshold[k]);
+    return c;
+  } else if constexpr (K == FP8) {
     const float m = u2f(std::min(f2u(y) & 0x7FFFFFFFu, f2u(format::qmax(FP8))));  // min(|y|, 448)
     uint32_t c = e4m3_encode(m);
     if constexpr (STOCH) {
@@ -103,7 +112,8 @@ void quantize_block(const In* __restrict x, int64_t start, int64_t len, uint32_t
   if constexpr (K == SIGN) {
     return sign_block(x, len, codes + start / 8, scale);
   } else {
-    uint8_t* c = codes + (K == INT4 ? start / 2 : start);
+    constexpr bool kNibbles = K == INT4 || K == NF4;
+    uint8_t* c = codes + (kNibbles ? start / 2 : start);
     uint32_t amax_bits = 0;
     for (int64_t i = 0; i < len; ++i) {
       const uint32_t a = f2u(widen(x[i])) & 0x7FFFFFFFu;
@@ -128,9 +138,9 @@ void quantize_block(const In* __restrict x, int64_t start, int64_t len, uint32_t
       for (int64_t i = 0; i < len; ++i) {
         const float v = widen(x[i]);
         const uint32_t q = code(v == 0.f ? 0.f : v < 0.f ? -1e6f : 1e6f, i);
-        c[K == INT4 ? i / 2 : i] |= uint8_t(K == INT4 ? q << (4 * (i & 1)) : q);
+        c[kNibbles ? i / 2 : i] |= uint8_t(kNibbles ? q << (4 * (i & 1)) : q);
       }
-    } else if constexpr (K == INT4) {  // low nibble even i, high nibble odd i, pad nibble 0
+    } else if constexpr (kNibbles) {  // low nibble even i, high nibble odd i, pad nibble 0
       for (int64_t j = 0; j < len / 2; ++j)
         c[j] = uint8_t(code(widen(x[2 * j]) * inv, 2 * j) |
                        code(widen(x[2 * j + 1]) * inv, 2 * j + 1) << 4);
@@ -159,6 +169,7 @@ void quantize_dispatch(const at::Tensor& x, Quant k, int64_t B, uint32_t sm, uin
     case INT4: return quantize_all<In, INT4, ST>(x, B, sm, c, s);
     case FP8: return quantize_all<In, FP8, ST>(x, B, sm, c, s);
     case SIGN: return quantize_all<In, SIGN, false>(x, B, sm, c, s);  // never stochastic
+    case NF4: return quantize_all<In, NF4, false>(x, B, sm, c, s);    // never stochastic
   }
 }
 
@@ -175,6 +186,9 @@ std::tuple<at::Tensor, at::Tensor> quantize_cpu(const at::Tensor& x_in, std::str
   format::check_block(block);
   PYFAST_CHECK(!(stochastic && k == SIGN),
               "sign has no stochastic rounding: its codes are exact signs");
+  PYFAST_CHECK(!(stochastic && k == NF4),
+              "nf4 has no stochastic rounding: it quantizes a frozen weight once, to the nearest "
+              "codebook entry");
   const at::Tensor x = x_in.contiguous();
   const int64_t n = x.numel(), nb = scales_len(n, block);
   at::Tensor codes = at::empty({codes_len(n, k)}, x.options().dtype(at::kByte));
@@ -221,6 +235,31 @@ void dequantize_block(const uint8_t* __restrict codes, float s, int64_t start, i
       put<ACC>(out[2 * j + 1], float(b >> 4) * s);
     }
     if (len & 1) put<ACC>(out[len - 1], float(int8_t(c[np] << 4) >> 4) * s);
+  } else if constexpr (K == NF4) {
+    // The block's 16 values kNF4[c] * s (the same fp32 products as per element), narrowed
+    // once; then every nibble is a scalar lookup. Single-threaded this runs at memcpy speed
+    // (16M elements to fp32, block 64: 23-41 ms vs memcpy 25-33 ms, shared 2-core Xeon), and an
+    // AVX-512 permutexvar version was no faster there (18-37 ms): memory-bound, kept scalar.
+    // Whole-op numbers: bench/results/nf4_ops.txt.
+    float lut[16];
+    for (int k = 0; k < 16; ++k) lut[k] = format::kNF4[k] * s;
+    const uint8_t* c = codes + start / 2;
+    const int64_t np = len / 2;
+    if constexpr (ACC) {
+      for (int64_t j = 0; j < np; ++j) {
+        out[2 * j] += lut[c[j] & 0xF];
+        out[2 * j + 1] += lut[c[j] >> 4];
+      }
+      if (len & 1) out[len - 1] += lut[c[np] & 0xF];
+    } else {
+      Out nlut[16];
+      for (int k = 0; k < 16; ++k) nlut[k] = narrow<Out>(lut[k]);
+      for (int64_t j = 0; j < np; ++j) {
+        out[2 * j] = nlut[c[j] & 0xF];
+        out[2 * j + 1] = nlut[c[j] >> 4];
+      }
+      if (len & 1) out[len - 1] = nlut[c[np] & 0xF];
+    }
   } else {  // sign: bit ? -scale : +scale, a sign flip of the scale's bits
     const uint8_t* c = codes + start / 8;
     const uint32_t sb = f2u(s);
@@ -250,6 +289,7 @@ void dequantize_dispatch(Quant k, const uint8_t* c, const float* s, int64_t n, i
     case INT4: return dequantize_all<INT4, Out, ACC>(c, s, n, B, o);
     case FP8: return dequantize_all<FP8, Out, ACC>(c, s, n, B, o);
     case SIGN: return dequantize_all<SIGN, Out, ACC>(c, s, n, B, o);
+    case NF4: return dequantize_all<NF4, Out, ACC>(c, s, n, B, o);
   }
 }
 

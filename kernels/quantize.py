@@ -3,8 +3,11 @@
 Layout: a program owns TILE elements seen as a (R, C // P, P) tile, where a row is one quant
 block (B <= TILE: C = B, R = TILE // B blocks per program) or a C = TILE chunk of one
 (B > TILE: R = 1, the program loops over the block's B // TILE chunks). P is the number of
-elements per code byte (int8/fp8 1, int4 2, sign 8), so a byte is a sum over the last axis of
-`field << (bits * j)` and every load and store is over contiguous addresses.
+elements per code byte (int8/fp8 1, int4/nf4 2, sign 8), so a byte is a sum over the last axis
+of `field << (bits * j)` and every load and store is over contiguous addresses.
+
+nf4 reads a 31-float table (`_nf4_table`: the codebook, then the encoder's thresholds,
+kernels/formats.py): a code is 15 compares with scalar loads, a value one gathered load.
 
 Bit-exactness: launched with enable_fp_fusion=False (no FMA in (x * inv + M) - M or out + v * s),
 divisions are div_rn (`/` is div.full.f32 on NVIDIA), e4m3fn and bfloat16 conversions are integer
@@ -16,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pyfast.kernels.formats import FORMATS, codes_len, scales_len
+from pyfast.kernels.formats import FORMATS, NF4_CODEBOOK, NF4_THRESHOLDS, codes_len, scales_len
 
 TILE = 4096  # elements per program: 16 per thread at 8 warps; 245 programs per 1M elements
 NUM_WARPS = 8
@@ -26,6 +29,18 @@ OUT_ID = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 # roundings, not FORMATS.md's one division. The tests compare with it bitwise, so follow it;
 # False gives the single correctly rounded division, once reference and spec agree.
 INV_AS_RECIPROCAL = True
+
+
+_NF4_TABLES: dict = {}
+
+
+def _nf4_table(device) -> torch.Tensor:
+    """fp32[31] on device: NF4_CODEBOOK (16), then NF4_THRESHOLDS (15); one per device."""
+    t = _NF4_TABLES.get(device)
+    if t is None:
+        t = torch.tensor(NF4_CODEBOOK + NF4_THRESHOLDS, dtype=torch.float32, device=device)
+        _NF4_TABLES[device] = t
+    return t
 
 
 # --------------------------------------------------------------------------- shared helpers
@@ -105,7 +120,7 @@ def _scale_inv(amax, QMAX: tl.constexpr, INV_RECIP: tl.constexpr):
 
 
 @triton.jit
-def _encode(x, inv, ok, idx, seed_k, KIND: tl.constexpr, QMAX: tl.constexpr,
+def _encode(x, inv, ok, idx, n, seed_k, tab_ptr, KIND: tl.constexpr, QMAX: tl.constexpr,
             P: tl.constexpr, STOCH: tl.constexpr):
     """Code bytes (R, C // P) of an fp32 tile x (R, C // P, P) with element indices idx."""
     # inv is 0 in a non-finite block (every code 0). For amax < ~qmax / FLT_MAX inv is inf, and
@@ -114,7 +129,12 @@ def _encode(x, inv, ok, idx, seed_k, KIND: tl.constexpr, QMAX: tl.constexpr,
     y = tl.where(x != 0.0, x * inv, 0.0)
     if STOCH:
         u = _uniform(idx, seed_k)
-    if KIND == 2:  # fp8
+    if KIND == 4:  # nf4: #{k : y > t_k}; a non-finite block and the pad nibble code 0
+        c = tl.zeros(y.shape, tl.int32)
+        for k in tl.static_range(15):
+            c += (y > tl.load(tab_ptr + 16 + k)).to(tl.int32)
+        field = tl.where(ok & (idx < n), c, 0)
+    elif KIND == 2:  # fp8
         mag = tl.minimum(tl.abs(y), FP8_MAX)
         c = _e4m3_encode(mag)
         if STOCH:
@@ -134,7 +154,7 @@ def _encode(x, inv, ok, idx, seed_k, KIND: tl.constexpr, QMAX: tl.constexpr,
 
 
 @triton.jit(do_not_specialize=["seed_k"])  # seed_k == 1 would otherwise become a constexpr
-def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, n, nb, n_codes, seed_k,
+def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, tab_ptr, n, nb, n_codes, seed_k,
                      KIND: tl.constexpr, QMAX: tl.constexpr, B: tl.constexpr, R: tl.constexpr,
                      C: tl.constexpr, P: tl.constexpr, STOCH: tl.constexpr,
                      IN_BF16: tl.constexpr, INV_RECIP: tl.constexpr):
@@ -162,7 +182,7 @@ def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, n, nb, n_codes, seed_k,
         x = _load_f32(x_ptr + offs, offs < n, IN_BF16)
         scale, inv, ok = _scale_inv(_amax(x), QMAX, INV_RECIP)
         tl.store(scales_ptr + rows, scale, mask=rows < nb)
-        byte = _encode(x, inv, ok, offs, seed_k, KIND, QMAX, P, STOCH)
+        byte = _encode(x, inv, ok, offs, n, seed_k, tab_ptr, KIND, QMAX, P, STOCH)
         tl.store(codes_ptr + bbase + bcol, byte, mask=bbase + bcol < n_codes)
     else:  # block larger than a tile: amax pass, then encode pass (second read mostly from L2)
         amax = tl.zeros([R], tl.float32)
@@ -174,14 +194,14 @@ def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, n, nb, n_codes, seed_k,
         for s in range(SEGS):
             offs = base + s * C + col
             x = _load_f32(x_ptr + offs, offs < n, IN_BF16)
-            byte = _encode(x, inv, ok, offs, seed_k, KIND, QMAX, P, STOCH)
+            byte = _encode(x, inv, ok, offs, n, seed_k, tab_ptr, KIND, QMAX, P, STOCH)
             boffs = bbase + s * (C // P) + bcol
             tl.store(codes_ptr + boffs, byte, mask=boffs < n_codes)
 
 
 # --------------------------------------------------------------------------- dequantize
 @triton.jit
-def _dequantize_kernel(codes_ptr, scales_ptr, out_ptr, n, n_codes,
+def _dequantize_kernel(codes_ptr, scales_ptr, tab_ptr, out_ptr, n, n_codes,
                        KIND: tl.constexpr, B: tl.constexpr, R: tl.constexpr, C: tl.constexpr,
                        P: tl.constexpr, ACC: tl.constexpr, OUT: tl.constexpr):
     seg = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)  # C-element segments
@@ -198,6 +218,8 @@ def _dequantize_kernel(codes_ptr, scales_ptr, out_ptr, n, n_codes,
     elif KIND == 2:
         mag = _e4m3_decode(f & 0x7F)
         v = tl.where(f >= 0x80, -mag, mag)
+    elif KIND == 4:
+        v = tl.load(tab_ptr + f)  # the NF4 codebook entry
     else:
         v = 1.0 - 2.0 * f.to(tl.float32)
     val = v * scale
@@ -230,7 +252,7 @@ def quantize(x: torch.Tensor, kind: str, block: int, stochastic: bool = False,
     seed_k = ((seed & 0xFFFFFFFF) * 0x9E3779B9) & 0xFFFFFFFF
     seed_k -= (seed_k >> 31) << 32  # as int32: bitcast back to uint32 in the kernel
     _quantize_kernel[(triton.cdiv(nb, r),)](
-        x, codes, scales, n, nb, codes.numel(), seed_k,
+        x, codes, scales, _nf4_table(x.device), n, nb, codes.numel(), seed_k,
         KIND=fmt.id, QMAX=fmt.qmax or 1.0, B=block, R=r, C=c, P=fmt.per_byte,
         STOCH=bool(stochastic), IN_BF16=x.dtype == torch.bfloat16,
         INV_RECIP=INV_AS_RECIPROCAL, num_warps=NUM_WARPS, enable_fp_fusion=False)
@@ -242,7 +264,8 @@ def _dequantize_into(out, codes, scales, n, kind, block, acc):
     fmt = FORMATS[kind]
     if n:
         _dequantize_kernel[(triton.cdiv(-(-n // c), r),)](
-            codes.contiguous(), scales.contiguous(), out, n, codes.numel(), KIND=fmt.id,
+            codes.contiguous(), scales.contiguous(), _nf4_table(codes.device), out, n,
+            codes.numel(), KIND=fmt.id,
             B=block, R=r, C=c, P=fmt.per_byte, ACC=acc, OUT=OUT_ID[out.dtype],
             num_warps=NUM_WARPS, enable_fp_fusion=False)
     return out

@@ -54,6 +54,38 @@ if _torch is not None:  # at import, before any submodule imports torch (2.6 = T
     check_torch(_torch)
 del _torch
 
+class _SourceKernels:
+    """pyfast.kernels is the repository's kernels/ (setup.py's package_dir). In a source tree
+    run with PYTHONPATH=<its root> (a git worktree beside an editable install of another
+    checkout) the install's mapping would load the other checkout's kernels/, and its
+    formats.py with them: this finder, first on sys.meta_path, names this tree's. Nothing is
+    imported until pyfast.kernels is."""
+
+    def __init__(self, root: str):
+        self.root = root
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "pyfast.kernels":
+            return None
+        import importlib.util
+        import os
+        return importlib.util.spec_from_file_location(
+            fullname, os.path.join(self.root, "__init__.py"),
+            submodule_search_locations=[self.root])
+
+
+def _install_source_kernels() -> None:
+    import os
+    import sys
+    top = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    kernels = os.path.join(top, "kernels")
+    if os.path.isfile(os.path.join(top, "setup.py")) and \
+            os.path.isfile(os.path.join(kernels, "formats.py")):
+        sys.meta_path.insert(0, _SourceKernels(kernels))
+
+
+_install_source_kernels()
+
 # The public layers, bottom to top (DESIGN.md)
 SUBMODULES = ("ops", "compress", "comm", "parallel", "hooks", "models", "data", "train")
 

@@ -10,6 +10,7 @@ import sys
 BENCHMARKS = {
     "compress": "every compressor: wire ratio, error, throughput",
     "block_size": "the quantizers' block size: error, scale overhead, throughput",
+    "nf4_ops": "nf4 quantize / dequantize (a frozen LoRA base): torch vs C++, bytes vs bf16",
     "allreduce": "compressed all-reduce vs plain gloo, on emulated links",
     "dp": "DataParallel training step vs torch DDP and its hooks",
     "dp_semantics": "what DataParallel's DDP semantics and check_finite cost a step",

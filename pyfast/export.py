@@ -1,6 +1,8 @@
 """`pyfast export RUN_DIR [--step N] --to hf OUT_DIR`: a training run's checkpoint as a Hugging
 Face `save_pretrained` directory (model.safetensors, config.json, generation_config.json, and
 the tokenizer when the data had one), loadable with AutoModelForCausalLM.from_pretrained.
+A LoRA run (--lora): `--to peft` writes its adapters in peft's format, `--to hf --merge` the
+adapters merged into the full-precision base, `--to hf --base` that base (pyfast.export_peft).
 
 Consolidation reuses the one-process resume path, whatever mesh and ZeRO stage wrote the
 checkpoint: the model is built whole on one process (a 1-rank gloo group) and DCP reshards into
@@ -35,12 +37,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from pyfast.tokens import tokenizer_file
 from pyfast.train import checkpoint as ck
 from pyfast.train.config import ConfigError, TrainConfig, build_model
 
-FORMATS = ("hf",)
+FORMATS = ("hf", "peft")
 
 
 class ExportError(ValueError):
@@ -107,9 +110,39 @@ def load_model(path) -> tuple[TrainConfig, dict, torch.nn.Module]:
         if meta.get("zero", 0):
             _load_zero(path, cfg, model, params)
         else:  # DCP reshards tp DTensors and pipeline stages into the whole tensors
-            ck.load({"model": {n: p.detach() for n, p in params.items()}}, path)
+            try:
+                ck.load({"model": {n: p.detach() for n, p in params.items()}}, path)
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 (a key, a shard)
+                raise ExportError(f"{path}: the checkpoint does not hold the run's whole model "
+                                  f"(a tensor or a shard file missing?): {_first(e)}"
+                                  f"{_in_missing_files(path)}") from None
     model.eval()
     return cfg, meta, model
+
+
+def _first(e: Exception) -> str:
+    """DCP's message, cut to what names the problem (it wraps rank tracebacks)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    keys = [ln for ln in lines if "key" in ln.lower() or "No such file" in ln]
+    return (keys or lines or [type(e).__name__])[-1][:400]
+
+
+def _in_missing_files(path: Path) -> str:
+    """'; FILE held NAME, ...' for DCP shard files that DCP's metadata lists but are gone."""
+    from torch.distributed.checkpoint import FileSystemReader
+    try:
+        sd = FileSystemReader(str(path)).read_metadata().storage_data
+    except Exception:  # noqa: BLE001 (an unreadable .metadata: DCP's message says enough)
+        return ""
+    gone = {}
+    for idx, info in sd.items():
+        if not (path / info.relative_path).is_file():
+            gone.setdefault(info.relative_path, []).append(idx.fqn.removeprefix("model."))
+
+    def order(n):  # a LoRA run's adapters first: what the user is after
+        return (".lora_" not in n, n)
+    return "".join(f"; {f} held {', '.join(sorted(set(n), key=order)[:4])}"
+                   f"{' and more' if len(set(n)) > 4 else ''}" for f, n in sorted(gone.items()))
 
 
 def _load_zero(path: Path, cfg: TrainConfig, model, params: dict) -> None:
@@ -278,11 +311,19 @@ def write_tokenizer(tok: dict, out: Path, vocab_size: int, max_len: int) -> None
 
 
 # ---------------------------------------------------------------- the command
-def export(run, out, step: int | None = None, to: str = "hf", force: bool = False) -> list[str]:
+def export(run, out, step: int | None = None, to: str = "hf", force: bool = False,
+           merge: bool = False, base: bool = False) -> list[str]:
     """Export `run`'s checkpoint (`step`, default the latest complete one) to directory `out`;
-    returns the lines to print. Written to a temporary sibling, then renamed into place."""
+    returns the lines to print. Written to a temporary sibling, then renamed into place.
+    merge: a LoRA run's adapters merged into its full-precision base; base: that base alone."""
+    from pyfast import export_peft as P
     if to not in FORMATS:
         raise ExportError(f"--to {to!r}: unknown format; known: {', '.join(FORMATS)}")
+    if (merge or base) and to != "hf":
+        raise ExportError(f"--{'merge' if merge else 'base'} writes a whole model: use it with "
+                          "--to hf (--to peft writes the adapters alone)")
+    if merge and base:
+        raise ExportError("--merge and --base: one or the other (the base has no adapters)")
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise ExportError(f"{out} exists and is not empty: choose another OUT_DIR or pass "
@@ -291,14 +332,41 @@ def export(run, out, step: int | None = None, to: str = "hf", force: bool = Fals
     r = Path(run).resolve()
     if out.resolve() in (r, *r.parents):  # --force would delete the checkpoints
         raise ExportError(f"OUT_DIR {out} is the run directory {run} or holds it")
-    cfg, meta, model = load_model(path)
+    meta = ck.read_meta(path)
+    cfg = run_config(meta, path)
+    if to == "hf" and cfg.lora and not (merge or base):
+        raise ExportError(f"{run} is a LoRA run (--lora {cfg.lora}): its checkpoint is a frozen "
+                          "base plus adapters; use --to peft for the adapters, or --to hf "
+                          "--merge for the adapters merged into the full-precision base")
+    if merge and not cfg.lora:
+        raise ExportError(f"--merge: {run} was trained without --lora, there are no adapters "
+                          "to merge (drop --merge)")
+    if to == "peft" and not cfg.lora:
+        raise ExportError(f"--to peft: {run} was trained without --lora, there are no adapters "
+                          "to export (export the whole model with --to hf)")
+    note = ""
+    if base:  # the model as the job built it: no checkpoint to read
+        model, what = P.base_model(cfg, meta["vocab_size"]), "the run's base (before step 1)"
+    else:
+        cfg, meta, model = load_model(path)
+        what = f"step {s}"
+        if to == "peft":
+            P.lora_of(model, cfg, path)
+        elif merge:
+            model, note = P.merged(model, cfg, meta, path), \
+                ", LoRA adapters merged into the full-precision base"
     tok, said = data_tokenizer(cfg, meta["vocab_size"])
-    hf = to_hf(model, tok)
+    hf = to_hf(model, tok) if to == "hf" else None
     tmp = out.parent / f".tmp-export-{out.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        hf.save_pretrained(tmp)
+        if hf is not None:
+            hf.save_pretrained(tmp)
+            kind = type(hf).__name__
+        else:
+            kind = P.write_peft(model, cfg, path, tmp)
+            said = P.describe(tmp)
         if tok is not None:
             write_tokenizer(tok, tmp, meta["vocab_size"], cfg.seq)
         if out.is_dir():  # --force (checked above)
@@ -310,28 +378,34 @@ def export(run, out, step: int | None = None, to: str = "hf", force: bool = Fals
         shutil.rmtree(tmp, ignore_errors=True)
     mesh = meta.get("mesh", {})
     how = " x ".join(f"{k} {mesh[k]}" for k in ("dp", "cp", "tp", "pp") if k in mesh)
-    return [f"pyfast export: step {s} of {run} ({cfg.model}, {how}, zero {meta.get('zero', 0)})"
-            f" -> {out}: {type(hf).__name__}",
+    return [f"pyfast export: {what} of {run} ({cfg.model}, {how}, zero {meta.get('zero', 0)})"
+            f" -> {out}: {kind}{note}",
             "files: " + ", ".join(sorted(p.name for p in out.iterdir())), said]
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pyfast export", description="Export a pyfast train run's "
                                 "checkpoint (any mesh, any ZeRO stage) to a Hugging Face "
-                                "save_pretrained directory.")
+                                "save_pretrained directory, or a LoRA run's adapters to "
+                                "peft's format (--to peft).")
     p.add_argument("run_dir", help="the run's --out directory")
     p.add_argument("out_dir", help="where to write (must be empty or absent unless --force)")
     p.add_argument("--to", required=True, help=f"format: {', '.join(FORMATS)}")
     p.add_argument("--step", type=int, default=None,
                    help="the checkpoint's step (default: the latest complete one)")
     p.add_argument("--force", action="store_true", help="replace a non-empty OUT_DIR")
+    p.add_argument("--merge", action="store_true", help="--to hf of a LoRA run: the adapters "
+                   "merged into the full-precision base (W + alpha/r B A)")
+    p.add_argument("--base", action="store_true", help="--to hf: the run's full-precision base "
+                   "as built from --model and --seed, without adapters (what --to peft's "
+                   "adapters load onto)")
     return p
 
 
 def main(argv=None) -> int:
     ns = parser().parse_intermixed_args(argv)
     try:
-        lines = export(ns.run_dir, ns.out_dir, ns.step, ns.to, ns.force)
+        lines = export(ns.run_dir, ns.out_dir, ns.step, ns.to, ns.force, ns.merge, ns.base)
     except ExportError as e:
         print(f"pyfast export: error: {e}", file=sys.stderr)
         return 2

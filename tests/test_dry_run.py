@@ -146,18 +146,16 @@ def test_a_host_read_names_the_op_and_line():
                 float(lin(torch.randn(3, 8, device="meta")).sum())
 
 
-def test_memory_equals_the_cpu_allocations_of_the_same_step():
-    """The dry run's peak (meta tensors) against the same job's step on real CPU tensors at one
-    rank, measured by torch's profiler (profile_memory: every CPU allocation and free, an
-    accounting independent of the dry run's). Measured here: equal to 0.0001%."""
+def _profiled_peak(c: TrainConfig) -> int:
+    """Bytes held at the peak of the job's second step on real CPU tensors at one rank,
+    measured by torch's profiler (profile_memory: every CPU allocation and free, an accounting
+    independent of the dry run's)."""
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
     from torch.profiler._memory_profiler import Action
 
     from pyfast.train.job import Job
     from pyfast.train.memory import held
-    c = cfg(batch=2, seq=64)
-    dry = dry_run(c, 1, [0])[0]["peak_bytes"]
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         job = Job(c, torch.device("cpu"))
@@ -179,7 +177,31 @@ def test_memory_equals_the_cpu_allocations_of_the_same_step():
     for _, action, _, nbytes in prof._memory_profile().timeline:
         live += nbytes if action == Action.CREATE else -nbytes if action == Action.DESTROY else 0
         peak = max(peak, live)
-    assert abs(dry - (base + peak)) <= 0.10 * (base + peak), (dry, base, peak)  # the issue's 10%
+    return base + peak
+
+
+def test_memory_equals_the_cpu_allocations_of_the_same_step():
+    """The dry run's peak (meta tensors) against the same job's step on real CPU tensors.
+    Measured here: equal to 0.0001%."""
+    c = cfg(batch=2, seq=64)
+    dry = dry_run(c, 1, [0])[0]["peak_bytes"]
+    real = _profiled_peak(c)
+    assert abs(dry - real) <= 0.10 * real, (dry, real)  # the issue's 10%
+
+
+def test_bf16_activations_equal_a_real_autocast_step(monkeypatch):
+    """--precision bf16 on meta (MetaAutocast, with CPU autocast's policy here so that a real CPU
+    step can check it) against torch.autocast on CPU, at a shape whose peak is activations
+    (gpt-tiny, 4 x 256 tokens; attention through the fused kernel on both sides). Measured
+    here: -2% to -4% (fp32 and bf16 alike: the CPU flash kernel keeps a little more)."""
+    import pyfast.train.meta_autocast as MA
+    monkeypatch.setattr(MA, "POLICY", "cpu")
+    c = TrainConfig(model="gpt-tiny", batch=4, seq=256, precision="bf16")
+    dry = dry_run(c, 1, [0])[0]
+    real = _profiled_peak(c)
+    assert abs(dry["peak_bytes"] - real) <= 0.10 * real, (dry, real)
+    fp32 = dry_run(TrainConfig(model="gpt-tiny", batch=4, seq=256), 1, [0])[0]
+    assert dry["activations"] < 0.8 * fp32["activations"]  # bf16 casts are seen at all
 
 
 def test_sequence_parallel_and_async_tp_layers():
@@ -201,8 +223,8 @@ def test_sequence_parallel_and_async_tp_layers():
 
 
 def test_refused_flags():
-    with pytest.raises(ConfigError, match="autocast"):
-        dry_run(cfg(precision="bf16"), 1)
+    with pytest.raises(ConfigError, match="GradScaler"):
+        dry_run(cfg(precision="fp16"), 1)
     with pytest.raises(ConfigError, match="auto"):
         dry_run(cfg(dp=2, compress="auto"), 2)
     with pytest.raises(ConfigError, match="--dry-rank"):
@@ -221,3 +243,15 @@ def test_cli_json():
     doc = json.loads(out.stdout)  # exactly one JSON object on stdout
     assert list(doc) == ["ranks"]
     check_rows(doc["ranks"], [0, 1])
+
+
+def test_a_hugging_face_llama_with_lora_under_tensor_parallelism():
+    """transformers' mask code reads position ids back (models/hf.py _unpacked_rows): an HF
+    model dry-runs; LoRA adapters (peft) hold the only optimizer state."""
+    c = TrainConfig(model="hf-llama-tiny", tp=2, lora=4, seq=64, batch=2)
+    rows = dry_run(c, 2, [1])
+    check_rows(rows, [1])
+    m = build_model(c, 256, "meta")
+    adapters = sum(p.numel() for p in m.parameters() if p.requires_grad)
+    # AdamW state: the adapters only (A whole, B split on column-parallel layers: <= all)
+    assert 0 < rows[0]["optimizer"] <= 1.01 * adapters * ADAM

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA d
 CUDA = torch.device("cuda")
 SIZES = [1, 1023, 1025, 1_000_003]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-KINDS = ["int8", "int4", "fp8", "sign"]
+KINDS = ["int8", "int4", "fp8", "sign", "nf4"]
 SIGN_RTOL = 3.1e-5
 
 

@@ -127,8 +127,7 @@ UNITS = {"mlp": [nn.Linear], "tied": [nn.Linear, nn.Embedding, nn.LayerNorm], "g
 def _params(model):
     """The full parameters (stage 3: gathered for the look, then freed again)."""
     if model.stage == 3:
-        for u in model.layout.units:
-            model.gather(u)
+        model.gather_all()
     out = {k: v.detach().clone() for k, v in model.module.named_parameters()}
     if model.stage == 3:
         model.free_all()
@@ -260,7 +259,7 @@ def _memory(rank, world):
         if stage == 3:
             def look(*_):
                 live = [p for p in model.module.parameters()]
-                live += [full for _, full in model._gathering.values()]
+                live += [t for _, fulls in model._gathering.values() for t in fulls]
                 peak[0] = max(peak[0], _storages(live))
             for m in model.module.layers:
                 m.register_forward_pre_hook(look)  # after ours: the unit is gathered

@@ -7,6 +7,9 @@
 // Every rounding step is an explicit __f*_rn intrinsic: no FMA contraction may change a code,
 // whatever --fmad says, because codes must equal the torch and Triton ones bit for bit.
 // dequantize(_accumulate_): grid-stride, 4 elements per thread, one scale per chunk (B % 4 == 0).
+// nf4: the code is 15 compares with thresholds in constant memory (the same address for every
+// lane); the codebook is copied to shared memory per thread block, since per-lane indices into
+// constant memory would serialize.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
@@ -28,6 +31,7 @@ using pyfast::format::codes_len;
 using pyfast::format::FP8;
 using pyfast::format::INT4;
 using pyfast::format::INT8;
+using pyfast::format::NF4;
 using pyfast::format::Quant;
 using pyfast::format::scales_len;
 using pyfast::format::SIGN;
@@ -35,6 +39,19 @@ constexpr unsigned kFull = 0xffffffffu;
 constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23: (y + M) - M is rne(y) for |y| < 2^22
 
 // ------------------------------------------------------------------ element access
+// format.h's NF4 tables (host constexpr) as device constants.
+#define PYFAST_NF4(i) pyfast::format::kNF4[i]
+#define PYFAST_NF4T(i) pyfast::format::kNF4Threshold[i]
+__constant__ float kNF4Codebook[16] = {
+    PYFAST_NF4(0), PYFAST_NF4(1), PYFAST_NF4(2), PYFAST_NF4(3), PYFAST_NF4(4), PYFAST_NF4(5),
+    PYFAST_NF4(6), PYFAST_NF4(7), PYFAST_NF4(8), PYFAST_NF4(9), PYFAST_NF4(10), PYFAST_NF4(11),
+    PYFAST_NF4(12), PYFAST_NF4(13), PYFAST_NF4(14), PYFAST_NF4(15)};
+__constant__ float kNF4Thresholds[15] = {
+    PYFAST_NF4T(0), PYFAST_NF4T(1), PYFAST_NF4T(2), PYFAST_NF4T(3), PYFAST_NF4T(4),
+    PYFAST_NF4T(5), PYFAST_NF4T(6), PYFAST_NF4T(7), PYFAST_NF4T(8), PYFAST_NF4T(9),
+    PYFAST_NF4T(10), PYFAST_NF4T(11), PYFAST_NF4T(12), PYFAST_NF4T(13), PYFAST_NF4T(14)};
+#undef PYFAST_NF4
+#undef PYFAST_NF4T
 
 __device__ __forceinline__ float rne(float y) { return __fsub_rn(__fadd_rn(y, kMagic), kMagic); }
 
@@ -65,7 +82,12 @@ __device__ __forceinline__ float e4m3_decode(uint32_t c) {
 template <int KIND>
 __device__ __forceinline__ uint32_t encode(float y, bool stochastic, int64_t i, uint32_t seed_mix) {
   if (y != y) y = 0.f;
-  if constexpr (KIND == FP8) {
+  if constexpr (KIND == NF4) {  // #{k : y > t_k}: the nearest codebook entry, ties to the smaller
+    uint32_t c = 0;
+#pragma unroll
+    for (int k = 0; k < 15; ++k) c += y > kNF4Thresholds[k] ? 1u : 0u;
+    return c;
+  } else if constexpr (KIND == FP8) {
     constexpr float top = pyfast::format::qmax(FP8);
     const float mag = fminf(fabsf(y), top);
     uint32_t c = e4m3_encode(mag);
@@ -178,10 +200,11 @@ quantize_kernel(const void* __restrict__ x, int64_t n, int B, bool vec, bool sto
       uint32_t c[4] = {0, 0, 0, 0};  // non-finite block: all codes 0
       if (finite) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
-          c[j] = encode<KIND>(__fmul_rn(xs[j], inv), stochastic, i + j, seed_mix);
+        for (int j = 0; j < 4; ++j)  // nf4's pad nibble is 0, not the code of 0.0 (7)
+          if (KIND != NF4 || i + j < n)
+            c[j] = encode<KIND>(__fmul_rn(xs[j], inv), stochastic, i + j, seed_mix);
       }
-      if constexpr (KIND == INT4) {
+      if constexpr (KIND == INT4 || KIND == NF4) {
         const uint32_t b0 = c[0] | (c[1] << 4), b1 = c[2] | (c[3] << 4);
         if (i + 4 <= n) {
           *reinterpret_cast<uint16_t*>(codes + (i >> 1)) = static_cast<uint16_t>(b0 | (b1 << 8));
@@ -216,17 +239,20 @@ __device__ __forceinline__ float int4_value(uint32_t nib) {  // two's complement
 }
 
 // fp32 code values of elements [i, i + 4) (those past n are never stored).
+// lut: nf4's codebook (shared memory), unused by the other kinds.
 template <int KIND>
 __device__ __forceinline__ float4 decode4(const uint8_t* __restrict__ codes, int64_t i, int64_t n,
-                                          bool vec) {
+                                          bool vec, const float* lut) {
   if constexpr (KIND == SIGN) {  // 4 bits of byte i / 8: low nibble for even chunks
     const uint32_t bits = (static_cast<uint32_t>(codes[i >> 3]) >> (i & 4)) & 0xFu;
     return make_float4(bits & 1 ? -1.f : 1.f, bits & 2 ? -1.f : 1.f,
                        bits & 4 ? -1.f : 1.f, bits & 8 ? -1.f : 1.f);
-  } else if constexpr (KIND == INT4) {
+  } else if constexpr (KIND == INT4 || KIND == NF4) {
     uint32_t w;
     if (vec && i + 4 <= n) w = *reinterpret_cast<const uint16_t*>(codes + (i >> 1));
     else w = codes[i >> 1] | (i + 2 < n ? uint32_t{codes[(i >> 1) + 1]} << 8 : 0u);
+    if constexpr (KIND == NF4)
+      return make_float4(lut[w & 0xF], lut[(w >> 4) & 0xF], lut[(w >> 8) & 0xF], lut[w >> 12]);
     return make_float4(int4_value(w & 0xF), int4_value((w >> 4) & 0xF),
                        int4_value((w >> 8) & 0xF), int4_value(w >> 12));
   } else {
@@ -256,12 +282,17 @@ template <int KIND, int OUT>
 __global__ void __launch_bounds__(256)
 dequantize_kernel(const uint8_t* __restrict__ codes, const float* __restrict__ scales, int64_t n,
                   int log2B, bool vec, void* __restrict__ out) {
+  __shared__ float lut[16];
+  if constexpr (KIND == NF4) {
+    if (threadIdx.x < 16) lut[threadIdx.x] = kNF4Codebook[threadIdx.x];
+    __syncthreads();
+  }
   const int64_t nchunks = (n + 3) / 4;
   for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < nchunks;
        k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t i = 4 * k;
     const float s = scales[i >> log2B];  // B >= 32: the chunk is inside one quant block
-    const float4 d = decode4<KIND>(codes, i, n, vec);
+    const float4 d = decode4<KIND>(codes, i, n, vec, lut);
     float v[4] = {__fmul_rn(d.x, s), __fmul_rn(d.y, s), __fmul_rn(d.z, s), __fmul_rn(d.w, s)};
     const bool full = vec && i + 4 <= n;
     if constexpr (OUT == F32 || OUT == ACC) {
@@ -327,6 +358,7 @@ void quantize_dt(Quant k, const at::Tensor& x, int64_t n, int B, bool sto, uint3
     case INT4: return launch_quantize<DT, INT4>(x, n, B, sto, mix, codes, scales, s);
     case FP8: return launch_quantize<DT, FP8>(x, n, B, sto, mix, codes, scales, s);
     case SIGN: return launch_quantize<DT, SIGN>(x, n, B, sto, mix, codes, scales, s);
+    case NF4: return launch_quantize<DT, NF4>(x, n, B, sto, mix, codes, scales, s);
   }
 }
 
@@ -337,6 +369,9 @@ std::tuple<at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& x_in, c10::st
   const Dt dt = dt_of(x_in.scalar_type(), "quantize input");
   PYFAST_CHECK_VALUE(!(stochastic && kind == SIGN),
                     "sign has no stochastic rounding: its codes are exact signs");
+  PYFAST_CHECK_VALUE(!(stochastic && kind == NF4),
+                    "nf4 has no stochastic rounding: it quantizes a frozen weight once, to the "
+                    "nearest codebook entry");
   PYFAST_CHECK(x_in.is_cuda(), "quantize (CUDA): input must be a CUDA tensor");
   const c10::cuda::CUDAGuard guard(x_in.device());
   const at::Tensor x = x_in.contiguous();  // flattened view of the elements in order
@@ -364,7 +399,8 @@ void launch_dequantize(const at::Tensor& codes, const at::Tensor& scales, int64_
                        void* out) {
   const int64_t blocks = std::min<int64_t>(((n + 3) / 4 + 255) / 256, 65536);  // grid-stride beyond
   const int out_bytes = OUT == BF16 || OUT == F16 ? 8 : 16;
-  const bool vec = aligned(out, out_bytes) && aligned(codes.data_ptr(), KIND == INT4 ? 2 : 4);
+  const bool vec =
+      aligned(out, out_bytes) && aligned(codes.data_ptr(), KIND == INT4 || KIND == NF4 ? 2 : 4);
   dequantize_kernel<KIND, OUT><<<static_cast<unsigned>(blocks), 256, 0, c10::cuda::getCurrentCUDAStream()>>>(
       codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), n, __builtin_ctz(B), vec, out);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -378,6 +414,7 @@ void dequantize_out(Quant k, const at::Tensor& codes, const at::Tensor& scales, 
     case INT4: return launch_dequantize<INT4, OUT>(codes, scales, n, B, out);
     case FP8: return launch_dequantize<FP8, OUT>(codes, scales, n, B, out);
     case SIGN: return launch_dequantize<SIGN, OUT>(codes, scales, n, B, out);
+    case NF4: return launch_dequantize<NF4, OUT>(codes, scales, n, B, out);
   }
 }
 

@@ -29,9 +29,13 @@ class Quantizer(Compressor):
 
     def __init__(self, kind: str, block: int = quantize.DEFAULT_BLOCK, stochastic: bool = False,
                  seed: int = 0):
+        valid = [k for k in quantize.KINDS if k not in quantize.WEIGHT_ONLY]
+        if kind in quantize.WEIGHT_ONLY:
+            raise ValueError(f"{kind} is a format for frozen weights (a LoRA base: "
+                             f"pyfast.models.quant_base), not a gradient compressor; "
+                             f"valid: {', '.join(valid)}")
         if kind not in quantize.KINDS:
-            raise ValueError(f"unknown quantization kind {kind!r}; "
-                             f"valid: {', '.join(quantize.KINDS)}")
+            raise ValueError(f"unknown quantization kind {kind!r}; valid: {', '.join(valid)}")
         if stochastic and kind == "sign":
             raise ValueError("sign has no stochastic rounding")
         self.kind, self.block, self.stochastic, self.seed = kind, block, stochastic, seed

@@ -187,6 +187,7 @@ class Block(nn.Module):
         self.ln1, self.attn = nn.LayerNorm(cfg.d_model), Attention(cfg)
         self.ln2, self.mlp = nn.LayerNorm(cfg.d_model), MLP(cfg)
         self.checkpointed = False  # activation checkpointing: recompute this block in backward
+        self.context_fn = None
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -194,7 +195,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.checkpointed and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, use_reentrant=False)
+            kw = {"context_fn": self.context_fn} if self.context_fn is not None else {}
+            return checkpoint(self._forward, x, use_reentrant=False, **kw)
         return self._forward(x)
 
 
@@ -226,10 +228,13 @@ class GPT(nn.Sequential):
         if cfg.tie_embeddings:
             self[-1].lm_head.weight = self[0].tok.weight
 
-    def enable_activation_checkpointing(self) -> None:
+    def enable_activation_checkpointing(self, context_fn=None) -> None:
+        """Recompute each block in backward. context_fn: torch.utils.checkpoint's (a pair of
+        context managers for the forward and the recomputation; the dry run's casts)."""
         for m in self:
             if isinstance(m, Block):
                 m.checkpointed = True
+                m.context_fn = context_fn
 
     def context_parallel(self, group, layout: str | None = None, method: str = "ring") -> None:
         """Shard every sequence over `group` (context parallelism): from now on forward takes

@@ -26,6 +26,8 @@ config's), which fails under TP: pyproject's `hf` extra asks for 4.48 or later.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -65,6 +67,20 @@ ARCHITECTURES = {
 }
 
 
+@contextlib.contextmanager
+def _unpacked_rows():
+    """transformers' mask code reads the position ids back (.item()) to find packed sequences,
+    which meta tensors cannot; every row the job feeds is one sequence at positions 0..T-1, for
+    which that search answers None (no packing), so answer it without reading."""
+    from transformers import masking_utils as mu
+    find = mu.find_packed_sequence_indices
+    mu.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        mu.find_packed_sequence_indices = find
+
+
 class HFCausalLM(nn.Module):
     """A transformers *ForCausalLM as a pyfast model; `plan` and `fields` say how to split it."""
 
@@ -75,6 +91,9 @@ class HFCausalLM(nn.Module):
         self.config = hf.config
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.device.type == "meta":  # a dry run (pyfast.train.dryrun)
+            with _unpacked_rows():
+                return self.hf(input_ids=ids).logits
         return self.hf(input_ids=ids).logits
 
     vocab_parallel = True  # the plan splits embed_tokens and lm_head
@@ -136,11 +155,14 @@ class HFCausalLM(nn.Module):
         from .hf_stages import HFStages
         return HFStages(self)
 
-    def enable_activation_checkpointing(self) -> None:
+    def enable_activation_checkpointing(self, context_fn=None) -> None:
         # transformers 5 renamed gradient_checkpointing_enable (the old name warns there).
         # Non-reentrant, as GPT's blocks: no input needs requires_grad. Unlike GPT, HF's
         # layers recompute only in train() mode, not whenever grad is enabled.
+        # context_fn: torch.utils.checkpoint's (the dry run's casts in the recomputation).
         kwargs = {"use_reentrant": False}
+        if context_fn is not None:
+            kwargs["context_fn"] = context_fn
         if hasattr(self.hf, "activation_checkpointing_enable"):
             self.hf.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:

@@ -200,5 +200,5 @@ class HFStages(nn.Sequential):
     def cp_check(self) -> str | None:
         return self.owner.cp_check()
 
-    def enable_activation_checkpointing(self) -> None:
-        self.owner.enable_activation_checkpointing()
+    def enable_activation_checkpointing(self, context_fn=None) -> None:
+        self.owner.enable_activation_checkpointing(context_fn)

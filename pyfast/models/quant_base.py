@@ -55,8 +55,9 @@ class QuantLinear(nn.Module):
         return self.dequantized(torch.float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = torch.get_autocast_dtype(x.device.type) \
-            if torch.is_autocast_enabled(x.device.type) else x.dtype
+        dtype = x.dtype  # autocast's, where it runs (it knows no meta device: a dry run's)
+        if x.device.type != "meta" and torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
         bias = None if self.bias is None else self.bias.to(dtype)
         return F.linear(x.to(dtype), self.dequantized(dtype), bias)
 

@@ -1,4 +1,5 @@
-"""Blockwise quantize / dequantize / dequantize-accumulate: int8, int4, fp8 (e4m3fn), sign.
+"""Blockwise quantize / dequantize / dequantize-accumulate: int8, int4, fp8 (e4m3fn), sign, and
+nf4 (QLoRA's NormalFloat4 codebook; frozen weights only, never a gradient compressor).
 
 The exact format is docs/FORMATS.md; this file holds the torch reference (`*_ref`) and the
 dispatching entry points. Kernels: kernels/quantize.py (Triton), csrc/quantize.cpp (C++).
@@ -8,8 +9,9 @@ from __future__ import annotations
 import torch
 
 # the format table lives in the bottom layer (kernels/formats.py), re-exported here
-from pyfast.kernels.formats import (FORMATS, MAX_BLOCK, MIN_BLOCK, Format,  # noqa: F401
-                                    codes_len, scales_len)
+from pyfast.kernels.formats import (FORMATS, MAX_BLOCK, MIN_BLOCK, NF4_CODEBOOK,  # noqa: F401
+                                    NF4_THRESHOLDS, WEIGHT_ONLY, Format, codes_len,
+                                    scales_len)
 from pyfast.ops._backend import resolve
 
 KINDS = {kind: f.qmax for kind, f in FORMATS.items()}  # kind -> qmax
@@ -30,6 +32,14 @@ def check_args(x: torch.Tensor, kind: str, block: int) -> None:
                          f"got {block}")
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"quantize takes float32, bfloat16 or float16 tensors, got {x.dtype}")
+
+
+def check_stochastic(kind: str, stochastic: bool) -> None:
+    if stochastic and kind == "sign":
+        raise ValueError("sign has no stochastic rounding: its codes are exact signs")
+    if stochastic and kind == "nf4":
+        raise ValueError("nf4 has no stochastic rounding: it quantizes a frozen weight once, "
+                         "to the nearest codebook entry")
 
 
 # --------------------------------------------------------------------------- hash + fp8 helpers
@@ -65,6 +75,12 @@ def e4m3_decode_mag(c: torch.Tensor) -> torch.Tensor:
     f = (c & 7).to(torch.float32)
     normal = (8.0 + f) * torch.exp2((e - 10).to(torch.float32))
     return torch.where(e == 0, f * 2.0 ** -9, normal)
+
+
+def nf4_tables(device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codebook fp32[16], thresholds fp32[15]) on device: kernels/formats.py's NF4 table."""
+    return (torch.tensor(NF4_CODEBOOK, dtype=torch.float32, device=device),
+            torch.tensor(NF4_THRESHOLDS, dtype=torch.float32, device=device))
 
 
 def fit_scales(scales: torch.Tensor, kind: str) -> torch.Tensor:
@@ -104,6 +120,7 @@ def absmax_scales(a: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tens
 def quantize_ref(x: torch.Tensor, kind: str, block: int = DEFAULT_BLOCK,
                  stochastic: bool = False, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     check_args(x, kind, block)
+    check_stochastic(kind, stochastic)
     xb, valid, n = _blocks(x, block)
     if kind == "sign":
         s = xb.abs().sum(1) / valid.sum(1).clamp(min=1).to(torch.float32)
@@ -124,6 +141,13 @@ def quantize_ref(x: torch.Tensor, kind: str, block: int = DEFAULT_BLOCK,
     y = torch.where(finite.repeat_interleave(block)[:n], y, torch.zeros_like(y))
     y = torch.where(y.isnan(), torch.zeros_like(y), y)  # 0 * inf when 1/amax overflows
     u = uniform_ref(seed, 0, n, x.device) if stochastic else None
+    if kind == "nf4":
+        # #{k : y > t_k}: the nearest codebook entry, ties to the smaller (FORMATS.md); a
+        # non-finite block codes 0 throughout, as every other kind
+        c = torch.bucketize(y, nf4_tables(x.device)[1], right=False).to(torch.int32)
+        c = torch.where(finite.repeat_interleave(block)[:n], c, torch.zeros_like(c))
+        nib = torch.nn.functional.pad(c, (0, n % 2)).view(-1, 2)
+        return (nib[:, 0] | (nib[:, 1] << 4)).to(torch.uint8), scales
     if kind == "fp8":
         mag = y.abs().clamp(max=FORMATS["fp8"].qmax)
         c = e4m3_encode_mag(mag)
@@ -159,9 +183,11 @@ def decode_ref(codes: torch.Tensor, n: int, kind: str) -> torch.Tensor:
     """fp32 code values (before scaling) of the first n elements."""
     if kind == "int8":
         return codes[:n].view(torch.int8).to(torch.float32)
-    if kind == "int4":
+    if kind in ("int4", "nf4"):
         c = codes.to(torch.int32)
         nib = torch.stack([c & 0xF, c >> 4], 1).reshape(-1)[:n]
+        if kind == "nf4":
+            return nf4_tables(codes.device)[0][nib]
         return torch.where(nib >= 8, nib - 16, nib).to(torch.float32)
     if kind == "fp8":
         c = codes[:n].to(torch.int32)
@@ -200,8 +226,7 @@ def quantize(x: torch.Tensor, kind: str, block: int = DEFAULT_BLOCK, stochastic:
              seed: int = 0, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize x (any shape, flattened) blockwise; returns (codes uint8, scales fp32)."""
     check_args(x, kind, block)
-    if stochastic and kind == "sign":
-        raise ValueError("sign has no stochastic rounding: its codes are exact signs")
+    check_stochastic(kind, stochastic)
     x = x.reshape(-1)
     b = resolve(x.device, backend)
     if b == "cpp":

@@ -29,6 +29,10 @@ and every matched module must be of a type its style can shard; the model is lef
 unless the whole plan converts. Types match exactly: a subclass of nn.Linear may not compute
 F.linear (MultiheadAttention's out_proj is read, never called), so it needs its own entry.
 Nothing here knows a model: a new module type or style is a new entry in CONVERTERS.
+LoRA: a pattern that matches peft's lora.Linear wrapper (pyfast.models.lora) splits its base in
+the style (a Linear style, or a bf16 QuantLinear base) and its adapters to match
+(pyfast.parallel.lora_tp; imported only when peft is, so a model without adapters never pays
+for importing peft).
 
 Fused QKV layout rule (Megatron's; pyfast.models.gpt's): the rows of a fused projection are
 ordered [kv group, (q of the group's heads/kv_heads query heads, k, v), head_dim], i.e. for
@@ -54,6 +58,7 @@ them every one refuses further steps.
 """
 from __future__ import annotations
 
+import sys
 from typing import Callable
 
 import torch
@@ -134,6 +139,15 @@ CONVERTERS: dict[tuple[str, type], Callable[..., nn.Module]] = {
 ALIASES = {"column": "colwise", "ColwiseParallel": "colwise",
            "row": "rowwise", "RowwiseParallel": "rowwise"}
 SEQUENCE_PARALLEL = {"colwise_sp", "rowwise_sp"}
+
+
+def _converter(style: str, module: nn.Module):
+    """CONVERTERS' entry for the module's type, or lora_tp's for a peft LoRA wrapper; None."""
+    fn = CONVERTERS.get((style, type(module)))
+    if fn is None and "peft" in sys.modules:  # a peft wrapper exists only once peft is imported
+        from .lora_tp import converter
+        fn = converter(style, module, CONVERTERS)
+    return fn
 
 
 def _style(pattern: str, spec, tp: int) -> tuple[str, dict]:
@@ -230,7 +244,7 @@ def parallelize(model: nn.Module, plan: dict, group=None, *, sequence_dim: int =
                                  f"(tensor-parallel size {tp})")
             chosen[n] = (pattern, style, options)
     for n, (pattern, style, _) in chosen.items():
-        if (style, type(modules[n])) not in CONVERTERS:
+        if _converter(style, modules[n]) is None:
             can = ", ".join(t.__name__ for s, t in CONVERTERS if s == style)
             raise ValueError(f"parallelize: {n!r} (pattern {pattern!r}) is a "
                              f"{type(modules[n]).__name__}, which style {style!r} cannot shard "
@@ -257,16 +271,17 @@ def parallelize(model: nn.Module, plan: dict, group=None, *, sequence_dim: int =
     for n, (_, style, options) in chosen.items():
         if id(modules[n]) not in made:
             try:
-                made[id(modules[n])] = CONVERTERS[style, type(modules[n])](modules[n], group,
-                                                                           **options)
+                made[id(modules[n])] = _converter(style, modules[n])(modules[n], group,
+                                                                     **options)
             except ValueError as e:  # the converter's reason, with the module it was about
                 raise ValueError(f"parallelize: {n!r} ({style}): {e}") from e
     new = {n: made[id(modules[n])] for n in chosen}
     _tie(shared, chosen, new, tp)
     breaker = Breaker(f"parallelize({type(model).__name__})'s tensor-parallel modules")
-    for m in made.values():
-        if hasattr(m, "breaker"):
-            m.breaker = breaker
+    for m in made.values():  # a LoRA wrapper's base and adapters too
+        for sub in m.modules():
+            if hasattr(sub, "breaker"):
+                sub.breaker = breaker
     if "" in new:
         return new[""]
     for n, m in new.items():

@@ -285,6 +285,9 @@ RESUME_ALLOWABLE = ("steps",)
 RESUME_FREE += ("tensorboard", "sample_every", "prompt", "sample_tokens", "sample_top_k")
 # DiLoCo's global parameters and outer state are the same on every replica: --replicas may change
 RESUME_FREE += ("replicas",)
+# where a --zero 3 LoRA base lives changes no value (replicated and sharded bases run the same
+# bytes: tests/test_zero_frozen.py) and the checkpoints hold no frozen parameter either way
+RESUME_FREE += ("base_placement",)
 
 
 def resume_changes(cfg: TrainConfig, record: dict, data: dict | None = None
@@ -655,6 +658,11 @@ def check_lora(cfg: TrainConfig) -> None:
     if cfg.base_placement not in BASE_PLACEMENTS:
         raise ConfigError(f"--base-placement must be one of {', '.join(BASE_PLACEMENTS)}, "
                           f"got {cfg.base_placement!r}")
+    if cfg.tp > 1 and cfg.base_dtype in ("int8", "nf4"):  # pyfast.parallel.lora_tp
+        raise ConfigError(f"--base-dtype {cfg.base_dtype} with --tp {cfg.tp}: tensor "
+                          f"parallelism splits a frozen base as built or stored bf16, not "
+                          f"blockwise {cfg.base_dtype} codes (they run over the whole weight, "
+                          f"not over a shard); use --base-dtype bf16 or --tp 1")
     if cfg.base_placement != "auto" and cfg.zero != 3:
         raise ConfigError(f"--base-placement {cfg.base_placement}: only --zero 3 shards "
                           "parameters (the others keep the base whole on every rank)")

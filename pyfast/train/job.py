@@ -36,6 +36,7 @@ from pyfast.parallel import DataParallel, Mesh, Pipeline, parallelize, vocab_par
 from pyfast.parallel.context import shard_sequence
 from pyfast.parallel.zero import checkpoint as zck
 from pyfast.parallel.zero import zero
+from pyfast.parallel.zero.frozen import decide as decide_frozen
 
 from . import checkpoint as ck
 from . import outer
@@ -61,13 +62,25 @@ def lr_lambda(cfg: TrainConfig):
     return f
 
 
+def meta_recompute(dtype):
+    """torch.utils.checkpoint's context_fn for a dry run: the recomputation runs under the same
+    MetaAutocast as the forward (torch's own autocast restore skips the meta device)."""
+    from .meta_autocast import MetaAutocast, POLICY
+    return lambda: (contextlib.nullcontext(), MetaAutocast(dtype, POLICY))
+
+
 def autocast_layers(model, device_type: str, dtype) -> None:
     """Run every top-level layer's forward under autocast (fp32 master weights stay fp32).
     Per layer rather than around the step, so that whatever runs a layer (the plain loop or a
-    pipeline stage) autocasts its forward and no backward runs inside an autocast region."""
+    pipeline stage) autocasts its forward and no backward runs inside an autocast region.
+    On the meta device (a dry run) MetaAutocast instead (dtype None: fp32, GPU attention)."""
     layers = list(model) if models.pipelinable(model) else [model]
     for m in layers:
-        m.forward = torch.autocast(device_type, dtype=dtype)(m.forward)
+        if device_type == "meta":  # a dry run: autocast casts no meta tensor (meta_autocast.py)
+            from .meta_autocast import autocast_forward
+            m.forward = autocast_forward(m.forward, dtype)
+        else:
+            m.forward = torch.autocast(device_type, dtype=dtype)(m.forward)
 
 
 class Job:
@@ -89,15 +102,17 @@ class Job:
             or self.corpus.vocab_size
         self.n_params = sum(p.numel() for p in model.parameters())
         model.to(device)
-        if cfg.activation_checkpointing:
-            model.enable_activation_checkpointing()
+        if cfg.activation_checkpointing:  # a dry run recomputes under its casts too
+            model.enable_activation_checkpointing(
+                **({"context_fn": meta_recompute(AMP.get(cfg.precision))}
+                   if device.type == "meta" else {}))
         if cfg.tp > 1:
             parallelize(model, model.tp_plan(), group=mesh.tp_group)
             model.retie()
         if cfg.cp > 1:  # after tp: attention then runs over each tp rank's local heads
             model.context_parallel(mesh.cp_group, layout=cfg.cp_layout, method=cfg.cp_method)
-        if cfg.precision in AMP:
-            autocast_layers(model, device.type, AMP[cfg.precision])
+        if cfg.precision in AMP or device.type == "meta":  # meta: GPU attention (meta_autocast)
+            autocast_layers(model, device.type, AMP.get(cfg.precision))
         self.model, self.mult, self.scaling = model, 1.0, False
         self.pipe = None
         if cfg.pp > 1:
@@ -110,16 +125,23 @@ class Job:
         # this rank's parameters (a pipeline's own stages; by identity, not by device: the
         # others' layers are on the meta device, and so is everything in a dry run)
         mine = {id(p) for p in module.parameters()}
-        self.named = [(n, p) for n, p in model.named_parameters() if id(p) in mine]
+        # trainable ones only: a LoRA base is frozen (no optimizer state, no gradient norm)
+        self.named = [(n, p) for n, p in model.named_parameters()
+                      if id(p) in mine and p.requires_grad]
         self.params = [p for _, p in self.named]
         decay = [p for p in self.params if p.dim() >= 2]
         rest = [p for p in self.params if p.dim() < 2]
         groups = [{"params": decay, "weight_decay": cfg.weight_decay},
                   {"params": rest, "weight_decay": 0.0}]
         self.dp = self.zero = None
+        self.frozen_note = None  # --lora --zero 3: where the frozen base lives, and why
         if cfg.zero:  # config.check_zero: dp x cp > 1, no tp/pp; shards over dp x cp
+            frozen = "replicate"
+            if cfg.zero == 3 and cfg.lora:
+                frozen, self.frozen_note = decide_frozen(module, cfg.base_placement,
+                                                         cfg.base_dtype, cfg.dp * cfg.cp, device)
             self.zero, self.opt = zero(
-                module, torch.optim.AdamW, stage=cfg.zero, compressor=cfg.compress,
+                module, torch.optim.AdamW, stage=cfg.zero, compressor=cfg.compress, frozen=frozen,
                 param_compressor=None if cfg.param_compress == "none" else cfg.param_compress,
                 group=mesh.dp_cp_group, params=groups, lr=cfg.lr, betas=(0.9, 0.95),
                 error_feedback=cfg.error_feedback == "on",

@@ -95,6 +95,8 @@ def main(cfg: TrainConfig) -> int:
                   f"{job.mesh}, {cfg.precision}, compress {cfg.compress}; "
                   f"{job.corpus.source}; {note}", flush=True)
             print(describe_tensorboard(cfg.tensorboard, cfg.out), flush=True)
+            if job.frozen_note:
+                print(f"pyfast train: {job.frozen_note}", flush=True)
         _loop(cfg, job, start, device)
         code = 0
     except (ConfigError, NonFiniteError) as e:  # decided alike on every rank

@@ -9,6 +9,8 @@ all-gather) go through pyfast's compressors. User guide: docs/zero.md.
 - model.py: ZeroModel, the wrapper, and the gradient reduce-scatter of stages 1/2.
 - optimizer.py: ZeroOptimizer, a torch optimizer on this rank's fp32 master shards.
 - stage3.py: parameters sharded between forwards, gathered per unit (FSDP2's scheme).
+- frozen.py: stage 3's frozen parameters (a LoRA base) sharded and gathered as stored bytes
+  (frozen="shard"), and the job's rule for choosing that placement.
 - checkpoint.py: torch.distributed.checkpoint save/load, any world size; the full state dict.
 
 Memory per rank between steps, fp32 parameters, psi = parameter count, N ranks (measured in
@@ -44,6 +46,7 @@ from pyfast.comm.buckets import (BUCKET_MB, ENGINES, broadcast_state, check_para
                                  check_same_layout)
 from pyfast.comm.engine import NativeEngine, status as native_status
 
+from .frozen import MODES as FROZEN_MODES, check_frozen, frozen_named, frozen_units
 from .layout import Layout, ParamShard, Unit, bucket_groups, shard_range, shard_size
 from .model import ZeroModel
 from .optimizer import PER_ELEMENT, ZeroOptimizer, check_optimizer
@@ -104,7 +107,7 @@ def _engine_kinds(engine: str, c, pc, group, device) -> dict:
 
 def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_compressor=None,
          group=None, bucket_mb: float | None = None, error_feedback: bool = True, units=None,
-         engine: str = "auto", **optim_kwargs):
+         engine: str = "auto", frozen: str = "replicate", **optim_kwargs):
     """(model, opt): `module` wrapped for ZeRO stage 1, 2 or 3 over `group` (None: the default
     group), and a ZeroOptimizer running optim_cls(**optim_kwargs) on this rank's shards.
     optim_kwargs may hold params= (param groups, as optim_cls's first argument: lists of the
@@ -126,7 +129,16 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
     are bitwise the same either way. The native engine has a process group of its own, made
     collectively over the default group (pyfast.comm.engine.private_group): with a subgroup,
     engine="native" needs every rank of the default group to call zero() at the same point (a
-    mesh's data-parallel groups do). Call model.close() before dist.destroy_process_group()."""
+    mesh's data-parallel groups do). Call model.close() before dist.destroy_process_group().
+
+    frozen: where the parameters with requires_grad=False (a LoRA base) live. "replicate" (the
+    default, every stage): whole on every rank, never communicated (after rank 0's are
+    broadcast). "shard" (stage 3 only, else ValueError): each unit's frozen parameters are
+    sharded like its trainable ones but kept in their own dtype and bytes (no master, state or
+    gradient; never reduced), all-gathered as bytes right behind the unit's trainable gather
+    (same prefetch and free) and freed after use: ~1/W of the frozen bytes a rank between steps
+    (pyfast.parallel.zero.frozen). Stages 1/2 keep the base whole: they have no gather to
+    piggyback on."""
     if not dist.is_initialized():
         raise RuntimeError("zero needs torch.distributed initialized "
                            "(torchrun + dist.init_process_group)")
@@ -140,6 +152,12 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
                          f"all-gather; stage {stage} gathers the updated parameters exactly")
     if param_compressor not in PARAM_COMPRESSORS:
         raise ValueError(f"param_compressor={param_compressor!r}: one of {PARAM_COMPRESSORS}")
+    if frozen not in FROZEN_MODES:
+        raise ValueError(f"frozen={frozen!r}: one of {FROZEN_MODES}")
+    if frozen == "shard" and stage != 3:
+        raise ValueError(f"frozen='shard' shards the frozen parameters between stage 3's "
+                         f"gathers; stage {stage} keeps them whole on every rank "
+                         "(frozen='replicate')")
     if units is not None and stage != 3:
         raise ValueError(f"units= chooses stage 3's gathered modules; stage {stage} buckets "
                          "by bucket_mb")
@@ -150,6 +168,8 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
     kinds = _engine_kinds(engine, c, C.get(param_compressor), group,  # before any collective
                           named[0][1].device)
     check_params(named, "zero")
+    fnamed = frozen_named(module, named) if frozen == "shard" else []
+    check_frozen(fnamed, named[0][1].device)  # before any collective: the same on every rank
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     # every block of either compressor codes one parameter's elements only (layout.py)
     pc = C.get(param_compressor)
@@ -160,14 +180,18 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
         from .stage3 import Stage3Model, unit_groups
         groups, mods = unit_groups(module, named, units)
         layout = Layout(groups, world, rank, align, modules=mods)
+        fgroups, fmods = unit_groups(module, fnamed, units) if fnamed else ([], [])
+        funits = frozen_units(fgroups, fmods, world, rank)
     else:
+        funits = []
         layout = Layout(bucket_groups(named, bucket_mb or BUCKET_MB, world, align),
                         world, rank, align)
     agree([f"stage {stage}", f"compressor {c.spec}", f"param_compressor {param_compressor}"]
-          + layout.describe(), None, group, what="zero", device=named[0][1].device,
+          + layout.describe() + [d for f in funits for d in f.describe()], None, group,
+          what="zero", device=named[0][1].device,
           differ=_first_difference)
     if stage == 3:
-        model = Stage3Model(module, layout, c, group, named, param_compressor, kinds)
+        model = Stage3Model(module, layout, c, group, named, param_compressor, kinds, funits)
     else:
         model = ZeroModel(module, layout, stage, c, group, named, kinds)
     opt = ZeroOptimizer(model, optim_cls, **optim_kwargs)

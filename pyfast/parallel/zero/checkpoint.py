@@ -19,7 +19,9 @@ wrapped module's FQNs (no "module." prefix):
   a 1-D DeviceMesh of the group, whose local tensor is this rank's fp32 master shard. A
   Shard(0) of the parameter's own shape would split rows, which is the flat split only when
   ceil(rows / W) * row = ceil(n / W): not at every world size, and a checkpoint's shapes must
-  not depend on the world that wrote it. Buffers and frozen parameters: plain.
+  not depend on the world that wrote it. Buffers and frozen parameters: plain (frozen ones
+  sharded by zero(frozen="shard") are not saved, and loading keeps a frozen parameter the
+  checkpoint lacks as built).
 - optim: each per-element state tensor (exp_avg, exp_avg_sq, momentum_buffer, ...) as a DTensor
   of shape (n,) with Shard(0), local = this rank's shard (opt.state's own tensor); scalars
   (step) plain. Layout (pyfast.parallel.zero.layout): rank r owns flat elements
@@ -70,18 +72,28 @@ def _is_dtensor(t) -> bool:
 
 def _names(model) -> dict:
     """FQN -> the layout's name of the same parameter (a tied parameter's every name maps to its
-    first one), for the trainable parameters; FQN -> None for frozen parameters and buffers."""
+    first one), for the trainable parameters; FQN -> None for frozen parameters and buffers.
+    Frozen parameters sharded by zero(frozen="shard") are left out: they are not saved (the
+    job rebuilds the base from --model and --seed) and hold 0 elements between steps."""
     layout = model.layout
     first = {}
     for name, p in model.module.named_parameters(remove_duplicate=False):
         if name in layout.params:
             first[id(p)] = name
+    sharded = {id(p) for f in getattr(model, "frozen", ()) for p in f.params}
     out = {}
     for name, p in model.module.named_parameters(remove_duplicate=False):
-        out[name] = first.get(id(p))
+        if id(p) not in sharded:
+            out[name] = first.get(id(p))
     for name, _ in model.module.named_buffers(remove_duplicate=False):
         out[name] = None
     return out
+
+
+def _frozen(model) -> set:
+    """FQNs of the frozen parameters (requires_grad=False)."""
+    return {n for n, p in model.module.named_parameters(remove_duplicate=False)
+            if not p.requires_grad}
 
 
 def _tensors(model) -> dict:
@@ -168,10 +180,14 @@ def set_state_dict(model, opt, state: dict) -> None:
     # (rounded) parameters are about to be copied into
     masters = {fqn: _piece(model, fqn, entry[MASTER]).clone()
                for fqn, entry in optim_sd["state"].items() if MASTER in entry}
-    missing, unexpected = sorted(set(names) - set(model_sd)), sorted(set(model_sd) - set(names))
+    frozen = _frozen(model)  # a checkpoint of a sharded base has none: kept as built
+    missing = sorted(set(names) - set(model_sd) - frozen)
+    unexpected = sorted(set(model_sd) - set(names))
     if missing or unexpected:
         raise KeyError(f"model state: missing {missing}, unexpected {unexpected}")
     for fqn, first in names.items():
+        if fqn not in model_sd:  # a frozen parameter the checkpoint does not hold
+            continue
         v = model_sd[fqn]
         if first is None:  # buffer or frozen parameter: whole everywhere
             if not _same(own[fqn], v):
@@ -253,10 +269,12 @@ def load_target(checkpoint_id, model, opt) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     md = dcp.FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
-    names, own = _names(model), _tensors(model)
+    names, own, frozen = _names(model), _tensors(model), _frozen(model)
     model_sd = {}
     for fqn, first in names.items():
         k = _key("model", fqn)
+        if k not in md and fqn in frozen:  # saved with the base sharded: kept as built
+            continue
         if k not in md:
             raise KeyError(f"the checkpoint has no {k!r}")
         size = tuple(md[k].size)

@@ -19,6 +19,11 @@ master shards hold the values.
   backward; when the last gradient of the unit is accumulated (post-accumulate-grad hooks) the
   gradients are packed into the unit's buffer, the parameters freed, and the reduce-scatter
   launched in unit order (as stage 2).
+- frozen="shard" (frozen.py): a unit's frozen parameters are gathered as their stored bytes
+  right behind its trainable ones (one Handle for both, the same prefetch) and freed with them
+  after forward; in backward only when the unit before it in forward order starts its backward
+  (the unit's backward is then over: a norm weight autograd saved is still read until then).
+  A module with frozen parameters only is a unit too (the root: embeddings, final norm, head).
 - param_compressor ("bf16", "fp16", "int8", "fp8", or None: exact fp32): each rank compresses
   its fp32 master segment once per gather and every rank decodes the same bytes, its own
   included, so the gathered parameters are bit-identical everywhere; no error feedback (the
@@ -37,11 +42,14 @@ parameter to the root.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
 import pyfast.compress as C
+from pyfast.comm.collectives import Handle
 
 from .model import ZeroModel
 
@@ -97,28 +105,57 @@ def unit_groups(module: nn.Module, named: list, units) -> tuple[list, list]:
     return groups, mods
 
 
+@dataclass
+class Gathered:
+    """What one module's hooks gather and free: its trainable unit (layout.Unit) and its
+    frozen unit (frozen.FrozenUnit, zero(frozen="shard")), either of which may be None."""
+    index: int
+    module: object
+    t: object = None
+    f: object = None
+
+
 class Stage3Model(ZeroModel):
     """ZeroModel with parameters sharded between uses (module docstring)."""
 
     def __init__(self, module, layout, compressor, group, named, param_compressor=None,
-                 engine_kind=None):
+                 engine_kind=None, frozen=None):
         super().__init__(module, layout, 3, compressor, group, named, engine_kind)
         self.param_compressor = C.get(param_compressor)
+        self.frozen = list(frozen or [])  # FrozenUnits: frozen="shard"
+        self.units: list[Gathered] = []
+        at: dict[int, Gathered] = {}
+        for u in layout.units:
+            g = at[id(u.module)] = Gathered(len(self.units), u.module, t=u)
+            self.units.append(g)
+        for fu in self.frozen:  # a module with frozen parameters only gets a unit of its own
+            g = at.get(id(fu.module))
+            if g is None:
+                g = at[id(fu.module)] = Gathered(len(self.units), fu.module)
+                self.units.append(g)
+            g.f = fu
+        self._of_t = {g.t.index: g for g in self.units if g.t is not None}
         self._order: list[int] = []   # forward order of the units, recorded on the first forward
         self._recorded = False
-        self._gathering: dict[int, tuple] = {}  # unit -> (handle, full buffer): a prefetch
-        self._gathered = [False] * len(layout.units)
+        self._gathering: dict[int, tuple] = {}  # unit -> (handle, (full, frozen full)): prefetch
+        self._gathered = [False] * len(self.units)
         self._full: dict[int, torch.Tensor] = {}  # parameter -> its full tensor (see free)
-        self._root = [u for u in layout.units if u.module is None]
-        for u in layout.units:
-            if u.module is not None:
-                self._hooks.append(u.module.register_forward_pre_hook(self._pre(u)))
-                self._hooks.append(u.module.register_forward_hook(self._post(u)))
-        # every module that owns parameters checks they are gathered before its forward runs:
-        # one called outside its unit's forward gets this error instead of a shape mismatch
+        self._root = [g for g in self.units if g.module is None]
+        for g in self.units:
+            if g.module is not None:
+                self._hooks.append(g.module.register_forward_pre_hook(self._pre(g)))
+                self._hooks.append(g.module.register_forward_hook(self._post(g)))
+        # every module that owns sharded parameters checks they are gathered before its forward
+        # runs: one called outside its unit's forward gets this error instead of a shape mismatch
+        self._sharded: dict[int, tuple] = {}  # parameter -> (its unit, its element count)
+        for g in self.units:
+            if g.t is not None:
+                self._sharded.update({id(p): (g, sh.n) for p, sh in zip(g.t.params, g.t.shards)})
+            if g.f is not None:
+                self._sharded.update({id(p): (g, n) for p, n in zip(g.f.params, g.f.numels)})
         names = {id(m): n for n, m in module.named_modules()}
         for m in module.modules():
-            own = [(n, p) for n, p in m.named_parameters(recurse=False) if id(p) in self._ids]
+            own = [(n, p) for n, p in m.named_parameters(recurse=False) if id(p) in self._sharded]
             if own:
                 self._hooks.append(m.register_forward_pre_hook(self._check(names[id(m)], own)))
         self.free_all()
@@ -126,10 +163,10 @@ class Stage3Model(ZeroModel):
     def _check(self, mname: str, own: list):
         def hook(module, args):
             for n, p in own:
-                if p.numel() == 0 and self.layout.of(p)[0].shards[self.layout.of(p)[1]].n:
-                    u = self.layout.of(p)[0]
-                    where = "the root" if u.module is None else \
-                        f"unit {u.index} ({type(u.module).__name__})"
+                g, numel = self._sharded[id(p)]
+                if p.numel() == 0 and numel:
+                    where = "the root" if g.module is None else \
+                        f"unit {g.index} ({type(g.module).__name__})"
                     fqn = f"{mname}.{n}" if mname else n
                     raise RuntimeError(
                         f"zero stage 3: parameter {fqn!r} is sharded here: module {mname!r} ran "
@@ -138,89 +175,124 @@ class Stage3Model(ZeroModel):
         return hook
 
     # ------------------------------------------------------------------ gathering
-    def gather(self, u) -> None:
-        """Unit u's parameters full (from its prefetch if one is in flight)."""
-        if self._gathered[u.index]:
+    def frozen_bytes(self) -> tuple[int, int]:
+        """(this rank's stored frozen bytes, the frozen base's whole bytes) under frozen="shard"."""
+        return sum(f.S for f in self.frozen), sum(f.nbytes for f in self.frozen)
+
+    def _start(self, g) -> tuple:
+        """Start g's all-gathers, trainable then frozen (one FIFO, the same order everywhere)."""
+        hs, fulls = [], [None, None]
+        if g.t is not None:
+            h, fulls[0] = self._start_gather(g.t, self.param_compressor)
+            hs.append(h)
+        if g.f is not None:
+            native = self.engine_kind["all_gather"] == "native"
+            h, fulls[1] = g.f.start_gather(self._engine if native else None, self.group)
+            hs.append(h)
+        return Handle.of_all(hs), fulls
+
+    def _fill(self, p, shape, write) -> None:
+        """p.data <- its full tensor (the same storage each time, refilled), written by write."""
+        t = self._full.get(id(p))
+        if t is None:
+            t = self._full[id(p)] = torch.empty(shape, dtype=p.dtype, device=p.device)
+        elif t.untyped_storage().nbytes() == 0:  # freed: the same storage, refilled
+            t.untyped_storage().resize_(t.numel() * t.element_size())
+        with torch.autograd._unsafe_preserve_version_counter(t):
+            write(t)
+        p.data = t
+
+    def gather(self, g) -> None:
+        """Unit g's parameters full (from its prefetch if one is in flight)."""
+        if self._gathered[g.index]:
             return
-        h, full = self._gathering.pop(u.index, None) or \
-            self._start_gather(u, self.param_compressor)
-        with self._breaker.guard(f"zero stage 3 all-gather of {u.name}"):
+        h, (full, ffull) = self._gathering.pop(g.index, None) or self._start(g)
+        with self._breaker.guard(f"zero stage 3 all-gather of unit {g.index}"):
             h.wait()
         with torch.no_grad():
-            for i, p in enumerate(u.params):
-                t = self._full.get(id(p))
-                if t is None:
-                    t = self._full[id(p)] = torch.empty(u.shards[i].shape, dtype=p.dtype,
-                                                        device=full.device)
-                elif t.untyped_storage().nbytes() == 0:  # freed: the same storage, refilled
-                    t.untyped_storage().resize_(t.numel() * t.element_size())
-                with torch.autograd._unsafe_preserve_version_counter(t):
-                    u.copy_out(full, i, t)
-                p.data = t
-        self._gathered[u.index] = True
+            if g.t is not None:
+                for i, p in enumerate(g.t.params):
+                    self._fill(p, g.t.shards[i].shape, lambda t: g.t.copy_out(full, i, t))
+            if g.f is not None:
+                for i, p in enumerate(g.f.params):
+                    self._fill(p, g.f.shapes[i], lambda t: g.f.copy_out(ffull, i, t))
+        self._gathered[g.index] = True
 
-    def prefetch(self, u) -> None:
-        if not self._gathered[u.index] and u.index not in self._gathering:
-            self._gathering[u.index] = self._start_gather(u, self.param_compressor)
+    def prefetch(self, g) -> None:
+        if not self._gathered[g.index] and g.index not in self._gathering:
+            self._gathering[g.index] = self._start(g)
 
-    def free(self, u) -> None:
+    def free(self, g, frozen: bool = True) -> None:
         """The unit's parameters back to 0 elements, and their full storage released by
         resizing it to 0 bytes (FSDP2's way): autograd keeps views of the gathered weights for
         backward (F.linear saves weight.t()), and dropping only the reference would keep every
         unit's storage alive from its forward to its backward -- measured: a grad forward of 8
         units of 16 MB held 112 MB more than a no_grad one. gather() refills the same storage,
-        so those views are valid again when backward reaches them."""
-        for p in u.params:
+        so those views are valid again when backward reaches them. frozen=False: the trainable
+        part only (its gradients are in; the frozen part may still be read by backward)."""
+        params = (g.t.params if g.t is not None else []) + \
+            (g.f.params if g.f is not None and frozen else [])
+        for p in params:
             t = self._full.get(id(p))
             if t is not None:
                 t.untyped_storage().resize_(0)
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        self._gathered[u.index] = False
+        self._gathered[g.index] = False
+
+    def gather_all(self) -> None:
+        """Every unit's parameters full (to look at them outside a step; free_all() after)."""
+        for g in self.units:
+            self.gather(g)
 
     def free_all(self) -> None:
         """Every parameter back to 0 elements (and any prefetch waited for and dropped)."""
         for h, _ in self._gathering.values():
             h.wait()
         self._gathering.clear()
-        for u in self.layout.units:
-            self.free(u)
+        for g in self.units:
+            self.free(g)
 
     def masters_changed(self) -> None:
         """The master shards were replaced (a checkpoint load): drop what was gathered from the
         old ones; the next forward gathers the new."""
         self.free_all()
 
-    def _next_in_order(self, u, step: int):
-        if u.index not in self._order:
+    def _next_in_order(self, g, step: int):
+        if g.index not in self._order:
             return None
-        j = self._order.index(u.index) + step
-        return self.layout.units[self._order[j]] if 0 <= j < len(self._order) else None
+        j = self._order.index(g.index) + step
+        return self.units[self._order[j]] if 0 <= j < len(self._order) else None
 
-    def _pre(self, u):
+    def _pre(self, g):
         def hook(module, args):
             if not self._recorded:
-                self._order.append(u.index)
-            self.gather(u)
-            nxt = self._next_in_order(u, 1)
+                self._order.append(g.index)
+            self.gather(g)
+            nxt = self._next_in_order(g, 1)
             if nxt is not None:
                 self.prefetch(nxt)
         return hook
 
-    def _post(self, u):
+    def _post(self, g):
         def hook(module, args, output):
-            self.free(u)
+            self.free(g)
             if torch.is_grad_enabled():
                 tensors = [t for t in tree_flatten(output)[0]
                            if isinstance(t, torch.Tensor) and t.requires_grad]
                 for t in tensors:
-                    t.register_hook(self._before_backward(u))
+                    t.register_hook(self._before_backward(g))
             return output
         return hook
 
-    def _before_backward(self, u):
+    def _before_backward(self, g):
         def hook(grad):
-            self.gather(u)
-            prev = self._next_in_order(u, -1)  # backward runs the forward order backwards
+            # g's output gradient is complete, so the unit after g in forward order is done
+            # with its backward: its frozen part (norm weights, dequantized bases' codes) goes
+            nxt = self._next_in_order(g, 1)
+            if nxt is not None and nxt.f is not None and nxt.module is not None:
+                self.free(nxt)
+            self.gather(g)
+            prev = self._next_in_order(g, -1)  # backward runs the forward order backwards
             if prev is not None and self._armed:
                 self.prefetch(prev)
             return grad
@@ -228,8 +300,8 @@ class Stage3Model(ZeroModel):
 
     # ------------------------------------------------------------------ forward / backward
     def forward(self, *args, **kwargs):
-        for u in self._root:
-            self.gather(u)
+        for g in self._root:
+            self.gather(g)
         try:
             out = super().forward(*args, **kwargs)
         finally:
@@ -239,12 +311,13 @@ class Stage3Model(ZeroModel):
         return out
 
     def _complete(self, i: int) -> None:
-        """Unit i's last gradient arrived: pack it and free the parameters now (the root's stay
-        until the end of backward); comm.ready launches it in unit order."""
+        """Trainable unit i's last gradient arrived: pack it and free its trainable parameters
+        now (the root's stay until the end of backward; a frozen part until the unit's backward
+        is over, _before_backward); comm.ready launches it in unit order."""
         u = self.layout.units[i]
         if u.module is not None:
             u.extra["packed"] = self._pack(u)
-            self.free(u)
+            self.free(self._of_t[i], frozen=False)
 
     def _final(self) -> None:
         super()._final()
