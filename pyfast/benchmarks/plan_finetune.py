@@ -9,11 +9,11 @@
     16.2 GiB, QLoRA 7.4 GiB, Llama 3.1 8B, batch 2, seq 2048) and the issue's targets on 2 ranks
     with the base sharded (LoRA <= 12 GiB, QLoRA <= 6 GiB); and torchtune's setup as a what-if
     (the chunked loss, and the embedding, norms and head in bf16: the job keeps them fp32).
-(b) against the dry run (fp32: autocast has no meta device) at the 7B/8B depth and width
-    (pyfast's GPT, 32 x 4096: the dry run builds pyfast's GPT only; transformers' Llama calls
-    .item() in its mask code, which meta tensors refuse): LoRA on DataParallel at 2, 4 and 8
-    ranks, int8 and bf16 bases, dropout. Target: within 10%. What the dry run cannot run yet
-    is listed as pending, with why.
+(b) against the dry run: the 8B-shaped Llama itself (an hf:DIR of llama-8b's config.json,
+    bf16 under the dry run's MetaAutocast, recompute): LoRA and QLoRA (nf4, int8) on 2, 4 and 8
+    ranks, DataParallel and ZeRO 3 with the base replicated or sharded; and pyfast's GPT at the
+    same depth and width (32 x 4096, fp32): LoRA on DataParallel at 2, 4 and 8 ranks, int8 and
+    bf16 bases, dropout. Target: within 10%.
 (c) against real CPU allocations (bf16 autocast, which the dry run cannot trace): gpt-small
     LoRA on 2 gloo ranks, bf16 and int8 bases, recompute, dropout: the job's second step under
     MemoryTracker (plan_memory's REAL harness). Target: within 15%.
@@ -21,8 +21,8 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
+import time
 
 from pyfast import perf
 
@@ -30,6 +30,24 @@ GiB = 2**30
 GPT8B = "gpt:layers=32,heads=32,hidden=4096"
 B = dict(model=GPT8B, seq=2048, lora=16)
 # (name, TrainConfig fields): 2 sequences a rank
+# (name, TrainConfig fields): the 8B Llama, 2 sequences a rank, bf16, recompute
+L8 = dict(seq=2048, lora=16, precision="bf16", activation_checkpointing=True)
+HF_DRY = [
+    ("8B lora bf16 dp2", dict(L8, dp=2, batch=4, base_dtype="bf16")),
+    ("8B lora bf16 dp2 zero3 replicate", dict(L8, dp=2, batch=4, base_dtype="bf16", zero=3,
+                                              base_placement="replicate")),
+    ("8B lora bf16 dp2 zero3 shard", dict(L8, dp=2, batch=4, base_dtype="bf16", zero=3,
+                                          base_placement="shard")),
+    ("8B qlora nf4 dp2", dict(L8, dp=2, batch=4, base_dtype="nf4")),
+    ("8B qlora nf4 dp2 zero3 shard", dict(L8, dp=2, batch=4, base_dtype="nf4", zero=3,
+                                          base_placement="shard")),
+    ("8B qlora nf4 dp4 zero3 shard", dict(L8, dp=4, batch=8, base_dtype="nf4", zero=3,
+                                          base_placement="shard")),
+    ("8B qlora nf4 dp8 zero3 shard", dict(L8, dp=8, batch=16, base_dtype="nf4", zero=3,
+                                          base_placement="shard")),
+    ("8B qlora int8 dp2 zero3 shard", dict(L8, dp=2, batch=4, base_dtype="int8", zero=3,
+                                           base_placement="shard")),
+]
 DRY = [
     ("lora dp2", dict(B, dp=2, batch=4)),
     ("lora dp2 ckpt", dict(B, dp=2, batch=4, activation_checkpointing=True)),
@@ -43,14 +61,7 @@ DRY = [
     ("lora dropout 0.1 dp2 ckpt", dict(B, dp=2, batch=4, lora_dropout=0.1,
                                        activation_checkpointing=True)),
 ]
-PENDING = [
-    ("qlora nf4 (any mesh)", "the dry run cannot size an nf4 base yet: kernels/formats.py has no "
-     "nf4 (quant_base.quantize_weight on meta: KeyError 'nf4'; 'nf4 to come')"),
-    ("lora / qlora zero 1-3, base replicated", "ZeroOptimizer refuses frozen parameters "
-     "(\"params: '0.tok.weight' is frozen\"): the frozen-base ZeRO work is on another branch"),
-    ("lora / qlora zero 3, base sharded (dp 2-8)", "the same: ZeRO-3 sharding and gathering a "
-     "frozen base is another engineer's branch"),
-]
+PENDING = []  # every case of the issue dry-runs since main's nf4, zero-frozen and bf16 work
 SMALL = dict(model="gpt-small", dp=2, seq=256, batch=4, lora=8)
 REAL = [
     ("small lora fp32", 2, dict(SMALL)),
@@ -63,23 +74,6 @@ REAL = [
 ]
 TORCHTUNE = {"lora": 16.2, "qlora": 7.4}   # one RTX 4090, unsharded (torchtune's README)
 TARGET_2 = {"lora": 12.0, "qlora": 6.0}    # the issue's, 2 ranks, base sharded
-
-
-@contextlib.contextmanager
-def meta_autocast():
-    """QuantLinear.forward asks torch.is_autocast_enabled(x.device.type), which raises for
-    "meta" (no autocast there); until it handles the dry run's device, answer False for meta
-    here so bf16/int8 bases can be traced."""
-    import torch
-    orig = torch.is_autocast_enabled
-
-    def patched(*a):
-        return False if a and a[0] == "meta" else orig(*a)
-    torch.is_autocast_enabled = patched
-    try:
-        yield
-    finally:
-        torch.is_autocast_enabled = orig
 
 
 def predicted() -> list[dict]:
@@ -118,10 +112,63 @@ def predicted() -> list[dict]:
     return rows
 
 
+def hf_dir(name: str = "llama-8b") -> str:
+    """A directory holding the preset's config.json (what `--model hf:DIR` reads)."""
+    import json
+    import os
+    import tempfile
+
+    from pyfast.plan.shapes import PRESETS
+    p = PRESETS[name]
+    d = os.path.join(tempfile.gettempdir(), f"pyfast-plan-{name}")
+    os.makedirs(d, exist_ok=True)
+    cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+           "num_hidden_layers": p["layers"], "hidden_size": p["hidden"],
+           "num_attention_heads": p["heads"], "num_key_value_heads": p["kv_heads"],
+           "intermediate_size": p["ffn"], "vocab_size": p["vocab"],
+           "tie_word_embeddings": p["tied"], "max_position_embeddings": 8192,
+           "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "hidden_act": "silu"}
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return d
+
+
+def dry_hf(names=None) -> list[dict]:
+    """The 8B Llama's cases: rank 0's traced peak against the prediction (device meta)."""
+    from pyfast.plan.memory import predict_memory
+    from pyfast.plan.shapes import preset
+    from pyfast.plan.spec import Plan, Workload
+    from pyfast.train.config import TrainConfig
+    from pyfast.train.dryrun import dry_run
+    shape, model, rows = preset("llama-8b"), "hf:" + hf_dir(), []
+    for name, kw in HF_DRY:
+        if names and name not in names:
+            continue
+        cfg = TrainConfig(model=model, **kw)
+        t0 = time.perf_counter()
+        traced = dry_run(cfg, cfg.ranks, [0])[0]
+        plan = Plan(dp=cfg.dp, zero=cfg.zero, micro_batch=cfg.batch // cfg.dp,
+                    activation_checkpointing=True, lora=cfg.lora, base_dtype=cfg.base_dtype,
+                    base_placement="shard" if cfg.base_placement == "shard" else "replicate")
+        pred = predict_memory(shape, plan, Workload(cfg.seq, cfg.batch, cfg.precision), "meta")
+        rows.append({"config": name, "ranks": cfg.ranks, "rank": 0,
+                     "traced": traced["peak_bytes"], "predicted": pred["peak_bytes"],
+                     "error": pred["peak_bytes"] / traced["peak_bytes"] - 1,
+                     "traced_kinds": {k: v for k, v in traced.items()
+                                      if k not in ("rank", "peak_bytes")},
+                     "predicted_kinds": {k: pred[k] for k in ("parameters", "gradients",
+                                                             "optimizer", "activations",
+                                                             "comm_buffers")},
+                     "dry_s": time.perf_counter() - t0})
+        print(f"{name}: {rows[-1]['error']:+.1%} ({rows[-1]['dry_s']:.1f} s)", flush=True)
+    return rows
+
+
 def dry(names=None) -> dict:
     from pyfast.benchmarks.plan_memory import run_dry
-    with meta_autocast():
-        return run_dry(names, DRY)
+    out = run_dry(names, DRY)
+    out["rows"] = dry_hf(names) + out["rows"]
+    return out
 
 
 def real(names=None) -> dict:
@@ -148,7 +195,7 @@ def summary(res: dict) -> str:
         out.append(f"predicted vs real CPU allocations: {len({r['config'] for r in rows})} LoRA "
                    f"configs, {len(rows)} ranks, max |error| {worst:.1%}, "
                    f"{sum(abs(r['error']) > 0.15 for r in rows)} over 15%")
-    out.append("pending: " + "; ".join(n for n, _ in PENDING))
+
     return "\n".join(out)
 
 
@@ -171,8 +218,9 @@ def table(res: dict):
     parts = [t]
     rows = res.get("dry", {}).get("rows", [])
     if rows:
-        d = Table(title="predicted vs dry run, 32 x 4096 GPT (the 7B/8B depth and width), seq "
-                  "2048, 2 seqs a rank, fp32, vocab 256, r 16: peak MiB of rank 0")
+        d = Table(title="predicted vs dry run, seq 2048, 2 seqs a rank, r 16: peak MiB of rank 0 "
+                  "(8B: llama-8b as hf:DIR, bf16, recompute; lora/qlora: pyfast's GPT 32 x "
+                  "4096, fp32, vocab 256)")
         for c in ("config", "ranks", "traced", "predicted", "error"):
             d.add_column(c, justify="left" if c == "config" else "right")
         for r in rows:
@@ -189,12 +237,7 @@ def table(res: dict):
             d.add_row(r["config"], str(r["rank"]), f"{r['measured'] / 2**20:,.1f}",
                       f"{r['predicted'] / 2**20:,.1f}", f"{r['error']:+.1%}")
         parts.append(d)
-    p = Table(title="pending (the dry run cannot run them yet)")
-    p.add_column("case", justify="left")
-    p.add_column("why", justify="left")
-    for n, why in PENDING:
-        p.add_row(n, why)
-    parts += [p, f"{res['summary']}\n{res.get('machine', '')}; {res.get('date', '')}"]
+    parts += [f"{res['summary']}\n{res.get('machine', '')}; {res.get('date', '')}"]
     return Group(*parts)
 
 

@@ -11,11 +11,11 @@ The search (search.py) plans them on dp-only meshes (tp = cp = pp = 1): DataPara
 
 Memory per rank (lora_memory), N = dp, r = the rank, P_b = the frozen base:
 - parameters: the base's adapted Linear weights in their stored format (bf16 2 bytes; int8 1
-  byte + an fp32 absmax per 64 = 8.5 bits; nf4 4.5 bits; none: the training dtype), the rest
-  of the base (embedding, norms, biases, head) fp32, as pyfast's job keeps them today (REST:
+  byte + an fp32 absmax per 64 = 8.5 bits; nf4 4.5 bits; none: the training dtype), the rest of
+  the base (embedding, norms, biases, head) fp32, as pyfast's job keeps them today (REST:
   quant_base's docstring says the job stores them in bf16 under bf16; job.py does not yet;
-  measured on gpt-small, 2 gloo ranks, bf16), /N when sharded; the adapters fp32, A = sum over adapted Linears in x out of
-  r (in + out), /N under ZeRO 3; the rotary buffers as memory.py.
+  measured on gpt-small, 2 gloo ranks, bf16), /N when sharded; the adapters fp32, A = sum over
+  adapted Linears in x out of r (in + out), /N under ZeRO 3; the rotary buffers as memory.py.
 - gradients: the adapters' only, 4A (ZeRO 2/3: 4A/N once reduced); the base never has any.
 - optimizer: AdamW's two fp32 moments of the adapters, 8A (ZeRO: /N) + 4 bytes a tensor, and
   the step's temporaries as memory.py.
@@ -23,13 +23,13 @@ Memory per rank (lora_memory), N = dp, r = the rank, P_b = the frozen base:
 - activations: the base model's (memory._block_saved: what a block saves per token, the same
   tensors: the adapters' A reads the Linear's input the base would have saved) with the chosen
   recompute (a recomputed layer's input in the embedding's dtype, REST: it starts the residual
-  stream, which autocast's bf16 outputs added to it keep there), plus per adapted Linear the r-wide output of A (saved
-  by B), and with dropout its output and 1-byte mask, in-wide; a base stored int8/nf4 (or bf16
-  under fp32) is dequantized into the training dtype just before its matmul
-  (models/quant_base.QuantLinear), and F.linear keeps that copy for the input's gradient: each
-  layer's dequantized weights are saved until its backward (with recompute: only the layer
-  being recomputed's). While one Linear runs, its dequantized weight (the largest, in the
-  training dtype) is live. ZeRO 3: two gathered units (this layer and the prefetched one):
+  stream, which autocast's bf16 outputs added to it keep there), plus per adapted Linear the
+  r-wide output of A (saved by B), and with dropout its output and 1-byte mask, in-wide; a base
+  stored int8/nf4 (or bf16 under fp32) is dequantized into the training dtype just before its
+  matmul (models/quant_base.QuantLinear), and F.linear keeps that copy for the input's
+  gradient: each layer's dequantized weights are saved until its backward (with recompute: only
+  the layer being recomputed's). While one Linear runs, its dequantized weight (the largest, in
+  the training dtype) is live. ZeRO 3: two gathered units (this layer and the prefetched one):
   their adapters fp32, and when sharded the base's layer in its stored format.
 """
 from __future__ import annotations
