@@ -24,6 +24,8 @@ BENCHMARKS = {
     "plan": "pyfast plan: search speed, the folklore checked (and --part memory/time: the "
             "models against the dry run and measured runs)",
     "plan_memory": "the planner's memory model vs the dry run and vs measured CPU allocations",
+    "plan_finetune": "the planner's LoRA/QLoRA memory: 8B-shaped table, torchtune's figures, "
+                     "the dry run",
     "plan_time": "the planner's step-time model vs measured pyfast train runs on 3 links",
     "data": "pyfast data prepare's MB/s (1 vs 2 workers, bytes and BPE), data vs compute per "
             "step, RSS vs corpus size",

@@ -59,15 +59,16 @@ def test_korthikanti_formulas_on_the_papers_case():
         korthikanti_activation_bytes(2048, 1, 4096, 32, recompute="some")
 
 
-@pytest.mark.parametrize("device,rows", [("meta", 2), ("meta", 1), ("cpu", 3)])
+@pytest.mark.parametrize("device,rows", [("meta-math", 2), ("meta-math", 1), ("cpu", 3)])
 def test_block_saves_what_the_model_says(device, rows):
     """The bytes autograd keeps for one pyfast Block (storages of the saved tensors, weights
     and rotary tables left out) equal _block_saved's per-token count: the derivation behind the
-    activations (meta: the math attention the dry run traces; cpu: flash attention)."""
+    activations (meta-math: torch's math attention on meta tensors, which the dry run used
+    before it sent attention to the fused kernel's op; cpu: flash attention)."""
     from pyfast.models.gpt import Block, GPTConfig
     seq = 40
     cfg = GPTConfig(n_layer=1, n_head=4, d_model=96, seq_len=seq, mlp_ratio=2)
-    with torch.device(device):
+    with torch.device(device.removesuffix("-math")):
         blk = Block(cfg)
         x = torch.randn(rows, seq, 96, requires_grad=True)
     own = {t.untyped_storage()._cdata for t in (*blk.parameters(), *blk.buffers())}

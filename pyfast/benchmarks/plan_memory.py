@@ -120,8 +120,10 @@ def plan_of(cfg, vocab: int = 256):
     plan = Plan(dp=cfg.dp, cp=cfg.cp, tp=cfg.tp, pp=cfg.pp, zero=cfg.zero,
                 compress=cfg.compress, micro_batch=mb, micro_batches=cfg.m,
                 schedule=cfg.schedule, activation_checkpointing=cfg.activation_checkpointing,
-                cp_method=cfg.cp_method, param_compress=cfg.param_compress)
-    return shape, plan, Workload(seq=cfg.seq, global_batch=cfg.batch, precision="fp32")
+                cp_method=cfg.cp_method, param_compress=cfg.param_compress,
+                lora=cfg.lora, base_dtype=cfg.base_dtype, lora_dropout=cfg.lora_dropout,
+                base_placement="shard" if cfg.base_placement == "shard" else "replicate")
+    return shape, plan, Workload(seq=cfg.seq, global_batch=cfg.batch, precision=cfg.precision)
 
 
 def dry_ranks(cfg) -> list[int]:
@@ -135,12 +137,12 @@ def stage_of(cfg, rank: int) -> int:
     return rank // (cfg.dp * cfg.cp * cfg.tp)
 
 
-def run_dry(names=None) -> dict:
+def run_dry(names=None, configs=None) -> dict:
     from pyfast.plan.memory import predict_memory
     from pyfast.train.config import TrainConfig
     from pyfast.train.dryrun import dry_run
     rows, t_all = [], time.perf_counter()
-    for name, kw in DRY:
+    for name, kw in DRY if configs is None else configs:
         if names and name not in names:
             continue
         cfg = TrainConfig(**kw)
@@ -203,12 +205,12 @@ def _status(key: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {key}")
 
 
-def run_real(names=None) -> dict:
+def run_real(names=None, configs=None) -> dict:
     from pyfast import netns
     from pyfast.plan.memory import predict_memory
     from pyfast.train.config import TrainConfig
     rows, t_all = [], time.perf_counter()
-    for name, world, kw in REAL:
+    for name, world, kw in REAL if configs is None else configs:
         if names and name not in names:
             continue
         cfg = TrainConfig(**kw, steps=4)

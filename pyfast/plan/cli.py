@@ -13,6 +13,7 @@ from . import cluster as clusters
 from . import shapes
 from .hardware import GPUS
 from .memory import predict_memory
+from .finetune import DEFAULT_RANK, FINETUNES
 from .search import GiB, Result, Scored, search
 from .spec import ModelShape, Workload, gpt_model_flag
 
@@ -54,6 +55,12 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer "
                    "step (= dp x micro_batch x micro_batches)")
     g.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
+    g.add_argument("--finetune", default="full", choices=FINETUNES,
+                   help="full (every weight trains; the default), lora (rank-R adapters on a "
+                   "bf16 base), qlora (adapters on an nf4 or int8 base), auto (full if a "
+                   "plan fits, else lora, else qlora); docs/plan.md \"Fine-tuning\"")
+    g.add_argument("--lora-rank", type=int, metavar="R",
+                   help=f"the adapters' rank for lora/qlora/auto (default {DEFAULT_RANK})")
     g.add_argument("--top", type=int, default=10, help="plans to show (default 10)")
     g.add_argument("--verify", action="store_true", help="dry-run the top plans (up to 3) and "
                    "print predicted vs traced peak memory per rank")
@@ -68,6 +75,12 @@ def inputs(ns) -> tuple[ModelShape, Workload, object]:
     for flag, v in (("--seq", ns.seq), ("--global-batch", ns.global_batch), ("--top", ns.top)):
         if v < 1:
             raise ValueError(f"{flag} must be >= 1, got {v}")
+    if ns.lora_rank is not None:
+        if ns.lora_rank < 1:
+            raise ValueError(f"--lora-rank must be >= 1 (the adapters' rank), got {ns.lora_rank}")
+        if ns.finetune == "full":
+            raise ValueError(f"--lora-rank {ns.lora_rank} with --finetune full: a full "
+                             "fine-tune has no adapters (--finetune lora, qlora or auto)")
     work = Workload(ns.seq, ns.global_batch, ns.precision)
     cl = clusters.build(ns.gpus, ns.gpus_per_node, ns.gpu, ns.intra_bw, ns.inter_bw, ns.cluster)
     if ns.measure:
@@ -85,8 +98,10 @@ def nothing_fits(res: Result, shape: ModelShape, work: Workload, cl) -> str:
     if res.smallest is None:
         why = list(dict.fromkeys(res.mesh_problems.values()))
         more = f"; and {len(why) - 4} more" if len(why) > 4 else ""
-        return (f"no dp x cp x tp x pp of {where} can run {shape.name} with --seq {work.seq} "
-                f"--global-batch {work.global_batch}: {'; '.join(why[:4])}{more}")
+        lora = "" if res.finetune == "full" else \
+            f" (--finetune {res.finetune}: dp-only meshes, tp = cp = pp = 1)"
+        return (f"no dp x cp x tp x pp of {where} can run {shape.name}{lora} with --seq "
+                f"{work.seq} --global-batch {work.global_batch}: {'; '.join(why[:4])}{more}")
     s, cap = res.smallest, cl.gpu.memory_bytes
     bigger = [n for n, g in GPUS.items() if g.memory_bytes > s.peak and n != "cpu"]
     return (f"nothing fits: the smallest plan ({describe(s)}) needs {s.peak / GiB:.1f} GiB a "
@@ -94,6 +109,8 @@ def nothing_fits(res: Result, shape: ModelShape, work: Workload, cl) -> str:
             f"{cl.gpu.name} (of {res.memory_scored:,} plans scored: every ZeRO stage, split "
             "and recompute the job can run); try more GPUs"
             + (f", a GPU with more memory (--gpu {', '.join(bigger)})" if bigger else "")
+            + (", --finetune lora or qlora (adapters on a frozen base)"
+               if s.plan.finetune == "full" and len(res.passed_over) < 2 else "")
             + ", or a shorter --seq / smaller --global-batch")
 
 
@@ -113,15 +130,40 @@ def describe(s: Scored) -> str:
         parts.append(p.schedule)
     if p.activation_checkpointing:
         parts.append("recompute")
+    if p.lora:
+        parts.append(finetune_label(p))
     return ", ".join(parts)
+
+
+def finetune_label(p) -> str:
+    """'lora 16, bf16 base' / 'qlora 16, nf4 base sharded'; 'full' without adapters."""
+    if not p.lora:
+        return "full"
+    base = "training-dtype" if p.base_dtype == "none" else p.base_dtype
+    return f"{p.finetune} {p.lora}, {base} base" + (" sharded" if p.zero == 3 and
+                                                     p.base_placement == "shard" else "")
+
+
+def model_flag(shape: ModelShape, plan) -> str | None:
+    """`pyfast train --model` of a plan: the reference GPT's; a LoRA plan (dp only) of a Hugging
+    Face shape: hf:DIR (a llama preset: DIR named after its repository, shapes.HF_REPOS)."""
+    try:
+        return gpt_model_flag(shape)
+    except ValueError:
+        pass
+    if not plan.lora:
+        return None
+    if shape.name.startswith("hf:"):
+        return shape.name.split(" (")[0]
+    repo = shapes.HF_REPOS.get(shape.name)
+    return f"hf:{repo.split('/')[-1]}" if repo else None
 
 
 def command(s: Scored, shape: ModelShape, work: Workload, cl) -> str | None:
     """The `pyfast train` command of a plan; None for a model `pyfast train` cannot build.
     Several nodes: torchrun's static rendezvous, run on every node with its own rank."""
-    try:
-        flag = gpt_model_flag(shape)
-    except ValueError:
+    flag = model_flag(shape, s.plan)
+    if flag is None:
         return None
     n = s.plan.ranks
     flags = s.plan.train_flags(flag, work)
@@ -177,6 +219,11 @@ def why(s: Scored, best: Scored) -> str:
 
 def row(s: Scored, shape, work, cl, rejected: bool = False) -> dict:
     d = {k: getattr(s.plan, k) for k in PLAN_KEYS}
+    if s.plan.lora:  # (a full plan's keys stay as they were)
+        d.update(finetune=s.plan.finetune, lora=s.plan.lora, base_dtype=s.plan.base_dtype,
+                 base_placement=s.plan.base_placement,
+                 adapter_params=s.memory.get("adapter_params"),
+                 base_bytes=s.memory.get("base_bytes"))
     d["memory_bytes_per_rank"] = int(s.peak)
     d["step_s"] = s.time["step_s"] if s.time else None
     d["tokens_per_s"] = s.time["tokens_per_s"] if s.time else None
@@ -189,8 +236,17 @@ def row(s: Scored, shape, work, cl, rejected: bool = False) -> dict:
     return d
 
 
-def notes(shape: ModelShape, cl) -> list[str]:
+def notes(shape: ModelShape, cl, best: Scored | None = None) -> list[str]:
     out = []
+    flag = model_flag(shape, best.plan) if best is not None else None
+    if flag and flag.startswith("hf:"):
+        repo = shapes.HF_REPOS.get(shape.name)
+        out.append(f"--model {flag}: a local Hugging Face directory"
+                   + (f", a copy of {repo} (huggingface-cli download {repo} --local-dir "
+                      f"{flag[3:]})" if repo else "")
+                   + "; --data: token shards made with its tokenizer (pyfast data), the job "
+                   "checks their vocabulary against the model's")
+        return out + notes(shape, cl)[1:]
     try:
         gpt_model_flag(shape)
         if shape.vocab != 256:
@@ -224,9 +280,12 @@ def render(res: Result, shape, work, cl, console) -> None:
                   "left out of the top: they score as one listed (to 0.1%)")
     t = Table(title="plans, best first (time to the target loss = step x compression's extra "
               "steps)")
+    ft = any(s.plan.lora for s in res.plans + res.rejected)  # a fine-tune column
     for c in ("#", "dp x cp x tp x pp", "zero", "compress", "micro-batches x seqs",
-              "schedule / cp", "recompute", "memory/rank", "step s", "tokens/s", "why"):
-        t.add_column(c, justify="left" if c in ("why", "compress", "schedule / cp") else "right")
+              "schedule / cp", "recompute") + ("fine-tune",) * ft + (
+              "memory/rank", "step s", "tokens/s", "why"):
+        t.add_column(c, justify="left" if c in ("why", "compress", "schedule / cp",
+                                                "fine-tune") else "right")
     best = res.plans[0]
     for i, s in enumerate(res.plans, 1):
         p = s.plan
@@ -236,27 +295,33 @@ def render(res: Result, shape, work, cl, console) -> None:
         t.add_row(str(i), mesh, str(p.zero), p.compress,
                   f"{p.micro_batches}x{p.micro_batch}",
                   " ".join([p.schedule] * (p.pp > 1) + [p.cp_method] * (p.cp > 1)) or "-",
-                  "yes" if p.activation_checkpointing else "no", size(s.peak),
+                  "yes" if p.activation_checkpointing else "no",
+                  *(finetune_label(p),) * ft, size(s.peak),
                   f"{s.time['step_s']:.3g}", f"{s.time['tokens_per_s']:,.0f}", why(s, best))
     console.print(t)
     if res.rejected:
         r = Table(title="rejected (per mesh and ZeRO stage where nothing fits: its smallest "
                   "plan), fastest-if-it-fitted first")
-        for c in ("dp x cp x tp x pp", "zero", "compress", "micro-batches x seqs", "recompute",
-                  "step s", "reason"):
-            r.add_column(c, justify="left" if c == "reason" else "right")
+        for c in ("dp x cp x tp x pp", "zero", "compress", "micro-batches x seqs", "recompute") \
+                + ("fine-tune",) * ft + ("step s", "reason"):
+            r.add_column(c, justify="left" if c in ("reason", "fine-tune") else "right")
         for s in res.rejected:
             p = s.plan
             r.add_row(f"{p.dp}x{p.cp}x{p.tp}x{p.pp}", str(p.zero), p.compress,
                       f"{p.micro_batches}x{p.micro_batch}",
                       "yes" if p.activation_checkpointing else "no",
+                      *(finetune_label(p),) * ft,
                       f"{s.time['step_s']:.3g}" if s.time else "-", s.reason)
         console.print(r)
     if res.mesh_problems:
         uniq = list(dict.fromkeys(res.mesh_problems.values()))
         console.print("meshes refused: " + "; ".join(uniq[:5])
                       + (f"; and {len(uniq) - 5} more" if len(uniq) > 5 else ""))
-    for n in notes(shape, cl):
+    for kind, small in res.passed_over:
+        console.print(f"note: --finetune auto: no {kind} plan fits"
+                      + (f" (its smallest, {describe(small)}, needs {size(small.peak)} a rank)"
+                         if small else "") + f"; these are {res.finetune} plans")
+    for n in notes(shape, cl, res.plans[0]):
         console.print(f"note: {n}")
     for i, s in enumerate(res.plans, 1):
         if s.diloco:
@@ -296,7 +361,15 @@ def verify(res: Result, shape: ModelShape, work: Workload, console, n: int = 3) 
         ranks = roles(cfg)
         if len(ranks) > VERIFY_MAX_RANKS:
             ranks = ranks[:VERIFY_MAX_RANKS - 1] + ranks[-1:]
-        traced = max(r["peak_bytes"] for r in dry_run(cfg, cfg.ranks, ranks))
+        try:
+            traced = max(r["peak_bytes"] for r in dry_run(cfg, cfg.ranks, ranks))
+        except Exception as e:  # noqa: BLE001 -- a LoRA plan the dry run cannot trace yet
+            if not s.plan.lora:
+                raise
+            console.print(f"--verify {describe(s)}: the dry run cannot trace it yet "
+                          f"({type(e).__name__}: {str(e).splitlines()[-1][:160]}); `pyfast "
+                          "bench plan_finetune` lists what it checks and what is pending")
+            continue
         # as the dry run runs it: on meta tensors (math attention, single-tensor AdamW)
         pred = predict_memory(dry_shape, s.plan, w32, "meta")["peak_bytes"]
         out.append({"plan": describe(s), "predicted_bytes": pred, "traced_bytes": traced,
@@ -307,11 +380,33 @@ def verify(res: Result, shape: ModelShape, work: Workload, console, n: int = 3) 
     return out
 
 
+def plan_finetune(shape: ModelShape, work: Workload, cl, ns) -> Result:
+    """search() for --finetune; auto: full, then lora, then qlora, the first with a plan that
+    fits (the most faithful update that fits; within a kind, the fastest). Nothing fits at
+    all: the last kind's result (its smallest plan is the smallest of any)."""
+    kinds = ("full", "lora", "qlora") if ns.finetune == "auto" else (ns.finetune,)
+    rank = ns.lora_rank or DEFAULT_RANK
+    passed, scored = [], []
+    for kind in kinds:
+        res = search(shape, work, cl, ns.top, ns.allow_cross_node_tp, diloco=True,
+                     finetune=kind, lora_rank=rank)
+        res.passed_over = list(passed)
+        if res.plans:
+            return res
+        passed.append((kind, res.smallest))
+        if res.smallest is not None:
+            scored.append(res)
+    # nothing fits: the last kind that had plans to score (a LoRA kind may have no mesh)
+    res = scored[-1] if scored else res
+    res.passed_over = passed
+    return res
+
+
 def main(argv=None) -> int:
     ns = parser().parse_args(argv)
     try:
         shape, work, cl = inputs(ns)
-        res = search(shape, work, cl, ns.top, ns.allow_cross_node_tp, diloco=True)
+        res = plan_finetune(shape, work, cl, ns)
         if not res.plans:
             raise ValueError(nothing_fits(res, shape, work, cl))
     except (ValueError, FileNotFoundError) as e:

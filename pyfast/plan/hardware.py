@@ -8,6 +8,11 @@ Sources of the GPU numbers (dense, no structured sparsity; per GPU):
   2.039 TB/s (80 GB), HBM2 1.555 TB/s (40 GB); NVLink 3: 600 GB/s bidirectional.
 - l40s: NVIDIA L40S datasheet: 48 GB GDDR6 at 864 GB/s, 362 TFLOPS bf16, 91.6 fp32; no
   NVLink: PCIe 4.0 x16, 64 GB/s bidirectional.
+- l4: NVIDIA L4 datasheet: 24 GB GDDR6 at 300 GB/s, 121 TFLOPS bf16 dense (242 with
+  sparsity), 30.3 fp32; PCIe 4.0 x16, no NVLink; nvidia-smi reports 23034 MiB.
+- rtx4090: NVIDIA Ada GPU architecture whitepaper (GeForce RTX 4090): 24 GB GDDR6X at 1008
+  GB/s, 165.2 TFLOPS bf16 dense with fp32 accumulate, 82.6 fp32; PCIe 4.0 x16 and no peer-to-
+  peer between GeForce cards: 25 GB/s one way through the host (an estimate); 24564 MiB.
 - mi300x: AMD Instinct MI300X datasheet: 192 GB HBM3 at 5.3 TB/s, 1307 TFLOPS bf16, 163 fp32;
   Infinity Fabric 896 GB/s aggregate (7 peers x 128 GB/s bidirectional).
 - cpu: no datasheet: `pyfast plan --measure` times this machine (its entry is a placeholder
@@ -41,6 +46,8 @@ GPUS = {
     "a100-80gb": Gpu("a100-80gb", 81920 * MiB, 312e12, 19.5e12, 2.039e12, 300 * GB),
     "a100-40gb": Gpu("a100-40gb", 40960 * MiB, 312e12, 19.5e12, 1.555e12, 300 * GB),
     "l40s": Gpu("l40s", 46068 * MiB, 362e12, 91.6e12, 864 * GB, 32 * GB),
+    "l4": Gpu("l4", 23034 * MiB, 121e12, 30.3e12, 300 * GB, 25 * GB),
+    "rtx4090": Gpu("rtx4090", 24564 * MiB, 165.2e12, 82.6e12, 1008 * GB, 25 * GB),
     "mi300x": Gpu("mi300x", 192 * 1024 * MiB, 1307e12, 163e12, 5.3e12, 448 * GB),
     # placeholder: 24 GiB, 50 GFLOP/s per rank, memcpy-class bandwidths; --measure replaces it
     "cpu": Gpu("cpu", 24 * 1024 * MiB, 50e9, 50e9, 10 * GB, 2 * GB),

@@ -32,15 +32,20 @@ LM head by tp only when vocab >= 2048, models/gpt.py VOCAB_PARALLEL_MIN):
   log-softmax, fp32 [tokens, vocab/tp]) and the largest temporary of the backward. With
   activation checkpointing a layer keeps only its input, and one layer is recomputed at a time.
 
+A LoRA plan (plan.lora > 0: a frozen base under adapters) is finetune.py's model
+(finetune.lora_memory), which reuses _block_saved for the base's activations.
+
 The peak is the larger of two phases: forward/backward (activations at the start of the last
 micro-batch's backward, or the full gradients at its end when those outweigh them) and the
 optimizer step (no activations, AdamW's temporaries); the worst pipeline stage and ZeRO shard.
 
 device: "cuda" (the default: what a GPU job holds: flash / memory-efficient attention, saving
 q, k, v, the output and the log-sum-exp per token; foreach AdamW), "cpu" (flash attention too,
-single-tensor AdamW) or "meta" (the dry run: torch runs scaled_dot_product_attention on meta
-tensors as its math decomposition, which keeps the fp32 softmax, heads x seq x seq per sequence
--- what pyfast train --dry-run counts, far more than a GPU at long sequences).
+single-tensor AdamW) or "meta" (the dry run: single-tensor AdamW; attention as the
+memory-efficient kernel's op, which train/meta_autocast.py sends scaled_dot_product_attention to
+on meta tensors, as a GPU runs it). "meta-math": the dry run before that, when torch ran
+attention on meta tensors as its math decomposition, keeping the fp32 softmax, heads x seq x seq
+per sequence (bench/results/plan_memory.txt was measured so).
 
 Precision: fp32 is modelled exactly (what the dry run checks). bf16 / fp16 (autocast with fp32
 master weights) are analytic and cannot be checked by the dry run (torch's autocast has no meta
@@ -61,7 +66,7 @@ BLOCKED = ("int8", "int4", "e3m0", "fp8", "sign", "ternary")
 LOSSY = BLOCKED + ("topk", "randomk", "powersgd")
 BUCKET_MB = 4.0        # pyfast.parallel.data.BUCKET_MB (ZeRO's units too)
 VOCAB_PARALLEL_MIN = 2048  # pyfast.models.gpt.VOCAB_PARALLEL_MIN
-DEVICES = ("cuda", "cpu", "meta")
+DEVICES = ("cuda", "cpu", "meta", "meta-math")
 # a compressor's payload per fp32 bucket byte (codes + scales; top-k's values and indices)
 PAYLOAD = {"none": 0.0, "bf16": 0.5, "fp16": 0.5, "fp8": 0.26, "int8": 0.26, "int4": 0.13, "e3m0": 0.13,
            "sign": 0.04, "ternary": 0.07, "topk": 0.02, "randomk": 0.02, "powersgd": 0.25}
@@ -194,7 +199,9 @@ def _block_saved(shape: ModelShape, tp: int, s_attn: int, device: str, cp_method
     kv = shape.kv_dim
     ln = 4 * h + 4  # fp32 even under autocast (layer_norm is an fp32 op)
     mlp = 2 * f / tp
-    math_attn = device == "meta" and not (cp > 1 and cp_method == "ring")
+    # the dry run sends attention to the memory-efficient kernel's op (train/meta_autocast.py,
+    # since main's 34df39b), as a GPU runs it: "math" is left only for a caller that asks
+    math_attn = device == "meta-math" and not (cp > 1 and cp_method == "ring")
     if math_attn:
         attn = (2 * h + (kv if rows > 1 else h + 2 * kv) + h) / tp
         soft = a * s_attn / tp
@@ -265,6 +272,9 @@ def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = 
         raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
     if work.precision not in ("fp32", "bf16", "fp16"):
         raise ValueError(f"precision must be fp32, bf16 or fp16, got {work.precision!r}")
+    if plan.lora:  # a frozen base under LoRA adapters: finetune.py's model
+        from .finetune import lora_memory
+        return lora_memory(shape, plan, work, device)
     tp, pp, cp, dp, v = plan.tp, plan.pp, plan.cp, plan.dp, plan.virtual_stages
     n = dp * cp  # the gradient-averaging group (DataParallel or ZeRO's shards)
     zero = plan.zero if n > 1 else 0
@@ -324,8 +334,7 @@ def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = 
         act = tok * per_layer * held_layers
         if n_split:
             act += n_split * w_split
-        if ckpt:  # one block recomputed at a time
-            act += tok * saved
+        rec = tok * saved if ckpt else 0.0  # one block recomputed at a time
         if pp > 1:
             # pyfast.parallel.p2p: a stage keeps its output, and the packed copy it sent, until
             # the output's gradient returns; the packed gradients it sent back stay until the
@@ -335,10 +344,10 @@ def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = 
             act += tok * F32 * h * outs
             k["comm_buffers"] += tok * F32 * h * (outs + (sent if r > 0 or v > 1 else 0))
         t_block = tok * temp
-        t_head = 0.0
+        t_head = head = 0.0
         if last:
             v_local = shape.vocab / vt
-            act += tok * (F32 * 2 * h + 8 + F32 * v_local)  # LN in/out, log-softmax out
+            head = tok * (F32 * 2 * h + 8 + F32 * v_local)  # LN in/out, log-softmax out
             t_head = tok * F32 * 2 * v_local  # dlogits, the loss's gradient
         if pp > 1:  # received activations and gradients in flight (p2p buffers)
             k["comm_buffers"] += 2 * tok * F32 * h
@@ -352,7 +361,9 @@ def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = 
         # a pipeline's later micro-batches and accumulation run a forward after a backward:
         # the gradients are all there at the activations' peak
         g_at_start = (grads_end if zero >= 2 else grads_full) if grads_on else 0.0
-        start = (g_at_start, act + max(t_block, t_head))  # (gradients, activations)
+        # the head's backward (its saved tensors, dlogits) ends before the last block's backward
+        # or recompute starts: the two are never live together
+        start = (g_at_start, act + max(rec + t_block, head + t_head))  # (grads, activations)
         # end of the backward: all gradients, the first layer's activations only
         # (ZeRO 2/3: the shards, and a unit's packed gradients with its reduced segment), less
         # the gradients of the layer still running when none came before it; its input is

@@ -10,6 +10,8 @@ with error feedback; not powersgd under ZeRO), micro-batch sizes (powers of two 
 rank's batch; the count follows from global = dp x micro_batch x micro_batches), the schedules
 when pp > 1, ring or Ulysses attention when cp > 1, activation checkpointing on and off.
 
+--finetune lora / qlora (finetune.py): LoRA plans instead, on dp-only meshes (mesh_plans).
+
 Each is scored by memory.predict_memory; one over the GPU's memory is rejected with the amount
 and where; the rest by timing.predict_time, ranked by time to the target loss (step_s x
 steps_factor: a lossy compressor's extra steps), ties by memory. Pruning: a larger micro-batch
@@ -22,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 
 from .diloco import candidate
+from .finetune import DEFAULT_RANK, FINETUNES, QLORA_DTYPES
 from .hardware import Cluster
 from .memory import predict_memory
 from .spec import ModelShape, Plan, Workload, divisors, powers_of_two
@@ -69,6 +72,8 @@ class Result:
     seconds: float = 0.0
     smallest: Scored | None = None   # the least memory of any plan scored
     mesh_problems: dict = field(default_factory=dict)  # (dp, cp, tp, pp) -> why not
+    finetune: str = "full"       # the kind searched (full, lora, qlora)
+    passed_over: list = field(default_factory=list)  # --finetune auto: (kind, its smallest)
 
     @property
     def scored(self) -> int:
@@ -110,9 +115,50 @@ def mesh_problem(shape: ModelShape, work: Workload, cluster: Cluster, dp: int, c
     return None
 
 
-def mesh_plans(shape: ModelShape, work: Workload, dp: int, cp: int, tp: int, pp: int):
+def finetune_variants(kind: str, work: Workload, rank: int = DEFAULT_RANK) -> list[tuple]:
+    """(lora rank, base dtype) of a fine-tune kind: full (0, none); lora: the base in bf16
+    (under fp32 and fp16 training: as built, the training dtype); qlora: nf4 and int8."""
+    if kind == "full":
+        return [(0, "none")]
+    if kind == "lora":
+        return [(rank, "bf16" if work.precision == "bf16" else "none")]
+    if kind == "qlora":
+        return [(rank, d) for d in QLORA_DTYPES]
+    raise ValueError(f"--finetune must be one of {', '.join(FINETUNES)}, got {kind!r}")
+
+
+def mesh_plans(shape: ModelShape, work: Workload, dp: int, cp: int, tp: int, pp: int,
+               finetune: list[tuple] = ((0, "none"),)):
     """The plans of one valid mesh, grouped: each group is a list ordered by micro-batch size
-    (ascending), all else equal."""
+    (ascending), all else equal. finetune: the (lora rank, base dtype) variants
+    (finetune_variants); a LoRA one on dp-only meshes, uncompressed (its adapters' gradients
+    are small), each ZeRO 3 with the base replicated and sharded."""
+    for lora, base in finetune:
+        if lora:
+            if (tp, cp, pp) == (1, 1, 1):
+                yield from _lora_plans(work, dp, lora, base)
+        else:
+            yield from _full_plans(shape, work, dp, cp, tp, pp)
+
+
+def _sizes_of(rows: int) -> list[int]:
+    return [b for b in powers_of_two(rows) if rows % b == 0 and rows // b < MAX_MICROBATCHES]
+
+
+def _lora_plans(work: Workload, dp: int, lora: int, base: str):
+    rows = work.global_batch // dp
+    zeros = (0, 1, 2, 3) if dp > 1 and work.precision != "fp16" else (0,)
+    for zero in zeros:
+        for place in ("replicate", "shard") if zero == 3 else ("replicate",):
+            for ac in (False, True):
+                group = [Plan(dp, 1, 1, 1, zero, "none", b, rows // b, "1f1b", ac, "ring",
+                              lora=lora, base_dtype=base, base_placement=place)
+                         for b in _sizes_of(rows)]
+                if group:
+                    yield group
+
+
+def _full_plans(shape: ModelShape, work: Workload, dp: int, cp: int, tp: int, pp: int):
     shard = dp * cp
     zeros = (0, 1, 2, 3) if tp == pp == 1 and shard > 1 and work.precision != "fp16" else (0,)
     scheds = [s for s in SCHEDULES if s != "interleaved-1f1b" or 2 * pp <= shape.layers + 2] \
@@ -120,7 +166,7 @@ def mesh_plans(shape: ModelShape, work: Workload, dp: int, cp: int, tp: int, pp:
     methods = ["ring"] + (["ulysses"] if cp > 1 and (shape.heads // tp) % cp == 0 else []) \
         if cp > 1 else ["ring"]
     rows = work.global_batch // dp
-    sizes = [b for b in powers_of_two(rows) if rows % b == 0 and rows // b < MAX_MICROBATCHES]
+    sizes = _sizes_of(rows)
     for zero in zeros:
         for comp in COMPRESSORS if shard > 1 else ("none",):
             if zero and comp.startswith("powersgd"):
@@ -141,14 +187,18 @@ def mesh_plans(shape: ModelShape, work: Workload, dp: int, cp: int, tp: int, pp:
 
 def search(shape: ModelShape, work: Workload, cluster: Cluster, top: int = 10,
            cross_node: bool = False, rejected: int | None = None,
-           distinct: bool = True, diloco: bool = False) -> Result:
+           distinct: bool = True, diloco: bool = False, finetune: str = "full",
+           lora_rank: int = DEFAULT_RANK) -> Result:
     """Score every plan (module doc); the top `top` that fit (distinct: leaving out a plan that
     scores as one already listed, to 0.1%) and up to `rejected` (default top) rejected
     examples: per mesh and ZeRO stage with nothing that fits, its smallest plan. diloco: on
-    several nodes, rank a DiLoCo candidate too (plan/diloco.py; `pyfast plan` asks for it)."""
+    several nodes, rank a DiLoCo candidate too (plan/diloco.py; `pyfast plan` asks for it).
+    finetune: full, lora or qlora (finetune_variants; auto is cli.py's: one kind after the
+    other), lora_rank the adapters' rank."""
+    variants = finetune_variants(finetune, work, lora_rank)
     t0 = time.perf_counter()
     cap = cluster.gpu.memory_bytes
-    res = Result([], [])
+    res = Result([], [], finetune=finetune)
     fits, oom = [], {}
     # what the ranks run on: CPU ranks keep the math attention's softmax and single-tensor AdamW's
     # temporaries, GPUs flash attention and foreach AdamW (memory.py's DEVICES)
@@ -158,7 +208,7 @@ def search(shape: ModelShape, work: Workload, cluster: Cluster, top: int = 10,
         if why:
             res.mesh_problems[(dp, cp, tp, pp)] = why
             continue
-        for group in mesh_plans(shape, work, dp, cp, tp, pp):
+        for group in mesh_plans(shape, work, dp, cp, tp, pp, variants):
             for i, plan in enumerate(group):
                 mem = predict_memory(shape, plan, work, device)
                 res.memory_scored += 1
@@ -166,7 +216,7 @@ def search(shape: ModelShape, work: Workload, cluster: Cluster, top: int = 10,
                 if res.smallest is None or s.peak < res.smallest.peak:
                     res.smallest = s
                 if s.peak > cap:
-                    k = (dp, cp, tp, pp, plan.zero)
+                    k = (dp, cp, tp, pp, plan.zero, plan.base_dtype, plan.base_placement)
                     if k not in oom or s.peak < oom[k].peak:
                         oom[k] = s
                     res.pruned += len(group) - i - 1
@@ -174,7 +224,8 @@ def search(shape: ModelShape, work: Workload, cluster: Cluster, top: int = 10,
                 s.time = predict_time(shape, plan, work, cluster)
                 res.time_scored += 1
                 fits.append(s)
-    if diloco and cluster.nodes > 1:  # one DiLoCo replica a node, for a slow inter-node link
+    # one DiLoCo replica a node, for a slow inter-node link (full fine-tunes only)
+    if diloco and cluster.nodes > 1 and finetune == "full":
         dl = candidate(shape, work, cluster, search, cross_node)
         if dl is not None:
             fits.append(dl)
@@ -190,7 +241,8 @@ def search(shape: ModelShape, work: Workload, cluster: Cluster, top: int = 10,
         res.plans.append(s)
         if len(res.plans) == top:
             break
-    fitting_meshes = {(s.plan.dp, s.plan.cp, s.plan.tp, s.plan.pp, s.plan.zero) for s in fits}
+    fitting_meshes = {(s.plan.dp, s.plan.cp, s.plan.tp, s.plan.pp, s.plan.zero,
+                       s.plan.base_dtype, s.plan.base_placement) for s in fits}
     for k, s in oom.items():
         if k in fitting_meshes:
             continue

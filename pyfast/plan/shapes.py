@@ -10,8 +10,10 @@ Presets:
   them), gpt-7b = GPT-3 6.7B / Llama 2 7B's 32 x 4096, gpt-13b = GPT-3 13B / Llama 2 13B's
   40 x 5120, gpt-70b = Llama 2/3 70B's 80 x 8192, gpt-405b = Llama 3.1 405B's 126 x 16384.
   `pyfast train --model gpt:layers=...,heads=...,hidden=...` builds them.
-- llama-1b ... llama-405b: the published models' config.json values (below); `pyfast train`
-  cannot build them (RMSNorm, SwiGLU, grouped-query attention): the planner sizes them only.
+- llama-1b ... llama-405b (llama-8b: Llama 3.1 8B; llama-70b: Llama 3 70B, llama-2-70b:
+  Llama 2 70B): the published models' config.json values (below); `pyfast train` builds them
+  only from a local Hugging Face directory (--model hf:DIR): a full plan prints no command, a
+  LoRA plan's names hf:DIR after the repository (HF_REPOS).
 """
 from __future__ import annotations
 
@@ -47,13 +49,25 @@ PRESETS = {
     "llama-1b": _llama(16, 2048, 32, 8, 8192, 128256, tied=True),
     # meta-llama/Llama-2-7b-hf: 32, 4096, 32, 32, 11008, 32000, false
     "llama-7b": _llama(32, 4096, 32, 32, 11008, 32000),
+    # meta-llama/Llama-3.1-8B: 32, 4096, 32, 8, 14336, 128256, false
+    "llama-8b": _llama(32, 4096, 32, 8, 14336, 128256),
     # meta-llama/Llama-2-13b-hf: 40, 5120, 40, 40, 13824, 32000, false
     "llama-13b": _llama(40, 5120, 40, 40, 13824, 32000),
     # meta-llama/Meta-Llama-3-70B: 80, 8192, 64, 8, 28672, 128256, false
     "llama-70b": _llama(80, 8192, 64, 8, 28672, 128256),
+    # meta-llama/Llama-2-70b-hf: 80, 8192, 64, 8, 28672, 32000, false
+    "llama-2-70b": _llama(80, 8192, 64, 8, 28672, 32000),
     # meta-llama/Llama-3.1-405B: 126, 16384, 128, 8, 53248, 128256, false
     "llama-405b": _llama(126, 16384, 128, 8, 53248, 128256),
 }
+
+# the Hugging Face repository of each llama preset: `pyfast train --model hf:DIR` runs a local
+# copy of it (a LoRA plan's command names DIR after the repository)
+HF_REPOS = {"llama-1b": "meta-llama/Llama-3.2-1B", "llama-7b": "meta-llama/Llama-2-7b-hf",
+            "llama-8b": "meta-llama/Llama-3.1-8B", "llama-13b": "meta-llama/Llama-2-13b-hf",
+            "llama-70b": "meta-llama/Meta-Llama-3-70B",
+            "llama-2-70b": "meta-llama/Llama-2-70b-hf",
+            "llama-405b": "meta-llama/Llama-3.1-405B"}
 
 OVERRIDES = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")
 # the reference GPT presets the --params rule interpolates depth between (gpt-1b .. gpt-405b)

@@ -55,6 +55,20 @@ class ModelShape:
             return attn + (h + 2 * kv) + h + 2 * h * f + f + h + 4 * h  # + biases, 2 LayerNorms
         return attn + 3 * h * f + 2 * h  # SwiGLU's three matrices, two RMSNorm weights
 
+    def adapted_linears(self) -> tuple[tuple[int, int], ...]:
+        """(in, out) of each nn.Linear of one block: what LoRA's "all-linear" adapts (the
+        LM head excluded). gpt: attn.qkv, attn.proj, mlp.fc, mlp.proj; llama: q, k, v, o,
+        gate, up, down (Hugging Face's names)."""
+        h, f, kv = self.hidden, self.ffn, self.kv_dim
+        if self.arch == "gpt":
+            return ((h, h + 2 * kv), (h, h), (h, f), (f, h))
+        return ((h, h), (h, kv), (h, kv), (h, h), (h, f), (h, f), (f, h))
+
+    def adapter_params(self, rank: int) -> int:
+        """Trainable LoRA parameters of the model: r x (in + out) per adapted Linear (A is
+        r x in, B out x r), every layer."""
+        return self.layers * sum(rank * (i + o) for i, o in self.adapted_linears())
+
     def layer_matmul_params(self) -> int:
         """The block's weights that are matmul operands (what 6 N counts in FLOPs)."""
         h, f, kv = self.hidden, self.ffn, self.kv_dim
@@ -111,6 +125,13 @@ class Plan:
     activation_checkpointing: bool = False
     cp_method: str = "ring"
     param_compress: str = "none"
+    # fine-tuning (pyfast/plan/finetune.py): LoRA rank (0: a full fine-tune), the frozen
+    # base's storage (none: the training dtype; bf16, int8, nf4) and, under ZeRO 3, whether the
+    # base is sharded over dp (shard) or whole on every rank (replicate)
+    lora: int = 0
+    base_dtype: str = "none"
+    base_placement: str = "replicate"
+    lora_dropout: float = 0.0
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -146,7 +167,22 @@ class Plan:
             f += ["--param-compress", self.param_compress]
         if self.activation_checkpointing:
             f += ["--activation-checkpointing"]
+        if self.lora:
+            f += ["--lora", str(self.lora)]
+            if self.base_dtype != "none":
+                f += ["--base-dtype", self.base_dtype]
+            if self.zero == 3:
+                f += ["--base-placement", self.base_placement]
+            if self.lora_dropout:
+                f += ["--lora-dropout", f"{self.lora_dropout:g}"]
         return f
+
+    @property
+    def finetune(self) -> str:
+        """full, lora (a 16-bit or training-dtype base) or qlora (an int8 / nf4 base)."""
+        if not self.lora:
+            return "full"
+        return "qlora" if self.base_dtype in ("int8", "nf4") else "lora"
 
 
 def gpt_model_flag(shape: ModelShape) -> str:

@@ -30,6 +30,7 @@ codec seconds per element ("codec"), and the refit's "compute_scale" / "comm_sca
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from .hardware import Cluster
 from .spec import ModelShape, Plan, Workload
@@ -211,6 +212,8 @@ def compute_key(kind: str, plan: Plan, work: Workload) -> str:
 def _module_s(kind: str, params: list, shape: ModelShape, plan: Plan, work: Workload,
               cluster: Cluster) -> tuple[float, float, float]:
     """(forward, backward, recompute) seconds of one micro-batch through one module."""
+    if plan.lora:
+        return _lora_module_s(kind, params, shape, plan, work, cluster)
     cal = cluster.calibration
     scale = _compute_scale(cluster, plan)
     toks = plan.micro_batch * work.seq // plan.cp
@@ -238,6 +241,38 @@ def _module_s(kind: str, params: list, shape: ModelShape, plan: Plan, work: Work
     f = fwd_flops / rate + mem
     rec = f if kind == "block" and plan.activation_checkpointing else 0.0
     return scale * f, scale * (BWD_PER_FWD * f + extra), scale * rec
+
+
+def _lora_module_s(kind: str, params: list, shape: ModelShape, plan: Plan, work: Workload,
+                   cluster: Cluster) -> tuple[float, float, float]:
+    """A module of a LoRA plan: the frozen base's backward computes the input's gradient
+    only (1 forward of matmul FLOPs, not 2; attention's backward stays 2 of its forward; the
+    embedding none at all), plus the adapters (2 r (in + out) FLOPs a token forward, twice
+    that backward); a base stored int8/nf4 is dequantized (read stored, write the training
+    dtype) before each forward and recompute. A measured full-fine-tune module's backward is
+    scaled by the analytic ratio."""
+    full = _module_s(kind, params, shape, replace(plan, lora=0), work, cluster)
+    if kind == "embed":
+        return full[0], 0.0, full[2]
+    toks = plan.micro_batch * work.seq // plan.cp
+    peak = cluster.gpu.flops_32 if work.precision == "fp32" else cluster.gpu.flops_16
+    rate = (cluster.calibration.get("flops_s") or peak * cluster.mfu) / \
+        _compute_scale(cluster, plan)
+    matmul = sum(n for n, m in params if m)
+    weight_grad = 2.0 * matmul * toks / rate           # what a frozen base does not compute
+    f, b, r = full[0], max(full[1] - weight_grad, 0.0), full[2]
+    if kind == "block":
+        tb = 4 if work.precision == "fp32" else 2
+        ad = shape.adapter_params(plan.lora) / shape.layers
+        deq = 0.0
+        if plan.base_dtype in ("int8", "nf4"):
+            from .finetune import base_layer_bytes
+            deq = (base_layer_bytes(shape, plan.base_dtype, tb) +
+                   tb * shape.layer_matmul_params()) / cluster.gpu.hbm_bps
+        f += 2.0 * ad * toks / rate + deq * _compute_scale(cluster, plan)
+        b += 4.0 * ad * toks / rate
+        r = f if plan.activation_checkpointing else 0.0
+    return f, b, r
 
 
 def _compute_scale(cluster: Cluster, plan: Plan) -> float:
@@ -430,13 +465,17 @@ def _predict(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster,
     # data parallel over dp x cp
     world = plan.dp * plan.cp
     dp_c = zero_c = codec = exposed_dp = 0.0
-    n_local = sum(n for _, ps in mods for n, _ in ps)
+    # what the reduction and the optimizer see: every parameter, or a LoRA plan's adapters
+    # (the frozen base is never reduced; under ZeRO 3 with the base sharded, each unit's
+    # gather also carries its base in the stored format)
+    gmods, frozen = _trainable(shape, plan, mods, work) if plan.lora else (mods, None)
+    n_local = sum(n for _, ps in gmods for n, _ in ps)
     cal = cluster.calibration
     cont = cal.get("cpu_contention", 0.0)
     cpu_link = _cpu_link(cluster, world)
     if world > 1 and not plan.zero:
         per_param = plan.compress.partition(":")[0] in ("topk", "powersgd")
-        bks = _buckets(mods, per_param,
+        bks = _buckets(gmods, per_param,
                        bucket_mb=NONE_BUCKET_MB if plan.compress == "none" else BUCKET_MB)
         cost, cdc = zip(*(_bucket_cost(plan.compress, bk, dp_link, cluster, len(bks))
                           for bk in bks))
@@ -462,10 +501,10 @@ def _predict(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster,
         exposed_dp += dp_link.seconds("small", SMALL_BYTES) + dp_link.wake(bb) + \
             4.0 * n_local * copy * _compute_scale(cluster, plan)
     elif world > 1:
-        zero_c, exposed_dp = _zero(plan, mods, dp_link, cluster, body, mod_s)
+        zero_c, exposed_dp = _zero(plan, gmods, dp_link, cluster, body, mod_s, frozen)
         exposed_dp += dp_link.wake(bb)  # the step's wait for the last reduce-scatter
         if cont and plan.zero >= 2:
-            zero_c_cpu, _ = _zero(plan, mods, cpu_link, cluster, body, mod_s)
+            zero_c_cpu, _ = _zero(plan, gmods, cpu_link, cluster, body, mod_s, frozen)
             exposed_dp += cont * zero_c_cpu
     # the step's small all-reduce (loss, norm, flag, bytes) over every rank, and the optimizer
     every = Link(cluster, plan.ranks, plan.ranks)
@@ -506,8 +545,23 @@ def _bucket_cost(spec: str, bk, link: Link, cluster: Cluster,
     return reduction_s(spec, n, (), link, cluster, calls)
 
 
+def _trainable(shape: ModelShape, plan: Plan, mods: list, work: Workload):
+    """A LoRA plan's modules as the reduction sees them: each block's adapters (A r x in,
+    B out x r per adapted Linear), nothing elsewhere; and, the base sharded under ZeRO 3, each
+    unit's frozen bytes in their stored format (None otherwise)."""
+    from .finetune import REST, base_layer_bytes
+    r, tb = plan.lora, 4 if work.precision == "fp32" else 2
+    ad = [x for i, o in shape.adapted_linears() for x in ((r * i, (r, i)), (o * r, (o, r)))]
+    gmods = [(kind, ad if kind == "block" else []) for kind, _ in mods]
+    if not (plan.zero == 3 and plan.base_placement == "shard"):
+        return gmods, None
+    frozen = [base_layer_bytes(shape, plan.base_dtype, tb) if kind == "block" else
+              REST * sum(n for n, _ in ps) for kind, ps in mods]
+    return gmods, frozen
+
+
 def _zero(plan: Plan, mods: list, link: Link, cluster: Cluster, body: float,
-          mod_s) -> tuple[float, float]:
+          mod_s, frozen: list | None = None) -> tuple[float, float]:
     """(comm seconds, exposed seconds) of ZeRO's reduce-scatters and parameter all-gathers.
     Reduce-scatter of n elements ~ an all-to-all of its (compressed) buffer; stage 3's
     all-gathers carry param_compress's payload, stages 1-2's exact fp32 after the step."""
@@ -548,11 +602,13 @@ def _zero(plan: Plan, mods: list, link: Link, cluster: Cluster, body: float,
     # backward, reduce-scatters behind each unit's backward
     units = [sum(n for n, _ in ps) for _, ps in mods]
     times = [mod_s(k, ps) for k, ps in mods]
+    base = frozen or [0.0] * len(units)
     comm_free, t, total = 0.0, 0.0, 0.0
     for micro in range(plan.micro_batches):
         for order, phase in ((range(len(units)), 0), (reversed(range(len(units))), 1)):
             for i in order:
-                g = ag(units[i], pbytes)
+                g = ag(units[i], pbytes) + (link.seconds("all_gather", base[i] / w)
+                                            if base[i] else 0.0)
                 total += g
                 comm_free = max(comm_free, t - (times[i - 1][phase] if i else 0.0)) + g
                 # the unit waits on its gather's handle: a blocking wait after the last unit
