@@ -33,6 +33,10 @@ BENCHMARKS = {
               "time to loss, bytes, peak bandwidth, compute utilization",
     "lora": "LoRA vs a full fine-tune of a ~100M Llama on dp2: tokens/s, peak RSS, bytes, "
             "checkpoint size",
+    "zero_frozen": "ZeRO-3 with a frozen LoRA base sharded as bf16 / int8 / nf4: gathered bytes "
+                   "and step time at 1 Gbit/s",
+    "qlora_loss": "QLoRA (nf4 / int8 base) vs LoRA: validation loss after N fine-tuning steps "
+                  "on a pretrained small Llama",
     "report": "write docs/benchmarks.md from bench/results/ (no benchmark is run)",
 }
 
