@@ -156,7 +156,7 @@ def _load_zero(path: Path, cfg: TrainConfig, model, params: dict) -> None:
     from pyfast.parallel.zero import checkpoint as zck
     from pyfast.parallel.zero import zero
     work = copy.deepcopy(model)
-    ps = list(work.parameters())
+    ps = [p for p in work.parameters() if p.requires_grad]  # a LoRA run: the adapters
     groups = [{"params": [p for p in ps if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0}]
     z, opt = zero(work, torch.optim.AdamW, stage=1, params=groups, lr=cfg.lr)

@@ -1,6 +1,7 @@
 """A LoRA run's adapters out: `pyfast export RUN --to peft OUT`, `--to hf --merge`, `--to hf
---base`. Two short `pyfast train --model hf-llama-tiny --lora 4` runs (1 rank and dp2, 2 steps,
-lr 1e-2 so that lora_B is far from its zero init), exported through the command's function.
+--base`. Four short `pyfast train --model hf-llama-tiny --lora 4` runs (1 rank, dp2, dp2
+--zero 3 with the base sharded, tp2; 2 steps, lr 1e-2 so that lora_B is far from its zero init),
+exported through the command's function.
 The GPT mappings (learned positions -> GPT-2's Conv1D c_attn, rotary -> NeoX's
 query_key_value) and an int8 base are checked in process on the model a job would build
 (torch.manual_seed(--seed), build_model) with random adapters: the same export functions, no
@@ -34,7 +35,10 @@ from pyfast.train.config import TrainConfig, build_model  # noqa: E402
 
 LORA = ["--model", "hf-llama-tiny", "--lora", "4", "--lr", "1e-2", "--steps", "2", "--batch",
         "2", "--eval-every", "0", "--eval-batches", "1"]
-RUNS = {"llama": (1, LORA), "llama-dp2": (2, LORA + ["--dp", "2"])}  # name: (nproc, flags)
+RUNS = {"llama": (1, LORA), "llama-dp2": (2, LORA + ["--dp", "2"]),  # name: (nproc, flags)
+        # ZeRO-3 with the frozen base sharded: the checkpoint holds flat adapter shards only
+        "llama-zero3": (2, LORA + ["--dp", "2", "--zero", "3", "--base-placement", "shard"]),
+        "llama-tp2": (2, LORA + ["--tp", "2"])}  # B split on column layers, A on row layers
 BUILT = {  # name: TrainConfig fields of a model built in process, random adapters
     "gpt-learned": {"model": "gpt-tiny", "positions": "learned"},
     "gpt-rotary": {"model": "gpt-tiny", "lora_targets": "attn.qkv,mlp.fc"},
