@@ -69,10 +69,21 @@ def base_layer_bytes(shape: ModelShape, fmt: str, train_bytes: int, rest: int = 
     return lin + rest * (shape.layer_params() - shape.layer_matmul_params())
 
 
-def base_bytes(shape: ModelShape, fmt: str, train_bytes: int, rest: int = REST) -> int:
-    """The whole frozen base: the blocks, the embedding, the final norm and the head."""
+def head_weight_bytes(precision: str, rest: int = REST) -> int:
+    """Bytes of an element of the frozen LM head's weight (an untied nn.Linear): under bf16 the
+    job stores every frozen Linear's weight in bf16 (job.store_frozen_linear), the head's too;
+    otherwise `rest`."""
+    return min(2, rest) if precision == "bf16" else rest
+
+
+def base_bytes(shape: ModelShape, fmt: str, train_bytes: int, rest: int = REST,
+               head: int | None = None) -> int:
+    """The whole frozen base: the blocks, the embedding, the final norm and the head (its
+    weight `head` bytes an element, default rest)."""
+    head = rest if head is None else head
+    lm = 0 if shape.tied else shape.vocab * shape.hidden
     return shape.layers * base_layer_bytes(shape, fmt, train_bytes, rest) + \
-        rest * (shape.embed_params() + shape.head_params())
+        rest * (shape.embed_params() + shape.head_params() - lm) + head * lm
 
 
 def check(plan: Plan) -> None:
@@ -116,7 +127,7 @@ def lora_memory(shape: ModelShape, plan: Plan, work: Workload, device: str,
     cdiv = lambda x: -(-x // n)  # noqa: E731  (shard 0's: ceil)
 
     k = dict.fromkeys(KINDS, 0.0)
-    frozen = base_bytes(shape, plan.base_dtype, tb, rest)
+    frozen = base_bytes(shape, plan.base_dtype, tb, rest, head_weight_bytes(work.precision, rest))
     k["parameters"] = (cdiv(frozen) if shard else frozen) + \
         F32 * (cdiv(A) if zero == 3 else A) + rotary
     k["optimizer"] = 2 * F32 * (cdiv(A) if zero else A) + F32 * n_tensors
@@ -130,31 +141,38 @@ def lora_memory(shape: ModelShape, plan: Plan, work: Workload, device: str,
     if plan.lora_dropout > 0:  # dropout's output (A's input; fp32 after a norm) and its mask
         fed = NORM_FED[shape.arch]
         saved += sum(((F32 if j in fed else bpe) + 1) * i for j, (i, _) in enumerate(lins))
-    deq = shape.layer_matmul_params() * tb if (
-        plan.base_dtype in ("int8", "nf4") or (plan.base_dtype == "bf16" and tb == F32)) else 0
+    # a dequantized weight is rebuilt in backward, not saved (quant_base._FrozenLinear): only
+    # the Linear running now holds one
+    dequantizes = plan.base_dtype in ("int8", "nf4") or (plan.base_dtype == "bf16" and tb == F32)
     big_lin = max(i * o for i, o in lins)
-    deq_live = big_lin * tb if deq else 0            # the Linear running now
+    deq_live = big_lin * tb if dequantizes else 0
     ckpt = plan.activation_checkpointing
-    if ckpt:  # every layer's input; one layer recomputed at a time, with its saved weights
+    if ckpt:  # every layer's input; one layer recomputed at a time
         # (in the embedding's dtype: the residual stream's)
         act = tok * rest * h * L
-        layer = tok * saved + deq + max(tok * temp, deq_live)
+        layer = tok * saved + max(tok * temp, deq_live)
     else:
-        act = tok * saved * L + deq * L
+        act = tok * saved * L
         layer = max(tok * temp, deq_live)
     vocab = shape.vocab if logits else 0
     head = tok * (F32 * 2 * h + 8 + F32 * vocab)          # the head: LN in/out, log-softmax
     t_head = tok * F32 * 2 * vocab                        # dlogits, the loss's gradient
-    if zero == 3:  # this unit and the prefetched one
-        act += 2 * (F32 * a_layer + (base_layer_bytes(shape, plan.base_dtype, tb, rest)
-                                     if shard else 0))
+    if plan.loss_chunks:  # --loss-chunks K: one chunk's log-softmax and dlogits at a time, the
+        # head's input saved whole (the checkpoints'), its gradient gathered chunk by chunk
+        ct = -(-tok // min(plan.loss_chunks, tok))
+        head = tok * (F32 * 2 * h + 8) + ct * F32 * vocab
+        t_head = tok * F32 * h + ct * F32 * 2 * vocab
+    if zero == 3:  # a layer's unit and the prefetched one, while a layer runs (the dry run
+        # holds none of them during the head's backward: 8B Llama, --zero 3, base sharded)
+        layer += 2 * (F32 * a_layer + (base_layer_bytes(shape, plan.base_dtype, tb, rest)
+                                       if shard else 0))
     g_start = (grads_end if zero >= 2 else grads_full) if plan.micro_batches > 1 else 0.0
     # the head's backward (its saved tensors and dlogits) ends before the last layer's
     # backward (or its recompute) starts: the two are never live together
     start = (g_start, act + max(head + t_head, layer))
     # the end of backward: all the adapters' gradients, the first layer's activations only
     g_end = grads_full if zero < 2 else grads_end + 2 * min(4 * 2**20, F32 * A)
-    end = (g_end, tok * saved + deq + tok * temp)
+    end = (g_end, tok * saved + max(tok * temp, deq_live))
     g, ac = max(start, end, key=sum)
     static = sum(k.values())
     fwd = static + g + ac
