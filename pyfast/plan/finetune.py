@@ -11,26 +11,31 @@ The search (search.py) plans them on dp-only meshes (tp = cp = pp = 1): DataPara
 
 Memory per rank (lora_memory), N = dp, r = the rank, P_b = the frozen base:
 - parameters: the base's adapted Linear weights in their stored format (bf16 2 bytes; int8 1
-  byte + an fp32 absmax per 64 = 8.5 bits; nf4 4.5 bits; none: the training dtype), the rest of
-  the base (embedding, norms, biases, head) fp32, as pyfast's job keeps them today (REST:
-  quant_base's docstring says the job stores them in bf16 under bf16; job.py does not yet;
-  measured on gpt-small, 2 gloo ranks, bf16), /N when sharded; the adapters fp32, A = sum over
+  byte + an fp32 absmax per 64 = 8.5 bits; nf4 4.5 bits; none: the training dtype), the LM
+  head's weight bf16 under bf16 (job.store_frozen_linear stores every frozen Linear so), the
+  rest of the base (embedding, norms, biases) fp32, as pyfast's job keeps them (REST; measured
+  on gpt-small, 2 gloo ranks, bf16), /N when sharded; the adapters fp32, A = sum over
   adapted Linears in x out of r (in + out), /N under ZeRO 3; the rotary buffers as memory.py.
 - gradients: the adapters' only, 4A (ZeRO 2/3: 4A/N once reduced); the base never has any.
 - optimizer: AdamW's two fp32 moments of the adapters, 8A (ZeRO: /N) + 4 bytes a tensor, and
   the step's temporaries as memory.py.
 - comm_buffers: DataParallel's buckets of the adapters' gradients, 4A.
-- activations: the base model's (memory._block_saved: what a block saves per token, the same
+- activations: the base model's (activations._block_saved: what a block saves per token, the same
   tensors: the adapters' A reads the Linear's input the base would have saved) with the chosen
   recompute (a recomputed layer's input in the embedding's dtype, REST: it starts the residual
   stream, which autocast's bf16 outputs added to it keep there), plus per adapted Linear the
   r-wide output of A (saved by B), and with dropout its output and 1-byte mask, in-wide; a base
   stored int8/nf4 (or bf16 under fp32) is dequantized into the training dtype just before its
-  matmul (models/quant_base.QuantLinear), and F.linear keeps that copy for the input's
-  gradient: each layer's dequantized weights are saved until its backward (with recompute: only
-  the layer being recomputed's). While one Linear runs, its dequantized weight (the largest, in
-  the training dtype) is live. ZeRO 3: two gathered units (this layer and the prefetched one):
-  their adapters fp32, and when sharded the base's layer in its stored format.
+  matmul and again in backward, never saved (models/quant_base._FrozenLinear): while one Linear
+  runs, its dequantized weight (the largest, in the training dtype) is live. ZeRO 3, while a
+  layer runs: two gathered units (this layer and the prefetched one): their adapters fp32, and
+  when sharded the base's layer in its stored format (none during the head's backward: the dry
+  run's 8B Llama). The head: the final norm's input and output, and the fp32 log-softmax of
+  every token (F32 x vocab), with the loss's gradient dlogits (2 x F32 x vocab) in its backward;
+  with --loss-chunks K (plan.loss_chunks, Job.chunked_loss) only one chunk's (ceil(tokens / K)
+  tokens) log-softmax and dlogits, the head's input kept whole by the chunks' checkpoints and
+  its gradient gathered chunk by chunk (F32 x hidden a token). Checked against the dry run
+  (bench plan_finetune): 8B Llama, zero 3 sharded, --loss-chunks 8, 2 and 4 ranks, bf16 and nf4.
 """
 from __future__ import annotations
 
@@ -104,11 +109,11 @@ def check(plan: Plan) -> None:
 
 def lora_memory(shape: ModelShape, plan: Plan, work: Workload, device: str,
                 logits: bool = True, rest: int | None = None) -> dict:
-    """memory.predict_memory's answer for a LoRA plan (module doc). What-ifs: logits=False, a
-    loss computed in chunks (torchtune's CEWithChunkedOutputLoss): no vocab-wide fp32 tensor
-    per token held (pyfast's job holds them); rest=2, the embedding, norms, biases and head
-    stored in bf16 (and so the residual stream), as torchtune does (the job: fp32, REST)."""
-    from .memory import KINDS, _block_saved
+    """memory.predict_memory's answer for a LoRA plan (module doc). What-ifs: logits=False, no
+    vocab-wide fp32 tensor per token held at all (the job's --loss-chunks keeps one chunk's:
+    plan.loss_chunks); rest=2, the embedding, norms and biases stored in bf16 (and so the
+    residual stream), as torchtune does (the job: fp32, REST)."""
+    from .activations import KINDS, _block_saved
     check(plan)
     n = plan.dp
     zero = plan.zero if n > 1 else 0
