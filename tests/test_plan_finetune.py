@@ -81,7 +81,9 @@ def test_lora_memory_orders_and_shards():
     assert lora["state"]["optimizer"] == pytest.approx(8 * A / 2, abs=4 * 2 * 7 * 32 + 8)
     rep = peak(lora=16, base_dtype="nf4", base_placement="replicate")
     # the adapters are ZeRO-3 shards either way; only the base's placement differs
-    assert rep["parameters"] - q4["parameters"] == FT.base_bytes(shape, "nf4", 2) // 2
+    # (the head's weight in bf16, as the job stores a frozen Linear under bf16)
+    assert rep["parameters"] - q4["parameters"] == \
+        FT.base_bytes(shape, "nf4", 2, head=FT.head_weight_bytes("bf16")) // 2
     four = predict_memory(shape, base.replace(dp=4, lora=16, base_dtype="nf4",
                                               base_placement="shard"), Workload(2048, 8))
     assert four["peak_bytes"] < q4["peak_bytes"]
@@ -118,6 +120,7 @@ def test_l40s_lora_fits_and_prints_its_command(capsys):
     cmd = out.strip().splitlines()[-1]
     assert cmd.startswith("pyfast train --model hf:Llama-2-7b-hf --dp 2 ")
     assert "--lora 16 --base-dtype bf16" in cmd and cmd.endswith("--nproc 2")
+    assert "--loss-chunks" not in cmd   # the unchunked loss fits: chunking would only cost time
     assert "huggingface-cli download meta-llama/Llama-2-7b-hf" in out
     rc, out_auto, err = plan(L40S + ["--finetune", "auto"], capsys)
     assert rc == 0 and out_auto.strip().splitlines()[-1] == cmd
@@ -167,10 +170,56 @@ def test_every_lora_plan_passes_the_jobs_checks():
                 for p in group:
                     assert p.lora == 4 and (p.tp, p.cp, p.pp) == (1, 1, 1)
                     cfg = from_args(parser().parse_args(p.train_flags("gpt-small", work)))
-                    assert (cfg.lora, cfg.base_dtype, cfg.zero) == (4, p.base_dtype, p.zero)
-                    seen.add((p.zero, p.base_dtype, p.base_placement))
-    assert {(3, "nf4", "shard"), (3, "int8", "replicate"), (0, "bf16", "replicate")} <= seen
-    assert all(pl == "replicate" for z, _, pl in seen if z != 3)
+                    assert (cfg.lora, cfg.base_dtype, cfg.zero, cfg.loss_chunks) == \
+                        (4, p.base_dtype, p.zero, p.loss_chunks)
+                    seen.add((p.zero, p.base_dtype, p.base_placement, p.loss_chunks))
+    assert {(3, "nf4", "shard", 0), (3, "nf4", "shard", S.LOSS_CHUNKS),
+            (3, "int8", "replicate", 0), (0, "bf16", "replicate", S.LOSS_CHUNKS)} <= seen
+    assert all(pl == "replicate" for z, _, pl, _ in seen if z != 3)
+    # never on a tp or pp mesh (the job refuses --loss-chunks there); full plans never chunk
+    for mesh in S.meshes(4):
+        for group in S.mesh_plans(shape, work, *mesh, S.finetune_variants("full", work)):
+            assert not any(p.loss_chunks for p in group)
+
+
+def test_small_gpu_8b_qlora_chunks_its_loss(tmp_path, capsys):
+    """llama-8b QLoRA on two 7 GiB GPUs, 2 sequences a rank: no unchunked plan fits (the
+    [tokens x 128,256] fp32 log-softmax and its gradient), a --loss-chunks 8 plan does; its
+    command says so and its memory is the chunked model's."""
+    (tmp_path / "c.toml").write_text('gpus = 2\ngpus_per_node = 2\n[gpu]\nbase = "rtx4090"\n'
+                                     'memory_gib = 7\n')
+    argv = ["--model", "llama-8b", "--cluster", str(tmp_path / "c.toml"), "--seq", "2048",
+            "--global-batch", "4", "--finetune", "qlora"]
+    rc, out, err = plan(argv, capsys)
+    assert rc == 0, err
+    cmd = out.strip().splitlines()[-1]
+    assert "--base-dtype nf4 --base-placement shard --loss-chunks 8" in cmd, cmd
+    rc, js, err = plan(argv + ["--json"], capsys)
+    best = json.loads(js)["plans"][0]
+    assert best["loss_chunks"] == 8 and "--loss-chunks 8" in best["command"]
+    shape, work = shapes.preset("llama-8b"), Workload(2048, 4, "bf16")
+    p = Plan(dp=2, zero=best["zero"], micro_batch=best["micro_batch"],
+             micro_batches=best["micro_batches"],
+             activation_checkpointing=best["activation_checkpointing"], lora=16,
+             base_dtype="nf4", base_placement="shard", loss_chunks=8)
+    chunked = predict_memory(shape, p, work)["peak_bytes"]
+    plain = predict_memory(shape, p.replace(loss_chunks=0), work)["peak_bytes"]
+    assert best["memory_bytes_per_rank"] == chunked <= 7 * GiB < plain
+    # one chunk's log-softmax and dlogits (12 bytes a token and vocab entry) instead of all
+    tok = p.micro_batch * 2048
+    assert plain - chunked >= 0.5 * 12 * 128256 * (tok - tok // 8)
+
+
+def test_loss_chunks_cost_the_heads_forward_again():
+    shape, work, cl = shapes.preset("llama-8b"), Workload(2048, 4), build(2, 2, "rtx4090")
+    p = Plan(dp=2, zero=3, micro_batch=2, activation_checkpointing=True, lora=16,
+             base_dtype="nf4", base_placement="shard")
+    plain, chunked = predict_time(shape, p, work, cl), \
+        predict_time(shape, p.replace(loss_chunks=8), work, cl)
+    head_fwd = 2.0 * 128256 * 4096 * 4096 / (cl.gpu.flops_16 * cl.mfu)
+    extra = chunked["recompute_s"] - plain["recompute_s"]
+    assert head_fwd <= extra < 1.5 * head_fwd
+    assert chunked["step_s"] > plain["step_s"]
 
 
 def test_dry_run_agrees_on_a_lora_gpt():

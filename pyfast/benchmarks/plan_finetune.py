@@ -3,15 +3,16 @@
 (a) predicted: an 8B-shaped Llama (the llama-8b preset, Llama 3.1 8B's config.json) at seq 2048,
     2 sequences a rank (one micro-batch), bf16 autocast, recompute on, AdamW: a full fine-tune
     under ZeRO 3, LoRA r 16 (bf16 base) and QLoRA r 16 (nf4 base), the base replicated or
-    sharded (ZeRO 3), on 1, 2 and 4 ranks; beside each, the same plan with the loss computed
-    in chunks (no vocab-wide fp32 tensor a token: torchtune's CEWithChunkedOutputLoss; a
-    what-if: pyfast's job keeps them) and torchtune's published figures (one RTX 4090: LoRA
-    16.2 GiB, QLoRA 7.4 GiB, Llama 3.1 8B, batch 2, seq 2048) and the issue's targets on 2 ranks
-    with the base sharded (LoRA <= 12 GiB, QLoRA <= 6 GiB); and torchtune's setup as a what-if
-    (the chunked loss, and the embedding, norms and head in bf16: the job keeps them fp32).
+    sharded (ZeRO 3), on 1, 2 and 4 ranks; beside each, the same plan with `--loss-chunks 8`
+    (the job's chunked loss: one chunk's vocab-wide fp32 tensors at a time) and torchtune's
+    published figures (one RTX 4090: LoRA 16.2 GiB, QLoRA 7.4 GiB, Llama 3.1 8B, batch 2, seq
+    2048) and the issue's targets on 2 ranks with the base sharded (LoRA <= 12 GiB, QLoRA <= 6
+    GiB); and torchtune's setup as a what-if (the chunked loss, and the embedding and norms in
+    bf16: the job keeps them fp32).
 (b) against the dry run: the 8B-shaped Llama itself (an hf:DIR of llama-8b's config.json,
     bf16 under the dry run's MetaAutocast, recompute): LoRA and QLoRA (nf4, int8) on 2, 4 and 8
-    ranks, DataParallel and ZeRO 3 with the base replicated or sharded; and pyfast's GPT at the
+    ranks, DataParallel and ZeRO 3 with the base replicated or sharded, and with --loss-chunks 8
+    (zero 3 sharded, bf16 and nf4, 2 and 4 ranks); and pyfast's GPT at the
     same depth and width (32 x 4096, fp32): LoRA on DataParallel at 2, 4 and 8 ranks, int8 and
     bf16 bases, dropout. Target: within 10%.
 (c) against real CPU allocations (bf16 autocast, which the dry run cannot trace): gpt-small
@@ -47,6 +48,10 @@ HF_DRY = [
                                           base_placement="shard")),
     ("8B qlora int8 dp2 zero3 shard", dict(L8, dp=2, batch=4, base_dtype="int8", zero=3,
                                            base_placement="shard")),
+    # --loss-chunks 8 (Job.chunked_loss): bench/results/finetune_memory.txt's cases
+    *((f"8B {k} {b} dp{n} zero3 shard chunks8",
+       dict(L8, dp=n, batch=2 * n, base_dtype=b, zero=3, base_placement="shard", loss_chunks=8))
+      for n in (2, 4) for k, b in (("lora", "bf16"), ("qlora", "nf4"))),
 ]
 DRY = [
     ("lora dp2", dict(B, dp=2, batch=4)),
@@ -96,10 +101,10 @@ def predicted() -> list[dict]:
         for kind, what, p in cases:
             p = p.replace(micro_batch=2, micro_batches=1, activation_checkpointing=True)
             m = predict_memory(shape, p, work)
-            chunked = lora_memory(shape, p, work, "cuda", logits=False)["peak_bytes"] \
+            chunked = lora_memory(shape, p.replace(loss_chunks=8), work, "cuda")["peak_bytes"] \
                 if p.lora else None
-            tt = lora_memory(shape, p, work, "cuda", logits=False, rest=2)["peak_bytes"] \
-                if p.lora else None
+            tt = lora_memory(shape, p.replace(loss_chunks=8), work, "cuda",
+                             rest=2)["peak_bytes"] if p.lora else None
             row = {"ranks": n, "finetune": kind, "plan": what, "predicted": m["peak_bytes"],
                    "chunked_loss": chunked, "torchtune_like": tt,
                    "kinds": {k: m[k] for k in ("parameters", "gradients", "optimizer",
@@ -149,7 +154,8 @@ def dry_hf(names=None) -> list[dict]:
         traced = dry_run(cfg, cfg.ranks, [0])[0]
         plan = Plan(dp=cfg.dp, zero=cfg.zero, micro_batch=cfg.batch // cfg.dp,
                     activation_checkpointing=True, lora=cfg.lora, base_dtype=cfg.base_dtype,
-                    base_placement="shard" if cfg.base_placement == "shard" else "replicate")
+                    base_placement="shard" if cfg.base_placement == "shard" else "replicate",
+                    loss_chunks=cfg.loss_chunks)
         pred = predict_memory(shape, plan, Workload(cfg.seq, cfg.batch, cfg.precision), "meta")
         rows.append({"config": name, "ranks": cfg.ranks, "rank": 0,
                      "traced": traced["peak_bytes"], "predicted": pred["peak_bytes"],
@@ -181,14 +187,18 @@ def summary(res: dict) -> str:
     for r in res["predicted"]:
         if r["target"]:
             out.append(f"{r['finetune']} on 2 ranks, {r['plan']}: {r['predicted'] / GiB:.1f} GiB "
-                       f"(target <= {r['target']:g}; with a chunked loss "
-                       f"{r['chunked_loss'] / GiB:.1f}, and the embedding and head in bf16 "
+                       f"(target <= {r['target']:g}; with --loss-chunks 8 "
+                       f"{r['chunked_loss'] / GiB:.1f}, and the embedding and norms in bf16 "
                        f"{r['torchtune_like'] / GiB:.1f})")
     rows = res.get("dry", {}).get("rows", [])
     if rows:
         worst = max(abs(r["error"]) for r in rows)
         out.append(f"predicted vs dry run: {len(rows)} LoRA/QLoRA configs, max |error| "
                    f"{worst:.1%}, {sum(abs(r['error']) > 0.10 for r in rows)} over 10%")
+        ch = [r for r in rows if "chunks" in r["config"]]
+        if ch:
+            out.append(f"  of which --loss-chunks 8: {len(ch)} configs, errors "
+                       + ", ".join(f"{r['error']:+.1%}" for r in ch))
     rows = res.get("real", {}).get("rows", [])
     if rows:
         worst = max(abs(r["error"]) for r in rows)
@@ -206,7 +216,7 @@ def table(res: dict):
     t = Table(title="llama-8b (Llama 3.1 8B), seq 2048, 2 seqs a rank, bf16, recompute, AdamW, "
               "r 16: predicted peak GiB a rank")
     for c in ("ranks", "fine-tune", "plan", "predicted", "params", "grads", "optim", "activ",
-              "chunked loss", "+ bf16 rest", "torchtune 1x4090", "target"):
+              "--loss-chunks 8", "+ bf16 rest", "torchtune 1x4090", "target"):
         t.add_column(c, justify="left" if c in ("fine-tune", "plan") else "right")
     for r in res["predicted"]:
         k = r["kinds"]

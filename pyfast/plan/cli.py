@@ -141,7 +141,8 @@ def finetune_label(p) -> str:
         return "full"
     base = "training-dtype" if p.base_dtype == "none" else p.base_dtype
     return f"{p.finetune} {p.lora}, {base} base" + (" sharded" if p.zero == 3 and
-                                                     p.base_placement == "shard" else "")
+                                                     p.base_placement == "shard" else "") + \
+        (f", loss chunks {p.loss_chunks}" if p.loss_chunks else "")
 
 
 def model_flag(shape: ModelShape, plan) -> str | None:
@@ -221,7 +222,7 @@ def row(s: Scored, shape, work, cl, rejected: bool = False) -> dict:
     d = {k: getattr(s.plan, k) for k in PLAN_KEYS}
     if s.plan.lora:  # (a full plan's keys stay as they were)
         d.update(finetune=s.plan.finetune, lora=s.plan.lora, base_dtype=s.plan.base_dtype,
-                 base_placement=s.plan.base_placement,
+                 base_placement=s.plan.base_placement, loss_chunks=s.plan.loss_chunks,
                  adapter_params=s.memory.get("adapter_params"),
                  base_bytes=s.memory.get("base_bytes"))
     d["memory_bytes_per_rank"] = int(s.peak)

@@ -11,26 +11,31 @@ The search (search.py) plans them on dp-only meshes (tp = cp = pp = 1): DataPara
 
 Memory per rank (lora_memory), N = dp, r = the rank, P_b = the frozen base:
 - parameters: the base's adapted Linear weights in their stored format (bf16 2 bytes; int8 1
-  byte + an fp32 absmax per 64 = 8.5 bits; nf4 4.5 bits; none: the training dtype), the rest of
-  the base (embedding, norms, biases, head) fp32, as pyfast's job keeps them today (REST:
-  quant_base's docstring says the job stores them in bf16 under bf16; job.py does not yet;
-  measured on gpt-small, 2 gloo ranks, bf16), /N when sharded; the adapters fp32, A = sum over
+  byte + an fp32 absmax per 64 = 8.5 bits; nf4 4.5 bits; none: the training dtype), the LM
+  head's weight bf16 under bf16 (job.store_frozen_linear stores every frozen Linear so), the
+  rest of the base (embedding, norms, biases) fp32, as pyfast's job keeps them (REST; measured
+  on gpt-small, 2 gloo ranks, bf16), /N when sharded; the adapters fp32, A = sum over
   adapted Linears in x out of r (in + out), /N under ZeRO 3; the rotary buffers as memory.py.
 - gradients: the adapters' only, 4A (ZeRO 2/3: 4A/N once reduced); the base never has any.
 - optimizer: AdamW's two fp32 moments of the adapters, 8A (ZeRO: /N) + 4 bytes a tensor, and
   the step's temporaries as memory.py.
 - comm_buffers: DataParallel's buckets of the adapters' gradients, 4A.
-- activations: the base model's (memory._block_saved: what a block saves per token, the same
+- activations: the base model's (activations._block_saved: what a block saves per token, the same
   tensors: the adapters' A reads the Linear's input the base would have saved) with the chosen
   recompute (a recomputed layer's input in the embedding's dtype, REST: it starts the residual
   stream, which autocast's bf16 outputs added to it keep there), plus per adapted Linear the
   r-wide output of A (saved by B), and with dropout its output and 1-byte mask, in-wide; a base
   stored int8/nf4 (or bf16 under fp32) is dequantized into the training dtype just before its
-  matmul (models/quant_base.QuantLinear), and F.linear keeps that copy for the input's
-  gradient: each layer's dequantized weights are saved until its backward (with recompute: only
-  the layer being recomputed's). While one Linear runs, its dequantized weight (the largest, in
-  the training dtype) is live. ZeRO 3: two gathered units (this layer and the prefetched one):
-  their adapters fp32, and when sharded the base's layer in its stored format.
+  matmul and again in backward, never saved (models/quant_base._FrozenLinear): while one Linear
+  runs, its dequantized weight (the largest, in the training dtype) is live. ZeRO 3, while a
+  layer runs: two gathered units (this layer and the prefetched one): their adapters fp32, and
+  when sharded the base's layer in its stored format (none during the head's backward: the dry
+  run's 8B Llama). The head: the final norm's input and output, and the fp32 log-softmax of
+  every token (F32 x vocab), with the loss's gradient dlogits (2 x F32 x vocab) in its backward;
+  with --loss-chunks K (plan.loss_chunks, Job.chunked_loss) only one chunk's (ceil(tokens / K)
+  tokens) log-softmax and dlogits, the head's input kept whole by the chunks' checkpoints and
+  its gradient gathered chunk by chunk (F32 x hidden a token). Checked against the dry run
+  (bench plan_finetune): 8B Llama, zero 3 sharded, --loss-chunks 8, 2 and 4 ranks, bf16 and nf4.
 """
 from __future__ import annotations
 
@@ -69,10 +74,21 @@ def base_layer_bytes(shape: ModelShape, fmt: str, train_bytes: int, rest: int = 
     return lin + rest * (shape.layer_params() - shape.layer_matmul_params())
 
 
-def base_bytes(shape: ModelShape, fmt: str, train_bytes: int, rest: int = REST) -> int:
-    """The whole frozen base: the blocks, the embedding, the final norm and the head."""
+def head_weight_bytes(precision: str, rest: int = REST) -> int:
+    """Bytes of an element of the frozen LM head's weight (an untied nn.Linear): under bf16 the
+    job stores every frozen Linear's weight in bf16 (job.store_frozen_linear), the head's too;
+    otherwise `rest`."""
+    return min(2, rest) if precision == "bf16" else rest
+
+
+def base_bytes(shape: ModelShape, fmt: str, train_bytes: int, rest: int = REST,
+               head: int | None = None) -> int:
+    """The whole frozen base: the blocks, the embedding, the final norm and the head (its
+    weight `head` bytes an element, default rest)."""
+    head = rest if head is None else head
+    lm = 0 if shape.tied else shape.vocab * shape.hidden
     return shape.layers * base_layer_bytes(shape, fmt, train_bytes, rest) + \
-        rest * (shape.embed_params() + shape.head_params())
+        rest * (shape.embed_params() + shape.head_params() - lm) + head * lm
 
 
 def check(plan: Plan) -> None:
@@ -93,11 +109,11 @@ def check(plan: Plan) -> None:
 
 def lora_memory(shape: ModelShape, plan: Plan, work: Workload, device: str,
                 logits: bool = True, rest: int | None = None) -> dict:
-    """memory.predict_memory's answer for a LoRA plan (module doc). What-ifs: logits=False, a
-    loss computed in chunks (torchtune's CEWithChunkedOutputLoss): no vocab-wide fp32 tensor
-    per token held (pyfast's job holds them); rest=2, the embedding, norms, biases and head
-    stored in bf16 (and so the residual stream), as torchtune does (the job: fp32, REST)."""
-    from .memory import KINDS, _block_saved
+    """memory.predict_memory's answer for a LoRA plan (module doc). What-ifs: logits=False, no
+    vocab-wide fp32 tensor per token held at all (the job's --loss-chunks keeps one chunk's:
+    plan.loss_chunks); rest=2, the embedding, norms and biases stored in bf16 (and so the
+    residual stream), as torchtune does (the job: fp32, REST)."""
+    from .activations import KINDS, _block_saved
     check(plan)
     n = plan.dp
     zero = plan.zero if n > 1 else 0
@@ -116,7 +132,7 @@ def lora_memory(shape: ModelShape, plan: Plan, work: Workload, device: str,
     cdiv = lambda x: -(-x // n)  # noqa: E731  (shard 0's: ceil)
 
     k = dict.fromkeys(KINDS, 0.0)
-    frozen = base_bytes(shape, plan.base_dtype, tb, rest)
+    frozen = base_bytes(shape, plan.base_dtype, tb, rest, head_weight_bytes(work.precision, rest))
     k["parameters"] = (cdiv(frozen) if shard else frozen) + \
         F32 * (cdiv(A) if zero == 3 else A) + rotary
     k["optimizer"] = 2 * F32 * (cdiv(A) if zero else A) + F32 * n_tensors
@@ -130,31 +146,38 @@ def lora_memory(shape: ModelShape, plan: Plan, work: Workload, device: str,
     if plan.lora_dropout > 0:  # dropout's output (A's input; fp32 after a norm) and its mask
         fed = NORM_FED[shape.arch]
         saved += sum(((F32 if j in fed else bpe) + 1) * i for j, (i, _) in enumerate(lins))
-    deq = shape.layer_matmul_params() * tb if (
-        plan.base_dtype in ("int8", "nf4") or (plan.base_dtype == "bf16" and tb == F32)) else 0
+    # a dequantized weight is rebuilt in backward, not saved (quant_base._FrozenLinear): only
+    # the Linear running now holds one
+    dequantizes = plan.base_dtype in ("int8", "nf4") or (plan.base_dtype == "bf16" and tb == F32)
     big_lin = max(i * o for i, o in lins)
-    deq_live = big_lin * tb if deq else 0            # the Linear running now
+    deq_live = big_lin * tb if dequantizes else 0
     ckpt = plan.activation_checkpointing
-    if ckpt:  # every layer's input; one layer recomputed at a time, with its saved weights
+    if ckpt:  # every layer's input; one layer recomputed at a time
         # (in the embedding's dtype: the residual stream's)
         act = tok * rest * h * L
-        layer = tok * saved + deq + max(tok * temp, deq_live)
+        layer = tok * saved + max(tok * temp, deq_live)
     else:
-        act = tok * saved * L + deq * L
+        act = tok * saved * L
         layer = max(tok * temp, deq_live)
     vocab = shape.vocab if logits else 0
     head = tok * (F32 * 2 * h + 8 + F32 * vocab)          # the head: LN in/out, log-softmax
     t_head = tok * F32 * 2 * vocab                        # dlogits, the loss's gradient
-    if zero == 3:  # this unit and the prefetched one
-        act += 2 * (F32 * a_layer + (base_layer_bytes(shape, plan.base_dtype, tb, rest)
-                                     if shard else 0))
+    if plan.loss_chunks:  # --loss-chunks K: one chunk's log-softmax and dlogits at a time, the
+        # head's input saved whole (the checkpoints'), its gradient gathered chunk by chunk
+        ct = -(-tok // min(plan.loss_chunks, tok))
+        head = tok * (F32 * 2 * h + 8) + ct * F32 * vocab
+        t_head = tok * F32 * h + ct * F32 * 2 * vocab
+    if zero == 3:  # a layer's unit and the prefetched one, while a layer runs (the dry run
+        # holds none of them during the head's backward: 8B Llama, --zero 3, base sharded)
+        layer += 2 * (F32 * a_layer + (base_layer_bytes(shape, plan.base_dtype, tb, rest)
+                                       if shard else 0))
     g_start = (grads_end if zero >= 2 else grads_full) if plan.micro_batches > 1 else 0.0
     # the head's backward (its saved tensors and dlogits) ends before the last layer's
     # backward (or its recompute) starts: the two are never live together
     start = (g_start, act + max(head + t_head, layer))
     # the end of backward: all the adapters' gradients, the first layer's activations only
     g_end = grads_full if zero < 2 else grads_end + 2 * min(4 * 2**20, F32 * A)
-    end = (g_end, tok * saved + deq + tok * temp)
+    end = (g_end, tok * saved + max(tok * temp, deq_live))
     g, ac = max(start, end, key=sum)
     static = sum(k.values())
     fwd = static + g + ac

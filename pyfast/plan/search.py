@@ -10,7 +10,10 @@ with error feedback; not powersgd under ZeRO), micro-batch sizes (powers of two 
 rank's batch; the count follows from global = dp x micro_batch x micro_batches), the schedules
 when pp > 1, ring or Ulysses attention when cp > 1, activation checkpointing on and off.
 
---finetune lora / qlora (finetune.py): LoRA plans instead, on dp-only meshes (mesh_plans).
+--finetune lora / qlora (finetune.py): LoRA plans instead, on dp-only meshes (mesh_plans),
+each without and with --loss-chunks LOSS_CHUNKS (the LM head and fp32 loss on chunks of the
+tokens: less memory, the head's forward again in backward). A chunked plan is kept only when
+the same plan unchunked does not fit: it is never faster, only smaller.
 
 Each is scored by memory.predict_memory; one over the GPU's memory is rejected with the amount
 and where; the rest by timing.predict_time, ranked by time to the target loss (step_s x
@@ -38,6 +41,10 @@ SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1")
 # they are equal): from this vocabulary up, tp splits the embedding and head, so tp divides it
 VOCAB_PARALLEL_MIN = 2048
 MAX_STAGES, MAX_MICROBATCHES = 256, 8192  # pyfast.parallel.p2p's (tag layout)
+# --loss-chunks of a chunked LoRA plan: at 8B Llama's vocabulary, 2 x 2048 tokens, the dry run's
+# peak is the same at 8 and 16 (bench/results/finetune_memory.txt): one chunk's logits are then
+# under a block's recompute
+LOSS_CHUNKS = 8
 
 
 @dataclass
@@ -151,11 +158,13 @@ def _lora_plans(work: Workload, dp: int, lora: int, base: str):
     for zero in zeros:
         for place in ("replicate", "shard") if zero == 3 else ("replicate",):
             for ac in (False, True):
-                group = [Plan(dp, 1, 1, 1, zero, "none", b, rows // b, "1f1b", ac, "ring",
-                              lora=lora, base_dtype=base, base_placement=place)
-                         for b in _sizes_of(rows)]
-                if group:
-                    yield group
+                for chunks in (0, LOSS_CHUNKS):
+                    group = [Plan(dp, 1, 1, 1, zero, "none", b, rows // b, "1f1b", ac, "ring",
+                                  lora=lora, base_dtype=base, base_placement=place,
+                                  loss_chunks=chunks)
+                             for b in _sizes_of(rows)]
+                    if group:
+                        yield group
 
 
 def _full_plans(shape: ModelShape, work: Workload, dp: int, cp: int, tp: int, pp: int):
@@ -229,6 +238,9 @@ def search(shape: ModelShape, work: Workload, cluster: Cluster, top: int = 10,
         dl = candidate(shape, work, cluster, search, cross_node)
         if dl is not None:
             fits.append(dl)
+    # a chunked loss only buys memory: keep a chunked plan when its unchunked twin does not fit
+    plain = {s.plan for s in fits if not s.plan.loss_chunks}
+    fits = [s for s in fits if not s.plan.loss_chunks or s.plan.replace(loss_chunks=0) not in plain]
     fits.sort(key=Scored.key)
     res.fitting = len(fits)
     seen = set()

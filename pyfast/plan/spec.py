@@ -132,6 +132,9 @@ class Plan:
     base_dtype: str = "none"
     base_placement: str = "replicate"
     lora_dropout: float = 0.0
+    # --loss-chunks K (pyfast.train.job.Job.chunked_loss): the LM head and the fp32 loss on K
+    # checkpointed chunks of the tokens; 0: off. The job refuses it with tp or pp > 1
+    loss_chunks: int = 0
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -175,6 +178,8 @@ class Plan:
                 f += ["--base-placement", self.base_placement]
             if self.lora_dropout:
                 f += ["--lora-dropout", f"{self.lora_dropout:g}"]
+        if self.loss_chunks:
+            f += ["--loss-chunks", str(self.loss_chunks)]
         return f
 
     @property

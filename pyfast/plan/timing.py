@@ -236,11 +236,19 @@ def _module_s(kind: str, params: list, shape: ModelShape, plan: Plan, work: Work
     if measured is not None:
         f, b = measured  # b includes the recompute under activation checkpointing
         rec = f if kind == "block" and plan.activation_checkpointing else 0.0
-        return scale * f, scale * (b - rec + extra), scale * rec
+        # --loss-chunks: each chunk's head and loss run again in backward (checkpointed)
+        return scale * f, scale * (b - rec + extra), scale * (rec + _head_rerun(kind, plan, f))
     mem = 3.0 * toks * shape.hidden * 4 / cluster.gpu.hbm_bps
     f = fwd_flops / rate + mem
     rec = f if kind == "block" and plan.activation_checkpointing else 0.0
-    return scale * f, scale * (BWD_PER_FWD * f + extra), scale * rec
+    return scale * f, scale * (BWD_PER_FWD * f + extra), \
+        scale * (rec + _head_rerun(kind, plan, f))
+
+
+def _head_rerun(kind: str, plan: Plan, f: float) -> float:
+    """The head's forward again in backward under --loss-chunks (Job.chunked_loss checkpoints
+    each chunk's head matmul and loss): its forward's seconds, else 0."""
+    return f if kind == "head" and plan.loss_chunks else 0.0
 
 
 def _lora_module_s(kind: str, params: list, shape: ModelShape, plan: Plan, work: Workload,
@@ -549,14 +557,17 @@ def _trainable(shape: ModelShape, plan: Plan, mods: list, work: Workload):
     """A LoRA plan's modules as the reduction sees them: each block's adapters (A r x in,
     B out x r per adapted Linear), nothing elsewhere; and, the base sharded under ZeRO 3, each
     unit's frozen bytes in their stored format (None otherwise)."""
-    from .finetune import REST, base_layer_bytes
+    from .finetune import REST, base_layer_bytes, head_weight_bytes
     r, tb = plan.lora, 4 if work.precision == "fp32" else 2
     ad = [x for i, o in shape.adapted_linears() for x in ((r * i, (r, i)), (o * r, (o, r)))]
     gmods = [(kind, ad if kind == "block" else []) for kind, _ in mods]
     if not (plan.zero == 3 and plan.base_placement == "shard"):
         return gmods, None
+    # the head's weight as the job stores it (bf16 under bf16: head_weight_bytes), the rest REST
+    hb = head_weight_bytes(work.precision)
     frozen = [base_layer_bytes(shape, plan.base_dtype, tb) if kind == "block" else
-              REST * sum(n for n, _ in ps) for kind, ps in mods]
+              sum((hb if kind == "head" and m else REST) * n for n, m in ps)
+              for kind, ps in mods]
     return gmods, frozen
 
 
