@@ -161,6 +161,8 @@ TINY = ["--model", "gpt-tiny", "--steps", "2", "--batch", "4", "--seq", "32"]
      " its Linear modules are named down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj"),
     (["--lora", "-1"], "--lora must be >= 1 (the adapter rank; 0: off), got -1"),
     (["--lora", "4", "--lora-alpha", "-2"], "--lora-alpha must be > 0"),
+    (["--lora", "4", "--lora-alpha", "0"], "--lora-alpha must be > 0 (the update's scale is "
+                                           "alpha / R; omitted: 2 R), got 0.0"),
     (["--lora", "4", "--lora-dropout", "1"], "--lora-dropout must be in [0, 1), got 1.0"),
     (["--lora", "4", "--lora-dropout", "-0.1"], "--lora-dropout must be in [0, 1), got -0.1"),
     (["--lora", "4", "--lora-targets", ","], "--lora-targets ',': no module name given"),
@@ -193,9 +195,9 @@ def _record(**flags):
                                "[4 x features] tensors: rank 8 is another set of adapters; "
                                "resume with --lora 4)"),
     ({"lora": 4}, {"lora": 4, "lora_alpha": 16},
-     "--lora-alpha: 0.0 in the checkpoint, 16 here (alpha / rank scales every adapter update: "
-     "the adapters trained at scale 2 would mean another update at 4; resume with "
-     "--lora-alpha 0.0)"),
+     "--lora-alpha: 2 R (its default) in the checkpoint, 16 here (alpha / rank scales every "
+     "adapter update: the adapters trained at scale 2 would mean another update at 4; resume "
+     "with --lora-alpha 8)"),
     ({"lora": 4, "lora_targets": "q_proj,v_proj"}, {"lora": 4},
      "--lora-targets: q_proj,v_proj in the checkpoint, all-linear here (the checkpoint's "
      "adapters sit on other modules than these flags would put them on; resume with "
@@ -210,7 +212,7 @@ def test_resume_refuses_another_lora_setup_and_says_why(saved, now, message):
 
 
 def test_resume_takes_an_alpha_given_as_its_default():
-    # --lora-alpha 0 means 2 R: a checkpoint of --lora 4 resumes with --lora-alpha 8
+    # no --lora-alpha means 2 R: a checkpoint of --lora 4 resumes with --lora-alpha 8
     refused, _ = resume_changes(TrainConfig(model="hf-llama-tiny", lora=4, lora_alpha=8.0),
                                 _record(lora=4))
     assert refused == []
@@ -364,7 +366,7 @@ def test_resume_is_bit_exact(runs):
     ({"lora": 0}, "--lora: 4 in the checkpoint, 0 here (the checkpoint holds LoRA adapters"),
     ({"lora_targets": "q_proj,v_proj"}, "--lora-targets: all-linear in the checkpoint, "
                                         "q_proj,v_proj here"),
-    ({"lora_alpha": 4.0}, "--lora-alpha: 0.0 in the checkpoint, 4.0 here"),
+    ({"lora_alpha": 4.0}, "--lora-alpha: 2 R (its default) in the checkpoint, 4.0 here"),
     ({"base_dtype": "bf16"}, "--base-dtype: none in the checkpoint, bf16 here"),
 ])
 def test_resume_of_the_checkpoint_with_other_lora_flags_is_refused(runs, flags, says):

@@ -31,18 +31,18 @@ GPT_ALL_LINEAR = ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")
 
 @dataclass(frozen=True)
 class LoraOptions:
-    """rank R >= 1; alpha > 0 (the update is scaled by alpha / R; default 2 R, torchtune's
+    """rank R >= 1; alpha > 0 (the update is scaled by alpha / R; None: 2 R, torchtune's
     and the QLoRA paper's ratio); targets: "all-linear" or module names (peft's matching: a
     name matches a module whose full name is it or ends with "." + it); dropout in [0, 1)."""
     rank: int
-    alpha: float = 0.0
+    alpha: float | None = None
     targets: str | tuple = "all-linear"
     dropout: float = 0.0
 
     def __post_init__(self):
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise ValueError(f"LoRA rank must be an integer >= 1, got {self.rank!r}")
-        if self.alpha == 0.0:
+        if self.alpha is None:
             object.__setattr__(self, "alpha", 2.0 * self.rank)
         if not self.alpha > 0:
             raise ValueError(f"LoRA alpha must be > 0, got {self.alpha!r}")

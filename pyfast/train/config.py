@@ -82,7 +82,7 @@ class TrainConfig:
     diloco_alpha: float = 0.0       # mixing of local and global parameters (0: take global)
     # LoRA fine-tuning (pyfast.models.lora, peft); check_lora
     lora: int = 0                   # adapter rank R; 0: a full fine-tune (every weight trains)
-    lora_alpha: float = 0.0         # the update's scale is alpha / R; 0: 2 R
+    lora_alpha: float | None = None  # the update's scale is alpha / R; None: 2 R
     lora_targets: str = "all-linear"  # all-linear or module names: q_proj,v_proj,...
     lora_dropout: float = 0.0
     base_dtype: str = "none"        # the frozen base's storage: none (as built), bf16, int8, nf4
@@ -310,7 +310,10 @@ def resume_changes(cfg: TrainConfig, record: dict, data: dict | None = None
     for k in mine:
         if k not in saved or saved[k] == mine[k] or k in ("resume", "allow_change"):
             continue
-        what = f"--{k.replace('_', '-')}: {saved[k]} in the checkpoint, {mine[k]} here"
+        shown = {w: ("2 R (its default)" if k == "lora_alpha" and v is None else v)
+                 for w, v in (("saved", saved[k]), ("mine", mine[k]))}
+        what = (f"--{k.replace('_', '-')}: {shown['saved']} in the checkpoint, {shown['mine']} "
+                "here")
         if k == "zero" and bool(saved[k]) != bool(mine[k]):
             refused.append(what + " (ZeRO checkpoints hold flat shards by FQN, the others whole "
                            "tensors: resume with zero on or off as saved)")
@@ -341,7 +344,7 @@ LORA_RESUME = ("lora", "lora_alpha", "lora_targets", "lora_dropout", "base_dtype
 
 def lora_resume_hint(k: str, saved: dict, mine: dict) -> str:
     """Why a LoRA flag may not change on --resume (resume_changes); "" when the change is none
-    (--lora-alpha 0 means 2 R: 0 and 2 R are the same run)."""
+    (no --lora-alpha means 2 R: it and an explicit 2 R are the same run)."""
     r0, r1 = saved.get("lora", 0), mine["lora"]
     if k == "lora":
         if not r1:
@@ -361,7 +364,7 @@ def lora_resume_hint(k: str, saved: dict, mine: dict) -> str:
         return "" if a0 == a1 else (f" (alpha / rank scales every adapter update: the "
                                     f"adapters trained at scale {a0 / r0:g} would mean "
                                     f"another update at {a1 / r1:g}; resume with "
-                                    f"--lora-alpha {saved[k]})")
+                                    f"--lora-alpha {a0:g})")
     if k == "lora_targets":
         return (" (the checkpoint's adapters sit on other modules than these flags would put "
                 f"them on; resume with --lora-targets {saved[k]})")
@@ -691,7 +694,7 @@ def add_lora_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     g.add_argument("--lora", type=int, default=d.lora, metavar="R",
                    help="train rank-R LoRA adapters on a frozen base (default 0: full fine-tune)")
     g.add_argument("--lora-alpha", type=float, default=d.lora_alpha,
-                   help="the adapters' update is scaled by alpha / R (default 0: 2 R)")
+                   help="the adapters' update is scaled by alpha / R (> 0; default 2 R)")
     g.add_argument("--lora-targets", default=d.lora_targets,
                    help="all-linear (every Linear of the layers, not the head) or module names: "
                         "q_proj,v_proj,...")
@@ -732,9 +735,9 @@ def check_lora(cfg: TrainConfig) -> None:
                               "and a full fine-tune has none (add --lora R)")
         return
     # each value named by its flag (LoraOptions' own checks, which lora_options reports too)
-    if cfg.lora_alpha < 0 or cfg.lora_alpha != cfg.lora_alpha:
-        raise ConfigError(f"--lora-alpha must be > 0 (the update's scale is alpha / R; 0: the "
-                          f"default 2 R), got {cfg.lora_alpha}")
+    if cfg.lora_alpha is not None and not cfg.lora_alpha > 0:  # NaN too
+        raise ConfigError(f"--lora-alpha must be > 0 (the update's scale is alpha / R; "
+                          f"omitted: 2 R), got {cfg.lora_alpha}")
     if not 0.0 <= cfg.lora_dropout < 1.0:
         raise ConfigError(f"--lora-dropout must be in [0, 1), got {cfg.lora_dropout}")
     if isinstance(cfg.lora_targets, str) and not cfg.lora_targets.replace(",", "").strip():
