@@ -321,8 +321,11 @@ def test_the_best_plans_command_runs(tmp_path, capsys):
     assert steps == [1, 2]
 
 
-def test_bench_plan_search_scores_10000_and_writes_the_docs_table(tmp_path):
+def test_bench_plan_search_scores_10000_and_writes_the_docs_table(tmp_path, monkeypatch):
     from pyfast.benchmarks import plan as B
+    # one of the benchmark's cases (each scores 16-20K configurations, ~7 s here): `pyfast
+    # bench plan` times all of them; the suite checks that the count holds
+    monkeypatch.setattr(B, "SEARCH_CASES", B.SEARCH_CASES[:1])
     res = B.run_search(1)
     assert all(r["configurations"] >= 10_000 for r in res["rows"])
     assert [B.kind(p) for p in (Plan(dp=8), Plan(dp=2, tp=8), Plan(2, 1, 4, 2),
