@@ -156,7 +156,7 @@ def test_constants_match_the_job():
 
 def test_ranking_is_by_time_to_target_then_memory(monkeypatch):
     """With a stand-in time model (a step falls with dp, compression costs extra steps), the
-    order is known: the fastest to the target first, ties by memory."""
+    order is known: the fastest to the target first, ties by memory (tie_band 0: no band)."""
     def fake_time(shape, plan, work, cluster):
         step = 1.0 / plan.dp + 0.1 * plan.pp + (0.01 if plan.activation_checkpointing else 0)
         factor = {"none": 1.0, "bf16": 1.0}.get(plan.compress, 1.3)
@@ -165,7 +165,7 @@ def test_ranking_is_by_time_to_target_then_memory(monkeypatch):
                 "tokens_per_s": work.tokens / step, "steps_factor": factor}
     monkeypatch.setattr(S, "predict_time", fake_time)
     res = S.search(shapes.preset("gpt-small"), Workload(64, 16, "fp32"), build(4, 4, "h100"),
-                   top=50)
+                   top=50, tie_band=0.0)
     keys = [s.key() for s in res.plans]
     assert keys == sorted(keys) and len(keys) == 50
     best = res.plans[0].plan

@@ -14,7 +14,7 @@ from . import shapes
 from .hardware import GPUS
 from .memory import predict_memory
 from .finetune import DEFAULT_RANK, FINETUNES
-from .search import GiB, Result, Scored, search
+from .search import TIE_BAND, GiB, Result, Scored, search
 from .spec import ModelShape, Workload, gpt_model_flag
 
 PLAN_KEYS = ("dp", "cp", "tp", "pp", "zero", "compress", "micro_batch", "micro_batches",
@@ -214,7 +214,11 @@ def why(s: Scored, best: Scored) -> str:
     if s is best:
         return "best: " + ", ".join(parts)
     loss = lost(s, best)
-    return (f"+{s.to_target_s / best.to_target_s - 1:.1%} vs #1"
+    d = s.to_target_s / best.to_target_s - 1
+    if d < 0:  # a tie (search.TIE_BAND) ranked #1 first as simpler or smaller
+        return (f"{d:.1%} vs #1 (a tie within {TIE_BAND:.0%}: #1 has fewer model-parallel "
+                "dimensions or less memory); " + ", ".join(parts))
+    return (f"+{d:.1%} vs #1"
             + (f" ({loss})" if loss else " (as fast, more memory)") + "; " + ", ".join(parts))
 
 

@@ -134,6 +134,8 @@ def build(gpus: int | None = None, gpus_per_node: int | None = None, gpu_name: s
     if gpu_name is not None:
         f["gpu"] = gpu(gpu_name)
     g = f.setdefault("gpu", GPUS["h100"])
+    if g.mfu is not None:  # the GPU's efficiency fitted on published runs (hardware.py)
+        f.setdefault("mfu", g.mfu)
     if intra_bw is not None:
         f["intra_bps"] = _bw(intra_bw, "--intra-bw")
     f.setdefault("intra_bps", g.intra_bps)

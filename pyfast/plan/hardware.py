@@ -3,6 +3,9 @@
 Sources of the GPU numbers (dense, no structured sparsity; per GPU):
 - h100 (SXM5): NVIDIA H100 datasheet: 80 GB HBM3 at 3.35 TB/s, 989 TFLOPS bf16/fp16, 67 fp32
   (non-tensor); NVLink 4: 900 GB/s bidirectional, 450 GB/s each way.
+- h100-hbm2e: the H100 of Meta's Grand Teton hosts that torchtitan's published runs used
+  (its benchmarks/llama3_h100_202412_torchtitan.md): 96 GB HBM2e at 2.4 TB/s, 500 W; its
+  peak FLOP/s lie "between SXM and NVL" (835-989 TFLOPS bf16): 989 as that page's MFU uses.
 - h200 (SXM): NVIDIA H200 datasheet: 141 GB HBM3e at 4.8 TB/s; compute and NVLink as H100.
 - a100-80gb / a100-40gb (SXM4): NVIDIA A100 datasheet: 312 TFLOPS bf16, 19.5 fp32; HBM2e
   2.039 TB/s (80 GB), HBM2 1.555 TB/s (40 GB); NVLink 3: 600 GB/s bidirectional.
@@ -38,10 +41,12 @@ class Gpu:
     hbm_bps: float         # memory bandwidth, bytes/s
     intra_bps: float       # to a peer in the same node, one way, bytes/s
     measured: bool = False  # numbers timed on this machine (--measure), not a datasheet
+    mfu: float | None = None  # fitted on published runs (FITTED below); None: MFU, assumed
 
 
 GPUS = {
     "h100": Gpu("h100", 81559 * MiB, 989e12, 67e12, 3.35e12, 450 * GB),
+    "h100-hbm2e": Gpu("h100-hbm2e", 96 * 1024 * MiB, 989e12, 67e12, 2.4e12, 450 * GB),
     "h200": Gpu("h200", 143771 * MiB, 989e12, 67e12, 4.8e12, 450 * GB),
     "a100-80gb": Gpu("a100-80gb", 81920 * MiB, 312e12, 19.5e12, 2.039e12, 300 * GB),
     "a100-40gb": Gpu("a100-40gb", 40960 * MiB, 312e12, 19.5e12, 1.555e12, 300 * GB),

@@ -17,7 +17,8 @@ the same plan unchunked does not fit: it is never faster, only smaller.
 
 Each is scored by memory.predict_memory; one over the GPU's memory is rejected with the amount
 and where; the rest by timing.predict_time, ranked by time to the target loss (step_s x
-steps_factor: a lossy compressor's extra steps), ties by memory. Pruning: a larger micro-batch
+steps_factor: a lossy compressor's extra steps); plans within TIE_BAND of each other are a
+tie, ranked by fewer model-parallel dimensions, then less memory (prefer_simple). Pruning: a larger micro-batch
 than one that does not fit is not scored (activations grow with it, everything else is equal).
 """
 from __future__ import annotations
@@ -45,6 +46,36 @@ MAX_STAGES, MAX_MICROBATCHES = 256, 8192  # pyfast.parallel.p2p's (tag layout)
 # peak is the same at 8 and 16 (bench/results/finetune_memory.txt): one chunk's logits are then
 # under a block's recompute
 LOSS_CHUNKS = 8
+
+
+# Plans whose times to the target are within this fraction of each other are a tie: the
+# planner cannot tell them apart. Its error on the published GPU runs it did not fit
+# (bench/results/plan_published.txt, pyfast/benchmarks/plan_published.py: the held-out cases'
+# median |error| of tokens/s) is 5-10%; between two plans of one model on one cluster the
+# shared constants (efficiency, link) cancel, so half of that: 5%.
+TIE_BAND = 0.05
+
+
+def mp_dims(plan) -> int:
+    """How many model-parallel dimensions (cp, tp, pp) a plan splits the model over."""
+    return sum(d > 1 for d in (plan.cp, plan.tp, plan.pp))
+
+
+def prefer_simple(ranked: list, band: float) -> list:
+    """`ranked` (fastest first) regrouped: from the fastest plan left, every plan within `band`
+    of it is one tie group, ordered by fewer model-parallel dimensions, then less memory, then
+    time; the next group starts at the first plan beyond the band. Each plan of a group is
+    within `band` of every other (all are within it of the group's fastest)."""
+    out, i = [], 0
+    while i < len(ranked):
+        edge = ranked[i].to_target_s * (1.0 + band)
+        j = i
+        while j < len(ranked) and ranked[j].to_target_s <= edge:
+            j += 1
+        j = max(j, i + 1)
+        out += sorted(ranked[i:j], key=lambda s: (mp_dims(s.plan), s.peak, s.to_target_s))
+        i = j
+    return out
 
 
 @dataclass
@@ -197,13 +228,15 @@ def _full_plans(shape: ModelShape, work: Workload, dp: int, cp: int, tp: int, pp
 def search(shape: ModelShape, work: Workload, cluster: Cluster, top: int = 10,
            cross_node: bool = False, rejected: int | None = None,
            distinct: bool = True, diloco: bool = False, finetune: str = "full",
-           lora_rank: int = DEFAULT_RANK) -> Result:
+           lora_rank: int = DEFAULT_RANK, tie_band: float | None = None) -> Result:
     """Score every plan (module doc); the top `top` that fit (distinct: leaving out a plan that
     scores as one already listed, to 0.1%) and up to `rejected` (default top) rejected
     examples: per mesh and ZeRO stage with nothing that fits, its smallest plan. diloco: on
     several nodes, rank a DiLoCo candidate too (plan/diloco.py; `pyfast plan` asks for it).
     finetune: full, lora or qlora (finetune_variants; auto is cli.py's: one kind after the
-    other), lora_rank the adapters' rank."""
+    other), lora_rank the adapters' rank. tie_band: plans within it of the fastest are ranked
+    simplest first (prefer_simple; default TIE_BAND, 0 ranks by time alone)."""
+    tie_band = TIE_BAND if tie_band is None else tie_band
     variants = finetune_variants(finetune, work, lora_rank)
     t0 = time.perf_counter()
     cap = cluster.gpu.memory_bytes
@@ -241,7 +274,7 @@ def search(shape: ModelShape, work: Workload, cluster: Cluster, top: int = 10,
     # a chunked loss only buys memory: keep a chunked plan when its unchunked twin does not fit
     plain = {s.plan for s in fits if not s.plan.loss_chunks}
     fits = [s for s in fits if not s.plan.loss_chunks or s.plan.replace(loss_chunks=0) not in plain]
-    fits.sort(key=Scored.key)
+    fits = prefer_simple(sorted(fits, key=Scored.key), tie_band)
     res.fitting = len(fits)
     seen = set()
     for s in fits:  # the top N distinct: a plan scoring as one listed (to 0.1%) is a tie
