@@ -1,0 +1,69 @@
+"""ZeRO's reduce-scatters and parameter all-gathers in the time model (pyfast.plan.timing)."""
+from __future__ import annotations
+
+from .spec import Plan
+from .hardware import Cluster
+from .timing_link import Link
+from .timing_reduce import DENSE_BYTES, _buckets, _codec, _fifo
+
+
+def _zero(plan: Plan, mods: list, link: Link, cluster: Cluster, body: float,
+          mod_s, frozen: list | None = None) -> tuple[float, float]:
+    """(comm seconds, exposed seconds) of ZeRO's reduce-scatters and parameter all-gathers.
+    Reduce-scatter of n elements ~ an all-to-all of its (compressed) buffer; stage 3's
+    all-gathers carry param_compress's payload, stages 1-2's exact fp32 after the step."""
+    w = link.world
+    name, _, arg = plan.compress.partition(":")
+    if name == "powersgd":
+        raise ValueError(f"--zero {plan.zero} with --compress {plan.compress}: the job's "
+                         "reduce-scatter takes a compressor that works on a shard, not powersgd")
+    # top-k/random-k select within each rank's segment: value + index per kept element
+    gbytes = 4.0 if name == "none" else 8.0 * float(arg) if name in ("topk", "randomk") \
+        else DENSE_BYTES[name]
+    pbytes = 4.0 if plan.param_compress == "none" else DENSE_BYTES[plan.param_compress]
+
+    def rs(n):
+        enc, dec = _codec(plan.compress, n, cluster)
+        return link.seconds("all_to_all", gbytes * n) + enc + dec
+
+    def ag(n, by):
+        enc, dec = _codec("none" if by == 4.0 else plan.param_compress, n / w, cluster)
+        return link.seconds("all_gather", by * n / w) + enc + w * dec
+
+    if plan.zero < 3:
+        bks = _buckets(mods, False)
+        red = [rs(n) for n, _, _ in bks]
+        gat = sum(ag(n, 4.0) for n, _, _ in bks)
+        if plan.zero == 1:  # at the step, after backward
+            return sum(red) + gat, sum(red) + gat
+        # stage 2: as DataParallel's buckets during the last backward (ready ~ evenly spread)
+        bwd = [mod_s(k, ps) for k, ps in mods]
+        tb = sum(x[1] + x[2] for x in bwd)
+        t, done = body - tb, {}
+        for i in reversed(range(len(mods))):
+            t += bwd[i][1] + bwd[i][2]
+            done[i] = t
+        end = _fifo([done[i] for _, _, i in bks], red)
+        return sum(red) + gat, max(0.0, end - body) + gat
+    # stage 3: one unit per module; gathers one ahead of compute on the FIFO, forward and
+    # backward, reduce-scatters behind each unit's backward
+    units = [sum(n for n, _ in ps) for _, ps in mods]
+    times = [mod_s(k, ps) for k, ps in mods]
+    base = frozen or [0.0] * len(units)
+    comm_free, t, total = 0.0, 0.0, 0.0
+    for micro in range(plan.micro_batches):
+        for order, phase in ((range(len(units)), 0), (reversed(range(len(units))), 1)):
+            for i in order:
+                g = ag(units[i], pbytes) + (link.seconds("all_gather", base[i] / w)
+                                            if base[i] else 0.0)
+                total += g
+                comm_free = max(comm_free, t - (times[i - 1][phase] if i else 0.0)) + g
+                # the unit waits on its gather's handle: a blocking wait after the last unit
+                t = max(t, comm_free) + link.wake(times[i - 1][phase] if i else 0.0) + \
+                    (times[i][0] if phase == 0 else times[i][1] + times[i][2])
+                if phase == 1 and micro == plan.micro_batches - 1:
+                    rsi = rs(units[i])
+                    total += rsi
+                    comm_free = max(comm_free, t) + rsi
+    comp = plan.micro_batches * sum(x[0] + x[1] + x[2] for x in times)
+    return total, max(0.0, max(t, comm_free) - comp)
