@@ -27,6 +27,8 @@ BENCHMARKS = {
     "plan_finetune": "the planner's LoRA/QLoRA memory: 8B-shaped table, torchtune's figures, "
                      "the dry run",
     "plan_time": "the planner's step-time model vs measured pyfast train runs on 3 links",
+    "plan_published": "the planner's GPU tokens/s and memory vs published runs (torchtitan "
+                      "8B-405B on 8-512 H100, 64 A100): fitted constants, held-out errors",
     "data": "pyfast data prepare's MB/s (1 vs 2 workers, bytes and BPE), data vs compute per "
             "step, RSS vs corpus size",
     "diloco": "DiLoCo / Streaming DiLoCo vs data parallelism on 100 Mbit/s and 1 Gbit/s links: "

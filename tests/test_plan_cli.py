@@ -184,7 +184,8 @@ def test_json_schema_and_the_best_first(capsys):
         assert p["command"].startswith("pyfast train --model gpt-tiny ")
         assert p["command"].endswith("--nproc 2")
     steps = [p["step_s"] for p in d["plans"]]
-    assert steps[0] == min(steps)
+    # the best within the tie band of the fastest (S.TIE_BAND: a tie goes to the simpler plan)
+    assert steps[0] <= min(steps) * (1 + S.TIE_BAND)
 
 
 def test_rejected_plans_say_how_much_memory_and_where(capsys):

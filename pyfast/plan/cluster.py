@@ -136,6 +136,8 @@ def build(gpus: int | None = None, gpus_per_node: int | None = None, gpu_name: s
     g = f.setdefault("gpu", GPUS["h100"])
     if g.mfu is not None:  # the GPU's efficiency fitted on published runs (hardware.py)
         f.setdefault("mfu", g.mfu)
+    if g.attn_mfu is not None:
+        f.setdefault("attn_mfu", g.attn_mfu)
     if intra_bw is not None:
         f["intra_bps"] = _bw(intra_bw, "--intra-bw")
     f.setdefault("intra_bps", g.intra_bps)

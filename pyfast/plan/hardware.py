@@ -41,15 +41,31 @@ class Gpu:
     hbm_bps: float         # memory bandwidth, bytes/s
     intra_bps: float       # to a peer in the same node, one way, bytes/s
     measured: bool = False  # numbers timed on this machine (--measure), not a datasheet
-    mfu: float | None = None  # fitted on published runs (FITTED below); None: MFU, assumed
+    mfu: float | None = None       # fitted on published runs (below); None: MFU, assumed
+    attn_mfu: float | None = None  # attention's (flash) efficiency, fitted; None: mfu's
 
+
+# Efficiencies fitted on published runs by pyfast.plan.published.fit() (`pyfast bench
+# plan_published`, bench/results/plan_published.txt; each fitted on one run, every other run
+# held out): matmuls (and everything else but attention) at H100_MFU of the datasheet's bf16
+# peak on torchtitan's Llama 3.1 8B, 8 H100, FSDP, seq 8,192, 5,762 tokens/s a GPU (Table 1);
+# attention at H100_ATTN on its seq 32,768 run (Table 2, FSDP 8, CP 1, 3,890); A100_MFU on
+# torchtitan's Llama 3 8B on 64 A100, selective op recompute, 2,973 (docs/performance.md).
+# The H100 runs were at 500 W: a 700 W SXM H100 or an H200 runs faster than this says (the
+# held-out H200 run: 23% faster than predicted).
+H100_MFU, H100_ATTN, A100_MFU = 0.391, 0.212, 0.595
 
 GPUS = {
-    "h100": Gpu("h100", 81559 * MiB, 989e12, 67e12, 3.35e12, 450 * GB),
-    "h100-hbm2e": Gpu("h100-hbm2e", 96 * 1024 * MiB, 989e12, 67e12, 2.4e12, 450 * GB),
-    "h200": Gpu("h200", 143771 * MiB, 989e12, 67e12, 4.8e12, 450 * GB),
-    "a100-80gb": Gpu("a100-80gb", 81920 * MiB, 312e12, 19.5e12, 2.039e12, 300 * GB),
-    "a100-40gb": Gpu("a100-40gb", 40960 * MiB, 312e12, 19.5e12, 1.555e12, 300 * GB),
+    "h100": Gpu("h100", 81559 * MiB, 989e12, 67e12, 3.35e12, 450 * GB, mfu=H100_MFU,
+                attn_mfu=H100_ATTN),
+    "h100-hbm2e": Gpu("h100-hbm2e", 96 * 1024 * MiB, 989e12, 67e12, 2.4e12, 450 * GB,
+                      mfu=H100_MFU, attn_mfu=H100_ATTN),
+    "h200": Gpu("h200", 143771 * MiB, 989e12, 67e12, 4.8e12, 450 * GB, mfu=H100_MFU,
+                attn_mfu=H100_ATTN),
+    "a100-80gb": Gpu("a100-80gb", 81920 * MiB, 312e12, 19.5e12, 2.039e12, 300 * GB,
+                     mfu=A100_MFU),
+    "a100-40gb": Gpu("a100-40gb", 40960 * MiB, 312e12, 19.5e12, 1.555e12, 300 * GB,
+                     mfu=A100_MFU),
     "l40s": Gpu("l40s", 46068 * MiB, 362e12, 91.6e12, 864 * GB, 32 * GB),
     "l4": Gpu("l4", 23034 * MiB, 121e12, 30.3e12, 300 * GB, 25 * GB),
     "rtx4090": Gpu("rtx4090", 24564 * MiB, 165.2e12, 82.6e12, 1008 * GB, 25 * GB),
@@ -58,9 +74,9 @@ GPUS = {
     "cpu": Gpu("cpu", 24 * 1024 * MiB, 50e9, 50e9, 10 * GB, 2 * GB),
 }
 
-# Achieved fraction of peak FLOP/s for transformer layers at a good shape (Megatron-LM reports
-# 40-52% MFU on A100/H100 for 7B-175B GPTs; Llama 3 405B: 38-43% on H100): 0.45, scaled down for
-# small matmuls by compute.efficiency(). Measured plans (--measure, --calibrate) replace it.
+# Achieved fraction of peak FLOP/s for a GPU no published run here covers (l40s, l4, rtx4090,
+# mi300x): assumed, not fitted (Megatron-LM reports 40-52% MFU on A100/H100 for 7B-175B GPTs;
+# Llama 3 405B: 38-43% on H100). Measured plans (--measure, --calibrate) replace it.
 MFU = 0.45
 # per-message latency of a collective step: NVLink ~5 us (NCCL's small-message all-reduce
 # within a DGX H100 node is ~10 us for 2 steps), InfiniBand/RoCE ~10 us, TCP ~50 us
@@ -78,6 +94,7 @@ class Cluster:
     intra_latency_s: float = INTRA_LATENCY_S
     inter_latency_s: float = INTER_LATENCY_S
     mfu: float = MFU
+    attn_mfu: float | None = None    # attention's efficiency (timing_compute.attention_s)
     calibration: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):

@@ -32,7 +32,8 @@ from __future__ import annotations
 from .hardware import Cluster
 from .spec import ModelShape, Plan, Workload
 from .timing_compute import (BWD_PER_FWD, VOCAB_PARALLEL_MIN, _block_params,  # noqa: F401
-                             _compute_scale, _modules, _module_s, compute_key)
+                             _compute_scale, _modules, _module_s, attention_s, compute_key)
+from .timing_cp import ring_steps
 from .timing_link import SMALL_BYTES, Link, _cpu_link  # noqa: F401
 from .timing_reduce import (ALLGATHER_MAX_BYTES, BUCKET_MB, DENSE_BYTES,  # noqa: F401
                             FIRST_BUCKET_MB, NONE_BUCKET_MB, REL_ERROR, STEPS_PER_ERROR,
@@ -98,6 +99,12 @@ def _predict(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster,
                 "all_to_all", toks * shape.hidden // plan.tp * act)
         cp_cpu += 2 * (plan.cp - 1) * lo.wake(bf / 2) if plan.cp_method != "ulysses" else \
             4 * (lo.wake(bf / 4) + lo.wake(bb / 4))
+    ring_cp = (0.0, 0.0)
+    if plan.cp > 1 and plan.cp_method != "ulysses" and not cp_measured:
+        rf, rb = ring_steps(shape, plan, work, cp_link, act,
+                            attention_s(shape, plan, work, cluster)[1], cluster.gpu.hbm_bps)
+        ring_cp = (rf + (plan.cp - 1) * cp_link.wake(bf / 2),
+                   rb + (plan.cp - 1) * cp_link.wake(bb / 2))
     for st in range(p):
         mods = _modules(shape, plan, st)
         f = b = r = tpc = cpc = 0.0
@@ -109,12 +116,11 @@ def _predict(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster,
                     tpc += tp_f + tp_b + (tp_f if plan.activation_checkpointing else 0.0)
                 if plan.cp > 1 and cp_measured:  # the block's timing holds loopback's traffic
                     cpc += max(0.0, cp_f + cp_b - cp_cpu)
-                elif plan.cp > 1:
-                    ring = plan.cp_method != "ulysses"
-                    hide = (mf * 0.3 if ring else 0.0)  # attention's share of the block
-                    cpc += max(0.0, cp_f - hide) + max(0.0, cp_b - 2 * hide)
-                    if plan.activation_checkpointing:
-                        cpc += max(0.0, cp_f - hide)
+                elif plan.cp > 1 and plan.cp_method == "ulysses":  # blocking all-to-alls
+                    cpc += cp_f + cp_b + (cp_f if plan.activation_checkpointing else 0.0)
+                elif plan.cp > 1:  # ring: per step a latency, what attention does not hide
+                    rf, rb = ring_cp
+                    cpc += rf + rb + (rf if plan.activation_checkpointing else 0.0)
         stages.append((mods, f, b, r, tpc, cpc))
     per_mb = [f + b + r + tpc + cpc for _, f, b, r, tpc, cpc in stages]
     slow = max(range(p), key=lambda i: per_mb[i])

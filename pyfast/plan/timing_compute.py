@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from .hardware import Cluster
 from .spec import ModelShape, Plan, Workload
+from .timing_cp import block_efficiency, causal_efficiency
 
 VOCAB_PARALLEL_MIN = 2048              # pyfast.models.gpt: smaller vocabularies stay whole on tp
 BWD_PER_FWD = 2.0                      # backward = 2 forwards of matmul FLOPs (uncalibrated)
@@ -60,11 +61,10 @@ def _module_s(kind: str, params: list, shape: ModelShape, plan: Plan, work: Work
     rate = cal.get("flops_s") or peak * cluster.mfu
     matmul = sum(n for n, m in params if m)
     fwd_flops = 2.0 * matmul * toks
-    extra = 0.0  # cp: attention over the other ranks' keys, beyond the local causal block
+    own = extra = 0.0  # attention: the local causal block's forward; cp's other blocks' f + b
     if kind == "block":
-        hl = shape.hidden // plan.tp
-        fwd_flops += 2.0 * hl * work.seq / plan.cp * toks  # causal: QK^T + AV over s/2 keys
-        extra = 2.0 * hl * (work.seq - work.seq / plan.cp) * toks * (1 + BWD_PER_FWD) / rate
+        own, off = attention_s(shape, plan, work, cluster)
+        extra = off * (1 + BWD_PER_FWD)
     if kind == "embed":  # a gather: memory-bound, ~3 passes over the activations
         fwd_flops = 0.0
     measured = cal.get("compute", {}).get(compute_key(kind, plan, work))
@@ -78,10 +78,35 @@ def _module_s(kind: str, params: list, shape: ModelShape, plan: Plan, work: Work
         # --loss-chunks: each chunk's head and loss run again in backward (checkpointed)
         return scale * f, scale * (b - rec + extra), scale * (rec + _head_rerun(kind, plan, f))
     mem = 3.0 * toks * shape.hidden * 4 / cluster.gpu.hbm_bps
-    f = fwd_flops / rate + mem
+    f = fwd_flops / rate + own + mem
     rec = f if kind == "block" and plan.activation_checkpointing else 0.0
     return scale * f, scale * (BWD_PER_FWD * f + extra), \
         scale * (rec + _head_rerun(kind, plan, f))
+
+
+def attention_s(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster
+                ) -> tuple[float, float]:
+    """(the local causal block's, the other cp blocks') forward attention seconds of one
+    micro-batch through one block: QK^T + AV, 4 x head dims FLOPs a (query, key) pair; causal
+    over s/2 keys a query on average; zigzag keeps every rank's share equal. At a datasheet
+    rate: the GPU's attention efficiency (hardware.Gpu.attn_mfu, fitted on torchtitan's
+    32,768-token run) and the kernel's on short blocks (timing_cp); a measured CPU rate
+    (calibration flops_s) stands for both."""
+    toks = plan.micro_batch * work.seq // plan.cp
+    hl, s_loc = shape.hidden // plan.tp, work.seq / plan.cp
+    cal = cluster.calibration
+    peak = cluster.gpu.flops_32 if work.precision == "fp32" else cluster.gpu.flops_16
+    if cal.get("flops_s"):
+        rate, own_eff, off_eff = cal["flops_s"], 1.0, 1.0
+    else:
+        rate = peak * (cluster.attn_mfu or cluster.mfu)
+        # zigzag's off-diagonal blocks: all queries x half the keys, or half the queries x
+        # all the keys (ring_attention.visible): s_loc / 2 or s_loc keys a query tile walks
+        own_eff = causal_efficiency(s_loc)
+        off_eff = (block_efficiency(s_loc / 2) + block_efficiency(s_loc)) / 2
+    own = 2.0 * hl * s_loc * toks / (rate * own_eff)
+    off = 2.0 * hl * (work.seq - s_loc) * toks / (rate * off_eff)
+    return own, off
 
 
 def _head_rerun(kind: str, plan: Plan, f: float) -> float:
