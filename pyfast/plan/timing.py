@@ -12,8 +12,8 @@ predict_time(shape, plan, work, cluster) -> {"step_s", "compute_s", "comm_s", "e
 The step, as the job runs it (1 rank; `m` micro-batches of `micro_batch` sequences, seq/cp tokens
 each): forward + backward of each micro-batch through this stage's modules (embedding, blocks,
 head + loss), with tp's all-reduces inside (blocking: 2 per block forward, 2 backward, 2 more in
-a recomputed forward), cp's ring K/V exchange (overlapped with the attention it feeds) or
-Ulysses' all-to-alls (blocking), pp's activations and gradients between stages plus the bubble;
+a recomputed forward), cp's ring K/V exchange (per step a latency, the transfer the step's
+attention does not hide and the merge: timing_cp.py) or Ulysses' all-to-alls (blocking), pp's activations and gradients between stages plus the bubble;
 then the dp x cp gradient reduction: DataParallel's buckets (first 1 MB, then 4 MB, in reverse
 registration order; top-k and PowerSGD per parameter) reduced in order on one communication
 thread while the last micro-batch's backward runs (after the pipeline when pp > 1), each bucket
