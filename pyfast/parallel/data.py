@@ -135,6 +135,8 @@ class DataParallel(nn.Module):
         broadcast_state(module, self._comm)
         usable = [C.get(s) for s in AUTO_CANDIDATES] if self.auto else [self.compressor]
         align = math.lcm(*(c.block for c in usable))
+        # auto settled on "none" everywhere, at the default size: none's buckets (_rebucket)
+        self._regroup, self._settled = self.auto and bucket_mb is None, None
         if bucket_mb is None:  # 4 MB; DDP's 25 for compressor none (comm.buckets)
             bucket_mb = default_bucket_mb("auto" if self.auto else base.spec)
         self.bucketer = Bucketer(named, bucket_mb, self._launch, enabled=overlap, align=align,
@@ -166,7 +168,15 @@ class DataParallel(nn.Module):
         self._skipped = False  # None: the last reduction's verdict is read on demand
 
     def _compressors(self) -> list:
+        if self._settled is not None:
+            return [self._settled]
         return list(self.selector.made.values()) if self.selector else [self.compressor]
+
+    def _pick(self, bucket):
+        """The compressor that reduces `bucket` this step."""
+        if self._settled is not None:
+            return self._settled
+        return self.selector.compressor(bucket) if self.selector else self.compressor
 
     def _native(self, engine: str, device) -> bool:
         """Whether the native engine reduces the buckets; ValueError if it was asked for and
@@ -196,7 +206,7 @@ class DataParallel(nn.Module):
             self._band.begin()
         if not self._bare:
             self._band.mark_used(bucket.index, bucket.params)
-        c = self.selector.compressor(bucket) if self.selector else self.compressor
+        c = self._pick(bucket)
         # a block quantizer carries NaN/Inf through to every rank: checked after (comm.guard)
         fold = bucket.extra["fold"] = not self._through and self._guard.folds(c)
         ok = self._through or fold or self._guard.local_ok(bucket.flat)
@@ -213,7 +223,7 @@ class DataParallel(nn.Module):
         (default: this DataParallel's); returns a handle with wait() and `seconds` (what
         compressor="auto" measures)."""
         if c is None:
-            c = self.selector.compressor(bucket) if self.selector else self.compressor
+            c = self._pick(bucket)
         if self.engine_kind[bucket.index] == "native":
             return self._engine.all_reduce(bucket.flat, c, op=op, name=bucket.name)
         if c.per_tensor:  # a matrix to factor, a selection: each parameter alone
@@ -276,6 +286,27 @@ class DataParallel(nn.Module):
         if self.selector.fixed and self.world > 1:
             for b, spec in zip(self.bucketer.buckets, self.selector.choice):
                 b.scale = 1.0 / self.world if spec == "none" else None
+            if self._regroup and all(spec == "none" for spec in self.selector.choice):
+                self._regroup = "next"  # at the next forward: backward's hooks are done
+
+    def _rebucket(self) -> None:
+        """auto settled on "none" everywhere at the default bucket size: regroup into compressor
+        none's buckets (DDP's 25 MB), reduced as none reduces them. gpt-small, 2 ranks on this
+        2-core EPYC's loopback, batch 2, under load: 10 collectives a step against 3, and
+        auto's process CPU a rank-step +6 to +24 ms over none's (288-358 ms); auto at 25 MB
+        buckets -4 (issue 32)."""
+        old, dev = self.bucketer, self._params[0].device
+        old.close()
+        self._settled = self.selector.made["none"]
+        self.selector.buckets = []  # its choice stays (the checkpoint's); the old flats go
+        self.bucketer = Bucketer(self._named, default_bucket_mb("none"), self._launch,
+                                 enabled=self.overlap, views=old.views)
+        self.bucketer.scale, self._sum = 1.0 / self.world, True
+        self._through = self._guard.passes_through()
+        buckets = self.bucketer.buckets
+        self.engine_kind = [self.engine] * len(buckets)
+        self._band = SideBand([len(b.params) for b in buckets], len(buckets), dev)
+        self._regroup = False
 
     @property
     def last_wait_s(self) -> float:
@@ -332,6 +363,8 @@ class DataParallel(nn.Module):
         or ended under no_sync(). Same result as the reduction a synced backward does. `last_wait_s` is the time spent
         here (nothing overlaps this call: it launches and waits for every bucket)."""
         self._check_usable()
+        if self._regroup == "next":
+            self._rebucket()
         self.bucketer.arm(self._finish)
         self.bucketer.flush()
 
@@ -360,6 +393,8 @@ class DataParallel(nn.Module):
         if torch.is_grad_enabled() and self._sync:
             if self.broadcast_buffers and not self._bare:
                 self._sync_buffers()
+            if self._regroup == "next":
+                self._rebucket()
             self.bucketer.arm(self._finish)
         else:
             self.bucketer.disarm()
