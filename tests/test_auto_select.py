@@ -1,6 +1,6 @@
 """compressor="auto"'s decision protocol (pyfast.comm.auto.AutoSelector) with scripted bucket
 and step times: fp16 warm-up, one step of every bucket uncompressed; "none" everywhere when
-halving the bytes did not make the step faster, else the predicted picks, then each bucket's
+halving the bytes did not make the step faster or little of it was exposed, else the predicted picks, then each bucket's
 fastest of its pick, fp16 and none as measured. One process on torch's `fake` group (world 2:
 the agreements return this rank's own values)."""
 from types import SimpleNamespace
@@ -56,12 +56,22 @@ def test_none_everywhere_when_halving_the_bytes_did_not_pay(steps, monkeypatch):
     assert sel.choice == ["none"] * 3
 
 
+def test_none_everywhere_when_little_of_the_step_was_exposed(steps, monkeypatch):
+    sel = AutoSelector(_buckets(3), None, error_feedback=True)
+    monkeypatch.setattr(sel, "_decide", lambda: pytest.fail("no codec is timed"))
+    _warm(sel, steps, 1.0)
+    steps.append(2.0)  # the 16-bit step looked twice as fast (noise, on a loaded machine) ...
+    sel.after_step([0.5, 3.0, 1.0], lambda: 0.19)  # ... but under 10% of the step was exposed
+    assert sel.fixed and sel.choice == ["none"] * 3
+    assert "190.0 of it exposed" in sel.report[0]["why"]
+
+
 def test_picks_then_the_fastest_measured(steps):
     sel = AutoSelector(_buckets(3), None, error_feedback=True)
     _warm(sel, steps, 1.0)
     steps.append(2.0)  # uncompressed took twice the 16-bit step: the link matters
-    sel.after_step([0.5, 3.0, 1.0])  # none: bucket 0 faster than fp16, 1 slower, 2 equal
-    assert not sel.fixed
+    sel.after_step([0.5, 3.0, 1.0], lambda: 0.2)  # none: bucket 0 faster than fp16, 1 slower,
+    assert not sel.fixed  # 2 equal; 10% of the step exposed: a codec may pay
     picks = list(sel.choice)
     assert all(r["pick"] == p for r, p in zip(sel.report, picks))
     steps.append(1.0)

@@ -276,7 +276,8 @@ class DataParallel(nn.Module):
                 self._wait = time.perf_counter() - t0
         if self.selector is not None and len(done) == len(self.bucketer.buckets) \
                 and not self.selector.fixed:
-            self.selector.after_step([b.extra["seconds"] for b in done])
+            self.selector.after_step([b.extra["seconds"] for b in done],
+                                     lambda: self.last_wait_s)
             self._settle_auto()
 
     def _settle_auto(self) -> None:
