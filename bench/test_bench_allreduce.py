@@ -99,3 +99,15 @@ def test_unavailable_link_is_a_skip_row(monkeypatch):
     res = allreduce.run(worlds=(2,), links=("1gbit",), numel=1024, specs=["none"], repeats=1)
     assert res["rows"] == [{"world": 2, "link": "1gbit", "skipped": netns.unavailable()}]
     assert res["rows"][0]["skipped"].startswith("emulated links need root and iproute2")
+
+
+def test_summary_holds_each_spec_to_its_floor_bar():
+    """int8 within 25% of its link floor (issue 3), top-k within 1.5x (issue 25's bar): a row at
+    1.3x its floor meets top-k's and misses int8's."""
+    def row(spec, median):
+        return {"world": 2, "link": "1gbit", "spec": spec, "median_s": median, "floor_s": 1.0}
+    res = {"rows": [row("none", 40.0), row("fp16", 20.0), row("int8", 1.3), row("topk:0.01", 1.3)]}
+    lines = allreduce.targets(res)
+    assert "met    W=2 topk:0.01: 1.30x its floor (target <= 1.5x)" in lines
+    assert "MISSED W=2 int8: 1.30x its floor (target <= 1.25x)" in lines
+    assert "met    W=2 topk:0.01 vs none: 30.77x (target 15x)" in lines

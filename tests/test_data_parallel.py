@@ -412,3 +412,41 @@ def test_native_engine_matches_python_path_bitwise(world):
         assert "engine='native' does not run" in msg and "engine='python'" in msg, (spec, msg)
     assert set(o["auto topk"]) == {"python"}
     assert "closed" in o["after close"], o["after close"]
+
+
+def _auto_settled_on_none(rank, world):
+    """auto fixed at "none" everywhere (a checkpoint's state) against compressor "none", both
+    engines: averaged on the way in and summed, as "none" does; bit-identical at W=2. With
+    its own bucket size its buckets stay; at the default size none's buckets replace them at
+    the next forward."""
+    from pyfast.parallel.data import DataParallel
+    out = {}
+    for engine, mb in (("native", 0.001), ("python", 0.001), ("native", None)):
+        ref = DataParallel(model(), "none", bucket_mb=mb, engine=engine)
+        net = DataParallel(model(), "auto", bucket_mb=mb, engine=engine)
+        state, first = net.compression_state_dict(), net.bucketer
+        n = len(state["choice"])
+        net.load_compression_state_dict({**state, "choice": ["none"] * n, "fixed": True,
+                                         "step": 3, "tnone": [0.0] * n})
+        scaled = [b.scale for b in net.bucketer.buckets] == [1.0 / world] * n
+        same = True
+        for s in range(2):
+            x, y = batch(rank, s)
+            for m in (ref, net):
+                m.module.zero_grad()
+                nn.functional.mse_loss(m(x), y).backward()
+            same &= all(torch.equal(a.grad, b.grad) for a, b in
+                        zip(ref.module.parameters(), net.module.parameters()))
+        regrouped = net.bucketer is not first and len(net.bucketer.buckets) == \
+            len(ref.bucketer.buckets) and net._through == ref._through
+        out[f"{engine} {mb}"] = (same, scaled, n, regrouped == (mb is None),
+                                 net.compression_state_dict()["choice"] == ["none"] * n)
+        ref.close()
+        net.close()
+    return out
+
+
+def test_auto_settled_on_none_reduces_as_none(pool2):
+    for case, (same, scaled, n, regrouped, kept) in pool2.run(_auto_settled_on_none)[0].items():
+        assert same and scaled and regrouped and kept, case
+        assert n > 1 or case.endswith("None"), case

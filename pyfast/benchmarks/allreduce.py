@@ -26,9 +26,11 @@ from pyfast.benchmarks.compress import gradient
 
 SPECS = ["none", "fp16", "bf16", "int8", "int4", "fp8", "sign", "topk:0.01", "randomk:0.01",
          "powersgd:4"]
-# Issue 3, on the 1 Gbit/s link: (spec, baseline, minimum speedup); each within 25% of its floor
+# Issue 3, on the 1 Gbit/s link: (spec, baseline, minimum speedup); each within its bar of its
+# link floor: 25% (issue 3) for int8, 1.5x for top-k (issue 25 set that bar: a data-dependent
+# selection and a sparse all-gather, measured 2.4-4.3x before, 1.16-1.17x after its fix)
 TARGETS = [("int8", "none", 3.0), ("int8", "fp16", 1.5), ("topk:0.01", "none", 15.0)]
-TARGET_LINK, FLOOR_SLACK = "1gbit", 1.25
+TARGET_LINK, FLOOR_SLACK = "1gbit", {"int8": 1.25, "topk:0.01": 1.5}
 
 
 def wire_bytes(algo: str, world: int, payloads: list[int]) -> int:
@@ -155,11 +157,11 @@ def targets(result: dict) -> list[str]:
                 x = got[base]["median_s"] / got[spec]["median_s"]
                 out.append(f"{'met   ' if x >= want else 'MISSED'} W={world} {spec} vs {base}: "
                            f"{x:.2f}x (target {want:g}x)")
-        for spec in dict.fromkeys(s for s, _, _ in TARGETS):
+        for spec, bar in FLOOR_SLACK.items():
             if spec in got:
                 k = got[spec]["median_s"] / got[spec]["floor_s"]
-                out.append(f"{'met   ' if k <= FLOOR_SLACK else 'MISSED'} W={world} {spec}: "
-                           f"{k:.2f}x its floor (target <= {FLOOR_SLACK}x)")
+                out.append(f"{'met   ' if k <= bar else 'MISSED'} W={world} {spec}: "
+                           f"{k:.2f}x its floor (target <= {bar}x)")
     return out
 
 

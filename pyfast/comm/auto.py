@@ -5,28 +5,38 @@ of 200+ setups, mostly because compression compute ate the bandwidth it saved; s
 is measured, not assumed, and the 16-bit reduction is the bar:
 
 1. steps [0, WARMUP): every bucket reduces in fp16 (the baseline); step WARMUP-1 is timed on
-   the communication thread, giving each bucket's fp16 time t16.
-2. end of that step: for each candidate, time its encode + decode on the bucket's own
-   gradient and its relative error there (pyfast.comm.cost); the wire-bound part of t16 scales
-   with wire bytes, and the error costs extra steps to the same loss (cost.convergence_seconds:
-   int4 took 8.5% more steps on gpt-tiny, bench/results/ablate):
+   the communication thread, giving each bucket's fp16 time t16, and as a whole step (S16).
+2. step WARMUP runs every bucket uncompressed ("none") and is timed the same way (tn, Sn),
+   with the time the step waited for its reductions after backward (exposed). Every bucket
+   reduces uncompressed for good, decided here, when either says no codec can pay: the
+   exposed wait was under 1 - MARGIN of the step (compression only shortens what is
+   exposed), or the 16-bit step was not 1/MARGIN faster than the uncompressed one (halving
+   the bytes bought nothing, and every other codec costs more than a cast). Two tests, since
+   one step's time on a loaded machine moves by more than the margin (issue 32: 2 ranks
+   under a load average of 23, the fp16 step came out faster and auto compressed at batch
+   8). Whole steps are the measure because a codec's CPU competes with compute, which the
+   communication thread's bucket times do not see: on this 2-core EPYC's loopback (2 ranks x 1 thread,
+   gpt-small, batch 2) the per-bucket rule alone kept int4/int8/fp16 on 3-6 of 10 buckets from
+   run to run and auto ran at 0.92-0.98x DDP's step rate (docs/benchmarks.md, issue 32).
+3. otherwise, for each candidate: time its encode + decode on the bucket's own gradient and its
+   relative error there (pyfast.comm.cost); the wire-bound part of t16 scales with wire bytes,
+   and the error costs extra steps to the same loss (cost.convergence_seconds: int4 took 8.5%
+   more steps on gpt-tiny, bench/results/ablate):
        cost(c) = (t16 - codec16) * wire(c) / wire(fp16) + codec(c) * passes
                  + STEPS_PER_ERROR * error(c) * step_time * bucket's share of the gradient
    Costs are all-reduced (max over ranks) so every rank picks the same; a candidate must beat
    fp16 by MARGIN to be picked.
-3. the next step runs the picks and is timed; any bucket whose pick was slower than its fp16
-   time (max over ranks) goes back to fp16.
-4. the step after runs every bucket uncompressed ("none") and is timed: a bucket whose plain
-   reduction took no longer than what step 3 left it with reduces uncompressed for good (lossless
-   and at least as fast). Predicted costs miss this where the link is fast and the codec
-   competes with compute or only launches work: on one H200 (a NCCL world of one), auto ran at
-   0.69-0.87x DDP's step rate before this step (bench/results/gpu_h200_dp), on this 2-core EPYC's
-   loopback at 0.92-0.98x with 37-44 MB a step where "none" sends 87.
+4. the next step runs the picks and is timed; each bucket keeps the fastest of its pick, fp16
+   and none as measured (max over ranks), and the choice is fixed. On one H200 (a NCCL world of
+   one) auto ran at 0.69-0.87x DDP's step rate before "none" was measured at all
+   (bench/results/gpu_h200_dp).
 So auto is never slower than the faster of 16-bit and uncompressed by more than the noise of one
-measurement, and it decides once, then stays out of the way.
+measurement, and it decides once, then stays out of the way: a bucket fixed at "none" is
+reduced as compressor "none" reduces it (averaged on its way in, then summed).
 """
 from __future__ import annotations
 
+import math
 
 import torch
 import torch.distributed as dist
@@ -57,10 +67,7 @@ class AutoSelector:
             self.made[spec] = C.wrap(C.get(spec), error_feedback, dev)
         self.choice = ["fp16"] * len(buckets)
         self.t16 = [0.0] * len(buckets)
-        # step WARMUP's result per bucket (the choice it leaves, and that time) while step
-        # WARMUP + 1 tries "none" everywhere
-        self.trial = list(self.choice)
-        self.kept_s = [0.0] * len(buckets)
+        self.tnone = [0.0] * len(buckets)  # step WARMUP's bucket times, all uncompressed
         self.report: list[dict] = []
         self.step_s, self._last = 0.0, None  # the whole step's time, between after_step calls
 
@@ -75,30 +82,41 @@ class AutoSelector:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return read(t, list(values), self.group)  # a dry run: every rank measured these
 
-    def after_step(self, seconds: list[float]) -> None:
-        """Called at the end of every synced step with each bucket's reduction time."""
+    def after_step(self, seconds: list[float], exposed=None) -> None:
+        """Called at the end of every synced step with each bucket's reduction time; exposed():
+        the seconds the step waited for its reductions after backward (read at one step only:
+        on CUDA reading it waits for the stream)."""
         if self.fixed:
             return
         # the step's time: the gradients' device synchronized (on CUDA, else the launches)
         t, self._last = self._last, clock(self.buckets[0].flat.device if self.buckets else None)
-        if self.step == WARMUP - 1:
+        if self.step == WARMUP - 1:  # the fp16 step, timed; the next runs uncompressed
             *self.t16, self.step_s = self._agree(list(seconds) + [self._last - t])
-            self._decide()
-        elif self.step == WARMUP:
+            self.choice = ["none"] * len(self.buckets)
+        elif self.step == WARMUP:  # every bucket ran uncompressed this step
+            waited = exposed() if exposed is not None else math.inf
+            *self.tnone, plain_s, waited = self._agree(list(seconds) + [self._last - t, waited])
+            self.report = [{"bucket": b.name, "fp16_s": self.t16[i], "none_s": self.tnone[i]}
+                           for i, b in enumerate(self.buckets)]
+            # halving the bytes paid, and enough of the step is exposed for a codec to win
+            if self.step_s < MARGIN * plain_s and waited >= (1 - MARGIN) * plain_s:
+                self._decide()
+            else:
+                self.choice = ["none"] * len(self.buckets)
+                for r in self.report:
+                    r.update(choice="none", why=f"16-bit step {1e3 * self.step_s:.1f} ms, "
+                                                f"uncompressed {1e3 * plain_s:.1f} ms, "
+                                                f"{1e3 * waited:.1f} of it exposed")
+                self.fixed = True
+        elif self.step == WARMUP + 1:  # the picks' step
             took = self._agree(seconds)
-            for i, b in enumerate(self.buckets):
-                slower = took[i] > self.t16[i]
-                self.report[i].update(measured=took[i], reverted=slower and self.choice[i] != "fp16")
-                if slower:
-                    self.choice[i] = "fp16"
-                self.kept_s[i] = min(took[i], self.t16[i])
-            self.trial, self.choice = list(self.choice), ["none"] * len(self.buckets)
-        elif self.step == WARMUP + 1:  # every bucket ran uncompressed this step
-            took = self._agree(seconds)
-            for i, b in enumerate(self.buckets):
-                plain = took[i] <= self.kept_s[i]
-                self.report[i].update(none_s=took[i], none=plain)
-                self.choice[i] = "none" if plain else self.trial[i]
+            for i, r in enumerate(self.report):
+                times = {self.choice[i]: took[i]}
+                times.setdefault("fp16", self.t16[i])
+                times.setdefault("none", self.tnone[i])
+                best = min(times, key=times.get)  # a tie keeps the pick, then fp16
+                r.update(measured=took[i], reverted=best != self.choice[i], choice=best)
+                self.choice[i] = best
             self.fixed = True
         self.step += 1
 
@@ -117,10 +135,29 @@ class AutoSelector:
                        if s != "none" else link * 2) + slower[s] for s in CANDIDATES]
         costs = self._agree(costs)  # identical decisions on every rank
         k = len(CANDIDATES)
-        self.report = []
         for i, b in enumerate(self.buckets):
             row = dict(zip(CANDIDATES, costs[i * k:(i + 1) * k]))
             best = min(row, key=row.get)
             self.choice[i] = best if row[best] < MARGIN * row["fp16"] else "fp16"
-            self.report.append({"bucket": b.name, "fp16_s": self.t16[i], "predicted": row,
-                                "choice": self.choice[i]})
+            self.report[i].update(predicted=row, pick=self.choice[i])
+
+    def state_dict(self) -> dict:
+        return {"spec": "auto", "choice": list(self.choice), "fixed": self.fixed,
+                "step": self.step, "t16": list(self.t16), "tnone": list(self.tnone),
+                "step_s": self.step_s,
+                "state": {s: c.state_dict() for s, c in self.made.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["choice"]) != len(self.choice):
+            raise ValueError(f"compression state has {len(state['choice'])} buckets, this "
+                             f"DataParallel has {len(self.choice)} (another bucket_mb or model?)")
+        for s, st in state["state"].items():
+            self.made[s].load_state_dict(st)
+        if not state["fixed"] and "tnone" not in state:
+            # saved mid-decision by the protocol before issue 32 (another order of steps):
+            # decide again from the first step; the fp16 memories loaded above carry over
+            return
+        self.choice, self.fixed, self.step = list(state["choice"]), state["fixed"], state["step"]
+        self.t16 = list(state["t16"])
+        self.tnone = list(state.get("tnone", [0.0] * len(self.choice)))
+        self.step_s = state.get("step_s", 0.0)

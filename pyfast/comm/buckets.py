@@ -147,6 +147,7 @@ class Bucket:
     gaps: list = field(default_factory=list)  # [start, end) of the zero padding between params
     views: list = field(default_factory=list)  # each parameter's piece of flat, in its shape
     holes: list = field(default_factory=list)  # flat's views of the gaps
+    scale: float | None = None  # gradients multiplied by it on their way in (else the bucketer's)
 
     def __post_init__(self):
         self.views = [self.flat[o:o + p.numel()].view(p.shape)
@@ -242,24 +243,26 @@ class Bucketer:
                 torch._foreach_zero_(b.holes)
             if unused:
                 torch._foreach_zero_(unused)
-            if self.scale is None:
+            scale = self.scale if b.scale is None else b.scale
+            if scale is None:
                 if dst:
                     torch._foreach_copy_(dst, src)
             else:
-                self._scaled_copy(dst, src, inplace)
+                self._scaled_copy(dst, src, inplace, scale)
         self.launch_fn(b)
 
-    def _scaled_copy(self, dst, src, inplace) -> None:
+    @staticmethod
+    def _scaled_copy(dst, src, inplace, scale: float) -> None:
         """dst = src * scale in one pass (DDP's copy-in divides the same way): torch has no
         foreach op with an output, so one call a parameter (~3 us each) to save the pass over
         the bucket that a division after the reduction costs (43 MB on gpt-small)."""
         for v, g in zip(dst, src):
             if g.dtype == v.dtype:
-                torch.mul(g, self.scale, out=v)
+                torch.mul(g, scale, out=v)
             else:  # widened first: 16-bit arithmetic would round the product
-                v.copy_(g).mul_(self.scale)
+                v.copy_(g).mul_(scale)
         if inplace:
-            torch._foreach_mul_(inplace, self.scale)
+            torch._foreach_mul_(inplace, scale)
 
     def flush(self) -> None:
         """Launch every bucket now (all gradients taken as they are) and wait: for gradients

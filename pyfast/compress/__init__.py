@@ -7,13 +7,12 @@ from __future__ import annotations
 import torch
 
 from pyfast.compress.base import Compressor, NonFiniteGradient, Payload
+from pyfast.compress.block import BlockCodec
 from pyfast.compress.cast import Cast, NoCompression
-from pyfast.compress.e3m0 import E3M0
 from pyfast.compress.feedback import ErrorFeedback, WithFeedback, wrap
 from pyfast.compress.powersgd import PowerSGD
 from pyfast.compress.quant import Quantizer
 from pyfast.compress.sparse import RandomK, TopK
-from pyfast.compress.ternary import Ternary
 
 VALID = ("none, fp16, bf16, fp8, int8, int4, e3m0, sign, ternary, topk:R, randomk:R, "
          "powersgd:RANK (R a fraction in (0, 1], RANK an integer >= 1)")
@@ -43,9 +42,9 @@ REGISTRY = {
     "fp8": (False, lambda _, **o: Quantizer("fp8", **o)),
     "int8": (False, lambda _, **o: Quantizer("int8", **o)),
     "int4": (False, lambda _, **o: Quantizer("int4", **o)),
-    "e3m0": (False, lambda _, **o: E3M0(**o)),
+    "e3m0": (False, lambda _, block=None: BlockCodec("e3m0", block)),
     "sign": (False, lambda _, **o: Quantizer("sign", **o)),
-    "ternary": (False, lambda _, **o: Ternary(**o)),
+    "ternary": (False, lambda _, block=None, seed=0: BlockCodec("ternary", block, seed)),
     "topk": (True, lambda a, **o: TopK(_ratio(a), **o)),
     "randomk": (True, lambda a, **o: RandomK(_ratio(a), **o)),
     "powersgd": (True, lambda a, **o: PowerSGD(_rank(a), **o)),

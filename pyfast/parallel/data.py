@@ -135,6 +135,8 @@ class DataParallel(nn.Module):
         broadcast_state(module, self._comm)
         usable = [C.get(s) for s in AUTO_CANDIDATES] if self.auto else [self.compressor]
         align = math.lcm(*(c.block for c in usable))
+        # auto settled on "none" everywhere, at the default size: none's buckets (_rebucket)
+        self._regroup, self._settled = self.auto and bucket_mb is None, None
         if bucket_mb is None:  # 4 MB; DDP's 25 for compressor none (comm.buckets)
             bucket_mb = default_bucket_mb("auto" if self.auto else base.spec)
         self.bucketer = Bucketer(named, bucket_mb, self._launch, enabled=overlap, align=align,
@@ -166,7 +168,15 @@ class DataParallel(nn.Module):
         self._skipped = False  # None: the last reduction's verdict is read on demand
 
     def _compressors(self) -> list:
+        if self._settled is not None:
+            return [self._settled]
         return list(self.selector.made.values()) if self.selector else [self.compressor]
+
+    def _pick(self, bucket):
+        """The compressor that reduces `bucket` this step."""
+        if self._settled is not None:
+            return self._settled
+        return self.selector.compressor(bucket) if self.selector else self.compressor
 
     def _native(self, engine: str, device) -> bool:
         """Whether the native engine reduces the buckets; ValueError if it was asked for and
@@ -196,7 +206,7 @@ class DataParallel(nn.Module):
             self._band.begin()
         if not self._bare:
             self._band.mark_used(bucket.index, bucket.params)
-        c = self.selector.compressor(bucket) if self.selector else self.compressor
+        c = self._pick(bucket)
         # a block quantizer carries NaN/Inf through to every rank: checked after (comm.guard)
         fold = bucket.extra["fold"] = not self._through and self._guard.folds(c)
         ok = self._through or fold or self._guard.local_ok(bucket.flat)
@@ -204,15 +214,16 @@ class DataParallel(nn.Module):
             bucket.flat.zero_()
             self._band.set_extra(bucket.index)
         bucket.extra["c"] = c
+        summed = self._sum or bucket.scale is not None  # averaged on its way in
         bucket.handle = self.reduce_async(bucket, self._guard.for_bucket(c, bucket.name, ok),
-                                          "sum" if self._sum else "avg")
+                                          "sum" if summed else "avg")
 
     def reduce_async(self, bucket, c=None, op: str = "avg"):
         """Start averaging (op="sum": summing) bucket.flat over the group with compressor c
         (default: this DataParallel's); returns a handle with wait() and `seconds` (what
         compressor="auto" measures)."""
         if c is None:
-            c = self.selector.compressor(bucket) if self.selector else self.compressor
+            c = self._pick(bucket)
         if self.engine_kind[bucket.index] == "native":
             return self._engine.all_reduce(bucket.flat, c, op=op, name=bucket.name)
         if c.per_tensor:  # a matrix to factor, a selection: each parameter alone
@@ -263,8 +274,40 @@ class DataParallel(nn.Module):
                 self._wait = (t0, t1)
             else:
                 self._wait = time.perf_counter() - t0
-        if self.selector is not None and len(done) == len(self.bucketer.buckets):
-            self.selector.after_step([b.extra["seconds"] for b in done])
+        if self.selector is not None and len(done) == len(self.bucketer.buckets) \
+                and not self.selector.fixed:
+            self.selector.after_step([b.extra["seconds"] for b in done],
+                                     lambda: self.last_wait_s)
+            self._settle_auto()
+
+    def _settle_auto(self) -> None:
+        """Once auto's choice is fixed, a bucket it left uncompressed is reduced as compressor
+        "none" reduces it: averaged on its way into the bucket, then summed (no pass over the
+        bucket after the reduction: 2-3 ms of the engine thread a step on gpt-small)."""
+        if self.selector.fixed and self.world > 1:
+            for b, spec in zip(self.bucketer.buckets, self.selector.choice):
+                b.scale = 1.0 / self.world if spec == "none" else None
+            if self._regroup and all(spec == "none" for spec in self.selector.choice):
+                self._regroup = "next"  # at the next forward: backward's hooks are done
+
+    def _rebucket(self) -> None:
+        """auto settled on "none" everywhere at the default bucket size: regroup into compressor
+        none's buckets (DDP's 25 MB), reduced as none reduces them. gpt-small, 2 ranks on this
+        2-core EPYC's loopback, batch 2, under load: 10 collectives a step against 3, and
+        auto's process CPU a rank-step +6 to +24 ms over none's (288-358 ms); auto at 25 MB
+        buckets -4 (issue 32)."""
+        old, dev = self.bucketer, self._params[0].device
+        old.close()
+        self._settled = self.selector.made["none"]
+        self.selector.buckets = []  # its choice stays (the checkpoint's); the old flats go
+        self.bucketer = Bucketer(self._named, default_bucket_mb("none"), self._launch,
+                                 enabled=self.overlap, views=old.views)
+        self.bucketer.scale, self._sum = 1.0 / self.world, True
+        self._through = self._guard.passes_through()
+        buckets = self.bucketer.buckets
+        self.engine_kind = [self.engine] * len(buckets)
+        self._band = SideBand([len(b.params) for b in buckets], len(buckets), dev)
+        self._regroup = False
 
     @property
     def last_wait_s(self) -> float:
@@ -321,6 +364,8 @@ class DataParallel(nn.Module):
         or ended under no_sync(). Same result as the reduction a synced backward does. `last_wait_s` is the time spent
         here (nothing overlaps this call: it launches and waits for every bucket)."""
         self._check_usable()
+        if self._regroup == "next":
+            self._rebucket()
         self.bucketer.arm(self._finish)
         self.bucketer.flush()
 
@@ -349,6 +394,8 @@ class DataParallel(nn.Module):
         if torch.is_grad_enabled() and self._sync:
             if self.broadcast_buffers and not self._bare:
                 self._sync_buffers()
+            if self._regroup == "next":
+                self._rebucket()
             self.bucketer.arm(self._finish)
         else:
             self.bucketer.disarm()
@@ -366,11 +413,7 @@ class DataParallel(nn.Module):
     # ------------------------------------------------------------------ state
     def compression_state_dict(self) -> dict:
         if self.selector is not None:
-            sel = self.selector
-            return {"spec": "auto", "choice": list(sel.choice), "fixed": sel.fixed,
-                    "step": sel.step, "t16": list(sel.t16), "trial": list(sel.trial),
-                    "kept_s": list(sel.kept_s),
-                    "state": {s: c.state_dict() for s, c in sel.made.items()}}
+            return self.selector.state_dict()
         return {"spec": self.compressor.spec, "state": self.compressor.state_dict()}
 
     def load_compression_state_dict(self, state: dict) -> None:
@@ -381,15 +424,6 @@ class DataParallel(nn.Module):
         if self.selector is None:
             self.compressor.load_state_dict(state["state"])
             return
-        sel = self.selector
-        if len(state["choice"]) != len(sel.choice):
-            raise ValueError(f"compression state has {len(state['choice'])} buckets, this "
-                             f"DataParallel has {len(sel.choice)} (another bucket_mb or model?)")
-        sel.choice, sel.fixed, sel.step, sel.t16 = (list(state["choice"]), state["fixed"],
-                                                   state["step"], list(state["t16"]))
-        # checkpoints from before the "none" trial step have no trial: it then keeps the choice
-        sel.trial = list(state.get("trial", sel.choice))
-        sel.kept_s = list(state.get("kept_s", [float("inf")] * len(sel.choice)))
-        for s, st in state["state"].items():
-            sel.made[s].load_state_dict(st)
+        self.selector.load_state_dict(state)
+        self._settle_auto()
 

@@ -222,7 +222,11 @@ class Job:
         if self.zero is None:
             self.opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg))
-        self.scaler = torch.amp.GradScaler(device.type) if cfg.precision == "fp16" else None
+        self.scaler = None
+        if cfg.precision == "fp16":  # a dry run's: no host read of the scale or found_inf
+            from .meta_autocast import MetaGradScaler
+            self.scaler = MetaGradScaler() if device.type == "meta" else \
+                torch.amp.GradScaler(device.type)
         # --diloco: the inner optimizer steps through DiLoCo over the replica group (outer.py)
         # (with --zero 1|2 DiLoCo sets the parameters zero's optimizer steps views of)
         self.diloco = outer.build(cfg, self.zero if self.zero is not None else module,

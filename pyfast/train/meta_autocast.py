@@ -1,4 +1,4 @@
-"""bf16 autocast and GPU attention for the dry run's meta tensors.
+"""bf16/fp16 autocast, fp16's GradScaler and GPU attention for the dry run's meta tensors.
 
 torch.autocast casts only the tensors of its own device's dispatch key (AutocastCPU,
 AutocastCUDA): a meta tensor passes through untouched, so a dry run of `--precision bf16` would
@@ -17,6 +17,9 @@ op (`_scaled_dot_product_efficient_attention`, which has meta kernels for forwar
 What it does not model: autocast's weight-cast cache (one bf16 copy of a weight per region
 rather than one per use: the same bytes for a weight used once per forward, as every Linear
 here is).
+fp16 takes the same casts: CUDA autocast (and CPU's) lowers and keeps in fp32 the same ops for
+fp16 as for bf16 (autocast_mode.cpp's lower_precision_fp and fp32 lists serve both dtypes).
+Its GradScaler is MetaGradScaler below.
 """
 from __future__ import annotations
 
@@ -24,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
+
+from pyfast.comm.dry import read
 
 LOWER = {F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm,
          torch.bmm, torch.addmm, torch.baddbmm, torch.addbmm, F.conv1d, F.conv2d, F.conv3d,
@@ -88,3 +93,26 @@ def autocast_forward(forward, dtype: torch.dtype | None):
         with MetaAutocast(dtype, POLICY):
             return forward(*args, **kwargs)
     return run
+
+
+class MetaGradScaler(torch.amp.GradScaler):
+    """torch.amp.GradScaler("meta") for an fp16 dry run: the same state (scale, growth tracker,
+    one found_inf per device) and the same kernels, which have meta kernels: unscale_ checks and
+    unscales the gradients in place (_amp_foreach_non_finite_check_and_unscale_: no bytes beyond
+    the scalars), update runs _amp_update_scale_. Only its two host reads are replaced, as the
+    dry step's own read is (Job._read: a finite step stands in, so every branch runs):
+    get_scale gives the initial scale, and step takes the gradients as finite (found_inf is not
+    read) and steps the optimizer. On tensors with values both are torch's own."""
+
+    def __init__(self):
+        super().__init__("meta")
+
+    def get_scale(self) -> float:
+        scale = self._get_scale_async()
+        return self._init_scale if scale is None else read(scale, self._init_scale)
+
+    def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
+        flags = list(optimizer_state["found_inf_per_device"].values())
+        if all(f.is_meta for f in flags):
+            return optimizer.step(*args, **kwargs)
+        return super()._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)
