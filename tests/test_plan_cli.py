@@ -301,10 +301,13 @@ def test_measure_and_calibrate_are_wired(monkeypatch, capsys, tmp_path):
 
 
 def test_verify_compares_with_the_dry_run(capsys):
-    rc, out, err = plan(TINY + ["--top", "1", "--verify"], capsys)
+    # bf16, traced under the dry run's MetaAutocast (fp32 plans take the same path, no autocast)
+    precision = "bf16"
+    rc, out, err = plan(TINY[:-1] + [precision, "--top", "1", "--verify"], capsys)
     assert rc == 0, err
     line = next(x for x in out.splitlines() if x.startswith("--verify dp"))
     assert "predicted" in line and "traced" in line and "MiB" in line
+    assert f"({precision}, vocab 256" in line
 
 
 @pytest.mark.dist

@@ -345,9 +345,9 @@ def render(res: Result, shape, work, cl, console) -> None:
 
 
 def verify(res: Result, shape: ModelShape, work: Workload, console, n: int = 3) -> list[dict]:
-    """Dry-run the top `n` plans (fp32: the dry run's only precision) and compare each one's
-    traced per-rank peak with the prediction for the same fp32 plan and the dry run's
-    vocabulary (the data's: 256 bytes)."""
+    """Dry-run the top `n` plans at the workload's precision (fp32, or bf16 / fp16 under the dry
+    run's MetaAutocast) and compare each one's traced per-rank peak with the prediction for the
+    same plan and the dry run's vocabulary (the data's: 256 bytes)."""
     from pyfast.train.config import from_args
     from pyfast.train.config import parser as train_parser
     from pyfast.train.dryrun import dry_run, roles
@@ -356,13 +356,10 @@ def verify(res: Result, shape: ModelShape, work: Workload, console, n: int = 3) 
     except ValueError as e:
         console.print(f"--verify: {e}: nothing to dry-run")
         return []
-    w32, dry_shape = replace(work, precision="fp32"), replace(shape, vocab=256)
-    if work.precision != "fp32":
-        console.print(f"--verify: the dry run traces fp32 only (autocast has no meta device): "
-                      f"each {work.precision} plan is compared as its fp32 twin")
+    dry_shape = replace(shape, vocab=256)
     out = []
     for s in res.plans[:n]:
-        cfg = from_args(train_parser().parse_args(s.plan.train_flags(flag, w32)))
+        cfg = from_args(train_parser().parse_args(s.plan.train_flags(flag, work)))
         ranks = roles(cfg)
         if len(ranks) > VERIFY_MAX_RANKS:
             ranks = ranks[:VERIFY_MAX_RANKS - 1] + ranks[-1:]
@@ -376,10 +373,10 @@ def verify(res: Result, shape: ModelShape, work: Workload, console, n: int = 3) 
                           "bench plan_finetune` lists what it checks and what is pending")
             continue
         # as the dry run runs it: on meta tensors (math attention, single-tensor AdamW)
-        pred = predict_memory(dry_shape, s.plan, w32, "meta")["peak_bytes"]
+        pred = predict_memory(dry_shape, s.plan, work, "meta")["peak_bytes"]
         out.append({"plan": describe(s), "predicted_bytes": pred, "traced_bytes": traced,
                     "ranks": ranks, "error": pred / traced - 1})
-        console.print(f"--verify {describe(s)} (fp32, vocab 256, ranks {ranks}): predicted "
+        console.print(f"--verify {describe(s)} ({work.precision}, vocab 256, ranks {ranks}): predicted "
                       f"{pred / 2**20:,.1f} MiB, traced {traced / 2**20:,.1f} MiB "
                       f"({pred / traced - 1:+.1%})")
     return out

@@ -48,8 +48,8 @@ attention on meta tensors as its math decomposition, keeping the fp32 softmax, h
 per sequence (bench/results/plan_memory.txt was measured so).
 
 Precision: fp32 is modelled exactly (what the dry run checks). bf16 / fp16 (autocast with fp32
-master weights) are analytic and cannot be checked by the dry run (torch's autocast has no meta
-device): parameters, gradients and optimizer state stay fp32, the matmul outputs and the inputs
+master weights) are analytic, checked by the dry run's MetaAutocast (train/meta_autocast.py,
+`pyfast plan --verify`): parameters, gradients and optimizer state stay fp32, the matmul outputs and the inputs
 the linears save are 16-bit, the LayerNorm and softmax outputs fp32 (autocast's fp32 ops).
 """
 from __future__ import annotations
