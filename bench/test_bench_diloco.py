@@ -74,3 +74,24 @@ def test_crossings_end_at_the_time_to_target(result):
         for name, up in ups.items():
             hit = next((t for _, t, w in rows[name]["curve"] if w <= v), None)
             assert up == (t_ref / hit if hit else None)
+
+
+def test_schedules_and_a_reference_from_an_earlier_run():
+    """dp's cosine ends at N, DiLoCo's at K N (K = 1: the same schedule); constant keeps the
+    old warm-up-then-flat rate. An earlier run's dp bf16 row stands in for measuring it again
+    only when its sizes and schedule are this run's."""
+    assert diloco.schedule_flags("constant", 200, 2.5, True) == ["--warmup", "20",
+                                                                 "--min-lr-ratio", "1"]
+    assert diloco.schedule_flags("cosine", 200, 2.5, True)[-2:] == ["--lr-decay-steps", "500"]
+    assert diloco.schedule_flags("cosine", 200, 2.5, False)[-1] == "200"
+    with pytest.raises(ValueError, match="--lr-schedule 'linear'"):
+        diloco.schedule_flags("linear", 200, 1, True)
+    old = {"rows": [{"config": "dp bf16", "link": "100mbit", "model": "gpt-small",
+                     "final_val": 2.35}], "sizes": {"gpt-small": [128, 8, 200, 20]},
+           "schedule": "cosine", "date": "2026-11-28T18:30:00"}
+    row = diloco._reference(old, "100mbit", "gpt-small", (128, 8, 200, 20), "cosine")
+    assert row["final_val"] == 2.35 and row["measured"] == old["date"]
+    with pytest.raises(ValueError, match="lr schedule"):
+        diloco._reference(old, "100mbit", "gpt-small", (128, 8, 200, 20), "constant")
+    with pytest.raises(ValueError, match="no dp bf16 row for 1gbit"):
+        diloco._reference(old, "1gbit", "gpt-small", (128, 8, 200, 20), "cosine")

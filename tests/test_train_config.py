@@ -62,6 +62,7 @@ def fake_checkpoint(out, step, **key):
     (["--cp", "2", "--tp", "4", "--cp-method", "ulysses"],
      "holds 1 heads (n_head 4 / --tp 4), not divisible by 2; use --cp-method ring"),
     (["--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint"),
+    (["--lr-decay-steps", "-1"], "--lr-decay-steps must be >= 0 (0: --steps), got -1"),
 ])
 def test_bad_flags_fail_before_any_rank_starts(tmp_path, capsys, flags, message):
     assert main(TINY + ["--out", str(tmp_path)] + flags) == 2

@@ -294,6 +294,11 @@ class DiLoCo:
                 self._apply()
         return loss
 
+    @property
+    def in_flight(self) -> _Pending | None:
+        """The fragment whose all-reduce has started and whose outer step is not applied yet."""
+        return self._pending
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner_opt.zero_grad(set_to_none=set_to_none)
 

@@ -49,6 +49,7 @@ class TrainConfig:
     lr: float = 1e-3
     min_lr_ratio: float = 0.1       # cosine decays to lr * this
     warmup: int = -1                # -1: 10% of the steps
+    lr_decay_steps: int = 0         # the step the cosine reaches its floor (0: --steps)
     weight_decay: float = 0.1
     clip: float = 1.0               # 0: no clipping
     seed: int = 0
@@ -80,6 +81,7 @@ class TrainConfig:
     outer_momentum: float = 0.9
     outer_nesterov: bool = True
     diloco_alpha: float = 0.0       # mixing of local and global parameters (0: take global)
+    eval_outer: bool = False        # validate the outer (global) parameters too: val_loss_outer
     # LoRA fine-tuning (pyfast.models.lora, peft); check_lora
     lora: int = 0                   # adapter rank R; 0: a full fine-tune (every weight trains)
     lora_alpha: float | None = None  # the update's scale is alpha / R; None: 2 R
@@ -180,6 +182,10 @@ def parser() -> argparse.ArgumentParser:
     a("--lr", type=float, default=d.lr)
     a("--min-lr-ratio", type=float, default=d.min_lr_ratio)
     a("--warmup", type=int, default=d.warmup, help="warm-up steps (default 10%% of --steps)")
+    a("--lr-decay-steps", type=int, default=d.lr_decay_steps, metavar="S",
+      help="the cosine reaches lr x min-lr-ratio at step S and stays there (nanoGPT's "
+           "lr_decay_iters; default 0: --steps), so runs of different lengths can share one "
+           "schedule")
     a("--weight-decay", type=float, default=d.weight_decay)
     a("--clip", type=float, default=d.clip, help="global gradient-norm clip (0: off)")
     a("--seed", type=int, default=d.seed)
@@ -244,6 +250,8 @@ def check(cfg: TrainConfig, world: int, model: bool = True) -> dict:
         rep = f"replicas {cfg.replicas} x " if cfg.replicas > 1 else ""
         raise ConfigError(f"--batch {cfg.batch} is not divisible by {rep}dp {cfg.dp} x "
                           f"grad-accum {cfg.grad_accum} x micro-batches {cfg.m} = {per}")
+    if cfg.lr_decay_steps < 0:
+        raise ConfigError(f"--lr-decay-steps must be >= 0 (0: --steps), got {cfg.lr_decay_steps}")
     if cfg.lr <= 0 or cfg.clip < 0 or not 0 <= cfg.min_lr_ratio <= 1:
         raise ConfigError(f"need --lr > 0, --clip >= 0 and 0 <= --min-lr-ratio <= 1; got lr "
                           f"{cfg.lr}, clip {cfg.clip}, min-lr-ratio {cfg.min_lr_ratio}")
@@ -296,6 +304,8 @@ RESUME_FREE += ("replicas",)
 RESUME_FREE += ("base_placement",)
 # --loss-chunks computes the same mean loss (to fp32 rounding: tests/test_loss_chunks.py)
 RESUME_FREE += ("loss_chunks",)
+# --eval-outer only adds a validation of the outer parameters: the run is the same
+RESUME_FREE += ("eval_outer",)
 
 
 def resume_changes(cfg: TrainConfig, record: dict, data: dict | None = None
@@ -624,6 +634,9 @@ def add_diloco_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
                    default=d.outer_nesterov)
     g.add_argument("--diloco-alpha", type=float, default=d.diloco_alpha, metavar="ALPHA",
                    help="after a sync, params = ALPHA x local + (1 - ALPHA) x global")
+    g.add_argument("--eval-outer", action="store_true", default=d.eval_outer,
+                   help="validate the outer (global) parameters as well as the replicas' own "
+                        "(val_loss_outer beside val_loss)")
 
 
 def check_diloco(cfg: TrainConfig) -> None:
@@ -674,7 +687,7 @@ def check_diloco(cfg: TrainConfig) -> None:
 
 
 DILOCO_FLAGS = ("replicas", "fragments", "diloco_delay", "outer_compress", "outer_lr",
-                "outer_momentum", "outer_nesterov", "diloco_alpha")
+                "outer_momentum", "outer_nesterov", "diloco_alpha", "eval_outer")
 
 
 def check_fragments(cfg: TrainConfig, m) -> None:

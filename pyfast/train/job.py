@@ -69,8 +69,9 @@ MAX_SKIPS = 10
 
 def lr_lambda(cfg: TrainConfig):
     """Linear warm-up to lr over the first `warmup` steps, then cosine down to
-    lr * min_lr_ratio at the last step (as nanoGPT with lr_decay_iters = max_iters)."""
-    w, n, lo = cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio
+    lr * min_lr_ratio at step --lr-decay-steps (default the last step: nanoGPT with
+    lr_decay_iters = max_iters), constant after it."""
+    w, n, lo = cfg.warmup_steps, cfg.lr_decay_steps or cfg.steps, cfg.min_lr_ratio
 
     def f(i: int) -> float:  # i: optimizer steps taken so far (LambdaLR's epoch)
         if i < w:
@@ -241,6 +242,7 @@ class Job:
         self.batches = Batches(self.corpus.train, cfg.batch, cfg.seq, cfg.seed,
                                *self.data_slot)
         self.skips = 0
+        self.carried = 0  # bytes written after the last step's count, counted in this one
 
     @property
     def data_slot(self) -> tuple[int, int]:
@@ -372,7 +374,8 @@ class Job:
             bad = (~torch.isfinite(norms).all()).double()  # on the device: no host read
         # the logged loss: the mean of the batch's (R > 1: this replica's slice's) losses
         contrib = local / scale / (cfg.dp * cfg.cp) if self.owns_loss else self.scalar(0.0)
-        sent = bytes_written() - w0
+        w1 = bytes_written()  # what is written after this (--diloco: outer.Meter.settle)
+        sent, self.carried = w1 - w0 + self.carried, 0
         tc = clock(self.device)
         vec = torch.stack([contrib, sq, bad, self.scalar(float(sent))])
         # one small all-reduce: loss, norm, NaN/Inf and bytes over every rank, or with R > 1
@@ -414,7 +417,8 @@ class Job:
                "bytes_sent": int(vals[3])}
         if self.scaler is not None:
             rec.update(loss_scale=scale, skipped=skipped)
-        if self.outer is not None:
+        if self.outer is not None:  # the bytes after w1 (the outer all-reduce's among them)
+            rec["bytes_sent"] += self.outer.settle(self, step, w1)
             rec.update(self.outer.record())
         if self.meeting is not None:
             rec.update(self.meeting.record())
@@ -505,6 +509,12 @@ class Job:
         v = total / count / ways if self.owns_loss else self.scalar(0.0)
         dist.all_reduce(v)
         return float(v)
+
+    def evaluate_outer(self) -> float:
+        """evaluate() on the outer (global) parameters DiLoCo's outer optimizer holds, as the
+        DiLoCo papers evaluate; the replicas' own parameters are put back bit for bit."""
+        with outer.swapped(self.diloco):
+            return self.evaluate()
 
     # ---------------------------------------------------------------- checkpoints
     def state(self, full: bool, replica: int | None = None, pending: int | None = -1) -> dict:

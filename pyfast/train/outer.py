@@ -20,6 +20,7 @@ K mod R_saved; the residuals then start empty.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -122,6 +123,22 @@ class Meeting:
     def record(self) -> dict:
         return dict(self.last)
 
+    def settle(self, step: int, late: int) -> None:
+        """Bytes this replica wrote after its step's meeting (late: the sum over its ranks, the
+        outer all-reduce's among them) go into the next meeting's count; at the last step,
+        which meets before its update, one more world all-reduce brings them across, so the
+        run's replicas_bytes_sent add up to every byte every rank sent in its steps."""
+        self.bytes += late
+        job = self.job
+        if step != job.cfg.steps:
+            return
+        mine = float(self.bytes) if job.mesh.rank % job.mesh.inner == 0 else 0.0
+        v = job.scalar(mine).view(1)
+        dist.all_reduce(v)
+        got = int(read(v, [mine * job.mesh.replicas])[0])  # dry run: every replica alike
+        self.bytes = 0
+        self.last["replicas_bytes_sent"] = self.last.get("replicas_bytes_sent", 0) + got
+
 
 class Meter:
     """Times DiLoCo's step and says what it did: outer_sent / outer_applied (the fragment whose
@@ -154,6 +171,49 @@ class Meter:
 
     def record(self) -> dict:
         return dict(self.last)
+
+    def settle(self, job, step: int, w1: int) -> int:
+        """The bytes this rank wrote in its step after the count that went into the step's
+        all-reduce (at w1): that all-reduce's own, the meeting's and DiLoCo's step with its
+        outer all-reduce. On a step with outer traffic (a fragment sent, in flight or applied)
+        and at the last step, returned summed over the replica's ranks (one all-reduce inside
+        the replica when it has several) and handed to the Meeting; on the others carried into
+        the next step's count (job.carried: no collective), so every byte lands in bytes_sent
+        once. Bytes a delayed all-reduce writes outside a step (validation, checkpoints) are
+        not seen; at the last step the one in flight is waited for (close() applies it), so
+        that its bytes are this step's."""
+        dl, last = job.diloco, step == job.cfg.steps
+        if last and dl.in_flight is not None:
+            dl.in_flight.handle.wait()
+        late = bytes_written() - w1
+        busy = (self.last.get("outer_sent") is not None or dl.in_flight is not None
+                or self.last.get("outer_applied") is not None or last)
+        if not busy:
+            job.carried = late
+            return 0
+        if job.mesh.inner > 1:
+            v = job.scalar(float(late)).view(1)
+            dist.all_reduce(v, group=job.step_group)
+            late = int(read(v, [float(late * job.mesh.inner)])[0])
+        if job.meeting is not None:
+            job.meeting.settle(step, late)
+        return late
+
+
+@contextlib.contextmanager
+def swapped(dl):
+    """The outer (global) parameters in place of this rank's own for the duration (a fragment
+    still in flight is not in them yet); the own ones restored exactly after."""
+    with torch.no_grad():
+        own = [p.detach().clone() for p in dl.params]
+        for n, p in zip(dl.names, dl.params):
+            p.copy_(dl.global_params[n])
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, o in zip(dl.params, own):
+                p.copy_(o)
 
 
 # ---------------------------------------------------------------- checkpoints

@@ -137,6 +137,8 @@ def _loop(cfg: TrainConfig, job: Job, start: int, device) -> None:
             rec = job.train_step(step)
             if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
                 rec["val_loss"] = job.evaluate()
+                if cfg.eval_outer:
+                    rec["val_loss_outer"] = job.evaluate_outer()
                 err = job.compression_error()
                 if err is not None:
                     rec["compress_rel_error"] = err
