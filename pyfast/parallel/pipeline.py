@@ -27,7 +27,7 @@ from torch import nn
 
 from . import schedules
 from pyfast.comm.agree import agree, rank_by_rank
-from pyfast.comm.dry import read
+from pyfast.comm.dry import fake_group, read
 from pyfast.comm.failure import CommError, as_timedelta, new_group_like
 from pyfast.perf import clock
 from .outcome import Flags
@@ -119,7 +119,9 @@ class Pipeline(nn.Module):
         # the step's outcome travels on a group of its own: after a failed step the pipeline's
         # p2p streams hold unmatched messages that a flag posted there would pair with (NCCL,
         # and gloo under the lane, pair per peer in posting order)
-        flags = new_group_like(group, td) if p > 1 else None
+        # (torch's fake backend of a dry run moves nothing: no streams to keep apart there)
+        flags = None if p == 1 else group if fake_group(group) else \
+            new_group_like(group, td)
         if balance == "params":
             counts = schedules.partition(
                 [sum(t.numel() for t in layer.parameters()) for layer in seq], n)
