@@ -35,38 +35,40 @@ class Flags:
         self.recvs: dict = {}    # peer -> (work, buffer) posted and not yet read
         self.abandoned: list = []  # a failed exchange's works and buffers, kept alive
 
-    def _recv_ops(self, peers, device):
-        bufs = {q: torch.zeros(1, dtype=torch.int32, device=device) for q in peers}
-        return bufs, [dist.P2POp(dist.irecv, bufs[q], group=self.group, group_peer=q)
-                      for q in peers]
+    def _post(self, peers, device) -> dict:
+        # plain irecv/isend, not batch_isend_irecv: its coalescing context costs Python on the
+        # step's critical path, and each pair's order below is all NCCL needs
+        out = {}
+        for q in peers:
+            buf = torch.zeros(1, dtype=torch.int32, device=device)
+            out[q] = (dist.irecv(buf, group=self.group, group_src=q), buf)
+        return out
 
     def begin(self, device) -> None:
         """Post the receives from the higher ranks (a step's first call)."""
         peers = [q for q in self.higher if q not in self.recvs]
-        if not peers:
-            return
-        bufs, ops = self._recv_ops(peers, device)
-        with naming("Pipeline: posting the step's outcome receives"):
-            works = dist.batch_isend_irecv(ops)
-        self.recvs.update({q: (w, bufs[q]) for q, w in zip(peers, works)})
+        if peers:
+            with naming("Pipeline: posting the step's outcome receives"):
+                self.recvs.update(self._post(peers, device))
 
     def exchange(self, failed: bool, device) -> bool:
         """Send this rank's flag, read everyone's: True when any rank failed this step."""
-        self.begin(device)  # posted at the step's start unless that start failed
         mine = torch.tensor([int(failed)], dtype=torch.int32, device=device)
-        low_bufs, low_recvs = self._recv_ops(self.lower, device)
-        ops = [dist.P2POp(dist.isend, mine, group=self.group, group_peer=q)
-               for q in range(self.p) if q != self.rank] + low_recvs
-        recvs, self.recvs = self.recvs, {}
+        works, recvs, self.recvs = [], self.recvs, {}
         try:
             with naming("Pipeline: agreeing on the step's outcome"):
-                works = dist.batch_isend_irecv(ops)
+                for q in self.higher:  # posted at the step's start unless that start failed
+                    if q not in recvs:
+                        recvs.update(self._post([q], device))
+                for q in self.lower + self.higher:  # to a lower rank: before receiving from it
+                    works.append(dist.isend(mine, group=self.group, group_dst=q))
+                recvs.update(self._post(self.lower, device))
                 for w in works:
                     w.wait()
                 for w, _ in recvs.values():
                     w.wait()
         except Exception:
-            self.abandoned += [mine, low_bufs, recvs, locals().get("works")]
+            self.abandoned += [mine, works, recvs]
             raise
-        flags = [b for _, b in recvs.values()] + list(low_bufs.values())
+        flags = [b for _, b in recvs.values()]
         return failed or any(read(b, [0], self.group)[0] for b in flags)
