@@ -313,3 +313,31 @@ def _expect_everywhere(results, message):
     for rank, r in enumerate(results):
         assert r != "no error", f"rank {rank} did not fail"
         assert re.search(message, r.message), f"rank {rank}: {r.message}"
+
+
+def held_sends(rank, world, schedule, m):
+    """Most send buffers this rank's links hold after any action of a step, and how many they
+    hold once the step returned."""
+    from pyfast.parallel import Pipeline
+    pipe = Pipeline.from_sequential(model(), m, schedule, F.mse_loss)
+    x, t = batch(2 * m, 0)
+    peak, act = [0], pipe._act
+
+    def counted(a):
+        act(a)
+        peak[0] = max(peak[0], sum(len(link.sends) for link in pipe.links.values()))
+    pipe._act = counted
+    pipe.step(x if rank == 0 else None, t if rank == world - 1 else None)
+    return peak[0], sum(len(link.sends) for link in pipe.links.values())
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_sent_buffers_are_released_when_their_receive_was_posted(pool2, schedule):
+    """A send is waited (and its packed buffer dropped) as soon as a later message from the
+    peer arrives, which the peer sent only after posting that send's receive: with 8
+    micro-batches each rank holds at most 3 (2 payloads and the step's 1 KB header; measured
+    before this: rank 1 held all 8 gradients it sent back and the header until the step
+    ended), none after the step."""
+    (peak0, left0), (peak1, left1) = pool2.run(held_sends, schedule, 8)
+    assert left0 == left1 == 0
+    assert peak0 <= 3 and peak1 <= 3, (peak0, peak1)

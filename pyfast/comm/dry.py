@@ -15,8 +15,11 @@ import torch.distributed as dist
 def moved_nothing(t: torch.Tensor, group=None) -> bool:
     """True when `t`, filled by a collective over `group`, holds no values: a meta tensor, or
     any tensor of a group on torch's fake backend."""
-    if t.is_meta:
-        return True
+    return t.is_meta or fake_group(group)
+
+
+def fake_group(group=None) -> bool:
+    """True when `group` runs on torch's fake backend (a dry run's): it moves nothing."""
     backend = str(dist.get_backend(group)) if dist.is_initialized() else ""
     return "fake" in backend.replace(":", ",").split(",")  # "fake", or "meta:fake" (a dry run's)
 

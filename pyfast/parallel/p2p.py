@@ -232,6 +232,7 @@ class Peer:
         self.checked = 0  # the headers received before this index have been read
         self.sent: list = []    # (bytes, tag) of each message sent, for drain()
         self.posted: list = []  # (bytes, tag) of each receive posted
+        self.unreleased: list = []  # order indexes of this rank's sends not waited yet
         self.post(len(order) - 1, block=False)  # the first headers: before any compute
 
     def send(self, link, t, kind, mb) -> None:
@@ -245,6 +246,7 @@ class Peer:
                                 f"rank {self.rank} before {self.order[self.next]}")
         self.sent.append((t.numel(), link.tag(kind, mb)))
         link.isend(t, kind, mb)
+        self.unreleased.append(i)
         self.next = i + 1
 
     def post(self, upto: int, block: bool) -> None:
@@ -264,6 +266,16 @@ class Peer:
             link.post(kind, mb, size)
             self.posted.append((size, link.tag(kind, mb)))
             self.next += 1
+
+    def release(self, kind, b, mb) -> None:
+        """Message (kind, b, mb) from the peer has arrived: the peer sent it after posting
+        every receive before it in the order (send() posts them first), so this rank's sends
+        before it are matched and their waits return at once; drop their buffers now. 1F1B's
+        last stage then holds about 2 sent gradients instead of all m until the step ends."""
+        i = self.at[(kind, b, mb)]
+        while self.unreleased and self.unreleased[0] < i:
+            _, kind_j, b_j, mb_j = self.order[self.unreleased.pop(0)]
+            self.links[b_j].release(kind_j, mb_j)
 
     def take(self, kind, b, mb) -> None:
         """Make the receive of (kind, b, mb) ready to wait on: it and every earlier one
@@ -323,14 +335,15 @@ class Link:
         self.peer = peer
         if peer is not None:
             peer.links[stage] = self
-        self.sends: list = []
-        self.act_sends: dict = {}  # mb -> (work, tensor): released when the gradient returns
+        # (kind, mb) -> (work, tensor) of each send not yet waited: released as soon as the
+        # peer is known to have posted its receive (Peer.release), else at the step's end
+        self.sends: dict = {}
         self.abandoned: list = []  # a failed step's pending transfers: their buffers stay alive
         self.dry_spec = None  # the activations' layout where headers arrive empty (Pipeline.expect)
 
     def begin(self, step: int, training: bool, device):
-        self.abandoned += self.sends + list(self.act_sends.values())
-        self.sends, self.act_sends = [], {}
+        self.abandoned += list(self.sends.values())
+        self.sends = {}
         self.step, self.training, self.device = step, training, device
         self.meta = None  # spec_of(...) of this step's activations
         self.opened_b = False  # the gradients' header sent by this rank this step
@@ -353,10 +366,15 @@ class Link:
         peer = self.dst if kind in (ACT, ACT_HEADER) else self.src
         with naming(f"Pipeline: sending {self._what(kind, mb)} to rank {peer}"):
             w = dist.isend(t, group=self.group, tag=self.tag(kind, mb), group_dst=peer)
-        if kind == ACT and self.training:
-            self.act_sends[mb] = (w, t)
-        else:
-            self.sends.append((w, t))
+        self.sends[(kind, mb)] = (w, t)
+
+    def release(self, kind, mb):
+        """Wait for a send the peer has posted the receive of (it returns at once) and drop its
+        buffer: the message's bytes are not held until the step ends."""
+        sent = self.sends.pop((kind, mb), None)
+        if sent is not None:
+            with naming(f"Pipeline: sending {self._what(kind, mb)}"):
+                sent[0].wait()
 
     def _irecv(self, buf, kind, mb):
         peer = self.src if kind in (ACT, ACT_HEADER) else self.dst
@@ -449,7 +467,9 @@ class Link:
         if self.local:
             return self.mailbox.pop(mb)
         self.peer.take(ACT, self.stage, mb)
-        return unpack(self._wait(self.acts.pop(mb)), self.meta[1])
+        buf = self._wait(self.acts.pop(mb))
+        self.peer.release(ACT, self.stage, mb)
+        return unpack(buf, self.meta[1])
 
     # -- gradients, stage + 1 -> stage -----------------------------------------------------
     def send_grad(self, mb: int, gs: list):
@@ -477,13 +497,7 @@ class Link:
             return self.mailbox.pop(("g", mb))
         self.peer.take(GRAD, self.stage, mb)  # the gradients' header is read by now
         gs = unpack(self._wait(self.grads.pop(mb)), self._grad_specs())
-        # Its gradient is back, so the activation has arrived: this wait returns at once, and
-        # dropping the send keeps 1F1B's bound of p micro-batches held (work.is_completed()
-        # stays False on gloo until wait() is called, so it cannot be polled instead).
-        sent = self.act_sends.pop(mb, None)
-        if sent is not None:
-            with naming(f"Pipeline: sending stage {self.stage}'s output for micro-batch {mb}"):
-                sent[0].wait()
+        self.peer.release(GRAD, self.stage, mb)
         return gs
 
     # -- end of step -----------------------------------------------------------------------
@@ -500,15 +514,15 @@ class Link:
 
     def abandon(self):
         """After a failed step: keep this step's pending transfers alive, never wait on them."""
-        self.abandoned += self.sends + list(self.act_sends.values())
+        self.abandoned += list(self.sends.values())
         self.abandoned += list(self.acts.values()) + list(self.grads.values())
         self.abandoned += [h for h in (self._hf, self._hb) if h is not None]
-        self.sends, self.act_sends, self.acts, self.grads = [], {}, {}, {}
+        self.sends, self.acts, self.grads = {}, {}, {}
 
     def finish(self):
         with naming(f"Pipeline: completing the sends of boundary {self.stage}->{self.stage + 1}"):
-            for w, _ in self.sends + list(self.act_sends.values()):
+            for w, _ in self.sends.values():
                 w.wait()
         # the headers' receives are read by now: dropped with the sends, so no work object or
         # buffer of this step is held until the next one
-        self.sends, self.act_sends, self._hf, self._hb = [], {}, None, None
+        self.sends, self._hf, self._hb = {}, None, None

@@ -12,7 +12,7 @@ interleaved-1f1b, zb-h1 (torch.distributed.pipelining's names, lower-case).
 
 A failure anywhere (a stage, loss_fn, a dead or silent peer) raises PipelineError on every
 rank, naming the rank, stage and micro-batch where it started (p2p.py says how it travels);
-the ranks agree on each step's outcome with one all-reduce of a flag at its end.
+the ranks agree on each step's outcome with a flag each sends every other (outcome.py).
 """
 from __future__ import annotations
 
@@ -27,9 +27,10 @@ from torch import nn
 
 from . import schedules
 from pyfast.comm.agree import agree, rank_by_rank
-from pyfast.comm.dry import read
+from pyfast.comm.dry import fake_group, read
 from pyfast.comm.failure import CommError, as_timedelta, new_group_like
 from pyfast.perf import clock
+from .outcome import Flags
 from .p2p import (MAX_MICROBATCHES, MAX_STAGES, Link, Peer, PipelineCommError, PipelineError,
                   as_tensors, pair_orders)
 from .trace import Recorder
@@ -115,6 +116,12 @@ class Pipeline(nn.Module):
               "virtual_stages, balance, layers, timeout, pipelines built): " + rank_by_rank(seen))
         if td is not None and p > 1:
             group = new_group_like(group, td)
+        # the step's outcome travels on a group of its own: after a failed step the pipeline's
+        # p2p streams hold unmatched messages that a flag posted there would pair with (NCCL,
+        # and gloo under the lane, pair per peer in posting order)
+        # (torch's fake backend of a dry run moves nothing: no streams to keep apart there)
+        flags = None if p == 1 else group if fake_group(group) else \
+            new_group_like(group, td)
         if balance == "params":
             counts = schedules.partition(
                 [sum(t.numel() for t in layer.parameters()) for layer in seq], n)
@@ -139,16 +146,17 @@ class Pipeline(nn.Module):
                 layer.to(device="meta")
         _built += 1
         return cls(stages, bounds, m, schedule, loss_fn, group, rank, p, compute, _built,
-                   split_backward)
+                   split_backward, flags)
 
     def __init__(self, stages, bounds, m, schedule, loss_fn, group, rank, p, compute, uid,
-                 split_backward=None):
+                 split_backward=None, flag_group=None):
         super().__init__()
         mods = list(stages.values())
         self.module = mods[0] if len(mods) == 1 else nn.ModuleList(mods)
         self.stages, self.bounds, self.n_stages = stages, bounds, len(bounds) - 1
         self.n_microbatches, self.schedule, self.loss_fn = m, schedule, loss_fn
         self.group, self.rank, self.world_size = group, rank, p
+        self.flags = Flags(flag_group, rank, p) if p > 1 else None
         self.abandoned: list = []  # a failed step's pending work (agreement), kept alive
         self.actions = schedules.lower(compute, self.n_stages, RECV_LOOKAHEAD)
         self.forward_actions = schedules.lower(schedules.forward_only(compute), self.n_stages,
@@ -242,6 +250,8 @@ class Pipeline(nn.Module):
         try:
             for link in self.links.values():
                 link.begin(self._steps, training, self._dev)
+            if self.flags is not None:
+                self.flags.begin(self._dev)
             for q, peer in self.peers.items():
                 peer.begin(self._orders[training].get((min(q, self.rank), max(q, self.rank)), []))
             self._take_inputs(x, target, training)
@@ -275,17 +285,15 @@ class Pipeline(nn.Module):
                                         f"{type(e).__name__}: {e}")
 
     def _agree(self, op: str, error: Exception | None):
-        """Every rank learns whether any rank failed this step (one all-reduce of a flag; the
-        messages are gathered only on failure) and raises the error where it started. A rank
+        """Every rank learns whether any rank failed this step (outcome.Flags: a flag to every
+        other rank; the messages are gathered only on failure) and raises the error where it started. A rank
         that finished its schedule before a peer failed raises too. Not comm.agree, which checks
         arguments before any data moves: this runs after a step that may have lost a peer, so
         the exchange itself may fail, and the error it agrees on is a forwarded one."""
         failed, why = error is not None, None
         if self.world_size > 1:
             try:
-                flag = torch.tensor([int(failed)], dtype=torch.int32, device=self._dev)
-                dist.all_reduce(flag, dist.ReduceOp.MAX, group=self.group)
-                if read(flag, [int(failed)], self.group)[0]:  # dry run: every rank is this one
+                if self.flags.exchange(failed, self._dev):
                     # with what each rank sent to and posted from each other, for drain()
                     seen = [None] * self.world_size
                     mine = (self._message(error) if failed else None,

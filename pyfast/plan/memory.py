@@ -114,21 +114,24 @@ def _partition(shape: ModelShape, n: int, tp: int) -> tuple[int, ...]:
 
 @lru_cache(maxsize=4096)
 def _held(schedule: str, rank: int, p: int, m: int, v: int, weights: tuple,
-          w_split: float, w_sent: float = 0.0) -> tuple[tuple[int, ...], int, int]:
+          w_split: float, w_sent: float = 0.0) -> tuple[tuple[int, ...], int, int, int]:
     """(micro-batches each local (virtual) stage of `rank` holds from F until its backward,
     micro-batches held between I and W) at the moment their bytes (weights[stage] each;
     w_split more for each between I and W, w_sent for each gradient sent) add up most:
     pyfast.parallel.schedules' action lists replayed as schedules.held does. zb-h1's I runs
     autograd with retain_graph=True, so a micro-batch keeps everything until its W, plus the
     output gradients W starts from. The
-    last such moment, and the backward passes that sent a gradient before it (the gradients
-    exist once one ran; each sent gradient's buffer is kept until the step's end)."""
+    last such moment, the backward passes that sent a gradient before it (the gradients exist
+    once one ran), and the sent gradients' buffers still held then: p2p.Peer.release drops one
+    once a later message from its peer arrives, which a forward's input is, so those sent
+    since the last forward and the one before it (1F1B's last stage, 8 micro-batches, holds
+    at most 2 payloads, tests/test_pipeline.py; before, every one until the step's end)."""
     ev = []  # (kind, local stage): F holds, B releases, I converts, W releases the converted
     if schedule == "gpipe":  # closed forms of the two common ones (the replay agrees)
-        return (m,), 0, 0
+        return (m,), 0, 0, 0
     if schedule == "1f1b":
-        return (min(p - rank, m),), 0, max(0, m - (p - rank)) if rank > 0 else \
-            int(m > p)
+        sent = max(0, m - (p - rank)) if rank > 0 else int(m > p)
+        return (min(p - rank, m),), 0, sent, min(sent, 1) if rank > 0 else 0
     if schedule == "gpipe":
         ev = [("F", 0)] * m + [("B", 0)] * m
     elif schedule in ("1f1b", "zb-h1"):
@@ -160,14 +163,16 @@ def _held(schedule: str, rank: int, p: int, m: int, v: int, weights: tuple,
                 ev.append(("B", v - 1 - (i - warm) // per % v))
     else:
         raise ValueError(f"unknown schedule {schedule!r}")
-    live, split, best, at, sent = [0] * v, 0, -1.0, ((0,) * v, 0, 0), 0
+    live, split, best, at, sent, since = [0] * v, 0, -1.0, ((0,) * v, 0, 0, 0), 0, 0
     for kind, s in ev:
         # backward passes so far that sent a gradient back (any but global stage 0); rank 0's
         # first stage sends none, but one there means the gradients exist: count it once
         if kind in ("B", "I"):
             sent += 1 if (s * p + rank > 0 or sent == 0) else 0
+            since += 1 if s * p + rank > 0 else 0
         if kind == "F":
             live[s] += 1
+            since = 0
         elif kind == "B":
             live[s] -= 1
         elif kind == "I":
@@ -175,10 +180,11 @@ def _held(schedule: str, rank: int, p: int, m: int, v: int, weights: tuple,
             split += 1
         elif kind == "W":
             split -= 1
+        kept = min(sent, since + 1) if rank or v > 1 else 0
         cost = sum(c * w for c, w in zip(live, weights)) + split * (weights[0] + w_split) + \
-            sent * w_sent
+            kept * w_sent
         if cost >= best:
-            best, at = cost, (tuple(live), split, sent)
+            best, at = cost, (tuple(live), split, sent, kept)
     return at
 
 
@@ -285,7 +291,7 @@ def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = 
             # the replay needs only the ratios of the weights: rounded, they cache well
             unit = tok * per_layer * max(1, stage_layers[0])
             weights = tuple(round(nl / max(1, stage_layers[0]), 3) for nl in stage_layers)
-            held, n_split, sent = _held(plan.schedule, r, pp, plan.micro_batches, v, weights,
+            held, n_split, sent, kept = _held(plan.schedule, r, pp, plan.micro_batches, v, weights,
                                         round(w_split / unit, 3), round(tok * F32 * h / unit, 3))
             grads_on = sent > 0
         else:
@@ -298,12 +304,13 @@ def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = 
         rec = tok * saved if ckpt else 0.0  # one block recomputed at a time
         if pp > 1:
             # pyfast.parallel.p2p: a stage keeps its output, and the packed copy it sent, until
-            # the output's gradient returns; the packed gradients it sent back stay until the
-            # step ends (Link.finish); a received activation is the next layer's saved input
+            # the output's gradient returns; a packed gradient it sent back until a later
+            # message from that peer arrives (_held's `kept`); a received activation is the
+            # next layer's saved input
             outs = sum(c for i, c in enumerate(held) if i * pp + r != pp * v - 1) + \
                 (n_split if not last else 0)
             act += tok * F32 * h * outs
-            k["comm_buffers"] += tok * F32 * h * (outs + (sent if r > 0 or v > 1 else 0))
+            k["comm_buffers"] += tok * F32 * h * (outs + kept)
         t_block = tok * temp
         t_head = head = 0.0
         if last:
