@@ -38,7 +38,7 @@ from .timing_reduce import (ALLGATHER_MAX_BYTES, BUCKET_MB, DENSE_BYTES,  # noqa
                             FIRST_BUCKET_MB, NONE_BUCKET_MB, REL_ERROR, STEPS_PER_ERROR,
                             _bucket_cost, _buckets, _codec, _fifo, _trainable, reduction_s,
                             rel_error, steps_factor)
-from .timing_zero import _zero
+from .timing_zero import _zero, zero_key
 
 
 def predict_time(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster) -> dict:
@@ -80,6 +80,13 @@ def _predict(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster,
                             calls=m * nblocks * (6 if ck else 4))
     tp_f = 2 * (tp_ar + tp_link.wake(bf / 2))   # attention's and the MLP's output, forward
     tp_b = 2 * (tp_ar + tp_link.wake(bb / 2))   # their inputs' gradients, backward
+    tp_measured = plan.tp > 1 and compute_key("block", plan, work) + ":dist" in \
+        cluster.calibration.get("compute", {})
+    if tp_measured:  # the block was timed with its all-reduces on loopback: only the link's extra
+        lo = _cpu_link(cluster, plan.tp)
+        lo_ar = lo.seconds("all_reduce", toks * shape.hidden * act)
+        tp_f = max(0.0, tp_f - 2 * (lo_ar + lo.wake(bf / 2)))
+        tp_b = max(0.0, tp_b - 2 * (lo_ar + lo.wake(bb / 2)))
     kv = 2.0 * toks * shape.kv_dim // plan.tp * act
     if plan.cp > 1 and plan.cp_method == "ulysses":  # q, k, v in and the output back
         a2a = cp_link.seconds("all_to_all", toks * shape.hidden // plan.tp * act,
@@ -147,6 +154,12 @@ def _predict(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster,
     cal = cluster.calibration
     cont = cal.get("cpu_contention", 0.0)
     cpu_link = _cpu_link(cluster, world)
+    zero_m = cal.get("zero", {}).get(zero_key(plan, work)) if plan.zero and world == 2 else None
+    n_opt = n_local / world if plan.zero and zero_m is None else n_local
+    opt_rate = cluster.calibration.get("optim_s_per_param")
+    optim = (opt_rate * n_opt if opt_rate is not None else 64.0 * n_opt / cluster.gpu.hbm_bps) \
+        * _compute_scale(cluster, plan)
+    optim += cal.get("step_overhead_s", 0.0) * _compute_scale(cluster, plan)  # the job's own
     if world > 1 and not plan.zero:
         per_param = plan.compress.partition(":")[0] in ("topk", "powersgd")
         bks = _buckets(gmods, per_param,
@@ -172,8 +185,18 @@ def _predict(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster,
                                          for bk in bks)
         # then the side band's small all-reduce and the copy of the buckets into .grad
         copy = cal.get("copy_s_per_byte", 1.0 / cluster.gpu.hbm_bps)
-        exposed_dp += dp_link.seconds("small", SMALL_BYTES) + dp_link.wake(bb) + \
+        # the wait after the step's compute since the ranks last met (the previous step's
+        # small all-reduce): a rank's lead over its peer grows with it (wake_seconds' table)
+        exposed_dp += dp_link.seconds("small", SMALL_BYTES) + dp_link.wake(body + optim) + \
             4.0 * n_local * copy * _compute_scale(cluster, plan)
+    elif world > 1 and zero_m is not None:
+        # ZeRO's per-step costs as calibrate_dist.zero_probe timed them on loopback (beyond a
+        # plain local step, whose optimizer is the whole model's), plus what this link adds
+        zero_c, exposed_dp = _zero(plan, gmods, dp_link, cluster, body, mod_s, frozen)
+        _, lo_exp = _zero(plan, gmods, cpu_link, cluster, body, mod_s, frozen)
+        fb, st = zero_m
+        exposed_dp = max(0.0, fb * (m if plan.zero == 3 else 1) + st +
+                         max(0.0, exposed_dp - lo_exp))
     elif world > 1:
         zero_c, exposed_dp = _zero(plan, gmods, dp_link, cluster, body, mod_s, frozen)
         exposed_dp += dp_link.wake(bb)  # the step's wait for the last reduce-scatter
@@ -183,11 +206,6 @@ def _predict(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster,
     # the step's small all-reduce (loss, norm, flag, bytes) over every rank, and the optimizer
     every = Link(cluster, plan.ranks, plan.ranks)
     small = every.seconds("small", 32.0) + every.wake(0.0)  # after the norm pass
-    n_opt = n_local / world if plan.zero else n_local
-    opt_rate = cluster.calibration.get("optim_s_per_param")
-    optim = (opt_rate * n_opt if opt_rate is not None else 64.0 * n_opt / cluster.gpu.hbm_bps) \
-        * _compute_scale(cluster, plan)
-    optim += cal.get("step_overhead_s", 0.0) * _compute_scale(cluster, plan)  # the job's own
     step = body + exposed_dp + small + optim
     comm = m * (tpc + cpc) + pp_c + dp_c + zero_c + small
     exposed = step - compute - bubble - optim
