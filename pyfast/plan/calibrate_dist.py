@@ -21,7 +21,7 @@ from pathlib import Path
 from .spec import ModelShape, Plan, Workload, gpt_model_flag
 from . import timing
 from .timing_zero import zero_key
-from .calibrate_link import _child
+from .calibrate_link import PER_TENSOR, _child
 
 REPEATS = 9  # medians of 9 after 2 warm steps: one rank's step varied 11-22 ms (q10-q90) here
 
@@ -84,10 +84,12 @@ def tp_probe(path: str, model: str, vocab: int, seq: int, micro_batch: int,
 def zero_probe(path: str, model: str, vocab: int, seq: int, micro_batch: int,
                precision: str, stage: int, compress: str) -> None:
     """A rank of the ZeRO probe (env://, gloo, 2 ranks): the model wrapped by zero() as the job
-    wraps it (AdamW, the job's two parameter groups) and the same model unwrapped, stepped
-    alternately on both ranks at once (the plain one with the job's fused norm pass and AdamW,
-    no communication; the ZeRO one with clip_grad_norm_ and its step); rank 0 writes
-    [forward+backward extra, step extra] (medians of ZeRO's minus plain's, max over ranks)."""
+    wraps it (AdamW, the job's two parameter groups; stage 0: DataParallel, as the job wraps
+    it) and the same model unwrapped, stepped alternately on both ranks at once (the plain one
+    with the job's fused norm pass and AdamW, no communication; the ZeRO one with
+    clip_grad_norm_ and its step, DataParallel's as the plain one); rank 0 writes
+    [forward+backward extra, step extra] (medians of the wrapped minus plain, max over ranks):
+    under DataParallel the first is its hooks and the wait for the last bucket."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -105,8 +107,13 @@ def zero_probe(path: str, model: str, vocab: int, seq: int, micro_batch: int,
     pm, pg = build()
     popt = torch.optim.AdamW(pg, lr=1e-4, betas=(0.9, 0.95))
     zm, zg = build()
-    net, zopt = zero(zm, torch.optim.AdamW, stage=stage, compressor=compress, params=zg,
-                     lr=1e-4, betas=(0.9, 0.95))
+    if stage:
+        net, zopt = zero(zm, torch.optim.AdamW, stage=stage, compressor=compress, params=zg,
+                         lr=1e-4, betas=(0.9, 0.95))
+    else:
+        from pyfast.parallel import DataParallel
+        net = DataParallel(zm, compressor=compress, check_finite=False)
+        zopt = torch.optim.AdamW(zg, lr=1e-4, betas=(0.9, 0.95))
 
     def plain_step():
         ps = [p for p in pm.parameters() if p.grad is not None]
@@ -114,7 +121,11 @@ def zero_probe(path: str, model: str, vocab: int, seq: int, micro_batch: int,
         popt.step()
 
     def zero_step():
-        zopt.clip_grad_norm_(float("inf"))
+        if not stage:
+            ps = [p for p in zm.parameters() if p.grad is not None]
+            torch.stack(torch._foreach_norm([p.grad for p in ps])).double().square().sum()
+        else:
+            zopt.clip_grad_norm_(float("inf"))
         zopt.step()
 
     runs = {"plain": (pm, popt, plain_step), "zero": (net, zopt, zero_step)}
@@ -168,11 +179,14 @@ def measure_tp_blocks(shape: ModelShape, work: Workload, plans, timeout: float =
 
 def measure_zero(shape: ModelShape, work: Workload, plans, timeout: float = 300) -> dict:
     """{zero_key: [forward+backward extra_s, step extra_s]} of each ZeRO plan (its stage and
-    micro-batch, 2 ranks on loopback): zero_probe."""
+    micro-batch, 2 ranks on loopback), and of each plain data-parallel plan with a dense
+    compressor (key "zero0:..."; top-k's and PowerSGD's per-parameter calls have their own
+    probe, calibrate_link.reduce_seconds): zero_probe."""
     out = {}
     for plan in plans:
         key = zero_key(plan, work)
-        if not plan.zero or plan.tp > 1 or plan.pp > 1 or plan.lora or key in out:
+        if plan.dp != 2 or plan.tp > 1 or plan.pp > 1 or plan.cp > 1 or plan.lora or \
+                key in out or (not plan.zero and plan.compress.partition(":")[0] in PER_TENSOR):
             continue
         out[key] = _probe("zero_probe", f"{gpt_model_flag(shape)!r}, {shape.vocab}, {work.seq}, "
                           f"{plan.micro_batch}, {work.precision!r}, {plan.zero}, "
