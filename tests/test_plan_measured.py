@@ -87,11 +87,12 @@ def test_probes_run_on_two_ranks():
     # keyed as timing reads them
     work = Workload(16, 2, "fp32")
     plans = [Plan(tp=2, micro_batch=2), Plan(dp=2, zero=1, micro_batch=1),
+             Plan(dp=2, micro_batch=1, compress="int8"),
              Plan(dp=2, micro_batch=1, compress="topk:0.01")]  # per-parameter: not this probe
     tp = calibrate_dist.measure_tp_blocks(TINY, work, plans)
     z = calibrate_dist.measure_zero(TINY, work, plans)
     assert list(tp) == [timing.compute_key("block", plans[0], work) + ":dist"]
-    assert list(z) == [zero_key(plans[1], work)]
+    assert list(z) == [zero_key(plans[1], work), zero_key(plans[2], work)]
     f, b = tp[list(tp)[0]]
     assert f > 0 and b > 0
-    assert all(math.isfinite(x) for x in z[zero_key(plans[1], work)])
+    assert all(math.isfinite(x) for v in z.values() for x in v)
