@@ -16,6 +16,9 @@ Keys of Cluster.calibration (all optional; pyfast.plan.timing reads them):
     "step_overhead_s": a step of the job beyond modules + optimizer (measure_job)
     "cpu_contention": 1.0 on a CPU "cluster" (this machine): the communication thread's CPU
         work (codec + link_cpu) is not hidden behind compute on cores the ranks already fill
+    "compute" keys ending ":dist": a tp plan's block timed on tp ranks (calibrate_dist)
+    "zero": {timing_zero.zero_key(plan, work): [fwd_bwd_extra_s, step_extra_s]}: ZeRO's cost
+        beyond a plain local step of the same model, 2 ranks on loopback (calibrate_dist)
     "codec": {spec: [enc_a, enc_b, dec_a, dec_b]}: encode/decode seconds = a + b x elements
         (pyfast.comm.cost.codec_seconds at two sizes)
     "link_intra", "link_inter": {"fits": {primitive: [alpha, beta, free]}, "small_s": s,
@@ -32,6 +35,7 @@ from .hardware import Cluster
 from .spec import ModelShape, Plan, Workload
 # the probes, by concern; their names stay importable from here (cli, benchmarks, tests)
 from .calibrate_compute import measure_codecs, measure_compute, measure_cp_blocks  # noqa: F401
+from .calibrate_dist import measure_tp_blocks, measure_zero
 from .calibrate_job import measure_job
 from .calibrate_link import measure_loopback_link, probe_link, reduce_seconds  # noqa: F401
 from .refit import refit, refit_records, run_plan, shape_of  # noqa: F401
@@ -44,6 +48,10 @@ def default_plans(shape: ModelShape, work: Workload, world: int = 2) -> list[Pla
             if tp * cp <= world and work.global_batch % (world // (tp * cp)) == 0:
                 out.append(Plan(dp=world // (tp * cp), tp=tp, cp=cp,
                                 micro_batch=work.global_batch // (world // (tp * cp))))
+    # ZeRO 1-3 over all ranks: their per-step costs are measured (calibrate_dist.zero_probe),
+    # not summed (gpt-tiny's ZeRO-1 stepped in 19 ms against 9-11 ms from the arithmetic)
+    if world == 2 and work.global_batch % world == 0:
+        out += [Plan(dp=world, zero=z, micro_batch=work.global_batch // world) for z in (1, 2, 3)]
     return out
 
 
@@ -62,6 +70,8 @@ def measure(shape: ModelShape, work: Workload, cluster: Cluster, link: str = "lo
     cal = dict(cluster.calibration)
     cal.update(measure_compute(shape, work, plans))
     cal["compute"].update(measure_cp_blocks(shape, work, plans))
+    cal["compute"].update(measure_tp_blocks(shape, work, plans))
+    cal["zero"] = {**cal.get("zero", {}), **measure_zero(shape, work, plans)}
     specs = {p.compress for p in plans} | {p.param_compress for p in plans}
     cal["codec"] = {**cal.get("codec", {}), **measure_codecs(specs, shape)}
     cal["link_intra"] = cal["link_inter"] = link_model

@@ -96,7 +96,10 @@ def link_probe(path: str, pause: bool, specs=()) -> None:
     dist.destroy_process_group()
 
 
-WORKS = (0.1e-3, 0.3e-3, 1e-3, 3e-3)  # compute before the wait: tp's half block .. a stage
+# compute before the wait: tp's half block .. a stage .. a whole step since the ranks last met
+# (DataParallel's final wait: gpt-tiny's dp2 waited 5.7-8.2 ms after ~9 ms of compute where
+# the table, held at its 3 ms end, gave 0-1.6)
+WORKS = (0.1e-3, 0.3e-3, 1e-3, 3e-3, 10e-3, 30e-3)
 
 
 def wake_seconds(works=WORKS, repeats: int = 15) -> list[list[float]]:

@@ -39,7 +39,7 @@ from .timing_reduce import (ALLGATHER_MAX_BYTES, BUCKET_MB, DENSE_BYTES,  # noqa
                             FIRST_BUCKET_MB, NONE_BUCKET_MB, REL_ERROR, STEPS_PER_ERROR,
                             _bucket_cost, _buckets, _codec, _fifo, _trainable, reduction_s,
                             rel_error, steps_factor)
-from .timing_zero import _zero
+from .timing_zero import _zero, zero_key
 
 
 def predict_time(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster) -> dict:
@@ -81,6 +81,13 @@ def _predict(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster,
                             calls=m * nblocks * (6 if ck else 4))
     tp_f = 2 * (tp_ar + tp_link.wake(bf / 2))   # attention's and the MLP's output, forward
     tp_b = 2 * (tp_ar + tp_link.wake(bb / 2))   # their inputs' gradients, backward
+    tp_measured = plan.tp > 1 and compute_key("block", plan, work) + ":dist" in \
+        cluster.calibration.get("compute", {})
+    if tp_measured:  # the block was timed with its all-reduces on loopback: only the link's extra
+        lo = _cpu_link(cluster, plan.tp)
+        lo_ar = lo.seconds("all_reduce", toks * shape.hidden * act)
+        tp_f = max(0.0, tp_f - 2 * (lo_ar + lo.wake(bf / 2)))
+        tp_b = max(0.0, tp_b - 2 * (lo_ar + lo.wake(bb / 2)))
     kv = 2.0 * toks * shape.kv_dim // plan.tp * act
     if plan.cp > 1 and plan.cp_method == "ulysses":  # q, k, v in and the output back
         a2a = cp_link.seconds("all_to_all", toks * shape.hidden // plan.tp * act,
@@ -153,33 +160,36 @@ def _predict(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster,
     cal = cluster.calibration
     cont = cal.get("cpu_contention", 0.0)
     cpu_link = _cpu_link(cluster, world)
+    # measured at this stage, compressor and micro-batch on 2 ranks (calibrate_dist.zero_probe)
+    zero_m = cal.get("zero", {}).get(zero_key(plan, work)) if world == 2 and p == 1 else None
+    n_opt = n_local / world if plan.zero and zero_m is None else n_local
+    dp_m = None
+    if not plan.zero:  # DataParallel's measured wait replaces the arithmetic's, below
+        dp_m, zero_m = zero_m, None
+    opt_rate = cluster.calibration.get("optim_s_per_param")
+    optim = (opt_rate * n_opt if opt_rate is not None else 64.0 * n_opt / cluster.gpu.hbm_bps) \
+        * _compute_scale(cluster, plan)
+    optim += cal.get("step_overhead_s", 0.0) * _compute_scale(cluster, plan)  # the job's own
     if world > 1 and not plan.zero:
-        per_param = plan.compress.partition(":")[0] in ("topk", "powersgd")
-        bks = _buckets(gmods, per_param,
-                       bucket_mb=NONE_BUCKET_MB if plan.compress == "none" else BUCKET_MB)
-        cost, cdc = zip(*(_bucket_cost(plan.compress, bk, dp_link, cluster, len(bks))
-                          for bk in bks))
-        dp_c, codec = sum(cost), sum(cdc)
-        if p > 1:  # reduce_gradients() after the pipeline: nothing to hide behind
-            exposed_dp = dp_c
-        else:  # the last micro-batch's backward, module by module from the head down
-            start = body - b - r - (tpc + cpc) * (b + r) / max(f + b + r, 1e-30)
-            done, t = {}, start
-            for i in reversed(range(len(mods))):
-                kf, kb, kr = mod_s(*mods[i])
-                t += (kb + kr) * (1 + (tpc + cpc) / max(f + b + r, 1e-30))
-                done[i] = t
-            end = _fifo([done[i] for _, _, i in bks], cost)
-            exposed_dp = max(0.0, end - body)
-            # what the overlap cannot hide where the ranks fill the cores: the communication
-            # thread's own CPU work (codec, gloo's copies at loopback speed)
-            if cont:
-                exposed_dp += cont * sum(_bucket_cost(plan.compress, bk, cpu_link, cluster)[0]
-                                         for bk in bks)
-        # then the side band's small all-reduce and the copy of the buckets into .grad
-        copy = cal.get("copy_s_per_byte", 1.0 / cluster.gpu.hbm_bps)
-        exposed_dp += dp_link.seconds("small", SMALL_BYTES) + dp_link.wake(bb) + \
-            4.0 * n_local * copy * _compute_scale(cluster, plan)
+        dp_c, codec, exposed_dp = _dp_exposed(plan, gmods, mods, dp_link, cpu_link, cluster,
+                                              body, (f, b, r, tpc + cpc), mod_s)
+        # the wait after the step's compute since the ranks last met (the previous step's
+        # small all-reduce): a rank's lead over its peer grows with it (wake_seconds' table)
+        exposed_dp += dp_link.wake(body + optim)
+        if dp_m is not None:  # measured on loopback (zero_probe's stage 0): the hooks and the
+            # last bucket's wait as they were, plus what this link adds to the arithmetic's
+            _, _, lo_exp = _dp_exposed(plan, gmods, mods, cpu_link, cpu_link, cluster, body,
+                                       (f, b, r, tpc + cpc), mod_s)
+            exposed_dp = max(0.0, dp_m[0] + dp_m[1] + max(0.0, exposed_dp - lo_exp -
+                                                          dp_link.wake(body + optim)))
+    elif world > 1 and zero_m is not None:
+        # ZeRO's per-step costs as calibrate_dist.zero_probe timed them on loopback (beyond a
+        # plain local step, whose optimizer is the whole model's), plus what this link adds
+        zero_c, exposed_dp = _zero(plan, gmods, dp_link, cluster, body, mod_s, frozen)
+        _, lo_exp = _zero(plan, gmods, cpu_link, cluster, body, mod_s, frozen)
+        fb, st = zero_m
+        exposed_dp = max(0.0, fb * (m if plan.zero == 3 else 1) + st +
+                         max(0.0, exposed_dp - lo_exp))
     elif world > 1:
         zero_c, exposed_dp = _zero(plan, gmods, dp_link, cluster, body, mod_s, frozen)
         exposed_dp += dp_link.wake(bb)  # the step's wait for the last reduce-scatter
@@ -189,11 +199,6 @@ def _predict(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster,
     # the step's small all-reduce (loss, norm, flag, bytes) over every rank, and the optimizer
     every = Link(cluster, plan.ranks, plan.ranks)
     small = every.seconds("small", 32.0) + every.wake(0.0)  # after the norm pass
-    n_opt = n_local / world if plan.zero else n_local
-    opt_rate = cluster.calibration.get("optim_s_per_param")
-    optim = (opt_rate * n_opt if opt_rate is not None else 64.0 * n_opt / cluster.gpu.hbm_bps) \
-        * _compute_scale(cluster, plan)
-    optim += cal.get("step_overhead_s", 0.0) * _compute_scale(cluster, plan)  # the job's own
     step = body + exposed_dp + small + optim
     comm = m * (tpc + cpc) + pp_c + dp_c + zero_c + small
     exposed = step - compute - bubble - optim
@@ -208,3 +213,45 @@ def _predict(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster,
             "optimizer_s": optim, "tp_comm_s": m * tpc, "cp_comm_s": m * cpc, "pp_comm_s": pp_c,
             "dp_comm_s": dp_c, "zero_comm_s": zero_c, "stage": slow,
             "why": ", ".join(why) or "compute-bound"}
+
+
+def _dp_exposed(plan: Plan, gmods: list, mods: list, link: Link, cpu_link: Link,
+                cluster: Cluster, body: float, last: tuple, mod_s) -> tuple[float, float, float]:
+    """(comm seconds, codec seconds, exposed seconds) of DataParallel's reduction on `link`:
+    its buckets in reverse registration order on one thread behind the last micro-batch's
+    backward (after the pipeline when pp > 1), then the side band's small all-reduce and the
+    copy of the buckets into .grad. last: the slowest stage's (forward, backward, recompute,
+    tp + cp seconds) of one micro-batch."""
+    f, b, r, par = last
+    cal = cluster.calibration
+    per_param = plan.compress.partition(":")[0] in ("topk", "powersgd")
+    bks = _buckets(gmods, per_param,
+                   bucket_mb=NONE_BUCKET_MB if plan.compress == "none" else BUCKET_MB)
+    cost, cdc = zip(*(_bucket_cost(plan.compress, bk, link, cluster, len(bks)) for bk in bks))
+    dp_c, codec = sum(cost), sum(cdc)
+    if plan.pp > 1:  # reduce_gradients() after the pipeline: nothing to hide behind
+        exposed = dp_c
+    else:  # the last micro-batch's backward, module by module from the head down
+        start = body - b - r - par * (b + r) / max(f + b + r, 1e-30)
+        done, t = {}, start
+        for i in reversed(range(len(mods))):
+            kf, kb, kr = mod_s(*mods[i])
+            t += (kb + kr) * (1 + par / max(f + b + r, 1e-30))
+            done[i] = t
+        end = _fifo([done[i] for _, _, i in bks], cost)
+        exposed = max(0.0, end - body)
+        # what the overlap cannot hide where the ranks fill the cores: the communication
+        # thread's own CPU work (codec, gloo's copies at loopback speed)
+        cont = cal.get("cpu_contention", 0.0)
+        if cont:
+            exposed += cont * sum(_bucket_cost(plan.compress, bk, cpu_link, cluster)[0]
+                                  for bk in bks)
+    copy = cal.get("copy_s_per_byte", 1.0 / cluster.gpu.hbm_bps)
+    exposed += link.seconds("small", SMALL_BYTES) + 4.0 * n_of(gmods) * copy * \
+        _compute_scale(cluster, plan)
+    return dp_c, codec, exposed
+
+
+def n_of(mods: list) -> int:
+    return sum(n for _, ps in mods for n, _ in ps)
+

@@ -72,6 +72,10 @@ def _module_s(kind: str, params: list, shape: ModelShape, plan: Plan, work: Work
         ring = cal.get("compute", {}).get(compute_key(kind, plan, work) + ":cp")
         if ring is not None:  # timed with its cp ranks running at once: no compute_scale
             return ring[0], ring[1], 0.0
+    if kind == "block" and plan.tp > 1 and plan.cp == 1:  # timed on tp ranks, all-reduces in
+        dist = cal.get("compute", {}).get(compute_key(kind, plan, work) + ":dist")
+        if dist is not None:  # (calibrate_dist.tp_probe): no compute_scale, as cp's
+            return dist[0], dist[1], 0.0
     if measured is not None:
         f, b = measured  # b includes the recompute under activation checkpointing
         rec = f if kind == "block" and plan.activation_checkpointing else 0.0

@@ -1,10 +1,16 @@
 """ZeRO's reduce-scatters and parameter all-gathers in the time model (pyfast.plan.timing)."""
 from __future__ import annotations
 
-from .spec import Plan
+from .spec import Plan, Workload
 from .hardware import Cluster
 from .timing_link import Link
 from .timing_reduce import DENSE_BYTES, _buckets, _codec, _fifo
+
+
+def zero_key(plan: Plan, work: Workload) -> str:
+    """The calibration key of ZeRO's measured per-step costs (calibrate_dist.zero_probe) for
+    this plan's stage, compressor and local shape."""
+    return f"zero{plan.zero}:{plan.compress}:b{plan.micro_batch}:s{work.seq}:{work.precision}"
 
 
 def _zero(plan: Plan, mods: list, link: Link, cluster: Cluster, body: float,

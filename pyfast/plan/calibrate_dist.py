@@ -1,0 +1,194 @@
+"""Calibration probes that need their ranks running at once (pyfast.plan.calibrate): a tp
+plan's block on tp gloo ranks (its all-reduces and the waits between them included), and
+ZeRO's per-step costs beyond plain local training (its hooks, reduce-scatters, sharded
+optimizer, all-gathers and the Python around them), both on loopback.
+
+Why measured rather than summed from the link fit: on this 2-core machine gpt-tiny's tp2 step
+took 21.7-22.5 ms where the modules' compute plus 8 fitted all-reduces made 11.7 (each blocking
+all-reduce after compute cost ~1.2 ms, not the 0.25 ms of back-to-back calls, and the wake-up
+probe saw 0 to 1.6 ms from one run to the next); ZeRO-1 stepped in 18.9-19.6 ms against 15.2-15.8
+for plain dp2 and 9.0-10.8 predicted (bench/results/plan_time*.txt, 2026-11-25)."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from .spec import ModelShape, Plan, Workload, gpt_model_flag
+from . import timing
+from .timing_zero import zero_key
+from .calibrate_link import PER_TENSOR, _child
+
+REPEATS = 9  # medians of 9 after 2 warm steps: one rank's step varied 11-22 ms (q10-q90) here
+
+
+def _amp(precision: str, fn):
+    import torch
+    from pyfast.train.job import AMP
+    return torch.autocast("cpu", dtype=AMP[precision])(fn) if precision in AMP else fn
+
+
+def _max_over_ranks(values: list[float]) -> list[float]:
+    import torch
+    import torch.distributed as dist
+    w = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(w, op=dist.ReduceOp.MAX)
+    return w.tolist()
+
+
+def _init():
+    import datetime
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    torch.manual_seed(0)
+
+
+def tp_probe(path: str, model: str, vocab: int, seq: int, micro_batch: int,
+             precision: str) -> None:
+    """A rank of the tp block probe (env://, gloo, world = tp): pyfast's Block under
+    parallelize(model.tp_plan()) as the job splits it, forward and backward timed (medians,
+    max over ranks); rank 0 writes [forward_s, backward_s] to `path`."""
+    import torch
+    import torch.distributed as dist
+    from pyfast import models
+    from pyfast.parallel import parallelize
+    _init()
+    m = models.build(model, vocab, seq)
+    parallelize(m, m.tp_plan(), group=dist.group.WORLD)
+    block = m[1]
+    fwd = _amp(precision, block.forward)
+    fs, bs = [], []
+    for i in range(REPEATS + 2):
+        x = torch.randn(micro_batch, seq, m.cfg.d_model, requires_grad=True)
+        dist.barrier()
+        t0 = time.perf_counter()
+        y = fwd(x)
+        t1 = time.perf_counter()
+        y.backward(torch.randn_like(y))
+        t2 = time.perf_counter()
+        if i > 1:
+            fs.append(t1 - t0)
+            bs.append(t2 - t1)
+    w = _max_over_ranks([statistics.median(fs), statistics.median(bs)])
+    if dist.get_rank() == 0:
+        Path(path).write_text(json.dumps(w))
+    dist.destroy_process_group()
+
+
+def zero_probe(path: str, model: str, vocab: int, seq: int, micro_batch: int,
+               precision: str, stage: int, compress: str) -> None:
+    """A rank of the ZeRO probe (env://, gloo, 2 ranks): the model wrapped by zero() as the job
+    wraps it (AdamW, the job's two parameter groups; stage 0: DataParallel, as the job wraps
+    it) and the same model unwrapped, stepped alternately on both ranks at once (the plain one
+    with the job's fused norm pass and AdamW, no communication; the ZeRO one with
+    clip_grad_norm_ and its step, DataParallel's as the plain one); rank 0 writes
+    [forward+backward extra, step extra] (medians of the wrapped minus plain, max over ranks):
+    under DataParallel the first is its hooks and the wait for the last bucket."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from pyfast import models
+    from pyfast.parallel.zero import zero
+    _init()
+
+    def build():
+        torch.manual_seed(0)
+        m = models.build(model, vocab, seq)
+        groups = [{"params": [p for p in m.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+                  {"params": [p for p in m.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+        return m, groups
+
+    pm, pg = build()
+    popt = torch.optim.AdamW(pg, lr=1e-4, betas=(0.9, 0.95))
+    zm, zg = build()
+    if stage:
+        net, zopt = zero(zm, torch.optim.AdamW, stage=stage, compressor=compress, params=zg,
+                         lr=1e-4, betas=(0.9, 0.95))
+    else:
+        from pyfast.parallel import DataParallel
+        net = DataParallel(zm, compressor=compress, check_finite=False)
+        zopt = torch.optim.AdamW(zg, lr=1e-4, betas=(0.9, 0.95))
+
+    def plain_step():
+        ps = [p for p in pm.parameters() if p.grad is not None]
+        torch.stack(torch._foreach_norm([p.grad for p in ps])).double().square().sum()
+        popt.step()
+
+    def zero_step():
+        if not stage:
+            ps = [p for p in zm.parameters() if p.grad is not None]
+            torch.stack(torch._foreach_norm([p.grad for p in ps])).double().square().sum()
+        else:
+            zopt.clip_grad_norm_(float("inf"))
+        zopt.step()
+
+    runs = {"plain": (pm, popt, plain_step), "zero": (net, zopt, zero_step)}
+    times = {k: ([], []) for k in runs}
+    for i in range(REPEATS + 2):
+        for name, (mod, opt, step) in runs.items():
+            ids = torch.randint(0, vocab, (micro_batch, seq))
+            tgt = torch.randint(0, vocab, (micro_batch * seq,))
+            opt.zero_grad(set_to_none=True)
+            dist.barrier()
+            t0 = time.perf_counter()
+            logits = _amp(precision, mod.forward)(ids)
+            F.cross_entropy(logits.flatten(0, -2).float(), tgt).backward()
+            t1 = time.perf_counter()
+            step()
+            t2 = time.perf_counter()
+            if i > 1:
+                times[name][0].append(t1 - t0)
+                times[name][1].append(t2 - t1)
+    med = {k: [statistics.median(v[0]), statistics.median(v[1])] for k, v in times.items()}
+    w = _max_over_ranks([med["zero"][0] - med["plain"][0], med["zero"][1] - med["plain"][1]])
+    close = getattr(net, "close", None)
+    if close is not None:
+        close()
+    if dist.get_rank() == 0:
+        Path(path).write_text(json.dumps(w))
+    dist.destroy_process_group()
+
+
+def _probe(fn: str, args: str, world: int, timeout: float):
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "probe.json")
+        argv = ["-c", f"from pyfast.plan.calibrate_dist import {fn}; {fn}({path!r}, {args})"]
+        _child(argv, timeout, world=world)
+        return json.loads(Path(path).read_text())
+
+
+def measure_tp_blocks(shape: ModelShape, work: Workload, plans, timeout: float = 180) -> dict:
+    """{compute_key + ":dist": [forward_s, backward_s]} of each tp plan's block (cp 1), timed
+    on tp gloo ranks on loopback: the block's compute with its all-reduces and their waits."""
+    out = {}
+    for plan in plans:
+        key = timing.compute_key("block", plan, work) + ":dist"
+        if plan.tp == 1 or plan.cp > 1 or key in out:
+            continue
+        one = gpt_model_flag(replace(shape, layers=1))
+        out[key] = _probe("tp_probe", f"{one!r}, {shape.vocab}, {work.seq}, {plan.micro_batch}, "
+                          f"{work.precision!r}", plan.tp, timeout)
+    return out
+
+
+def measure_zero(shape: ModelShape, work: Workload, plans, timeout: float = 300) -> dict:
+    """{zero_key: [forward+backward extra_s, step extra_s]} of each ZeRO plan (its stage and
+    micro-batch, 2 ranks on loopback), and of each plain data-parallel plan with a dense
+    compressor (key "zero0:..."; top-k's and PowerSGD's per-parameter calls have their own
+    probe, calibrate_link.reduce_seconds): zero_probe."""
+    out = {}
+    for plan in plans:
+        key = zero_key(plan, work)
+        if plan.dp != 2 or plan.tp > 1 or plan.pp > 1 or plan.cp > 1 or plan.lora or \
+                key in out or (not plan.zero and plan.compress.partition(":")[0] in PER_TENSOR):
+            continue
+        out[key] = _probe("zero_probe", f"{gpt_model_flag(shape)!r}, {shape.vocab}, {work.seq}, "
+                          f"{plan.micro_batch}, {work.precision!r}, {plan.zero}, "
+                          f"{plan.compress!r}", 2, timeout)
+    return out

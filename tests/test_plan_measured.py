@@ -1,0 +1,98 @@
+"""pyfast.plan's costs measured on ranks running at once (calibrate_dist): tp's block timed on tp
+ranks and ZeRO's per-step costs, and how timing uses them (the loopback traffic they hold is not
+counted twice; a slower link adds only its own extra). No speed assertions."""
+import math
+
+import pytest
+import torch
+
+from pyfast.comm import cost
+from pyfast.plan import calibrate_dist, hardware, timing
+from pyfast.plan.spec import ModelShape, Plan, Workload
+from pyfast.plan.timing_zero import zero_key
+
+TINY = ModelShape(2, 64, 4, 4, 256, 256, name="gpt-tiny")
+WORK = Workload(64, 8, "fp32")
+
+
+def _cluster(rate_bps=None, **extra):
+    """2 cpu ranks with a loopback-like fit (ragged numbers) and local module timings for every
+    plan below; with a rate, the link shaped by a token bucket of 512 KiB (the namespaces')."""
+    r = torch.rand(8, dtype=torch.float64).tolist()
+    lo = {"fits": {p: [2e-4 + 1e-5 * r[0], 2.5e-10, 0.0] for p in cost.PRIMITIVES},
+          "small_s": 1.5e-4, "wake_s": [[1e-4, 5e-5 * (1 + r[1])], [3e-2, 2e-3 * (1 + r[2])]]}
+    shaped = dict(lo, tbf=[rate_bps / 8, 512 * 1024]) if rate_bps else lo
+    comp = {}
+    for plan in (Plan(tp=2, micro_batch=8), Plan(dp=2, micro_batch=4)):
+        for kind, s in (("embed", 3e-5), ("block", 9e-4), ("head", 2e-4)):
+            comp[timing.compute_key(kind, plan, WORK)] = [s * (1 + r[3]), 2 * s * (1 + r[4])]
+    cal = {"link_intra": shaped, "link_inter": shaped, "link_cpu": lo, "compute": comp,
+           "optim_s_per_param": 5e-9 * (1 + r[5]), **extra}
+    return hardware.Cluster(2, 2, hardware.gpu("cpu"), 1.0, 1.0, calibration=cal)
+
+
+@pytest.mark.parametrize("rate", [None, 1e9, 10e6])
+def test_tp_block_timed_on_ranks(rate):
+    plan = Plan(tp=2, micro_batch=8)
+    key = timing.compute_key("block", plan, WORK) + ":dist"
+    c = _cluster(rate)
+    plain = timing.predict_time(TINY, plan, WORK, c)
+    f, b = 4.1e-3 * (1 + torch.rand(1).item()), 7.3e-3
+    c.calibration["compute"][key] = [f, b]
+    got = timing.predict_time(TINY, plan, WORK, c)
+    # the two blocks' measured seconds replace the local ones (no compute_scale: as cp's)
+    lf, lb = c.calibration["compute"][timing.compute_key("block", plan, WORK)]
+    assert got["compute_s"] - plain["compute_s"] == pytest.approx(2 * (f + b - lf - lb),
+                                                                  rel=1e-9)
+    if rate is None:  # loopback: the measured block holds every all-reduce and its wait
+        assert got["tp_comm_s"] == 0.0
+    else:  # a shaped link: its calls' extra over loopback only, never negative (at 1 Gbit/s
+        # the refill covers gpt-tiny's 131 KB calls: none; at 10 Mbit/s they wait for the rate)
+        assert 0.0 <= got["tp_comm_s"] < plain["tp_comm_s"]
+        assert (got["tp_comm_s"] > 0) == (rate < 1e8)
+    # another micro-batch's plan has no timing on ranks: the local block and the modelled calls
+    other = timing.predict_time(TINY, Plan(tp=2, micro_batch=4, micro_batches=2), WORK, c)
+    assert other["tp_comm_s"] > 0
+
+
+@pytest.mark.parametrize("stage,m", [(0, 1), (1, 1), (2, 1), (3, 1), (3, 2)])
+def test_zero_measured_costs(stage, m):
+    # stage 0: DataParallel (its hooks and the last bucket's wait), measured the same way
+    plan = Plan(dp=2, zero=stage, micro_batch=4 // m, micro_batches=m)
+    fb, st = 2.3e-3 * (1 + torch.rand(1).item()), 9.1e-3
+    c = _cluster(zero={zero_key(plan, WORK): [0.0, 0.0]})
+    base = timing.predict_time(TINY, plan, WORK, c)
+    c.calibration["zero"][zero_key(plan, WORK)] = [fb, st]
+    got = timing.predict_time(TINY, plan, WORK, c)
+    # on loopback the measured costs are the whole of ZeRO's: forward + backward's once a
+    # micro-batch under stage 3 (its gathers), once a step under 1 and 2 (the last backward's
+    # reduce-scatters), and the step's; the optimizer is the whole model's (the probe's extra
+    # is over a plain step of it)
+    assert got["step_s"] - base["step_s"] == pytest.approx(fb * (m if stage == 3 else 1) + st,
+                                                           rel=1e-9)
+    n = sum(n for _, ps in timing._modules(TINY, plan, 0) for n, _ in ps)
+    assert got["optimizer_s"] == pytest.approx(c.calibration["optim_s_per_param"] * n,
+                                               rel=1e-9)
+    # no measurement for this stage and shape: the model's own arithmetic (under ZeRO a
+    # shard's optimizer, half the model's on 2 ranks)
+    c.calibration["zero"] = {"zero9:none:b4:s64:fp32": [1.0, 1.0]}
+    none = timing.predict_time(TINY, plan, WORK, c)
+    assert none["optimizer_s"] == pytest.approx(got["optimizer_s"] / (2 if stage else 1),
+                                                rel=1e-9)
+    assert none["step_s"] < 1.0
+
+
+def test_probes_run_on_two_ranks():
+    # the probes themselves (2 gloo ranks each, gpt-tiny at 16 tokens): every number finite,
+    # keyed as timing reads them
+    work = Workload(16, 2, "fp32")
+    plans = [Plan(tp=2, micro_batch=2), Plan(dp=2, zero=1, micro_batch=1),
+             Plan(dp=2, micro_batch=1, compress="int8"),
+             Plan(dp=2, micro_batch=1, compress="topk:0.01")]  # per-parameter: not this probe
+    tp = calibrate_dist.measure_tp_blocks(TINY, work, plans)
+    z = calibrate_dist.measure_zero(TINY, work, plans)
+    assert list(tp) == [timing.compute_key("block", plans[0], work) + ":dist"]
+    assert list(z) == [zero_key(plans[1], work), zero_key(plans[2], work)]
+    f, b = tp[list(tp)[0]]
+    assert f > 0 and b > 0
+    assert all(math.isfinite(x) for v in z.values() for x in v)
