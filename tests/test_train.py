@@ -237,23 +237,5 @@ def test_nan_loss_stops_with_the_step_and_keeps_the_last_checkpoint(tmp_path):
     assert sorted(os.listdir(out / "checkpoints")) == ["step-1"]
 
 
-@pytest.mark.dist
-def test_lora_zero3_sharded_int8_base_runs_and_resumes_replicated(tmp_path):
-    """--lora 4 --base-dtype int8 --zero 3 --base-placement shard: the job says where the base
-    is, and its checkpoint (which holds no frozen parameter) resumes bit-exact with the base
-    replicated instead (pyfast.parallel.zero.frozen; --base-placement may change on resume)."""
-    flags = ["--model", "hf-llama-tiny", "--steps", "2", "--batch", "2", "--seq", "32",
-             "--seed", "1", "--ckpt-every", "1", "--dp", "2", "--zero", "3", "--lora", "4",
-             "--base-dtype", "int8", "--tensorboard", "off"]
-    out = tmp_path / "lora"
-    p = ok(train(out, 2, flags + ["--base-placement", "shard"]))
-    assert "frozen base: sharded int8, 0.1 MB a rank of 0.2 (--base-placement shard)" in p.stdout
-    shutil.rmtree(out / "checkpoints" / "step-2")
-    want = [json.dumps(r["loss"]) for r in records(out)]
-    sharded = records(out)[-1]["bytes_sent"]
-    p = ok(train(out, 2, flags + ["--base-placement", "replicate", "--resume"]))
-    assert "resumed from" in p.stdout and "frozen base: replicated int8" in p.stdout
-    assert [json.dumps(r["loss"]) for r in records(out)] == want
-    # bytes_sent counts the frozen all-gathers: the whole int8 base (0.2 MB) crosses at least
-    # once a step over both ranks (forward; the layers again in backward)
-    assert sharded > records(out)[-1]["bytes_sent"] + 150_000
+# --lora --zero 3 with the base sharded, resumed replicated: tests/test_lora.py
+# (test_base_placement_changes_on_resume, on the job in that file's RankPool ranks)
