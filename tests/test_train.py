@@ -72,6 +72,21 @@ def train_many(jobs: dict, at_once: int = PARALLEL) -> dict:
     return done
 
 
+_SHARED: dict = {}  # (nproc, flags) -> the run directory of that job, for this test session
+
+
+def shared_runs(tmp_path_factory, jobs: dict) -> dict:
+    """{name: (nproc, flags)} -> {name: run directory}: train_many, but a job whose nproc and
+    flags ran already in this session (in any test file) is not run again. The runs are read,
+    never changed: a test that resumes one copies it first."""
+    todo = {k: v for k, v in jobs.items() if (v[0], tuple(v[1])) not in _SHARED}
+    root = tmp_path_factory.mktemp("shared")
+    for name, p in train_many({n: (root / n, *todo[n]) for n in todo}).items():
+        ok(p)
+        _SHARED[todo[name][0], tuple(todo[name][1])] = root / name
+    return {n: _SHARED[nproc, tuple(flags)] for n, (nproc, flags) in jobs.items()}
+
+
 def records(out):
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
@@ -88,11 +103,7 @@ def ok(p):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("train")
-    jobs = {name: (root / name, nproc, flags) for name, (nproc, flags) in {**FP32, **OTHER}.items()}
-    for p in train_many(jobs).values():
-        ok(p)
-    return {name: root / name for name in jobs}
+    return shared_runs(tmp_path_factory, {**FP32, **OTHER})
 
 
 def rel(a, b):
@@ -147,14 +158,8 @@ def test_metrics_log_plot_and_checkpoints(runs):
     assert sorted(os.listdir(out / "checkpoints")) == ["step-2", "step-3"]
 
 
-@pytest.mark.dist
-def test_hf_llama_tiny_tp2(tmp_path):
-    pytest.importorskip("transformers", reason="hf-llama-tiny needs transformers")
-    flags = ["--model", "hf-llama-tiny"]
-    for p in train_many({"one": (tmp_path / "one", 1, flags),
-                         "tp2": (tmp_path / "tp2", 2, flags + ["--tp", "2"])}).values():
-        ok(p)
-    assert rel(losses(tmp_path / "tp2"), losses(tmp_path / "one")) < 1e-5
+# hf-llama-tiny at tp 2 against one process: tests/test_hf_parallel.py
+# (test_train_hf_llama_matches_one_process[tp2], losses, gradient norms and validation)
 
 
 @pytest.mark.dist
