@@ -250,20 +250,18 @@ def test_stages_of_other_llama_family_models_equal_their_forward(arch):
 
 # ---------------------------------------------------------------- pyfast train
 HF = ["--model", "hf-llama-tiny"]
-JOBS = {"1proc": (1, HF), "cp2": (2, HF + ["--cp", "2"]), "pp2": (2, HF + ["--pp", "2"])}
+JOBS = {"1proc": (1, HF), "cp2": (2, HF + ["--cp", "2"]), "pp2": (2, HF + ["--pp", "2"]),
+        "tp2": (2, HF + ["--tp", "2"])}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from test_train import ok, train_many
-    root = tmp_path_factory.mktemp("hf_parallel")
-    for p in train_many({n: (root / n, *JOBS[n]) for n in JOBS}).values():
-        ok(p)
-    return {n: root / n for n in JOBS}
+    from test_train import shared_runs
+    return shared_runs(tmp_path_factory, JOBS)
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("name", ["cp2", "pp2"])
+@pytest.mark.parametrize("name", ["cp2", "pp2", "tp2"])
 def test_train_hf_llama_matches_one_process(runs, name):
     from test_train import records, rel
     got, ref = records(runs[name]), records(runs["1proc"])

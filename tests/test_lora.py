@@ -9,7 +9,8 @@ they reach ~20).
 
 The job (pyfast.train.job.Job on forked gloo ranks, as `pyfast train` runs it): hf-llama-tiny
 with --lora 4 on one rank, dp2, dp2 --zero 2 and 3, pp2 and two DiLoCo replicas in bf16 (one
-module fixture, 4 steps each), then a resume from step 2. Tolerances: the meshes agree with one rank
+module fixture, 4 steps each), then a resume from step 2; an int8 base sharded by --zero 3,
+resumed from step 2 with the base replicated (bit-exact). Tolerances: the meshes agree with one rank
 within 1e-5 relative on the losses (as tests/test_train.py) and within 1e-3 x lr x steps
 absolute on the adapters after 4 steps (measured: 3e-7 to 4.6e-6 at lr 3e-3, by data; fp32
 sums reordered, see test_lora_meshes_train_as_one_rank).
@@ -226,13 +227,16 @@ MESHES = {"1proc": {}, "dp2": {"dp": 2}, "dp2-zero2": {"dp": 2, "zero": 2}, "pp2
           "dp2-zero3": {"dp": 2, "zero": 3},  # the frozen base as zero 3 places it (auto)
           # two replicas meeting every 2 steps, in bf16 (frozen Linear weights stored in bf16)
           "diloco-bf16": {"diloco": 2, "replicas": 2, "precision": "bf16"}}
+# --zero 3 with an int8 base sharded over the 2 ranks (not in MESHES: an int8 base is not one
+# rank's fp32 model)
+SHARDED = {"dp": 2, "zero": 3, "base_dtype": "int8", "base_placement": "shard"}
 
 
 def _job(rank, world, kw, first=1, save=(), load=None):
     """The job's own steps first..STEPS on these ranks (Job as pyfast train runs it), saving
     at the steps in `save`, after loading checkpoint `load` if given: (records, this rank's
     trainable parameters, the job's counts, whether every frozen parameter is without .grad,
-    {frozen parameter name: dtype})."""
+    {frozen parameter name: dtype}, the job's frozen-base log line)."""
     from pyfast.train.job import Job
     job = Job(TrainConfig(**{**FLAGS, **kw}), torch.device("cpu"))
     try:
@@ -251,7 +255,8 @@ def _job(rank, world, kw, first=1, save=(), load=None):
             mine = {n: whole[n].detach().clone() for n in mine}
         return (recs, mine,
                 (job.n_params, job.n_trainable), all(p.grad is None for p in frozen),
-                {n: str(p.dtype) for n, p in job.model.named_parameters() if not p.requires_grad})
+                {n: str(p.dtype) for n, p in job.model.named_parameters() if not p.requires_grad},
+                job.frozen_note)
     finally:
         job.close()
 
@@ -284,13 +289,20 @@ def runs(tmp_path_factory):
         for name, kw in MESHES.items():
             if name != "1proc":
                 got[name] = two.run(_job, {**kw, **data}, timeout=300)
+        # an int8 base sharded by zero 3, saved at step 2, then steps 3-4 resumed from that
+        # checkpoint with the base replicated instead (test_base_placement_changes_on_resume)
+        shard = {**SHARDED, **data, "out": str(root / "shard")}
+        got["shard"] = two.run(_job, shard, save=(2,), timeout=300)
+        got["replicated"] = two.run(_job, {**shard, "base_placement": "replicate"}, first=3,
+                                    load=str(root / "shard" / "checkpoints" / "step-2"),
+                                    timeout=300)
         got["1proc"] = one.wait(300)
     res = {}
     for name, ranks in got.items():
         assert all(r[3] for r in ranks), f"{name}: a frozen parameter got a .grad"
         adapters = {n: t for r in ranks for n, t in r[1].items()}  # pp2: the two stages'
-        res[name] = (ranks[0][0], adapters, ranks[0][2], ranks[0][4])
-    res["out"], res["data"] = out, data
+        res[name] = (ranks[0][0], adapters, ranks[0][2], ranks[0][4], ranks[0][5])
+    res["out"], res["data"], res["shard_out"] = out, data, Path(shard["out"])
     return res
 
 
@@ -319,7 +331,7 @@ def test_a_dp_step_sends_adapter_bytes_only(runs, name):
     """bytes_sent (what the summary's "MB sent per step" row shows): a 2-rank all-reduce, or
     reduce-scatter + all-gather, of N fp32 elements sends 2 x 4 N bytes over both ranks, N the
     adapters'; the frozen base (7x the adapters here) would add 2 x 4 x its own."""
-    recs, _, (total, n), _ = runs[name]
+    recs, _, (total, n), *_ = runs[name]
     assert n < total / 4
     for r in recs:
         assert 2 * 4 * n <= r["bytes_sent"] < 1.1 * 2 * 4 * n, (r["bytes_sent"], n, total)
@@ -385,7 +397,7 @@ def test_diloco_bf16_syncs_the_adapters_only_and_stores_the_frozen_linears_in_bf
     adapters' fp32 pseudo-gradients (outer_payload_bytes: 4 N bytes, N the adapters'; what the
     rank wrote for it, outer_bytes, within 10% of that), not the base's. --precision bf16: the
     frozen Linear weights are bf16, the embedding and the norms fp32 (store_frozen_linear)."""
-    recs, adapters, (total, n), dtypes = runs["diloco-bf16"]
+    recs, adapters, (total, n), dtypes, _ = runs["diloco-bf16"]
     assert [r["outer_payload_bytes"] for r in recs] == [0, 4 * n, 0, 4 * n]
     assert all(4 * n <= r["outer_bytes"] < 1.1 * 4 * n for r in recs[1::2]), recs
     assert all(math.isfinite(r["loss"]) for r in recs)
@@ -395,3 +407,25 @@ def test_diloco_bf16_syncs_the_adapters_only_and_stores_the_frozen_linears_in_bf
         assert dtype == ("torch.bfloat16" if linear else "torch.float32"), (name, dtype)
     assert all(d == "torch.float32" for d in runs["1proc"][3].values())  # fp32: as built
 
+
+
+@pytest.mark.dist
+def test_base_placement_changes_on_resume(runs):
+    """--lora 4 --base-dtype int8 --zero 3 --base-placement shard: the job says where the base
+    is, and its checkpoint (which holds no frozen parameter) resumes bit-exact with the base
+    replicated instead (pyfast.parallel.zero.frozen; --base-placement may change on resume)."""
+    from pyfast.train.run import check_resume
+    (recs, *_, note), (again, *_, note2) = runs["shard"], runs["replicated"]
+    assert note == "frozen base: sharded int8, 0.1 MB a rank of 0.2 (--base-placement shard)"
+    assert note2.startswith("frozen base: replicated int8"), note2
+    said = []  # what `pyfast train --resume` warns, checked on the same checkpoint
+    cfg = TrainConfig(**{**FLAGS, **SHARDED, **runs["data"], "out": str(runs["shard_out"]),
+                         "base_placement": "replicate", "resume": True})
+    step, _ = check_resume(cfg, restarted=False, say=said.append)
+    assert step == 2 and any("--base-placement" in s for s in said), said
+    assert [json.dumps(r["loss"]) for r in again] == [json.dumps(r["loss"]) for r in recs[2:]]
+    got, want = runs["replicated"][1], runs["shard"][1]
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    # bytes_sent counts the frozen all-gathers: the whole int8 base (0.2 MB) crosses at least
+    # once a step over both ranks (forward; the layers again in backward)
+    assert recs[-1]["bytes_sent"] > again[-1]["bytes_sent"] + 150_000

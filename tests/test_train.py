@@ -72,6 +72,21 @@ def train_many(jobs: dict, at_once: int = PARALLEL) -> dict:
     return done
 
 
+_SHARED: dict = {}  # (nproc, flags) -> the run directory of that job, for this test session
+
+
+def shared_runs(tmp_path_factory, jobs: dict) -> dict:
+    """{name: (nproc, flags)} -> {name: run directory}: train_many, but a job whose nproc and
+    flags ran already in this session (in any test file) is not run again. The runs are read,
+    never changed: a test that resumes one copies it first."""
+    todo = {k: v for k, v in jobs.items() if (v[0], tuple(v[1])) not in _SHARED}
+    root = tmp_path_factory.mktemp("shared")
+    for name, p in train_many({n: (root / n, *todo[n]) for n in todo}).items():
+        ok(p)
+        _SHARED[todo[name][0], tuple(todo[name][1])] = root / name
+    return {n: _SHARED[nproc, tuple(flags)] for n, (nproc, flags) in jobs.items()}
+
+
 def records(out):
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
@@ -88,11 +103,7 @@ def ok(p):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("train")
-    jobs = {name: (root / name, nproc, flags) for name, (nproc, flags) in {**FP32, **OTHER}.items()}
-    for p in train_many(jobs).values():
-        ok(p)
-    return {name: root / name for name in jobs}
+    return shared_runs(tmp_path_factory, {**FP32, **OTHER})
 
 
 def rel(a, b):
@@ -147,14 +158,8 @@ def test_metrics_log_plot_and_checkpoints(runs):
     assert sorted(os.listdir(out / "checkpoints")) == ["step-2", "step-3"]
 
 
-@pytest.mark.dist
-def test_hf_llama_tiny_tp2(tmp_path):
-    pytest.importorskip("transformers", reason="hf-llama-tiny needs transformers")
-    flags = ["--model", "hf-llama-tiny"]
-    for p in train_many({"one": (tmp_path / "one", 1, flags),
-                         "tp2": (tmp_path / "tp2", 2, flags + ["--tp", "2"])}).values():
-        ok(p)
-    assert rel(losses(tmp_path / "tp2"), losses(tmp_path / "one")) < 1e-5
+# hf-llama-tiny at tp 2 against one process: tests/test_hf_parallel.py
+# (test_train_hf_llama_matches_one_process[tp2], losses, gradient norms and validation)
 
 
 @pytest.mark.dist
@@ -237,23 +242,5 @@ def test_nan_loss_stops_with_the_step_and_keeps_the_last_checkpoint(tmp_path):
     assert sorted(os.listdir(out / "checkpoints")) == ["step-1"]
 
 
-@pytest.mark.dist
-def test_lora_zero3_sharded_int8_base_runs_and_resumes_replicated(tmp_path):
-    """--lora 4 --base-dtype int8 --zero 3 --base-placement shard: the job says where the base
-    is, and its checkpoint (which holds no frozen parameter) resumes bit-exact with the base
-    replicated instead (pyfast.parallel.zero.frozen; --base-placement may change on resume)."""
-    flags = ["--model", "hf-llama-tiny", "--steps", "2", "--batch", "2", "--seq", "32",
-             "--seed", "1", "--ckpt-every", "1", "--dp", "2", "--zero", "3", "--lora", "4",
-             "--base-dtype", "int8", "--tensorboard", "off"]
-    out = tmp_path / "lora"
-    p = ok(train(out, 2, flags + ["--base-placement", "shard"]))
-    assert "frozen base: sharded int8, 0.1 MB a rank of 0.2 (--base-placement shard)" in p.stdout
-    shutil.rmtree(out / "checkpoints" / "step-2")
-    want = [json.dumps(r["loss"]) for r in records(out)]
-    sharded = records(out)[-1]["bytes_sent"]
-    p = ok(train(out, 2, flags + ["--base-placement", "replicate", "--resume"]))
-    assert "resumed from" in p.stdout and "frozen base: replicated int8" in p.stdout
-    assert [json.dumps(r["loss"]) for r in records(out)] == want
-    # bytes_sent counts the frozen all-gathers: the whole int8 base (0.2 MB) crosses at least
-    # once a step over both ranks (forward; the layers again in backward)
-    assert sharded > records(out)[-1]["bytes_sent"] + 150_000
+# --lora --zero 3 with the base sharded, resumed replicated: tests/test_lora.py
+# (test_base_placement_changes_on_resume, on the job in that file's RankPool ranks)

@@ -17,7 +17,7 @@ import tempfile
 import pytest
 import torch
 
-from test_train import BASE, losses, ok, records, rel, train, train_many
+from test_train import BASE, losses, ok, records, rel, shared_runs, train
 
 CP = {  # name: (nproc, flags, reference); 7 jobs with the resume, ~50 s on 2 quiet cores
     "1proc": (1, [], None),
@@ -37,12 +37,10 @@ STEPS = 3  # BASE: 3 steps of 8 x 32 tokens, checkpoints at 2 and 3, validation 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("train_cp")
-    # the 4-rank jobs first: the longest ones, so that the 1- and 2-rank ones fill the other slot
+    # the 4-rank jobs first: the longest ones, so that the 1- and 2-rank ones fill the other
+    # slot; "1proc" is test_train.py's own run when that file ran first (shared_runs)
     order = sorted(CP, key=lambda n: -CP[n][0])
-    for p in train_many({n: (root / n, CP[n][0], CP[n][1]) for n in order}).values():
-        ok(p)
-    return {name: root / name for name in CP}
+    return shared_runs(tmp_path_factory, {n: CP[n][:2] for n in order})
 
 
 def model_of(run, step: int = STEPS) -> dict:

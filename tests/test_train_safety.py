@@ -329,15 +329,18 @@ def test_pyproject_torch_bound_is_the_checked_one():
 
 
 @pytest.mark.dist
-def test_a_real_run_extended_with_allow_change_steps_keeps_the_last_checkpoint(tmp_path):
+def test_a_real_run_extended_with_allow_change_steps_keeps_the_last_checkpoint(tmp_path, capsys):
     """The record a real job writes round-trips: an unchanged --resume passes, --steps needs
     --allow-change steps and is logged; --keep-last 1 leaves only the newest checkpoint."""
-    from test_train import ok, records, train
+    from pyfast.train import main
+    from test_train import BASE, ok, records, train
     out, flags = tmp_path / "run", ["--ckpt-every", "1", "--keep-last", "1"]
     ok(train(out, 0, flags + ["--steps", "2", "--eval-every", "0"]))
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2"]
-    p = train(out, 0, flags + ["--steps", "3", "--resume"])
-    assert p.returncode == 2 and "pass --allow-change steps" in p.stderr, p.stderr
+    # refused before any rank starts: the command's own function, in this process
+    assert main(BASE + ["--out", str(out)] + flags + ["--steps", "3", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "pass --allow-change steps" in err, err
     p = ok(train(out, 0, flags + ["--steps", "3", "--resume", "--allow-change", "steps"]))
     assert "changed flag: --steps: 2 in the checkpoint, 3 here" in p.stderr, p.stderr
     assert [r["step"] for r in records(out)] == [1, 2, 3]
