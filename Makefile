@@ -43,8 +43,8 @@ demo: $(STAMP)
 
 # The benchmark suites run once, untimed and small, so they cannot rot.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
-	PYFAST_BENCH_NUMEL=65536 $(BIN)/python -m pytest -q bench --benchmark-disable
+	$(BIN)/python -m pytest -q tests --durations=20
+	PYFAST_BENCH_NUMEL=65536 $(BIN)/python -m pytest -q bench --benchmark-disable --durations=10
 
 # The numbers docs/benchmarks.md quotes (each writes bench/results/NAME.json and .txt; the
 # last step regenerates docs/benchmarks.md from them).
