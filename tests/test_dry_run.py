@@ -201,7 +201,14 @@ def test_autocast_activations_equal_a_real_autocast_step(monkeypatch, precision)
     monkeypatch.setattr(MA, "POLICY", "cpu")
     c = TrainConfig(model="gpt-tiny", batch=4, seq=256, precision=precision)
     dry = dry_run(c, 1, [0])[0]
-    real = _profiled_peak(c)
+    try:
+        real = _profiled_peak(c)
+    except RuntimeError as e:
+        # ATEN_CPU_CAPABILITY=avx2 on an AVX-512 CPU: torch's bf16 flash-attention kernel still
+        # takes the AVX-512 packing path and refuses; a real AVX2 CPU takes another path
+        if "pack_vnni2" not in str(e):
+            raise
+        pytest.skip(f"the real CPU {precision} step cannot run under forced AVX2: {e}")
     assert abs(dry["peak_bytes"] - real) <= 0.10 * real, (dry, real)
     fp32 = dry_run(TrainConfig(model="gpt-tiny", batch=4, seq=256), 1, [0])[0]
     assert dry["activations"] < 0.8 * fp32["activations"]  # the casts are seen at all
