@@ -68,7 +68,10 @@ class Pipeline(nn.Module):
         timeout: seconds (or a timedelta) after which a step waiting on a silent peer fails;
         the pipeline then runs on a private group with this timeout, made by a collective over
         the default group (every rank of the job calls from_sequential at the same point, as
-        for dist.new_group). None: the group's own timeout."""
+        for dist.new_group). None: the group's own timeout. With more than one rank the
+        Pipeline always makes one more group, for each step's outcome flags (outcome.py), by
+        the same kind of collective over the default group: from_sequential is collective
+        whatever the timeout."""
         global _built
         if not isinstance(seq, nn.Sequential):
             raise TypeError(f"Pipeline.from_sequential needs an nn.Sequential, "
