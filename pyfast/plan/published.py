@@ -206,7 +206,10 @@ def plan_of(c: Case, ac: bool) -> tuple[Plan, Workload]:
     plan = Plan(c.dp, c.cp, c.tp, c.pp, zero=3 if c.dp * c.cp > 1 else 0,
                 micro_batch=c.local_batch // m, micro_batches=m, schedule=c.schedule,
                 activation_checkpointing=ac,
-                param_compress="fp8" if c.fp8_gather else "bf16")
+                param_compress="fp8" if c.fp8_gather else "bf16",
+                # torchtitan's TP always shards the norms' regions (SequenceParallel styles,
+                # models/llama3/parallelize.py): pyfast train --sequence-parallel
+                sequence_parallel=c.tp > 1)
     return plan, Workload(c.seq, c.dp * c.local_batch, "bf16")
 
 
