@@ -256,6 +256,9 @@ def test_sequence_parallel_job_shards_the_norms_and_the_residual_stream():
         dry_run(cfg(sequence_parallel=True), 1)
     with pytest.raises(ConfigError, match="not divisible by --tp 2"):
         dry_run(replace(c, seq=255, sequence_parallel=True), 2)
+    from pyfast.train.config import check_model
+    with pytest.raises(ConfigError, match="hf-llama-tiny has no sequence-parallel plan"):
+        check_model(TrainConfig(model="hf-llama-tiny", tp=2, sequence_parallel=True))
 
 
 def test_refused_flags():
