@@ -243,6 +243,24 @@ def test_sequence_parallel_and_async_tp_layers():
             assert tracker.peak >= 128 * 3 * 64 * F32
 
 
+def test_sequence_parallel_job_shards_the_norms_and_the_residual_stream():
+    """--tp 2 --sequence-parallel against --tp 2: the same parameters, less memory at the
+    peak (LayerNorms, the column layers' saved inputs and the checkpointed block inputs are
+    the rank's half of the sequence). Measured here, gpt-tiny, 4 x 256 tokens, recompute:
+    peak 4.99 MB vs 5.25 (activations 3.56 vs 4.22)."""
+    c = TrainConfig(model="gpt-tiny", tp=2, batch=4, seq=256, activation_checkpointing=True)
+    tp, sp = (dry_run(x, 2, [0])[0] for x in (c, replace(c, sequence_parallel=True)))
+    assert sp["parameters"] == tp["parameters"]
+    assert sp["peak_bytes"] < tp["peak_bytes"]
+    with pytest.raises(ConfigError, match="--tp > 1"):
+        dry_run(cfg(sequence_parallel=True), 1)
+    with pytest.raises(ConfigError, match="not divisible by --tp 2"):
+        dry_run(replace(c, seq=255, sequence_parallel=True), 2)
+    from pyfast.train.config import check_model
+    with pytest.raises(ConfigError, match="hf-llama-tiny has no sequence-parallel plan"):
+        check_model(TrainConfig(model="hf-llama-tiny", tp=2, sequence_parallel=True))
+
+
 def test_refused_flags():
     with pytest.raises(ConfigError, match="auto"):
         dry_run(cfg(dp=2, compress="auto"), 2)

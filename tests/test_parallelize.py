@@ -136,6 +136,15 @@ def _worker(rank, world):
     y, xg, _ = _run(m, x.chunk(world, 1)[rank], gy.chunk(world, 1)[rank])
     out["sp"] = (y, xg, _full_grads(m, sp=True))
 
+    # the sequence-parallel regions by style, as GPT.tp_plan(sequence_parallel=True) names
+    # them: whole ids in, whole output out, norm gradients summed over tp by parallelize's hooks
+    model, x, gy = _dense(vocab=40)
+    m = parallelize(model, {**SP_PLAN, "layers.*.ln*": "sequence_norm", "wte": "sequence_scatter",
+                            f"layers.{LAYERS - 1}": "sequence_gather"}, sequence_dim=1)
+    marked = sorted(n for n, p in m.named_parameters() if getattr(p, "sequence_parallel", False))
+    y, _, _ = _run(m, x, gy)
+    out["sp_styles"] = (y, _full_grads(m, sp=False), marked)
+
     model, x, gy = _dense()
     alias = {k: {"colwise": "ColwiseParallel", "rowwise": "row"}[v] for k, v in PLAN.items()}
     y, _, _ = _run(parallelize(model, alias), x, gy)
@@ -192,6 +201,19 @@ def test_gpt_matches_dense(ranks, case):
         torch.testing.assert_close(got_y, want[0], **TOL)
         torch.testing.assert_close(got_xg, want[1], **TOL)
         _compare(got_grads, grads)
+
+
+def test_sequence_parallel_styles_match_dense(ranks):
+    """sequence_scatter / sequence_norm / sequence_gather around the *_sp layers: the module
+    computes what the dense one does, on every rank, with the LayerNorms' gradients whole."""
+    _, res = ranks
+    model, x, gy = _dense(vocab=40)
+    y, _, grads = _run(model, x, gy)
+    norms = sorted(n for n, p in model.named_parameters() if ".ln" in n)
+    for got_y, got_grads, marked in (o["sp_styles"] for o in res):
+        torch.testing.assert_close(got_y, y, **TOL)
+        _compare(got_grads, grads)
+        assert marked == norms
 
 
 def test_aliases(ranks):

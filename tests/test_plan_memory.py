@@ -100,7 +100,8 @@ def _tiny(**kw):
     dict(dp=2, compress="powersgd:2", batch=6, activation_checkpointing=True),
     dict(tp=2, pp=2, batch=4, micro_batches=4),
     dict(dp=2, cp=2, batch=2, cp_method="ulysses"),
-], ids=["zero2-int8-tied", "dp-powersgd-ckpt", "tp2-pp2", "dp2-cp2-ulysses"])
+    dict(tp=2, batch=4, sequence_parallel=True, activation_checkpointing=True),
+], ids=["zero2-int8-tied", "dp-powersgd-ckpt", "tp2-pp2", "dp2-cp2-ulysses", "tp2-sp-ckpt"])
 def test_tiny_dry_runs_within_ten_percent(kw):
     # the tolerance; the model sums whole tensors, the trace's peak is one moment
     for traced, predicted in _tiny(**kw):

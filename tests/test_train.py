@@ -25,7 +25,9 @@ FP32 = {  # name: (nproc, flags)
     "tp2-accum2-actckpt": (2, ["--tp", "2", "--grad-accum", "2", "--activation-checkpointing"]),
     "pp2-1f1b": (2, ["--pp", "2", "--schedule", "1f1b"]),
     "dp2xtp2": (4, ["--dp", "2", "--tp", "2"]),
-    "tp2xpp2": (4, ["--tp", "2", "--pp", "2"]),
+    # sequence parallelism rides on a run the suite makes anyway (no extra job): tp 2 without
+    # it is tp2-accum2-actckpt and dp2xtp2
+    "tp2xpp2-sp": (4, ["--tp", "2", "--pp", "2", "--sequence-parallel"]),
 }
 OTHER = {
     # 4 steps: also the uninterrupted run that the crash-and-resume test must reproduce

@@ -121,7 +121,7 @@ def plan_of(cfg, vocab: int = 256):
                 compress=cfg.compress, micro_batch=mb, micro_batches=cfg.m,
                 schedule=cfg.schedule, activation_checkpointing=cfg.activation_checkpointing,
                 cp_method=cfg.cp_method, param_compress=cfg.param_compress,
-                lora=cfg.lora, base_dtype=cfg.base_dtype, lora_dropout=cfg.lora_dropout,
+                sequence_parallel=cfg.sequence_parallel, lora=cfg.lora, base_dtype=cfg.base_dtype, lora_dropout=cfg.lora_dropout,
                 base_placement="shard" if cfg.base_placement == "shard" else "replicate")
     return shape, plan, Workload(seq=cfg.seq, global_batch=cfg.batch, precision=cfg.precision)
 

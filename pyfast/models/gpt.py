@@ -151,8 +151,8 @@ class Attention(nn.Module):
         self.cp: ContextParallel | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
         qkv = self.qkv(x)  # [B, T, 3 * local heads * hd]: local heads = all heads / tp
+        b, t = qkv.shape[:2]  # sequence parallel: x holds T / tp tokens, qkv all T (gathered)
         q, k, v = qkv.view(b, t, -1, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
         if self.cp is not None:  # x holds this rank's shard of the sequence
             if self.cos is not None:
@@ -273,12 +273,26 @@ class GPT(nn.Sequential):
         slice of the logits, for vocab_parallel_cross_entropy), see VOCAB_PARALLEL_MIN."""
         return self.cfg.shard_vocab
 
-    def tp_plan(self) -> dict:
+    def tp_plan(self, sequence_parallel: bool = False) -> dict:
         """parallelize()'s plan: Megatron's split of attention and MLP, and, for a large
         vocabulary, the vocabulary split in the embedding and the head (whose logits stay
-        sharded); a small vocabulary's embedding and head stay whole on every rank."""
-        plan = {"*.attn.qkv": ("colwise_qkv", {"heads": self.cfg.n_head}),  # checked layout
-                "*.attn.proj": "rowwise", "*.mlp.fc": "colwise", "*.mlp.proj": "rowwise"}
+        sharded); a small vocabulary's embedding and head stay whole on every rank.
+        sequence_parallel (Korthikanti et al. 2022): between the embedding and the head the
+        residual stream is sharded along the sequence (dim 1 of [B, T, h]): the column layers
+        all-gather their input, the row layers reduce-scatter their output, the blocks' norms
+        sum their gradients over tp; the embedding's output is scattered and the last block's
+        gathered, so the head (and --loss-chunks' hidden=True) sees the whole sequence."""
+        sp = {"sequence_dim": 1}
+        qkv = {"heads": self.cfg.n_head, **({"sequence_parallel": True, **sp}
+                                            if sequence_parallel else {})}
+        col, row = (("colwise_sp", sp), ("rowwise_sp", sp)) if sequence_parallel else \
+            ("colwise", "rowwise")
+        plan = {"*.attn.qkv": ("colwise_qkv", qkv),  # checked layout
+                "*.attn.proj": row, "*.mlp.fc": col, "*.mlp.proj": row}
+        if sequence_parallel:
+            plan.update({"*.ln1": ("sequence_norm", sp), "*.ln2": ("sequence_norm", sp),
+                         "0": ("sequence_scatter", sp),
+                         str(len(self) - 2): ("sequence_gather", sp)})
         if self.vocab_parallel:
             plan.update({"0.tok": "vocab", f"{len(self) - 1}.lm_head": "colwise"})
         return plan

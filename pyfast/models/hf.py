@@ -109,7 +109,11 @@ class HFCausalLM(nn.Module):
 
     vocab_parallel = True  # the plan splits embed_tokens and lm_head
 
-    def tp_plan(self) -> dict:
+    def tp_plan(self, sequence_parallel: bool = False) -> dict:
+        if sequence_parallel:  # transformers' attention views q/k/v by its input's [B, T]
+            raise ValueError("Hugging Face attention reshapes q, k, v by its input's sequence "
+                             "length, which sequence parallelism shards (T / tp); only "
+                             "pyfast's GPT (gpt-*) has a sequence-parallel plan")
         return dict(self._plan)
 
     def tp_check(self, tp: int) -> str | None:

@@ -16,6 +16,8 @@ Styles (CONVERTERS says which module types each can shard):
     rowwise_sp   nn.Linear    -> RowParallelLinear(sequence_parallel=True): the output is this
                                  rank's slice of the sequence (reduce-scattered)
     vocab        nn.Embedding -> VocabParallelEmbedding: the vocabulary split
+    sequence_norm, sequence_scatter, sequence_gather   any module, kept as it is (hooks):
+                 the sequence-sharded regions between *_sp layers (sequence_parallel.py)
     colwise_qkv  nn.Linear    -> ColumnParallelLinear of a fused QKV projection, checked against
                                  the layout rule below; options heads= (required), kv_heads=
 Aliases: "column" and torch's "ColwiseParallel" mean colwise; "row" and "RowwiseParallel"
@@ -135,15 +137,25 @@ CONVERTERS: dict[tuple[str, type], Callable[..., nn.Module]] = {
         m, group=group, sequence_parallel=True, **o),
     ("colwise_qkv", nn.Linear): _qkv,
     ("vocab", nn.Embedding): _vocab,
+    # any module type (nn.Module: the fallback key): a norm, an embedding, a block
+    ("sequence_norm", nn.Module): lambda m, group, **o: _sp("sequence_norm")(m, group, **o),
+    ("sequence_scatter", nn.Module): lambda m, group, **o: _sp("sequence_scatter")(m, group, **o),
+    ("sequence_gather", nn.Module): lambda m, group, **o: _sp("sequence_gather")(m, group, **o),
 }
 ALIASES = {"column": "colwise", "ColwiseParallel": "colwise",
            "row": "rowwise", "RowwiseParallel": "rowwise"}
-SEQUENCE_PARALLEL = {"colwise_sp", "rowwise_sp"}
+SEQUENCE_PARALLEL = {"colwise_sp", "rowwise_sp", "sequence_norm", "sequence_scatter",
+                     "sequence_gather"}
+
+
+def _sp(name: str):
+    from . import sequence_parallel  # imported when a plan asks for it
+    return getattr(sequence_parallel, name)
 
 
 def _converter(style: str, module: nn.Module):
     """CONVERTERS' entry for the module's type, or lora_tp's for a peft LoRA wrapper; None."""
-    fn = CONVERTERS.get((style, type(module)))
+    fn = CONVERTERS.get((style, type(module))) or CONVERTERS.get((style, nn.Module))
     if fn is None and "peft" in sys.modules:  # a peft wrapper exists only once peft is imported
         from .lora_tp import converter
         fn = converter(style, module, CONVERTERS)

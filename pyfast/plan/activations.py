@@ -10,7 +10,7 @@ KINDS = ("parameters", "gradients", "optimizer", "activations", "comm_buffers", 
 
 
 def _block_saved(shape: ModelShape, tp: int, s_attn: int, device: str, cp_method: str,
-                 cp: int, bpe: float, rows: int) -> tuple[float, float]:
+                 cp: int, bpe: float, rows: int, sp: bool = False) -> tuple[float, float]:
     """(bytes one Block saves for backward per token, its largest backward temporary per
     token). Saved per token, h = hidden, f = ffn, a = heads, t = tp, fp32 (derived by listing
     the storages autograd keeps for pyfast.models.gpt.Block, Korthikanti's method):
@@ -21,10 +21,12 @@ def _block_saved(shape: ModelShape, tp: int, s_attn: int, device: str, cp_method
         view of the qkv output (b x heads merge without a copy), which then stays: +2h/t
       attention, flash SDPA / ring attention (cuda, cpu): q, k rotated 2h/t, the qkv output
         3h/t (v is a view of it), the output and the proj input 2h/t, log-sum-exp a/t.
-    Temporaries of the backward: the MLP's 2f/t + 2h, the math softmax's 2 a s/t."""
+    Temporaries of the backward: the MLP's 2f/t + 2h, the math softmax's 2 a s/t.
+    sp (sequence parallelism, tp > 1): the LayerNorms run on the sequence shard and the column
+    layers save that shard (tensor.py's _GatherLinear re-gathers it in backward): 4h/t + 4/t."""
     h, f, a = shape.hidden, shape.ffn, shape.heads
     kv = shape.kv_dim
-    ln = 4 * h + 4  # fp32 even under autocast (layer_norm is an fp32 op)
+    ln = (4 * h + 4) / (tp if sp else 1)  # fp32 even under autocast (layer_norm: an fp32 op)
     mlp = 2 * f / tp
     # the dry run sends attention to the memory-efficient kernel's op (train/meta_autocast.py,
     # since main's 34df39b), as a GPU runs it: "math" is left only for a caller that asks

@@ -248,6 +248,10 @@ def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = 
     comp = _comp(plan.compress)
     bpe = F32 if work.precision == "fp32" else 2  # autocast: 16-bit matmul outputs
     h, a = shape.hidden, shape.heads
+    # --sequence-parallel: the residual stream between blocks (a checkpoint, a pipeline
+    # message) is the tp rank's slice of the sequence, h/tp a token
+    sp = plan.sequence_parallel and tp > 1
+    hs = h / tp if sp else h
     s_local = work.seq // cp
     tok = plan.micro_batch * s_local  # tokens per micro-batch on this rank
     vt = _vocab_split(shape, tp)
@@ -255,7 +259,8 @@ def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = 
     align = QUANT_BLOCK if comp in BLOCKED else 1
     lossy = comp in LOSSY
     saved, temp = _block_saved(shape, tp, work.seq if not (cp > 1 and plan.cp_method == "ring")
-                               else s_local, device, plan.cp_method, cp, bpe, plan.micro_batch)
+                               else s_local, device, plan.cp_method, cp, bpe, plan.micro_batch,
+                               sp)
     ckpt = plan.activation_checkpointing
     rows = []
     for r, (tensors, stage_layers, last) in enumerate(_static(shape, tp, pp, v)):
@@ -282,7 +287,7 @@ def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = 
         grads_end = F32 * shard if zero >= 2 else grads_full
 
         # ---- forward/backward: held micro-batches x layers
-        per_layer = F32 * h if ckpt else saved
+        per_layer = F32 * hs if ckpt else saved
         if pp > 1:
             # a layer's output gradients W starts from (zb-h1): LayerNorms 2h, qkv, proj, fc,
             # mlp.proj outputs
@@ -292,7 +297,7 @@ def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = 
             unit = tok * per_layer * max(1, stage_layers[0])
             weights = tuple(round(nl / max(1, stage_layers[0]), 3) for nl in stage_layers)
             held, n_split, sent, kept = _held(plan.schedule, r, pp, plan.micro_batches, v, weights,
-                                        round(w_split / unit, 3), round(tok * F32 * h / unit, 3))
+                                        round(w_split / unit, 3), round(tok * F32 * hs / unit, 3))
             grads_on = sent > 0
         else:
             held, n_split, grads_on = (1,), 0, plan.micro_batches > 1
@@ -309,8 +314,8 @@ def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = 
             # next layer's saved input
             outs = sum(c for i, c in enumerate(held) if i * pp + r != pp * v - 1) + \
                 (n_split if not last else 0)
-            act += tok * F32 * h * outs
-            k["comm_buffers"] += tok * F32 * h * (outs + kept)
+            act += tok * F32 * hs * outs
+            k["comm_buffers"] += tok * F32 * hs * (outs + kept)
         t_block = tok * temp
         t_head = head = 0.0
         if last:
@@ -318,7 +323,7 @@ def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = 
             head = tok * (F32 * 2 * h + 8 + F32 * v_local)  # LN in/out, log-softmax out
             t_head = tok * F32 * 2 * v_local  # dlogits, the loss's gradient
         if pp > 1:  # received activations and gradients in flight (p2p buffers)
-            k["comm_buffers"] += 2 * tok * F32 * h
+            k["comm_buffers"] += 2 * tok * F32 * hs
         if zero == 3:  # the gathered units of the forward (this one and the prefetched)
             act += 2 * F32 * max(sum(_layer_tensors(shape, tp)), big)
         # a compressor's buffers while a bucket is in flight: its payload, a fraction of the

@@ -21,9 +21,10 @@ models have no switch for is applied here, each from a stated source:
 - AsyncTP is not modelled: those rows are predicted as plain TP (their error says what
   overlapping TP's all-reduces would have to win).
 Published memory is the caching allocator's peak reserved memory; the model predicts the peak
-allocated by pyfast's own job, which keeps fp32 checkpoints and LayerNorm outputs and has no
-sequence parallelism (torchtitan's TP shards those): bench/results/plan_published.txt names
-the gap per case.
+allocated by pyfast's own job, which keeps fp32 checkpoints and LayerNorm outputs (torchtitan's
+are bf16); TP cases run with --sequence-parallel, as torchtitan's TP always does. Not modelled:
+FSDP under pp keeping its stage's gathered weights and unsharded gradients over the
+micro-batches (the 405B rows). bench/results/plan_published.txt names the gap per case.
 """
 from __future__ import annotations
 
@@ -206,7 +207,10 @@ def plan_of(c: Case, ac: bool) -> tuple[Plan, Workload]:
     plan = Plan(c.dp, c.cp, c.tp, c.pp, zero=3 if c.dp * c.cp > 1 else 0,
                 micro_batch=c.local_batch // m, micro_batches=m, schedule=c.schedule,
                 activation_checkpointing=ac,
-                param_compress="fp8" if c.fp8_gather else "bf16")
+                param_compress="fp8" if c.fp8_gather else "bf16",
+                # torchtitan's TP always shards the norms' regions (SequenceParallel styles,
+                # models/llama3/parallelize.py): pyfast train --sequence-parallel
+                sequence_parallel=c.tp > 1)
     return plan, Workload(c.seq, c.dp * c.local_batch, "bf16")
 
 

@@ -125,6 +125,8 @@ class Plan:
     activation_checkpointing: bool = False
     cp_method: str = "ring"
     param_compress: str = "none"
+    # --sequence-parallel (tp > 1): norms and the residual stream sharded over tp (memory.py)
+    sequence_parallel: bool = False
     # fine-tuning (pyfast/plan/finetune.py): LoRA rank (0: a full fine-tune), the frozen
     # base's storage (none: the training dtype; bf16, int8, nf4) and, under ZeRO 3, whether the
     # base is sharded over dp (shard) or whole on every rank (replicate)

@@ -33,6 +33,7 @@ class TrainConfig:
     cp: int = 1                     # context parallelism: ranks sharing each sequence
     cp_method: str = "ring"         # ring or ulysses attention over the cp ranks
     cp_layout: str = "zigzag"       # which tokens a cp rank holds: zigzag or contiguous
+    sequence_parallel: bool = False  # tp > 1: the residual stream sharded over tp (Megatron SP)
     compress: str = "none"
     error_feedback: str = "on"      # on: lossy compressors keep error-feedback memory; off: none
     bucket_mb: float = 0.0          # DataParallel's gradient bucket size in MB; 0: its default
@@ -152,6 +153,10 @@ def parser() -> argparse.ArgumentParser:
     a("--cp-layout", default=d.cp_layout, choices=CP_LAYOUTS,
       help="zigzag: rank r holds chunks r and 2cp-1-r of 2cp (balanced causal work; --seq "
            "divisible by 2 x cp); contiguous: chunk r of cp")
+    a("--sequence-parallel", action="store_true", help="with --tp > 1: shard the activations "
+      "between the tp matmuls (norms, residual stream) along the sequence over the tp ranks "
+      "(Megatron's sequence parallelism): 1/tp of their memory; all-gather + reduce-scatter "
+      "instead of each all-reduce (docs/training.md)")
     a("--compress", default=d.compress, help="gradient compressor spec over dp (int8, topk:0.01, "
       "..., auto); error feedback for lossy ones")
     a("--error-feedback", default=d.error_feedback, choices=("on", "off"),
@@ -291,8 +296,8 @@ def check(cfg: TrainConfig, world: int, model: bool = True) -> dict:
 # schedule, optimizer, precision, compressor and its feedback, bucket size, seed, ...); --warmup
 # is compared resolved (its default follows --steps), --data by its fingerprint, --zero on/off
 # (ZeRO checkpoints hold flat shards) while its stage may change.
-RESUME_FREE = ("dp", "tp", "pp", "cp", "cp_method", "cp_layout", "schedule", "micro_batches",
-               "grad_accum", "activation_checkpointing", "ckpt_every", "eval_every",
+RESUME_FREE = ("dp", "tp", "pp", "cp", "cp_method", "cp_layout", "sequence_parallel",
+               "schedule", "micro_batches", "grad_accum", "activation_checkpointing", "ckpt_every", "eval_every",
                "eval_batches", "timeout", "out", "resume", "keep_last", "allow_change", "data")
 RESUME_ALLOWABLE = ("steps",)
 # what is watched changes nothing in the run: free on --resume too
@@ -498,6 +503,13 @@ def check_cp(cfg: TrainConfig) -> None:
     if cfg.cp_method not in CP_METHODS or cfg.cp_layout not in CP_LAYOUTS:
         raise ConfigError(f"--cp-method must be one of {', '.join(CP_METHODS)} and --cp-layout "
                           f"one of {', '.join(CP_LAYOUTS)}; got {cfg.cp_method}, {cfg.cp_layout}")
+    if cfg.sequence_parallel and cfg.tp == 1:
+        raise ConfigError("--sequence-parallel shards activations over the tensor-parallel "
+                          "ranks: it needs --tp > 1 (got --tp 1)")
+    if cfg.sequence_parallel and (cfg.seq // max(cfg.cp, 1)) % cfg.tp:
+        raise ConfigError(f"--sequence-parallel: each rank's {cfg.seq // cfg.cp} tokens of a "
+                          f"sequence (--seq {cfg.seq} / --cp {cfg.cp}) are not divisible by "
+                          f"--tp {cfg.tp}")
     if cfg.cp == 1:
         return
     if length_problem(cfg.seq, cfg.cp, cfg.cp_layout):
@@ -584,6 +596,12 @@ def check_model(cfg: TrainConfig, m=None) -> None:
     why = m.tp_check(cfg.tp)
     if why:
         raise ConfigError(f"--tp {cfg.tp}: {why}")
+    if cfg.sequence_parallel:
+        try:
+            m.tp_plan(sequence_parallel=True)
+        except (TypeError, ValueError) as e:  # TypeError: a tp_plan without the argument
+            raise ConfigError(f"--sequence-parallel: --model {cfg.model} has no "
+                              f"sequence-parallel plan ({e})") from None
     if cfg.cp > 1:
         if not hasattr(m, "context_parallel"):
             raise ConfigError(f"--cp {cfg.cp}: --model {cfg.model} has no context-parallel "

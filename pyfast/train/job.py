@@ -159,7 +159,9 @@ class Job:
                    if device.type == "meta" else {}))
         if cfg.tp > 1:
             try:
-                parallelize(model, model.tp_plan(), group=mesh.tp_group)
+                plan = model.tp_plan(sequence_parallel=True) if cfg.sequence_parallel else \
+                    model.tp_plan()
+                parallelize(model, plan, group=mesh.tp_group)
             except ValueError as e:  # the same on every rank (e.g. a plan that meets an adapter)
                 lora = f" with --lora {cfg.lora}" if cfg.lora else ""
                 raise ConfigError(f"--tp {cfg.tp}{lora}: {e}") from None
