@@ -82,6 +82,25 @@ def test_zero_measured_costs(stage, m):
     assert none["step_s"] < 1.0
 
 
+
+def test_dataparallel_wait_apart_from_its_hooks():
+    # stage 0's probe with its third value (DataParallel.last_wait_s): only that wait is
+    # exposed, the rest of the extra (the hooks' CPU) is compute, as the job logs them
+    plan = Plan(dp=2, micro_batch=4)
+    fb, st, wait = 7.7e-3 * (1 + torch.rand(1).item()), 3e-5, 2.9e-3
+    c = _cluster(zero={zero_key(plan, WORK): [0.0, 0.0, 0.0]})
+    base = timing.predict_time(TINY, plan, WORK, c)
+    c.calibration["zero"][zero_key(plan, WORK)] = [fb, st, wait]
+    got = timing.predict_time(TINY, plan, WORK, c)
+    assert got["step_s"] - base["step_s"] == pytest.approx(fb + st, rel=1e-9)
+    assert got["compute_s"] - base["compute_s"] == pytest.approx(fb - wait, rel=1e-9)
+    assert got["exposed_comm_s"] - base["exposed_comm_s"] == pytest.approx(wait + st, rel=1e-9)
+    # the two-value record (older calibrations): the whole extra is the wait
+    c.calibration["zero"][zero_key(plan, WORK)] = [fb, st]
+    old = timing.predict_time(TINY, plan, WORK, c)
+    assert old["step_s"] == pytest.approx(got["step_s"], rel=1e-9)
+    assert old["compute_s"] == pytest.approx(base["compute_s"], rel=1e-9)
+
 def test_probes_run_on_two_ranks():
     # the probes themselves (2 gloo ranks each, gpt-tiny at 16 tokens): every number finite,
     # keyed as timing reads them

@@ -18,7 +18,8 @@ Keys of Cluster.calibration (all optional; pyfast.plan.timing reads them):
         work (codec + link_cpu) is not hidden behind compute on cores the ranks already fill
     "compute" keys ending ":dist": a tp plan's block timed on tp ranks (calibrate_dist)
     "zero": {timing_zero.zero_key(plan, work): [fwd_bwd_extra_s, step_extra_s]}: ZeRO's cost
-        beyond a plain local step of the same model, 2 ranks on loopback (calibrate_dist)
+        beyond a plain local step of the same model, 2 ranks on loopback (calibrate_dist);
+        stage 0 (DataParallel) adds a third: its wait alone (the rest is its hooks' CPU)
     "codec": {spec: [enc_a, enc_b, dec_a, dec_b]}: encode/decode seconds = a + b x elements
         (pyfast.comm.cost.codec_seconds at two sizes)
     "link_intra", "link_inter": {"fits": {primitive: [alpha, beta, free]}, "small_s": s,

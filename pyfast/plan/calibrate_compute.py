@@ -161,9 +161,10 @@ def cp_probe(path: str, model: str, seq: int, micro_batch: int, method: str,
              precision: str) -> None:
     """A rank of the cp block probe (env://, gloo, world = cp): pyfast's Block under
     context_parallel (zigzag, as the job) on this rank's seq/cp tokens, forward and backward
-    timed (medians, max over ranks); rank 0 writes [forward_s, backward_s] to `path`. The
-    ring's attention runs its own kernels and merges, not the local causal SDPA: gpt-tiny's
-    cp2 step measured 44 ms against 22 predicted from the local block."""
+    timed as calibrate_dist.timed_chain times tp's block; rank 0 writes [forward_s,
+    backward_s] to `path`. The ring's attention runs its own kernels and merges, not the
+    local causal SDPA: gpt-tiny's cp2 step measured 44 ms against 22 predicted from the
+    local block."""
     import datetime
     import torch
     import torch.distributed as dist
@@ -178,20 +179,9 @@ def cp_probe(path: str, model: str, seq: int, micro_batch: int, method: str,
     fwd = torch.autocast("cpu", dtype=AMP[precision])(block.forward) if precision in AMP \
         else block
     s = seq // dist.get_world_size()
-    fs, bs = [], []
-    for i in range(REPEATS + 2):
-        x = torch.randn(micro_batch, s, m.cfg.d_model, requires_grad=True)
-        dist.barrier()
-        t0 = time.perf_counter()
-        y = fwd(x)
-        t1 = time.perf_counter()
-        y.backward(torch.randn_like(y))
-        t2 = time.perf_counter()
-        if i > 1:
-            fs.append(t1 - t0)
-            bs.append(t2 - t1)
-    w = torch.tensor([statistics.median(fs), statistics.median(bs)], dtype=torch.float64)
-    dist.all_reduce(w, op=dist.ReduceOp.MAX)
+    from .calibrate_dist import timed_chain  # the tp probe's timing (blocks back to back)
+    w = torch.tensor(timed_chain(fwd, lambda: torch.randn(micro_batch, s, m.cfg.d_model,
+                                                          requires_grad=True)))
     if dist.get_rank() == 0:
         Path(path).write_text(json.dumps(w.tolist()))
     dist.destroy_process_group()

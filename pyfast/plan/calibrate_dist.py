@@ -24,6 +24,10 @@ from .timing_zero import zero_key
 from .calibrate_link import PER_TENSOR, _child
 
 REPEATS = 9  # medians of 9 after 2 warm steps: one rank's step varied 11-22 ms (q10-q90) here
+# tp's block timed CHAIN times back to back, as the job's layers run (no barrier between them):
+# one block after a barrier priced gpt-tiny's tp2 block at 7.9 + 10.6 ms on loopback, the two
+# blocks then 37 ms of a run measured at 22.4 ms a step (quiet run, 2026-11-28)
+CHAIN = 4
 
 
 def _amp(precision: str, fn):
@@ -40,6 +44,37 @@ def _max_over_ranks(values: list[float]) -> list[float]:
     return w.tolist()
 
 
+def timed_chain(fwd, make_x, chain: int = CHAIN, repeats: int = REPEATS) -> list[float]:
+    """[forward_s, backward_s] of one block on ranks running at once: `fwd` applied `chain`
+    times in a row, then backward through them all, after a barrier (the medians of `repeats`
+    after 2 warm ones, a block's share). The max over ranks of the whole (forward + backward),
+    split as the ranks' mean split: a rank that leaves the barrier late makes its peer's
+    forward wait and its own backward not, so the max of each half counted that skew twice."""
+    import torch
+    import torch.distributed as dist
+    fs, bs = [], []
+    for i in range(repeats + 2):
+        x = make_x()
+        dist.barrier()
+        t0 = time.perf_counter()
+        y = x
+        for _ in range(chain):
+            y = fwd(y)
+        t1 = time.perf_counter()
+        y.backward(torch.randn_like(y))
+        t2 = time.perf_counter()
+        if i > 1:
+            fs.append((t1 - t0) / chain)
+            bs.append((t2 - t1) / chain)
+    fb = _max_over_ranks([statistics.median(f + b for f, b in zip(fs, bs))])[0]
+    share = torch.tensor([statistics.median(fs) / max(statistics.median(fs) +
+                                                        statistics.median(bs), 1e-30)],
+                         dtype=torch.float64)
+    dist.all_reduce(share)
+    share = share.item() / dist.get_world_size()
+    return [fb * share, fb * (1 - share)]
+
+
 def _init():
     import datetime
     import torch
@@ -52,8 +87,9 @@ def _init():
 def tp_probe(path: str, model: str, vocab: int, seq: int, micro_batch: int,
              precision: str) -> None:
     """A rank of the tp block probe (env://, gloo, world = tp): pyfast's Block under
-    parallelize(model.tp_plan()) as the job splits it, forward and backward timed (medians,
-    max over ranks); rank 0 writes [forward_s, backward_s] to `path`."""
+    parallelize(model.tp_plan()) as the job splits it, CHAIN times in a row forward, then
+    backward, timed (a block's share; medians, max over ranks); rank 0 writes [forward_s,
+    backward_s] to `path`."""
     import torch
     import torch.distributed as dist
     from pyfast import models
@@ -63,19 +99,8 @@ def tp_probe(path: str, model: str, vocab: int, seq: int, micro_batch: int,
     parallelize(m, m.tp_plan(), group=dist.group.WORLD)
     block = m[1]
     fwd = _amp(precision, block.forward)
-    fs, bs = [], []
-    for i in range(REPEATS + 2):
-        x = torch.randn(micro_batch, seq, m.cfg.d_model, requires_grad=True)
-        dist.barrier()
-        t0 = time.perf_counter()
-        y = fwd(x)
-        t1 = time.perf_counter()
-        y.backward(torch.randn_like(y))
-        t2 = time.perf_counter()
-        if i > 1:
-            fs.append(t1 - t0)
-            bs.append(t2 - t1)
-    w = _max_over_ranks([statistics.median(fs), statistics.median(bs)])
+    w = timed_chain(fwd, lambda: torch.randn(micro_batch, seq, m.cfg.d_model,
+                                             requires_grad=True))
     if dist.get_rank() == 0:
         Path(path).write_text(json.dumps(w))
     dist.destroy_process_group()
@@ -89,7 +114,11 @@ def zero_probe(path: str, model: str, vocab: int, seq: int, micro_batch: int,
     with the job's fused norm pass and AdamW, no communication; the ZeRO one with
     clip_grad_norm_ and its step, DataParallel's as the plain one); rank 0 writes
     [forward+backward extra, step extra] (medians of the wrapped minus plain, max over ranks):
-    under DataParallel the first is its hooks and the wait for the last bucket."""
+    under DataParallel the first is its hooks and the wait for the last bucket, and a third
+    value follows: the wait alone (DataParallel.last_wait_s, the job's exposed_comm_ms). The
+    job counts the hooks' CPU as compute, and so does timing (the rest of the extra): quiet
+    run 2026-11-28, gpt-tiny dp2 on loopback, the probe's extra 10.8 ms, the run's measured
+    wait 5.8, predicted step +59% with the whole extra as wait."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -130,6 +159,7 @@ def zero_probe(path: str, model: str, vocab: int, seq: int, micro_batch: int,
 
     runs = {"plain": (pm, popt, plain_step), "zero": (net, zopt, zero_step)}
     times = {k: ([], []) for k in runs}
+    waits = []  # stage 0: DataParallel's own wait (last_wait_s, what the job logs as exposed)
     for i in range(REPEATS + 2):
         for name, (mod, opt, step) in runs.items():
             ids = torch.randint(0, vocab, (micro_batch, seq))
@@ -145,8 +175,11 @@ def zero_probe(path: str, model: str, vocab: int, seq: int, micro_batch: int,
             if i > 1:
                 times[name][0].append(t1 - t0)
                 times[name][1].append(t2 - t1)
+                if name == "zero" and not stage:
+                    waits.append(net.last_wait_s)
     med = {k: [statistics.median(v[0]), statistics.median(v[1])] for k, v in times.items()}
-    w = _max_over_ranks([med["zero"][0] - med["plain"][0], med["zero"][1] - med["plain"][1]])
+    w = _max_over_ranks([med["zero"][0] - med["plain"][0], med["zero"][1] - med["plain"][1]]
+                        + ([statistics.median(waits)] if waits else []))
     close = getattr(net, "close", None)
     if close is not None:
         close()

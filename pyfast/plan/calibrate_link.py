@@ -68,10 +68,12 @@ def link_probe(path: str, pause: bool, specs=()) -> None:
     from pyfast.comm import cost
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-    # twice, keeping per primitive the fit that is faster at 256 KB: a probe's first calls
+    # thrice, keeping per primitive the fit that is faster at 256 KB: a probe's first calls
     # (and any taken while another process holds the cores) came out 10x slow, e.g. a 256 B
     # all-reduce at 3-4 ms against 0.3 ms, which then priced every tp and pp call
-    fits = [cost.measure_link(pause=pause) for _ in range(2)]
+    # (three: a loopback probe's 16 B all-reduce came out 3.19 ms in both of two, 0.19 /
+    # 3.2 / 1.38 in three back to back, 2026-11-28, with other work niced on the cores)
+    fits = [cost.measure_link(pause=pause) for _ in range(3)]
     best = {p: min((lm.fits[p] for lm in fits),
                    key=lambda f: f[0] + f[1] * max(0.0, (1 << 18) - f[2]))
             for p in cost.PRIMITIVES}
@@ -83,7 +85,10 @@ def link_probe(path: str, pause: bool, specs=()) -> None:
     # the two timings is its latency (a loopback probe under load timed the 256 B one at
     # 2.8 ms and the 16 B one at 0.24 ms, which priced PowerSGD's step +195%)
     best["all_reduce"][0] = min(best["all_reduce"][0], small)
-    wake = wake_seconds()
+    # each work's median of three tables: one table came out 0-0.25 ms, the next 0.4-6 ms
+    tables = [wake_seconds() for _ in range(3)]
+    wake = [[w, statistics.median(t[i][1] for t in tables)] for i, (w, _) in
+            enumerate(tables[0])]
     # the median of 10 chains, not the faster of two probes: a chain's time is what the job's
     # thread meets (0.3-3 ms a top-k call from one chain to the next here), and the faster of
     # two probes priced gpt-tiny's top-k step at 35 ms against 59 measured
