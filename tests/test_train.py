@@ -96,12 +96,13 @@ def _pool(n: int):
 
 
 def pool_runs(jobs: dict, base=BASE) -> None:
-    """{name: (out, nproc, flags)}: `pyfast train BASE --out OUT FLAGS`, each job's ranks run
-    as torchrun's would, but on ranks
-    started once (tests/dist_utils.py's forked RankPool) and kept for the next job; a job of
-    each rank count at a time, side by side. A 2-rank CLI launch spent ~8 s of CPU starting
-    torchrun and importing torch per rank (the launch itself is tested by the tests that
-    call train()). Raises what a rank raised, with its traceback."""
+    """{name: (out, nproc, flags)}: `pyfast train BASE --out OUT FLAGS` as torchrun's ranks
+    run it (pyfast.train.run.run), but on ranks started once (dist_utils' forked RankPool, one
+    per rank count, kept for the session) and a job of each rank count at a time, side by side.
+    A CLI launch spent ~8 s of CPU on torchrun and a torch import a rank before the job's
+    first step; the launch itself stays tested where it is the point (the resume, restart,
+    two-node and NaN tests below call train()). Raises what a rank raised, with its traceback.
+    base=(): flags that are the whole command line."""
     queues: dict = {}
     for name, (out, nproc, flags) in jobs.items():
         queues.setdefault(nproc, []).append([*base, "--out", str(out), *flags])
@@ -112,8 +113,9 @@ def pool_runs(jobs: dict, base=BASE) -> None:
         errors = []
         for pool, argv in batch:
             try:
-                pool.wait(TIMEOUT)
+                pool.wait(TIMEOUT * 2)  # as train_many waits for a launch
             except (RuntimeError, TimeoutError) as e:
+                pool.close()  # its ranks may be out of step: the next job gets fresh ones
                 errors.append(f"pyfast train {' '.join(argv)}:\n{e}")
         assert not errors, "\n".join(errors)
 
