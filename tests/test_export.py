@@ -26,7 +26,7 @@ import tempfile
 import pytest
 import torch
 
-from test_train import BASE, pool_runs
+from test_train import BASE, ok, pool_runs
 
 transformers = pytest.importorskip("transformers")
 
