@@ -26,7 +26,7 @@ import tempfile
 import pytest
 import torch
 
-from test_train import BASE, ok, train_many
+from test_train import BASE, ok, pool_runs
 
 transformers = pytest.importorskip("transformers")
 
@@ -59,8 +59,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("export")
     jobs = {n: (root / n, nproc, flags + ["--eval-every", "0", "--eval-batches", "1"])
             for n, (nproc, flags, _) in RUNS.items()}
-    for p in train_many(jobs).values():
-        ok(p)
+    pool_runs(jobs)
     return {n: root / n for n in RUNS}
 
 

@@ -204,7 +204,7 @@ def test_weights_that_do_not_match_the_config_are_named(tmp_path):
 # ---------------------------------------------------------------- the job, end to end
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
-    from test_train import ok, train_many
+    from test_train import pool_runs
     root = tmp_path_factory.mktemp("hfjobs")
     model = write_model(root / "qwen3", "qwen3")
     text = root / "corpus.txt"
@@ -214,8 +214,7 @@ def jobs(tmp_path_factory):
     dp2 = flags + ["--dp", "2"]
     runs = {"one": (root / "one", 1, flags), "zero3": (root / "zero3", 2, dp2 + ["--zero", "3"]),
             "dp2-int8": (root / "dp2-int8", 2, dp2 + ["--compress", "int8"])}
-    for p in train_many(runs).values():
-        ok(p)
+    pool_runs(runs)
     return root, model, text
 
 

@@ -8,6 +8,7 @@ gradient (1.6% error per element, bench/results/compress.txt): step 1's loss pre
 update and must agree within 1e-6, later ones within 1e-3 (measured 3e-5). bf16/fp16 autocast:
 within 1e-3 (measured 2e-5 on gpt-tiny: the logits' cross-entropy is in fp32).
 """
+import atexit
 import json
 import os
 import shutil
@@ -74,18 +75,65 @@ def train_many(jobs: dict, at_once: int = PARALLEL) -> dict:
     return done
 
 
+def _job(rank, world, argv):
+    """What a torchrun rank of `pyfast train ARGV` runs (pyfast.train.run.run), on a forked
+    rank whose group is up."""
+    import torch
+
+    from pyfast.train.config import from_args, parser
+    from pyfast.train.run import run
+    run(from_args(parser().parse_args(argv)), torch.device("cpu"))
+
+
+_POOLS: dict = {}  # rank count -> its RankPool, kept for the session: one start, many jobs
+
+
+def _pool(n: int):
+    from dist_utils import RankPool
+    if not _POOLS:
+        atexit.register(lambda: [p.close() for p in _POOLS.values()])
+    if n not in _POOLS or not _POOLS[n].alive:
+        _POOLS[n] = RankPool(n, pg_timeout=TIMEOUT)
+    return _POOLS[n]
+
+
+def pool_runs(jobs: dict, base=BASE) -> None:
+    """{name: (out, nproc, flags)}: `pyfast train BASE --out OUT FLAGS` as torchrun's ranks
+    run it (pyfast.train.run.run), but on ranks started once (dist_utils' forked RankPool, one
+    per rank count, kept for the session) and a job of each rank count at a time, side by side.
+    A CLI launch spent ~8 s of CPU on torchrun and a torch import a rank before the job's
+    first step; the launch itself stays tested where it is the point (the resume, restart,
+    two-node and NaN tests below call train()). Raises what a rank raised, with its traceback.
+    base=(): flags that are the whole command line."""
+    queues: dict = {}
+    for name, (out, nproc, flags) in jobs.items():
+        queues.setdefault(nproc, []).append([*base, "--out", str(out), *flags])
+    while any(queues.values()):
+        batch = [(_pool(n), q.pop(0)) for n, q in queues.items() if q]
+        for pool, argv in batch:
+            pool.submit(_job, argv)
+        errors = []
+        for pool, argv in batch:
+            try:
+                pool.wait(TIMEOUT * 2)  # as train_many waits for a launch
+            except (RuntimeError, TimeoutError) as e:
+                pool.close()  # its ranks may be out of step: the next job gets fresh ones
+                errors.append(f"pyfast train {' '.join(argv)}:\n{e}")
+        assert not errors, "\n".join(errors)
+
+
 _SHARED: dict = {}  # (nproc, flags) -> the run directory of that job, for this test session
 
 
 def shared_runs(tmp_path_factory, jobs: dict) -> dict:
-    """{name: (nproc, flags)} -> {name: run directory}: train_many, but a job whose nproc and
+    """{name: (nproc, flags)} -> {name: run directory}: pool_runs, but a job whose nproc and
     flags ran already in this session (in any test file) is not run again. The runs are read,
     never changed: a test that resumes one copies it first."""
     todo = {k: v for k, v in jobs.items() if (v[0], tuple(v[1])) not in _SHARED}
     root = tmp_path_factory.mktemp("shared")
-    for name, p in train_many({n: (root / n, *todo[n]) for n in todo}).items():
-        ok(p)
-        _SHARED[todo[name][0], tuple(todo[name][1])] = root / name
+    pool_runs({n: (root / n, *todo[n]) for n in todo})
+    for name, (nproc, flags) in todo.items():
+        _SHARED[nproc, tuple(flags)] = root / name
     return {n: _SHARED[nproc, tuple(flags)] for n, (nproc, flags) in jobs.items()}
 
 

@@ -69,21 +69,18 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def main(cfg: TrainConfig) -> int:
-    device = _device()
-    # device_id binds NCCL's communicator to this rank's GPU: without it every barrier warned
-    # "using the device under current context" (seen on the lent H200)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            timeout=datetime.timedelta(seconds=cfg.timeout),
-                            device_id=device if device.type == "cuda" else None)
-    rank, job = dist.get_rank(), None
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+def run(cfg: TrainConfig, device: torch.device, restarted: bool = False) -> None:
+    """This rank's part of the job in a process group that is already up (main's, or ranks a
+    test started once for many jobs): the checks, the resume, the step loop, the job closed.
+    ConfigError / NonFiniteError are decided alike on every rank; anything else raised is this
+    rank's alone (the others may sit in a collective)."""
+    rank = dist.get_rank()
+    # same flags, same answer on every rank; the model's limits are checked on the model
+    # itself when the job builds it, before its first collective after the Mesh
+    data = check(cfg, dist.get_world_size(), model=False)
+    found = check_resume(cfg, restarted, say=warn if rank == 0 else None, data=data)
+    job = Job(cfg, device, data)
     try:
-        # same flags, same answer on every rank; the model's limits are checked on the model
-        # itself when the job builds it, before its first collective after the Mesh
-        data = check(cfg, dist.get_world_size(), model=False)
-        found = check_resume(cfg, restarted, say=warn if rank == 0 else None, data=data)
-        job = Job(cfg, device, data)
         start, note = 0, "fresh start"
         if found is not None:
             start, same = job.load(found[1])
@@ -100,9 +97,25 @@ def main(cfg: TrainConfig) -> int:
             if job.frozen_note:
                 print(f"pyfast train: {job.frozen_note}", flush=True)
         _loop(cfg, job, start, device)
+    except (ConfigError, NonFiniteError):
+        job.close()
+        raise
+    job.close()  # not after another error: closing may wait on a peer that is gone
+
+
+def main(cfg: TrainConfig) -> int:
+    device = _device()
+    # device_id binds NCCL's communicator to this rank's GPU: without it every barrier warned
+    # "using the device under current context" (seen on the lent H200)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            timeout=datetime.timedelta(seconds=cfg.timeout),
+                            device_id=device if device.type == "cuda" else None)
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    try:
+        run(cfg, device, restarted)
         code = 0
     except (ConfigError, NonFiniteError) as e:  # decided alike on every rank
-        if rank == 0:
+        if dist.get_rank() == 0:
             print(f"pyfast train: error: {e}", file=sys.stderr, flush=True)
         code = 2 if isinstance(e, ConfigError) else 3
     except BaseException:  # this rank only: the others may sit in a collective. Leave now;
@@ -110,9 +123,6 @@ def main(cfg: TrainConfig) -> int:
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)
-    if job is not None:
-        job.close()
-    job = None
     gc.collect()  # the job's modules sit in reference cycles: freed now, while the group lives
     dist.barrier()  # a rank leaving while another still reads the group aborts the other
     dist.destroy_process_group()
