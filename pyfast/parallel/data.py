@@ -92,6 +92,10 @@ class DataParallel(nn.Module):
     `engine` says which it chose (logged once at INFO), `engine_kind[i]` which one reduces
     bucket i. Both give bitwise-identical results and
     keep the error-feedback memory under the same names (checkpoints move between them).
+    Compressor "none" (and "auto" once settled on none everywhere) has nothing to encode: its
+    buckets and the side band go straight to the backend's own async all-reduce from
+    backward's hooks, whichever engine, as DDP issues them (comm.collectives.sum_async), and
+    each bucket is copied out once reduced while later ones are still on the wire.
 
     The native engine runs on a process group of its own (pyfast.comm.engine.private_group):
     construction is then collective over the default group, like dist.new_group. Call close()
