@@ -201,3 +201,31 @@ def test_param_watch_walks_only_after_a_possible_change(monkeypatch):
     with pytest.raises(RuntimeError, match="wrap it again"):
         watch.check(suspect=True)
     watch.close()
+
+
+def _direct(rank, world):
+    """collectives.sum_async (compressor none's buckets, issued straight to the backend) against
+    the plain blocking all-reduce, several in flight at once, ragged sizes, fresh inputs."""
+    import torch.distributed as dist
+
+    from pyfast.comm.collectives import sum_async
+    g = torch.Generator().manual_seed(100 + rank)
+    xs = [torch.randn(n, generator=g) for n in (1, 37, 4099, 100_003)]
+    refs = [x.clone() for x in xs]
+    handles = [sum_async(x, None, f"t{i}") for i, x in enumerate(xs)]  # all in flight
+    for r in refs:
+        dist.all_reduce(r)
+    got = [h.wait() for h in handles]
+    errors = []
+    for bad in (torch.ones(4, dtype=torch.float16), torch.ones(4, 2).t()):
+        try:
+            sum_async(bad)
+        except ValueError as e:
+            errors.append(str(e))
+    return [torch.equal(a, b) and a is x for a, b, x in zip(got, refs, xs)], errors
+
+
+def test_sum_async_equals_the_blocking_all_reduce(pool2):
+    for same, errors in pool2.run(_direct):
+        assert same == [True] * 4, same
+        assert len(errors) == 2 and all("float32" in e for e in errors), errors

@@ -31,7 +31,7 @@ import torch
 from torch.nn.modules import module as torch_module
 
 from pyfast.comm import all_reduce
-from pyfast.comm.collectives import wait_all
+from pyfast.comm.collectives import sum_async, wait_all
 from pyfast.comm.dry import read
 
 
@@ -138,9 +138,10 @@ class SideBand:
     def set_extra(self, j: int) -> None:
         self.flags[self.n_used + j] = 1.0
 
-    def reduce(self, engine, group):
+    def reduce(self, engine, group, direct: bool = False):
         """Start the sum over the ranks, behind the buckets on `engine` (a NativeEngine) or on
-        comm's FIFO worker over `group`: it completes after them."""
+        comm's FIFO worker over `group`: it completes after them. direct: issued to the backend
+        now (collectives.sum_async), where the buckets went too."""
         if self.t.is_cuda:  # pinned + non_blocking: the caching host allocator keeps the block
             # until the copy is done, so the next step cannot overwrite it early
             cpu = torch.device("cpu")  # cpu-literal: the pinned staging copy of the flags
@@ -148,6 +149,8 @@ class SideBand:
             self.t.copy_(host, non_blocking=True)
         else:
             self.t.copy_(torch.tensor(self.flags, dtype=self.t.dtype, device=self.t.device))
+        if direct:
+            return sum_async(self.t, group, "sideband")
         if engine is not None:
             return engine.all_reduce(self.t, None, op="sum", name="sideband")
         return all_reduce(self.t, None, group, op="sum", async_op=True, name="sideband")
@@ -167,6 +170,11 @@ class SideBand:
             dry = [1.0] * self.n_used + [0.0] * (len(self.flags) - self.n_used)
             self.summed = read(self.t, dry, self._group)
         return self.summed
+
+    def mine(self, i: int, k: int) -> bool:
+        """Whether this rank had a gradient for bucket i's k-th parameter this step (before
+        read(): then used() is True without the sum)."""
+        return self.flags[self.first[i] + k] > 0
 
     def used(self, i: int, k: int) -> bool:
         """Whether some rank had a gradient for bucket i's k-th parameter (after read())."""
