@@ -94,14 +94,28 @@ def curve(work: str, model: str, name: str, longer: int = LONGER) -> list[tuple]
     return [(r["step"], r["val_loss"], r.get("val_loss_outer")) for r in recs if "val_loss" in r]
 
 
-def levers(work: str, model: str, names, longer: int = LONGER) -> dict:
+def levers(work: str, model: str, names, longer: int = LONGER, earlier: str = "") -> dict:
+    """earlier: a result of this script whose variants' curves are taken, not run again (the
+    runs are deterministic: dp bf16's 200 steps reran to the same 2.3506 on 2026-11-28)."""
     n = SIZES[model][2]
-    curves = {name: curve(work, model, name, longer) for name in names}
-    rows = []
+    done = {}
+    if earlier:
+        with open(earlier) as f:
+            done = {r["variant"]: [tuple(x) for x in r["curve"]] for r in json.load(f)["rows"]}
+    curves = {name: done[name] if name in done else curve(work, model, name, longer)
+              for name in names}
+    rows, not_run = [], [name for name, c in curves.items() if not c]
     for name, c in curves.items():
+        if not c:  # stopped before its first validation (the machine's time ran out)
+            continue
         ref = curves["dp bf16, " + VARIANTS[name][1]]
         target, at_n = ref[-1][1], {s: (v, o) for s, v, o in c}.get(n, (math.nan, None))
         row = {"variant": name, "target": target, "curve": c, "steps_run": c[-1][0]}
+        # a run cut short: its last validation against dp's at the same step
+        dp_at = {s: v for s, v, _ in ref}
+        last = max((s for s, _, _ in c if s in dp_at), default=None)
+        row["last"] = None if last is None else {
+            "step": last, "vs_dp": dict((s, v) for s, v, _ in c)[last] / dp_at[last] - 1}
         for which, i in (("own", 1), ("outer", 2)):
             hit = next((s for s, *v in c if v[i - 1] is not None and v[i - 1] <= target), None)
             v = at_n[i - 1]
@@ -109,7 +123,8 @@ def levers(work: str, model: str, names, longer: int = LONGER) -> dict:
                           "steps_to_dp_final": hit}
         rows.append(row)
     return {"machine": perf.machine(), "date": datetime.datetime.now().isoformat("T", "seconds"),
-            "pyfast": pyfast.__version__, "model": model, "sizes": SIZES[model], "rows": rows}
+            "pyfast": pyfast.__version__, "model": model, "sizes": SIZES[model], "rows": rows,
+            "not_run": not_run}
 
 
 def table(result: dict):
@@ -119,14 +134,17 @@ def table(result: dict):
                         f"schedule; steps to dp's final loss: first validation at or below it, "
                         f"- : not within {LONGER} N)", result,
                         ("variant", "dp final", "own: val @ N", "vs dp", "steps to dp final",
-                         "outer: val @ N", "vs dp", "steps to dp final"), left=("variant",))
+                         "outer: val @ N", "vs dp", "steps to dp final", "last val step",
+                         "own vs dp there"), left=("variant",))
     for r in result["rows"]:
         cells = []
         for which in ("own", "outer"):
             w = r[which]
-            cells += ["-", "-", "-"] if w["val_at_n"] is None else [
+            cells += ["-", "-", "-"] if w["val_at_n"] is None or math.isnan(w["val_at_n"]) else [
                 f"{w['val_at_n']:.4f}", f"{w['vs_dp']:+.2%}",
                 str(w["steps_to_dp_final"] or f"- ({r['steps_run']} run)")]
+        last = r.get("last")
+        cells += ["-", "-"] if last is None else [str(last["step"]), f"{last['vs_dp']:+.2%}"]
         t.add_row(r["variant"], f"{r['target']:.4f}", *cells)
     return t
 
@@ -137,13 +155,15 @@ def main(argv=None) -> int:
     p.add_argument("--variants", default="", help="semicolon-separated (default: all)")
     p.add_argument("--work", required=True, help="a folder for the runs (kept: a rerun reads them)")
     p.add_argument("--out", default="")
+    p.add_argument("--earlier", default="", metavar="JSON",
+                   help="a result of this script: its variants' curves are reused, not rerun")
     p.add_argument("--longer", type=int, default=LONGER,
                    help=f"DiLoCo runs take up to this many x N steps (default {LONGER}; 1: only "
                         "the equal-token comparison, a third of the time)")
     a = p.parse_args(argv)
     names = [v.strip() for v in a.variants.split(";") if v.strip()] or list(VARIANTS)
     names = sorted(set(names) | {"dp bf16, " + VARIANTS[v][1] for v in names}, key=list(VARIANTS).index)
-    return perf.finish(levers(a.work, a.model, names, a.longer), table, a.out, width=170)
+    return perf.finish(levers(a.work, a.model, names, a.longer, a.earlier), table, a.out, width=170)
 
 
 if __name__ == "__main__":
