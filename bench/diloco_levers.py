@@ -60,6 +60,8 @@ _LEVERS = {
     "H4 F4 tau0": ["--diloco", "4", "--diloco-delay", "0"],
 }
 VARIANTS.update({k + ", cosine N": (2, "cosine", 1, H20 + v) for k, v in _LEVERS.items()})
+# the best of them (outer momentum 0.5) with the schedule of the time target (cosine over 2.5 N)
+VARIANTS["H20 outer mom 0.5, cosine 2.5N"] = (2, "cosine", 2.5, H20 + ["--outer-momentum", "0.5"])
 # one replica's own run: half the batch on one rank, no averaging (what DiLoCo starts from)
 VARIANTS["one replica alone (batch / 2), cosine N"] = (1, "cosine", 1, ["--batch", "4",
                                                                   "--eval-batches", "4"])
