@@ -34,6 +34,8 @@ def test_every_row_has_its_curve_bytes_and_times(result):
         assert r["val_at_n"] == r["curve"][1][2]  # the validation at step N = 40
         assert r["train_s"] > 0 and 0 < r["utilization"] <= 1
         assert r["wire_bytes"] > 0 and r["peak_Bps"] > 0 and r["need_Bps"] > 0, r
+        # a run stopped at dp's loss leaves no rank training on into the next config's timing
+        assert r["left_running"] == 0, (name, r["left_running"])
     assert ref["outer_syncs"] == 0
     # H10: a sync every 10 steps; H 40 in 4 fragments: one every 10 steps too
     assert rows["diloco H10"]["outer_syncs"] == rows["diloco H10"]["steps"] // 10
@@ -95,3 +97,30 @@ def test_schedules_and_a_reference_from_an_earlier_run():
         diloco._reference(old, "100mbit", "gpt-small", (128, 8, 200, 20), "constant")
     with pytest.raises(ValueError, match="no dp bf16 row for 1gbit"):
         diloco._reference(old, "1gbit", "gpt-small", (128, 8, 200, 20), "cosine")
+
+
+def test_a_stopped_run_leaves_no_rank_behind(tmp_path):
+    """_stop (a run at dp's loss) ends the ranks too: torchrun starts each in its own session,
+    out of reach of a SIGKILL to the launcher's group (the bug: a stopped run trained on
+    through the next config's timing)."""
+    import os
+    import subprocess
+    import sys
+    import time
+    out = str(tmp_path / "run")
+    cmd = [sys.executable, "-m", "pyfast", "train", "--nproc", "2", "--model", "gpt-tiny",
+           "--seq", "32", "--batch", "8", "--steps", "100000", "--dp", "2", "--no-tensorboard",
+           "--out", out]
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    metrics, t0 = os.path.join(out, "metrics.jsonl"), time.monotonic()
+    try:
+        while not diloco._read(metrics):  # the ranks are up and stepping
+            assert p.poll() is None and time.monotonic() - t0 < 600, "the run did not start"
+            time.sleep(0.2)
+        assert len(diloco._ranks_of(out)) >= 3  # the launcher and its two ranks
+        diloco._stop(p)
+        assert diloco._ranks_of(out) == []
+    finally:
+        for q in diloco._ranks_of(out):
+            os.kill(q, 9)

@@ -39,10 +39,12 @@ schedule could go.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -68,6 +70,9 @@ CONFIGS = {
     "streaming int4 R4": STREAM + R4 + ["--outer-compress", "int4"],
     "streaming int4 H20": STREAM + ["--diloco", "20", "--outer-compress", "int4"],
     "streaming int4 H80": STREAM + ["--diloco", "80", "--outer-compress", "int4"],
+    # issue 32, second session: a smaller H (a fragment every 2 steps, overlapping 1)
+    "streaming int4 H8": STREAM + ["--diloco", "8", "--diloco-delay", "1", "--outer-compress",
+                                   "int4"],
 }
 REFERENCE = "dp bf16"
 LONGER = 3  # DiLoCo runs may take up to this many times the reference's tokens to reach it
@@ -182,11 +187,15 @@ def measure(link: str, model: str, config: str, size, timeout: float = 1800,
                 time.sleep(0.2)
         finally:
             sampler.stop.set()
-            netns._kill([p])
+            _stop(p)
             log.seek(0)
             err = log.read()
             log.close()
         wall = time.monotonic() - t0
+        left = [q for q in _ranks_of(out) if q != os.getpid()]
+        for q in left:  # counted (the smoke test requires none), then ended
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(q, signal.SIGKILL)
         wire = netns.lo_tx_bytes(pre[3])  # a fresh namespace's lo starts at 0
         if p.returncode != 0 and not stopped:
             raise RuntimeError(f"{' '.join(cmd)} on {link}: exit {p.returncode}\n{err[-2000:]}")
@@ -217,7 +226,7 @@ def measure(link: str, model: str, config: str, size, timeout: float = 1800,
             "final_val": curve[-1][2], "val_at_n": at_n, "curve": curve, "curve_local": local,
             "evaluated": key, "ranks": nproc, "bytes_sent": sum(r["bytes_sent"] for r in recs),
             "replicas_bytes_sent": sum(r.get("replicas_bytes_sent", 0) for r in recs),
-            "wire_bytes": wire,
+            "wire_bytes": wire, "left_running": len(left),
             "peak_Bps": peak, "need_Bps": need, "max_step_bytes": max(moved),
             "utilization": compute_s / step_s,
             "outer_payload_bytes_rank0": outer, "outer_syncs": syncs}
@@ -229,6 +238,31 @@ def _read(path: str) -> list[dict]:
         return []
     with open(path) as f:
         return [json.loads(line) for line in f.read().split("\n")[:-1] if line]
+
+
+def _ranks_of(out: str) -> list[int]:
+    """Processes whose command line names the run's own (temporary, unique) out folder."""
+    pids = []
+    for d in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                if d.isdigit() and out.encode() in f.read():
+                    pids.append(int(d))
+        except OSError:
+            continue
+    return pids
+
+
+def _stop(p: subprocess.Popen) -> None:
+    """SIGTERM to the job, then its group killed. torchrun starts each rank in a session of its
+    own, so a SIGKILL to the launcher's group alone left the ranks training on (seen 2026-11-28:
+    a stopped run's two ranks at 45% CPU each, normal priority, through the next config's timed
+    run); on SIGTERM torchrun stops its ranks itself."""
+    if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=60)
+    netns._kill([p])
 
 
 def _reached(path: str, target: float, key: str = "val_loss") -> bool:
