@@ -62,6 +62,16 @@ def fake_checkpoint(out, step, **key):
     (["--cp", "2", "--tp", "4", "--cp-method", "ulysses"],
      "holds 1 heads (n_head 4 / --tp 4), not divisible by 2; use --cp-method ring"),
     (["--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint"),
+    (["--dp", "4", "--zero-shard-group", "2"], "--zero-shard-group 2 chooses the ranks ZeRO "
+                                               "shards over: it needs --zero 1, 2 or 3"),
+    (["--dp", "4", "--zero", "2", "--zero-shard-group", "3"],
+     "--zero-shard-group 3: must be >= 1 and divide dp x cp = 4 x 1 = 4"),
+    (["--dp", "4", "--zero", "2", "--zero-shard-group", "0"], "--zero-shard-group 0: must be >= 1"),
+    (["--dp", "4", "--zero", "2", "--zero-shard-group", "nodes"],
+     "--zero-shard-group must be 'node' or a number of ranks, got 'nodes'"),
+    (["--dp", "6", "--batch", "12", "--zero", "2", "--zero-shard-group", "2", "--nnodes", "2",
+      "--rdzv-endpoint", "localhost:1"], "a shard group spans 2 consecutive ranks, which cross "
+                                         "a node's boundary (3 ranks a node)"),
     (["--lr-decay-steps", "-1"], "--lr-decay-steps must be >= 0 (0: --steps), got -1"),
 ])
 def test_bad_flags_fail_before_any_rank_starts(tmp_path, capsys, flags, message):
@@ -69,6 +79,20 @@ def test_bad_flags_fail_before_any_rank_starts(tmp_path, capsys, flags, message)
     err = capsys.readouterr().err
     assert message in err, err
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_shard_group_node_is_the_dp_cp_ranks_of_a_node():
+    from pyfast.train.config import ConfigError, check_shard_group
+    cfg = TrainConfig(dp=4, tp=2, zero=2, zero_shard_group="node")
+    assert check_shard_group(cfg, 4) == 2      # 4 ranks a node / tp 2: 2 dp ranks
+    assert check_shard_group(cfg, 16) is None  # the node holds the whole dp group: no hybrid
+    assert check_shard_group(cfg, None) is None  # the launcher: LOCAL_WORLD_SIZE not known yet
+    with pytest.raises(ConfigError, match="a node holds 3 ranks, not whole tp groups of --tp 2"):
+        check_shard_group(cfg, 3)
+    with pytest.raises(ConfigError, match=r"the 3 dp x cp ranks of a node \(3 ranks / --tp 1\) "
+                                          "do not divide dp x cp = 4"):
+        check_shard_group(TrainConfig(dp=4, zero=2, zero_shard_group="node"), 3)
+    assert check_shard_group(TrainConfig(dp=4, zero=2, zero_shard_group="4"), 2) is None
 
 
 def test_resume_without_a_checkpoint_and_of_another_model(tmp_path, capsys):

@@ -250,7 +250,9 @@ def table(rows: list[dict], cfg: TrainConfig, gpu: str | None):
     from rich.table import Table
     cap = GPUS[gpu] * 2**20 if gpu else None
     t = Table(title=f"dry run: {cfg.model}, {cfg.mesh_flags()}, compress {cfg.compress}"
-              + (f", zero {cfg.zero}" if cfg.zero else "") + " - peak memory of one step, MiB")
+              + (f", zero {cfg.zero}" if cfg.zero else "")
+              + (f" (shard group {cfg.zero_shard_group})" if cfg.zero_shard_group else "")
+              + " - peak memory of one step, MiB")
     short = {"parameters": "params", "gradients": "grads", "optimizer": "optim",
              "activations": "activ", "comm_buffers": "comm", "feedback": "feedback"}
     for col in ("rank", "peak", *(short[k] for k in KINDS)) + (("fits " + gpu,) if gpu else ()):
