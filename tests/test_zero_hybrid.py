@@ -208,3 +208,64 @@ def test_bad_hybrid_arguments_fail_naming_the_problem(pool4):
 
 if __name__ == "__main__":
     pytest.main([__file__, "-q"])
+
+
+# ---------------------------------------------------------------------------- the job
+JOB = ["--model", "gpt-tiny", "--steps", "3", "--batch", "8", "--seq", "32", "--seed", "1",
+       "--ckpt-every", "2", "--eval-every", "0", "--dp", "4", "--zero", "2"]
+
+
+def _node_job(rank, world, argv):
+    """`pyfast train ARGV` as a torchrun rank of 2 nodes of 2 ranks (LOCAL_WORLD_SIZE=2)."""
+    import os
+
+    from test_train import _job
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    try:
+        _job(rank, world, argv)
+    finally:
+        del os.environ["LOCAL_WORLD_SIZE"]
+
+
+def _mesh_groups(rank, world):
+    from pyfast.parallel.mesh import Mesh
+    out = {}
+    for name, kw in {"dp4/2": dict(dp=4, shard=2), "dp2xcp2/2": dict(dp=2, cp=2, shard=2),
+                     "dp2xtp2/1": dict(dp=2, tp=2, shard=1), "dp4": dict(dp=4)}.items():
+        m = Mesh(**kw)
+        out[name] = (dist.get_process_group_ranks(m.shard_group),
+                     dist.get_process_group_ranks(m.shard_replica_group))
+    try:
+        Mesh(dp=4, shard=3)
+    except ValueError as e:
+        out["bad"] = str(e)
+    return out
+
+
+def test_mesh_shard_groups_and_the_job_across_two_nodes(pool4, tmp_path):
+    import json
+    from test_train import records
+    got = pool4.run(_mesh_groups)
+    assert [g["dp4/2"] for g in got] == [([0, 1], [0, 2]), ([0, 1], [1, 3]),
+                                         ([2, 3], [0, 2]), ([2, 3], [1, 3])]
+    assert got[1]["dp2xcp2/2"] == ([0, 1], [1, 3])  # dp x cp ranks in order, cp inner
+    assert got[3]["dp2xtp2/1"] == ([3], [1, 3])  # tp 1's dp ranks: 1, 3
+    assert got[2]["dp4"] == ([0, 1, 2, 3], [2])  # no shard=: the whole dp group, no replicas
+    assert "shard=3 must divide dp x cp = 4 x 1 = 4" in got[0]["bad"]
+    runs = {"full": [], "hybrid": ["--zero-shard-group", "node"],
+            "hybrid-int8": ["--zero-shard-group", "2", "--compress", "int8"]}
+    for name, flags in runs.items():
+        pool4.run(_node_job, [*JOB, "--out", str(tmp_path / name), *flags])
+    rec = {n: records(tmp_path / n) for n in runs}
+    full = [r["loss"] for r in rec["full"]]
+    for r, f in zip(rec["hybrid"], full):  # fp32: sums reordered only (test_train's 1e-5)
+        assert abs(r["loss"] - f) / f < 1e-5, (r["loss"], f)
+    for r, f in zip(rec["hybrid-int8"], full):  # int8 across nodes: test_train's int8 bound
+        assert abs(r["loss"] - f) / f < 1e-3, (r["loss"], f)
+    assert "cross_node_bytes" not in rec["full"][0]
+    n = json.loads((tmp_path / "full" / "checkpoints" / "step-2" / "meta.json").read_text())[
+        "trainable_params"]
+    exact = rec["hybrid"][0]["cross_node_bytes"] / 4  # a rank's fp32 shard to its replica
+    int8 = rec["hybrid-int8"][0]["cross_node_bytes"] / 4  # its int8 shard
+    assert 0.5 <= exact / (4 * n) < 0.5 * 1.01, (exact, n)  # padding to W=2 only: < 1%
+    assert 0.5 <= int8 / (n + 4 * math.ceil(n / 512)) < 0.5 * 1.25, (int8, n)  # 512-blocks
