@@ -171,6 +171,11 @@ def test_hybrid_checkpoint_loads_in_full_sharding_at_2_ranks_and_back(pool4, poo
         _same(saved[0], saved[r], f"hybrid rank {r}")
     full = pool2.run(_full_roundtrip, a, b)
     _same(saved[0], full[0], "hybrid -> full sharding at 2 ranks")
+    # DCP wrote each replicated shard once: the hybrid checkpoint (4 ranks, 2 replicas) holds
+    # the bytes of the 2-rank one (the same tensors; a second copy would double the state)
+    size = {d: sum(f.stat().st_size for f in (tmp_path / d).glob("*.distcp"))
+            for d in ("hybrid", "full")}
+    assert abs(size["hybrid"] / size["full"] - 1) < 0.05, size
     back = pool4.run(_load_hybrid, b)
     for r in range(4):
         _same(saved[0], back[r], f"full -> hybrid, rank {r}")
