@@ -199,7 +199,41 @@ def _bad(rank, world):
         "powersgd": err(lambda: zero(MLP(), adam, group=shard, replica_group=replica,
                                      replica_compressor="powersgd:2")),
         "overlap": err(lambda: zero(MLP(), adam, replica_group=replica)),
+        "broken": _broken(shard, replica),
     }
+
+
+def _broken(shard, replica):
+    """A failed all-reduce across the replicas (what a dead peer's raises, on every rank of
+    the job here) raises from backward and breaks the model: later forwards and steps refuse."""
+    from pyfast.comm import CommError
+    from pyfast.parallel import zero
+    from pyfast.parallel.zero import hybrid
+    from test_zero import MLP
+    model, opt = zero(MLP(), torch.optim.AdamW, stage=2, group=shard, replica_group=replica,
+                      replica_compressor="int8", lr=LR)
+    x = torch.randn(2, 37)
+
+    def dead(*a, **k):
+        raise RuntimeError("peer gone")
+    real, hybrid.all_reduce = hybrid.all_reduce, dead
+    try:
+        try:
+            model(x).sum().backward()
+            first = "no error"
+        except RuntimeError as e:
+            first = str(e)
+    finally:
+        hybrid.all_reduce = real
+    later = []
+    for call in (lambda: model(x), opt.step):
+        try:
+            call()
+            later.append("no error")
+        except CommError as e:
+            later.append(str(e))
+    model.close()
+    return first, later
 
 
 def test_bad_hybrid_arguments_fail_naming_the_problem(pool4):
@@ -208,6 +242,10 @@ def test_bad_hybrid_arguments_fail_naming_the_problem(pool4):
     assert "give replica_group" in got["no_group"][1]
     assert "compressor='powersgd:2'" in got["powersgd"][1]
     assert "share ranks other than this one" in got["overlap"][1]
+    for r in out:
+        first, later = r.pop("broken")
+        assert "peer gone" in first, first
+        assert len(later) == 2 and all("broken by an earlier failure" in m for m in later), later
     assert all(v[0] == "ValueError" for r in out for v in r.values())
 
 
