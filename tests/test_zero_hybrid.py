@@ -287,6 +287,9 @@ def _mesh_groups(rank, world):
 
 def test_mesh_shard_groups_and_the_job_across_two_nodes(pool4, tmp_path):
     import json
+    import os
+    import shutil
+
     from test_train import records
     got = pool4.run(_mesh_groups)
     assert [g["dp4/2"] for g in got] == [([0, 1], [0, 2]), ([0, 1], [1, 3]),
@@ -296,10 +299,20 @@ def test_mesh_shard_groups_and_the_job_across_two_nodes(pool4, tmp_path):
     assert got[2]["dp4"] == ([0, 1, 2, 3], [2])  # no shard=: the whole dp group, no replicas
     assert "shard=3 must divide dp x cp = 4 x 1 = 4" in got[0]["bad"]
     runs = {"full": [], "hybrid": ["--zero-shard-group", "node"],
-            "hybrid-int8": ["--zero-shard-group", "2", "--compress", "int8"]}
+            "hybrid-int8": ["--zero-shard-group", "2", "--compress", "int8", "--steps", "4"]}
     for name, flags in runs.items():
         pool4.run(_node_job, [*JOB, "--out", str(tmp_path / name), *flags])
-    rec = {n: records(tmp_path / n) for n in runs}
+    # resumed from step 2 (its shards and each rank's error-feedback memory across the nodes):
+    # steps 3 and 4 again, byte for byte (step 4's loss sees step 3's use of that memory)
+    src = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "hybrid-int8", src)
+    for d in os.listdir(src / "checkpoints"):
+        if d != "step-2":
+            shutil.rmtree(src / "checkpoints" / d)
+    pool4.run(_node_job, [*JOB, "--out", str(src), *runs["hybrid-int8"], "--resume"])
+    rec = {n: records(tmp_path / n) for n in [*runs, "resumed"]}
+    assert [json.dumps(r["loss"]) for r in rec["resumed"]] == \
+        [json.dumps(r["loss"]) for r in rec["hybrid-int8"]]
     full = [r["loss"] for r in rec["full"]]
     for r, f in zip(rec["hybrid"], full):  # fp32: sums reordered only (test_train's 1e-5)
         assert abs(r["loss"] - f) / f < 1e-5, (r["loss"], f)
