@@ -40,10 +40,10 @@ def _groups():
     return mine
 
 
-def _train(rank, world, stage, shard=None, replica=None, rc=None, steps=STEPS):
+def _train(rank, world, stage, shard=None, replica=None, rc=None, steps=STEPS, **kw):
     from pyfast.parallel import zero
     model, opt = zero(_build("gpt"), torch.optim.AdamW, stage=stage, group=shard,
-                      replica_group=replica, replica_compressor=rc, lr=LR, weight_decay=WD)
+                      replica_group=replica, replica_compressor=rc, lr=LR, weight_decay=WD, **kw)
     for s in range(steps):
         xs, ys = _data("gpt", world, s)
         _loss("gpt", model, xs[rank], ys[rank]).backward()
@@ -61,7 +61,12 @@ def _hybrid(rank, world):
             model, _ = _train(rank, world, stage, *groups)
             out[kind, stage] = _params(model)
             model.close()
-    model, _ = _train(rank, world, 2, shard, replica, "int8")
+    # the reduce-scatters on the native engine's thread, the all-reduces behind them on comm's
+    # worker: the same bytes as the Python path's (model.py's engines contract)
+    model, _ = _train(rank, world, 2, shard, replica, "int8", engine="native")
+    out["int8_native"], out["kinds"] = _params(model), dict(model.engine_kind)
+    model.close()
+    model, _ = _train(rank, world, 2, shard, replica, "int8", engine="python")
     out["int8"] = _params(model)
     reps = model.replicas
     out["int8_bytes"] = reps.bytes_sent / STEPS
@@ -95,9 +100,11 @@ def test_hybrid_equals_full_sharding_and_int8_crosses_half_the_gradient(pool4):
                 off += int(((d > ATOL) & ~noisy[k]).sum())
                 assert torch.equal(v, out[0]["hybrid", stage][k]), (stage, r, k)  # replicas
             assert off <= FEW * sum(v.numel() for v in ref.values()), (stage, r, off)
-    for r in range(1, 4):  # int8 across the nodes: every rank's parameters the same bits
+    for r in range(4):  # int8 across the nodes: every rank's parameters the same bits
+        assert out[r]["kinds"]["reduce_scatter"] == "native"
         for k, v in out[0]["int8"].items():
             assert torch.equal(v, out[r]["int8"][k]), (r, k)
+            assert torch.equal(v, out[r]["int8_native"][k]), (r, k)
     moved = [k for k, v in out[0]["int8"].items() if not torch.equal(v, ref[k])]
     assert len(moved) > 0.9 * len(ref)
     # bytes: a rank sends its int8 shard (n/2 elements, a 4-byte scale per 512) to the one
