@@ -534,9 +534,6 @@ def check_zero(cfg: TrainConfig) -> None:
     if cfg.tp > 1 or cfg.pp > 1:
         raise ConfigError(f"--zero {cfg.zero} with --tp {cfg.tp} --pp {cfg.pp}: the job shards "
                           "only a data-parallel mesh (--tp 1 --pp 1) for now")
-    if cfg.precision == "fp16":
-        raise ConfigError(f"--zero {cfg.zero} with --precision fp16: GradScaler unscales the "
-                          "gradients of the parameters, which zero keeps as shards; use bf16")
     import pyfast.compress as C
     from pyfast.parallel.zero import PARAM_COMPRESSORS
     if cfg.compress == "auto" or C.get(cfg.compress).algorithm == "powersgd":
