@@ -92,3 +92,134 @@ def test_fp16_zero_job_follows_data_parallel(pool2):
             for k in p_dp:
                 torch.testing.assert_close(params[k], p_dp[k], rtol=1e-5, atol=1e-5,
                                            msg=lambda m: f"zero {z} rank {rank} {k}: {m}")
+
+
+# ------------------------------------------------------------------ zero() with ZeroGradScaler
+VOCAB, SEQ = 67, 16  # an odd vocabulary: the tied embedding's shard edges fall mid-row
+
+
+def _batches(rank, n):
+    g = torch.Generator().manual_seed(100 + rank)  # each rank its own data
+    return [torch.randint(0, VOCAB, (2, SEQ + 1), generator=g) for _ in range(n)]
+
+
+def _scaled_run(rank, stage, spec, overflow: bool):
+    """gpt-tiny under zero(stage, spec) and ZeroGradScaler (CPU autocast fp16), three batches.
+    overflow: rank 1's loss at step 2 times 1e30 (rank 0 stays finite); else step 2's batch is
+    left out and the scale set to what the skip's back-off gives. Returns the scale and
+    found_inf per step, the full parameters, the feedback memory and AdamW's step count."""
+    import torch.nn.functional as F
+
+    from pyfast.models import build
+    from pyfast.parallel.zero import checkpoint as zck
+    from pyfast.parallel.zero import zero
+    from pyfast.parallel.zero.scaler import ZeroGradScaler
+    torch.manual_seed(0)
+    model, opt = zero(build("gpt-tiny", VOCAB, SEQ), torch.optim.AdamW, stage=stage,
+                      compressor=spec, lr=1e-2)
+    scaler = ZeroGradScaler("cpu", optimizer=opt, init_scale=2.0 ** 8)
+    trace = []
+    try:
+        for step, b in enumerate(_batches(rank, 3), 1):
+            if step == 2 and not overflow:
+                scaler.update(new_scale=scaler.get_scale() / 2)
+                continue
+            x, y = b[:, :-1], b[:, 1:]
+            with torch.autocast("cpu", torch.float16):
+                loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+            if step == 2 and rank == 1:
+                loss = loss * 1e30
+            scale = scaler.get_scale()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            trace.append((scale, float(scaler.found_inf(opt))))
+            scaler.update()
+            opt.zero_grad()
+        fb = getattr(model.compressor, "feedback", None)  # "none": no memory
+        memory = {k: v.clone() for k, v in fb.memory.items()} if fb is not None else {}
+        sd = zck.full_state_dict(model, opt)
+        steps = sorted({float(v["step"]) for v in sd["optim"]["state"].values()})
+        return trace, sd["model"], memory, steps
+    finally:
+        model.close()
+
+
+def _bad_input(rank):
+    import torch.nn.functional as F
+
+    from pyfast.models import build
+    from pyfast.parallel.zero import zero
+    from pyfast.parallel.zero.scaler import ZeroGradScaler
+    model, opt = zero(build("gpt-tiny", VOCAB, SEQ), torch.optim.AdamW, stage=2,
+                      compressor="int8")
+    errors = []
+    try:
+        try:
+            ZeroGradScaler("cpu", optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        except TypeError as e:
+            errors.append(str(e))
+        scaler = ZeroGradScaler("cpu")  # the optimizer not given: its memory is not staged
+        x = _batches(rank, 1)[0]
+        loss = F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
+        scaler.scale(loss).backward()
+        try:
+            scaler.step(opt)
+        except ValueError as e:
+            errors.append(str(e))
+    finally:
+        model.close()
+    return errors
+
+
+CASES = [(1, "none"), (2, "int8"), (3, "int8"), (2, "topk:0.3")]
+
+
+def _scaler_cases(rank, world):
+    out = {c: (_scaled_run(rank, *c, True), _scaled_run(rank, *c, False)) for c in CASES}
+    return out, _bad_input(rank)
+
+
+@pytest.mark.dist
+def test_zero_grad_scaler_skips_together_and_leaves_no_trace(pool2):
+    """Only rank 1 overflows at step 2; rank 0's own shards are finite (with topk:0.3 rank 1
+    sends its units as zeros, so nobody's shards see the Inf: the flag alone carries it), yet
+    found_inf is set on both ranks after ZeroGradScaler's one all-reduce, both skip, and the
+    scale backs off on both. The skipped step leaves nothing behind: parameters, AdamW state
+    and the error-feedback memory after step 3 equal, bitwise, a run that never saw step 2's
+    batch (the same scale at step 3; a power-of-2 scale change is exact, and the runs do the
+    same operations in the same order, so any difference is a trace of the skip). Stage 1
+    checks the reduction before unscale_ (torch's ShardedGradScaler alone finds no gradient
+    there and steps the scaled one)."""
+    res = pool2.run(_scaler_cases, timeout=300)
+    for rank in (0, 1):
+        out, errors = res[rank]
+        for case in CASES:
+            (trace, params, memory, steps), (t_ref, p_ref, m_ref, s_ref) = out[case]
+            assert [s for s, _ in trace] == [256.0, 256.0, 128.0], (rank, case, trace)
+            assert [f > 0 for _, f in trace] == [False, True, False], (rank, case, trace)
+            assert [s for s, _ in t_ref] == [256.0, 128.0], (rank, case)
+            assert steps == s_ref == [2.0], (rank, case)  # AdamW stepped twice, not three times
+            for k in p_ref:
+                assert torch.equal(params[k], p_ref[k]), (rank, case, k)
+            assert memory.keys() == m_ref.keys(), (rank, case)
+            assert (len(memory) > 0) == (case[1] != "none"), (rank, case)
+            for k in m_ref:
+                assert torch.equal(memory[k], m_ref[k]), (rank, case, k)
+                assert bool(torch.isfinite(memory[k]).all()), (rank, case, k)
+        assert len(errors) == 2, errors
+        assert "ZeroOptimizers" in errors[0] and "SGD" in errors[0], errors
+        assert "'int8' has error feedback" in errors[1] and "optimizer=opt" in errors[1], errors
+
+
+def test_fp16_zero_dry_run_counts_the_staged_feedback():
+    """--dry-run --zero 1/2/3 --precision fp16 (meta tensors, fake group, MetaGradScaler): the
+    step runs, and the error-feedback memory is twice bf16's: ZeroGradScaler stages a step's
+    updates beside the old memory (2 x 4 bytes per gradient element with int8)."""
+    from pyfast.train.config import TrainConfig
+    from pyfast.train.dryrun import dry_run
+    for stage in (1, 2, 3):
+        c = TrainConfig(model="gpt-tiny", dp=2, zero=stage, compress="int8", batch=2, seq=32)
+        fp16 = dry_run(TrainConfig(**{**c.__dict__, "precision": "fp16"}), 2, [0])[0]
+        bf16 = dry_run(TrainConfig(**{**c.__dict__, "precision": "bf16"}), 2, [0])[0]
+        assert bf16["feedback"] > 0 and fp16["feedback"] == 2 * bf16["feedback"], (stage, fp16)
+        assert fp16["peak_bytes"] > bf16["peak_bytes"], (stage, fp16, bf16)

@@ -230,6 +230,8 @@ class Job:
             from .meta_autocast import MetaGradScaler
             self.scaler = MetaGradScaler() if device.type == "meta" else \
                 torch.amp.GradScaler(device.type) if self.zero is None else self._zero_scaler()
+            if self.zero is not None:  # ZeroGradScaler's staging, on meta too: the dry run's
+                self.zero.stage_feedback(True)  # memory holds the staged feedback (2x)
         # --diloco: the inner optimizer steps through DiLoCo over the replica group (outer.py)
         # (with --zero 1|2 DiLoCo sets the parameters zero's optimizer steps views of)
         self.diloco = outer.build(cfg, self.zero if self.zero is not None else module,

@@ -195,10 +195,12 @@ class ZeroModel(nn.Module):
         self._staging = bool(on) and getattr(self.compressor, "feedback", None) is not None
 
     def _guard(self, u, buf) -> None:
-        """Open the step's staging at its first unit; for a compressor that need not carry a
-        NaN/Inf to the shard's owner (a sparse one may drop it; a quantizer or block codec
-        decodes a non-finite block to NaN, pyfast.comm.guard), check the unit here: if it is
-        not finite this rank sends zeros without the memory (u.extra["base"]) and flags it."""
+        """Open the step's staging at its first unit. A quantizer or block codec carries a
+        NaN/Inf to the shard's owner (a non-finite block decodes to NaN, pyfast.comm.guard);
+        the sparse ones do not (topk/randomk's reduce-scatter raises NonFiniteGradient on
+        every rank, which would end an fp16 run at its first overflow), so their units are
+        checked here (one aminmax pass): a non-finite one is sent as zeros without the memory
+        (u.extra["base"]) and flagged for the scaler."""
         if not self._staged:
             self.compressor.feedback.begin_step()
             self._staged, self._bad = True, False

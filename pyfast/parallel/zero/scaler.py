@@ -24,8 +24,9 @@ lacks three things, which this subclass adds and nothing else:
    at construction, from their first step; ZeroOptimizer.step() keeps a step's updates, a
    skipped step (scaler.step without opt.step) drops them: the memory is as before the step,
    as DataParallel's check_finite="skip" leaves it (pyfast.comm.guard).
-3. A sparse compressor (topk, randomk) need not carry an Inf to the shard's owner; under
-   staging such a unit is checked before it is sent, sent as zeros without memory, and this
+3. A sparse compressor (topk, randomk) refuses NaN/Inf in the reduce-scatter
+   (NonFiniteGradient on every rank: the run ends at its first overflow). Under staging such
+   a unit is checked before it is sent and, if not finite, sent as zeros without memory; this
    rank's flag joins found_inf (ZeroModel.sent_nonfinite) before the all-reduce.
 
 agree=False leaves found_inf this rank's own: the caller agrees it over the ranks before
