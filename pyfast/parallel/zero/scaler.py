@@ -93,8 +93,10 @@ class ZeroGradScaler(ShardedGradScaler):
         flags = list(self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
         if not flags:
             raise RuntimeError("ZeroGradScaler.found_inf: call unscale_(optimizer) first")
-        return sum(f.to(flags[0].device) for f in flags[1:]) + flags[0] if len(flags) > 1 \
-            else flags[0]
+        total = flags[0]
+        for f in flags[1:]:  # parameters on several devices: one flag each
+            total = total + f.to(total.device)
+        return total
 
     def step(self, optimizer, *args, **kwargs):
         out = super().step(optimizer, *args, **kwargs)
