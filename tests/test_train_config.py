@@ -72,6 +72,9 @@ def fake_checkpoint(out, step, **key):
     (["--dp", "6", "--batch", "12", "--zero", "2", "--zero-shard-group", "2", "--nnodes", "2",
       "--rdzv-endpoint", "localhost:1"], "a shard group spans 2 consecutive ranks, which cross "
                                          "a node's boundary (3 ranks a node)"),
+    (["--dp", "4", "--zero", "2", "--zero-shard-group", "2", "--compress", "int8",
+      "--precision", "fp16"], "--zero-shard-group with --precision fp16 and --compress int8: "
+                              "the cross-node compressor's error-feedback memory"),
     (["--lr-decay-steps", "-1"], "--lr-decay-steps must be >= 0 (0: --steps), got -1"),
 ])
 def test_bad_flags_fail_before_any_rank_starts(tmp_path, capsys, flags, message):
