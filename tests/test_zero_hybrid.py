@@ -206,8 +206,15 @@ def _bad(rank, world):
         "powersgd": err(lambda: zero(MLP(), adam, group=shard, replica_group=replica,
                                      replica_compressor="powersgd:2")),
         "overlap": err(lambda: zero(MLP(), adam, replica_group=replica)),
+        "fp16": err(lambda: _scaler(zero(MLP(), adam, group=shard, replica_group=replica,
+                                         replica_compressor="int8")[1])),
         "broken": _broken(shard, replica),
     }
+
+
+def _scaler(opt):
+    from pyfast.parallel.zero.scaler import ZeroGradScaler
+    return ZeroGradScaler("cpu", optimizer=opt)
 
 
 def _broken(shard, replica):
@@ -249,6 +256,7 @@ def test_bad_hybrid_arguments_fail_naming_the_problem(pool4):
     assert "give replica_group" in got["no_group"][1]
     assert "compressor='powersgd:2'" in got["powersgd"][1]
     assert "share ranks other than this one" in got["overlap"][1]
+    assert "replica all-reduce's compressor 'int8' keeps error-feedback memory" in got["fp16"][1]
     for r in out:
         first, later = r.pop("broken")
         assert "peer gone" in first, first
