@@ -131,6 +131,8 @@ def summary(records: list[dict], title: str):
             ("step ms (median)", f"{med('step_ms'):.1f}"),
             ("exposed comm ms (median)", f"{med('exposed_comm_ms'):.1f}"),
             sent_row(records, med),
+            *([("of which across the shard groups (nodes)", f"{med('cross_node_bytes') / 1e6:.2f}")]
+              if all("cross_node_bytes" in r for r in timed) else []),
             ("peak RSS MB (max rank)", f"{max(r.get('max_rss_mb', 0) for r in records):.0f}")]
     for k, v in rows:
         t.add_row(k, v)

@@ -20,6 +20,7 @@ TAGS = {
     "tokens_per_s": "perf/tokens_per_s", "step_ms": "time/step_ms",
     "compute_ms": "time/compute_ms", "exposed_comm_ms": "time/exposed_comm_ms",
     "bytes_sent": "comm/bytes_sent", "compress_rel_error": "comm/compress_rel_error",
+    "cross_node_bytes": "comm/cross_node_bytes",
     "max_rss_mb": "memory/max_rss_mb",
     "gpu_util": "gpu/util_percent", "gpu_mem_mb": "gpu/mem_mb",
 }
