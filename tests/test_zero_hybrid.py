@@ -25,6 +25,20 @@ import torch.distributed as dist
 from test_zero import ATOL, LR, STEPS, WD, _build, _close, _data, _loss, _params, _reference
 
 SHARDS, REPLICAS = [[0, 1], [2, 3]], [[0, 2], [1, 3]]
+
+
+# the session's ranks of test_train.pool_runs (started once for every file that uses them), not
+# conftest's per-module pools: a 4-rank pool costs ~10 s to start on this 2-core machine
+@pytest.fixture
+def pool4():
+    from test_train import _pool
+    return _pool(4)
+
+
+@pytest.fixture
+def pool2():
+    from test_train import _pool
+    return _pool(2)
 FEW = 1e-3  # of the elements: see the module docstring (14 of 108K = 1.3e-4 measured)
 
 
@@ -313,7 +327,7 @@ def test_mesh_shard_groups_and_the_job_across_two_nodes(pool4, tmp_path):
     assert got[3]["dp2xtp2/1"] == ([3], [1, 3])  # tp 1's dp ranks: 1, 3
     assert got[2]["dp4"] == ([0, 1, 2, 3], [2])  # no shard=: the whole dp group, no replicas
     assert "shard=3 must divide dp x cp = 4 x 1 = 4" in got[0]["bad"]
-    runs = {"full": [], "hybrid": ["--zero-shard-group", "node"],
+    runs = {"hybrid": ["--zero-shard-group", "node"],
             "hybrid-int8": ["--zero-shard-group", "2", "--compress", "int8", "--steps", "4"]}
     for name, flags in runs.items():
         pool4.run(_node_job, [*JOB, "--out", str(tmp_path / name), *flags])
@@ -328,13 +342,14 @@ def test_mesh_shard_groups_and_the_job_across_two_nodes(pool4, tmp_path):
     rec = {n: records(tmp_path / n) for n in [*runs, "resumed"]}
     assert [json.dumps(r["loss"]) for r in rec["resumed"]] == \
         [json.dumps(r["loss"]) for r in rec["hybrid-int8"]]
-    full = [r["loss"] for r in rec["full"]]
-    for r, f in zip(rec["hybrid"], full):  # fp32: sums reordered only (test_train's 1e-5)
-        assert abs(r["loss"] - f) / f < 1e-5, (r["loss"], f)
-    for r, f in zip(rec["hybrid-int8"], full):  # int8 across nodes: test_train's int8 bound
+    # the job's numbers equal zero()'s (test above, against full sharding and one process) up
+    # to the sums' order; here: int8 across the nodes within test_train's int8 bound of exact
+    exact = [r["loss"] for r in rec["hybrid"]]
+    assert len(exact) == 3 and len(rec["hybrid-int8"]) == 4
+    for r, f in zip(rec["hybrid-int8"], exact):
         assert abs(r["loss"] - f) / f < 1e-3, (r["loss"], f)
-    assert "cross_node_bytes" not in rec["full"][0]
-    n = json.loads((tmp_path / "full" / "checkpoints" / "step-2" / "meta.json").read_text())[
+    assert abs(rec["hybrid-int8"][0]["loss"] - exact[0]) / exact[0] < 1e-6  # before any update
+    n = json.loads((tmp_path / "hybrid" / "checkpoints" / "step-2" / "meta.json").read_text())[
         "trainable_params"]
     exact = rec["hybrid"][0]["cross_node_bytes"] / 4  # a rank's fp32 shard to its replica
     int8 = rec["hybrid-int8"][0]["cross_node_bytes"] / 4  # its int8 shard
