@@ -14,8 +14,8 @@ providers take their steps in turn (round robin), so they see the same load. Cro
 bytes both veth ends sent during a step (node A's to B plus B's to A, each read by the node's
 local rank 0 from its namespace's /proc/net/dev; TCP/IP headers and one barrier included).
 Floor: the link's physical limit for those bytes, max(A->B, B->A) x 8 / rate (each direction
-has its own tbf). MB sent r0: what Job counts rank 0 sending in a step (its bytes_sent, every
-link). Before anything is timed, every provider's first-step loss must equal the dense model's
+has its own tbf). MB sent: what Job counts all ranks writing in a step (its bytes_sent: both
+links). Before anything is timed, every provider's first-step loss must equal the dense model's
 on the same global batch within 1e-4 (uncompressed, also the gradient norm).
 
 The launch first checks the emulation: a 64 MB fp32 gloo all-reduce between ranks 0,1 (one
@@ -209,7 +209,7 @@ def table(result: dict):
         f"median of {result['steps']} steps after {result['warmup']} (slowest rank); 1-min load "
         f"avg {load[0]:.2f} before, {load[1]:.2f} after", result,
         ("config", "step ms", "tokens/s", "loss@1 - dense", "MB A->B", "MB B->A",
-         "floor ms", "floor share", "MB sent r0"), left=("config",))
+         "floor ms", "floor share", "MB sent"), left=("config",))
     notes = [f"{result['link']}: {result['skipped']}"] if "skipped" in result else []
     for r in result["rows"]:
         if "error" in r:
