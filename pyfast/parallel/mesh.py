@@ -20,6 +20,13 @@ mesh side by side, the replica outermost, so each replica's inner mesh is the co
 replica_group is the R ranks with this rank's inner coordinates (the same shard in every
 replica): replica = r // inner. replicas=1 (the default) is exactly the mesh above.
 
+Shard groups (hybrid sharding, pyfast.parallel.zero.hybrid): Mesh(..., shard=N) cuts the
+dp x cp ranks of each tp / pp coordinate (dp_cp_group, in its order: cp inner) into blocks of
+N consecutive ones: shard_group is this rank's block (ZeRO shards over it: a node, when the
+ranks of a node are consecutive, as torchrun numbers them), shard_replica_group the ranks at
+this rank's place in every block (hybrid sharding all-reduces the shards over it). shard=None
+(the default): shard_group is dp_cp_group and shard_replica_group a group of this rank alone.
+
 Like torchtitan's ParallelDims it checks that the degrees multiply to the world size when
 built; unlike picotron's process_group_manager it is no module-level global.
 """
@@ -55,10 +62,17 @@ class Mesh:
     """
 
     def __init__(self, dp: int = 1, tp: int = 1, pp: int = 1, group=None,
-                 device_type: str | None = None, cp: int = 1, replicas: int = 1):
+                 device_type: str | None = None, cp: int = 1, replicas: int = 1,
+                 shard: int | None = None):
         self.dp, self.tp, self.pp = _degree("dp", dp), _degree("tp", tp), _degree("pp", pp)
         self.cp, self.replicas = _degree("cp", cp), _degree("replicas", replicas)
         self.inner = dp * cp * tp * pp
+        if shard is not None:
+            _degree("shard", shard)
+            if (dp * cp) % shard:
+                raise ValueError(f"Mesh: shard={shard} must divide dp x cp = {dp} x {cp} = "
+                                 f"{dp * cp} (the ranks a shard group is cut from)")
+        self.shard = shard
         if not dist.is_initialized():
             raise RuntimeError("Mesh needs torch.distributed initialized (torchrun + "
                                "dist.init_process_group)")
@@ -102,12 +116,21 @@ class Mesh:
         if R > 1:
             self._replica_group = (self._subgroups(group, shape, (0,)) if not whole else
                                    self._new_groups(shape, (0,)))
+        self.shard_group = self._shard_replica = None
+        if shard is not None and shard < dp * cp:  # (pp, dp x cp / N, N, tp) per replica
+            lay = (*shape[:-3], dp * cp // shard, shard, tp)
+            at = len(lay) - 2
+            make = (lambda d: self._subgroups(group, lay, d)) if not whole else \
+                (lambda d: self._new_groups(lay, d))
+            self.shard_group, self._shard_replica = make((at,)), make((at - 1,))
         if cp == 1:
             self.dp_cp_group = self.dp_group
         elif whole:  # collective over the default group, like init_device_mesh
             self.dp_cp_group = self.device_mesh["dp", "cp"]._flatten("dp_cp").get_group()
         else:
             self.dp_cp_group = self._subgroups(group, shape, (len(shape) - 3, len(shape) - 2))
+        if self.shard_group is None:  # no shard= (or N = dp x cp): the whole dp x cp group
+            self.shard_group = self.dp_cp_group
 
     @staticmethod
     def _subgroups(group, shape, dims: tuple[int, ...]):
@@ -162,6 +185,16 @@ class Mesh:
             self._replica_group = dist.new_group([dist.get_rank()],
                                                  use_local_synchronization=True)
         return self._replica_group
+
+    @property
+    def shard_replica_group(self):
+        """The ranks at this rank's place in every shard group of its dp x cp group (hybrid
+        sharding's cross-node all-reduce); without shard groups a group of this rank alone,
+        made on first use as replica_group's."""
+        if self._shard_replica is None:
+            self._shard_replica = dist.new_group([dist.get_rank()],
+                                                 use_local_synchronization=True)
+        return self._shard_replica
 
     @property
     def inner_mesh(self) -> DeviceMesh:

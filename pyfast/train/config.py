@@ -39,6 +39,7 @@ class TrainConfig:
     bucket_mb: float = 0.0          # DataParallel's gradient bucket size in MB; 0: its default
     zero: int = 0                   # ZeRO stage 1-3 over dp instead of DataParallel; 0: off
     param_compress: str = "none"    # --zero 3: the parameter all-gather's compressor
+    zero_shard_group: str = ""      # --zero: "node" or N (hybrid sharding); "": all dp x cp
     schedule: str = "1f1b"
     micro_batches: int = 0          # 0: 1 without pipeline, 2 x pp with one
     grad_accum: int = 1
@@ -167,6 +168,11 @@ def parser() -> argparse.ArgumentParser:
       help="shard over dp with pyfast.parallel.zero: 1 optimizer state, 2 + gradients, "
            "3 + parameters (default 0: DataParallel); --compress compresses its gradient "
            "reduce-scatter")
+    a("--zero-shard-group", default=d.zero_shard_group, metavar="node|N",
+      help="--zero: shard over N consecutive dp x cp ranks (node: those on this node, "
+           "LOCAL_WORLD_SIZE) and replicate across the groups (hybrid sharding, HSDP); "
+           "--compress then compresses the cross-group all-reduce of each shard and the "
+           "reduce-scatter inside the group is exact (default: the whole dp x cp group)")
     a("--param-compress", default=d.param_compress,
       help="--zero 3: compressor of the parameter all-gather (bf16, fp16, int8, fp8; the "
            "fp32 master shards stay exact)")
@@ -311,6 +317,9 @@ RESUME_FREE += ("base_placement",)
 RESUME_FREE += ("loss_chunks",)
 # --eval-outer only adds a validation of the outer parameters: the run is the same
 RESUME_FREE += ("eval_outer",)
+# the shard group changes where the shards live, as --dp does (DCP reshards); the per-rank
+# error-feedback memory is then left out (Job.load compares it)
+RESUME_FREE += ("zero_shard_group",)
 
 
 def resume_changes(cfg: TrainConfig, record: dict, data: dict | None = None
@@ -524,8 +533,12 @@ def check_zero(cfg: TrainConfig) -> None:
     if cfg.param_compress not in ("none", "") and cfg.zero != 3:
         raise ConfigError(f"--param-compress {cfg.param_compress} compresses stage 3's parameter "
                           f"all-gather: it needs --zero 3 (got --zero {cfg.zero})")
+    if cfg.zero_shard_group and not cfg.zero:
+        raise ConfigError(f"--zero-shard-group {cfg.zero_shard_group} chooses the ranks ZeRO "
+                          "shards over: it needs --zero 1, 2 or 3")
     if not cfg.zero:
         return
+    check_shard_group(cfg)
     if cfg.zero not in (1, 2, 3):
         raise ConfigError(f"--zero must be 1, 2 or 3 (0: off), got {cfg.zero}")
     if cfg.dp * cfg.cp == 1:
@@ -546,6 +559,42 @@ def check_zero(cfg: TrainConfig) -> None:
     if cfg.param_compress not in PARAM_COMPRESSORS:
         raise ConfigError(f"--param-compress {cfg.param_compress!r}: one of "
                           f"{', '.join(c for c in PARAM_COMPRESSORS if c)}")
+
+
+def check_shard_group(cfg: TrainConfig, local_world: int | None = None) -> int | None:
+    """--zero-shard-group as a shard size N (None: the whole dp x cp group, no hybrid). "node"
+    needs local_world (LOCAL_WORLD_SIZE, the ranks on this node: torchrun and pyfast's
+    launcher set it; None: checked later, on the ranks). Shard groups are N consecutive dp x
+    cp ranks of one tp / pp coordinate (pyfast.parallel.mesh), N * tp consecutive ranks."""
+    spec, dpcp = cfg.zero_shard_group, cfg.dp * cfg.cp
+    if not spec:
+        return None
+    if spec == "node":
+        if local_world is None:
+            return None
+        if local_world % cfg.tp:
+            raise ConfigError(f"--zero-shard-group node: a node holds {local_world} ranks, not "
+                              f"whole tp groups of --tp {cfg.tp}; give N")
+        n = min(local_world // cfg.tp, dpcp)
+        if dpcp % n:
+            raise ConfigError(f"--zero-shard-group node: the {n} dp x cp ranks of a node "
+                              f"({local_world} ranks / --tp {cfg.tp}) do not divide dp x cp = "
+                              f"{dpcp}")
+        return None if n == dpcp else n
+    try:
+        n = int(spec)
+    except ValueError:
+        raise ConfigError(f"--zero-shard-group must be 'node' or a number of ranks, got "
+                          f"{spec!r}") from None
+    if n < 1 or dpcp % n:
+        raise ConfigError(f"--zero-shard-group {n}: must be >= 1 and divide dp x cp = "
+                          f"{cfg.dp} x {cfg.cp} = {dpcp}")
+    span = n * cfg.tp  # the global ranks one shard group spans
+    if local_world and span % local_world and local_world % span:
+        raise ConfigError(f"--zero-shard-group {n} with --tp {cfg.tp}: a shard group spans "
+                          f"{span} consecutive ranks, which cross a node's boundary "
+                          f"({local_world} ranks a node)")
+    return None if n == dpcp else n
 
 
 def build_model(cfg: TrainConfig, vocab_size: int, device=None):

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 
 import torch
 import torch.distributed as dist
@@ -58,13 +59,23 @@ from pyfast.parallel.zero.frozen import decide as decide_frozen
 from . import checkpoint as ck
 from . import outer
 from .config import (ConfigError, TrainConfig, build_model, check_data, check_model,
-                     lora_options)
+                     check_shard_group, lora_options)
 from .telemetry import bytes_written
 
 AMP = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # fp16: a run of skipped (overflowing) steps this long is a broken run, not loss scaling
 # finding its level (GradScaler halves the scale per skip: 10 skips = 1/1024 of the scale).
 MAX_SKIPS = 10
+
+
+def local_world(cfg: TrainConfig) -> int | None:
+    """The ranks on this node (LOCAL_WORLD_SIZE: torchrun and pyfast's launcher set it), for
+    --zero-shard-group; ConfigError if `node` asks for it and it is not set."""
+    v = os.environ.get("LOCAL_WORLD_SIZE")
+    if not v and cfg.zero_shard_group == "node":
+        raise ConfigError("--zero-shard-group node: LOCAL_WORLD_SIZE (the ranks on this node) is "
+                          "not set; launch with torchrun or pyfast train, or give N")
+    return int(v) if v else None
 
 
 def lr_lambda(cfg: TrainConfig):
@@ -137,7 +148,10 @@ class Job:
     def __init__(self, cfg: TrainConfig, device: torch.device, data: dict | None = None):
         """data: the data's fingerprint (config.check_data), computed here if not given."""
         self.cfg, self.device = cfg, device
-        self.mesh = mesh = Mesh(cfg.dp, cfg.tp, cfg.pp, cp=cfg.cp, replicas=cfg.replicas)
+        # --zero-shard-group: hybrid sharding over shard groups of this size (None: dp x cp)
+        self.shard_size = check_shard_group(cfg, local_world(cfg)) if cfg.zero else None
+        self.mesh = mesh = Mesh(cfg.dp, cfg.tp, cfg.pp, cp=cfg.cp, replicas=cfg.replicas,
+                                shard=self.shard_size)
         # ConfigError (the same on every rank) rather than load_corpus's errors
         self.data = data if data is not None else check_data(cfg)
         self.corpus = load_corpus(cfg.data)
@@ -197,11 +211,18 @@ class Job:
             frozen = "replicate"
             if cfg.zero == 3 and cfg.lora:
                 frozen, self.frozen_note = decide_frozen(module, cfg.base_placement,
-                                                         cfg.base_dtype, cfg.dp * cfg.cp, device)
+                                                         cfg.base_dtype,
+                                                         self.shard_size or cfg.dp * cfg.cp, device)
+            # hybrid (--zero-shard-group): --compress is the cross-group all-reduce's, the
+            # reduce-scatter inside the group exact (docs/zero.md, "Hybrid sharding")
+            hybrid = self.shard_size is not None
             self.zero, self.opt = zero(
-                module, torch.optim.AdamW, stage=cfg.zero, compressor=cfg.compress, frozen=frozen,
+                module, torch.optim.AdamW, stage=cfg.zero, frozen=frozen,
+                compressor=None if hybrid else cfg.compress,
+                replica_group=mesh.shard_replica_group if hybrid else None,
+                replica_compressor=cfg.compress if hybrid else None,
                 param_compressor=None if cfg.param_compress == "none" else cfg.param_compress,
-                group=mesh.dp_cp_group, params=groups, lr=cfg.lr, betas=(0.9, 0.95),
+                group=mesh.shard_group, params=groups, lr=cfg.lr, betas=(0.9, 0.95),
                 error_feedback=cfg.error_feedback == "on",
                 **({"bucket_mb": cfg.bucket_mb} if cfg.bucket_mb else {}))
         elif cfg.dp * cfg.cp > 1:
@@ -356,6 +377,7 @@ class Job:
     def train_step(self, step: int) -> dict:
         cfg = self.cfg
         t0, w0 = clock(self.device), bytes_written()  # clock: on CUDA, after the queued work
+        c0 = self._cross_bytes()
         self.opt.zero_grad(set_to_none=True)
         x, y = self.shard(*self.batches.next())
         x, y = x.to(self.device), y.to(self.device)
@@ -379,7 +401,8 @@ class Job:
         w1 = bytes_written()  # what is written after this (--diloco: outer.Meter.settle)
         sent, self.carried = w1 - w0 + self.carried, 0
         tc = clock(self.device)
-        vec = torch.stack([contrib, sq, bad, self.scalar(float(sent))])
+        cross = self._cross_bytes() - c0
+        vec = torch.stack([contrib, sq, bad, self.scalar(float(sent)), self.scalar(float(cross))])
         # one small all-reduce: loss, norm, NaN/Inf and bytes over every rank, or with R > 1
         # over this replica's ranks only (each replica clips by its own gradient's norm)
         dist.all_reduce(vec, group=self.step_group)
@@ -417,6 +440,8 @@ class Job:
                "tokens_per_s": cfg.batch * cfg.seq / step_s, "step_ms": 1e3 * step_s,
                "compute_ms": 1e3 * (step_s - waited), "exposed_comm_ms": 1e3 * waited,
                "bytes_sent": int(vals[3])}
+        if self.shard_size is not None:  # hybrid sharding: the cross-group (node) share of them
+            rec["cross_node_bytes"] = int(vals[4])
         if self.scaler is not None:
             rec.update(loss_scale=scale, skipped=skipped)
         if self.outer is not None:  # the bytes after w1 (the outer all-reduce's among them)
@@ -425,6 +450,12 @@ class Job:
         if self.meeting is not None:
             rec.update(self.meeting.record())
         return rec
+
+    def _cross_bytes(self) -> int:
+        """Bytes this rank sent so far across the shard groups (hybrid sharding: the replica
+        all-reduces' payloads, pyfast.parallel.zero.hybrid); 0 without."""
+        reps = getattr(self.zero, "replicas", None)
+        return reps.bytes_sent if reps is not None else 0
 
     def compression_error(self) -> float | None:
         """--compress's relative error ||D(C(g)) - g|| / ||g|| on the gradient the last step
@@ -452,7 +483,7 @@ class Job:
         """vec's values on the host. A dry run's meta tensors hold none: a finite step whose
         gradient norm is clipped (twice --clip) stands in, so every branch of a step runs."""
         sq = (2.0 * max(self.cfg.clip, 1.0)) ** 2
-        return read(vec, [0.0, sq, 0.0, 0.0])
+        return read(vec, [0.0, sq, 0.0, 0.0, 0.0])
 
     def _zero_norm(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(this rank's share of the squared global gradient norm, NaN/Inf flag) under zero:
@@ -558,8 +589,9 @@ class Job:
         if self.dp is not None:
             return self.dp.compression_state_dict()
         if self.zero is not None:
-            c = self.zero.compressor
-            return {"spec": c.spec, "state": c.state_dict()}
+            c, reps = self.zero.compressor, self.zero.replicas
+            return {"spec": c.spec, "state": c.state_dict(),
+                    **({"replica": reps.compressor.state_dict()} if reps is not None else {})}
         return None
 
     def _dense_state(self) -> tuple[dict, dict]:
@@ -588,6 +620,7 @@ class Job:
                 "lora": lora_options(c).describe() if c.lora else None,
                 "base_dtype": c.base_dtype if c.lora else None,
                 "zero": c.zero, "param_compress": c.param_compress,
+                "zero_shard_group": c.zero_shard_group,
                 "error_feedback": c.error_feedback,
                 # the run's record, which --resume compares (config.resume_changes)
                 "config": dataclasses.asdict(c), "warmup_steps": c.warmup_steps,
@@ -601,7 +634,8 @@ class Job:
         restored too, i.e. the mesh, precision and compressor are the ones it was saved with)."""
         meta = ck.read_meta(path)
         # zero: its stage lays out the units; error_feedback: whether there is memory to load
-        keys = {"mesh": 0, "compress": 0, "precision": 0, "zero": 0, "error_feedback": "on"}
+        keys = {"mesh": 0, "compress": 0, "precision": 0, "zero": 0, "error_feedback": "on",
+                "zero_shard_group": ""}
         saved = {k: meta.get(k, d) for k, d in keys.items()}
         if isinstance(saved["mesh"], dict):  # written before --cp existed: cp 1
             saved["mesh"] = {"cp": 1, **saved["mesh"]}
@@ -646,6 +680,8 @@ class Job:
                 self.dp.load_compression_state_dict(mine["comm"])
             if self.zero is not None and mine["comm"] is not None:
                 self.zero.compressor.load_state_dict(mine["comm"]["state"])
+                if self.zero.replicas is not None:
+                    self.zero.replicas.compressor.load_state_dict(mine["comm"]["replica"])
         return meta["step"], same
 
     def close(self) -> None:

@@ -7,7 +7,7 @@ import os
 import shlex
 import sys
 
-from .config import ConfigError, TrainConfig, check, check_degrees
+from .config import ConfigError, TrainConfig, check, check_degrees, check_shard_group
 
 
 def worker_args(cfg: TrainConfig) -> list[str]:
@@ -56,6 +56,7 @@ def launch(cfg: TrainConfig, ns) -> int:
             raise ConfigError(f"{cfg.mesh_flags()} = {ranks} ranks, "
                               f"but --nproc {nproc} x --nnodes {ns.nnodes} = {world}")
         data = check(cfg, world)
+        check_shard_group(cfg, nproc)  # --zero-shard-group against the ranks of a node
         from .run import check_resume
         if not ns.print_launch:
             check_resume(cfg, restarted=False, data=data)

@@ -46,6 +46,7 @@ from pyfast.comm.buckets import (BUCKET_MB, ENGINES, broadcast_state, check_para
                                  check_same_layout)
 from pyfast.comm.engine import NativeEngine, status as native_status
 
+from .hybrid import Replicas, check_replicas
 from .frozen import MODES as FROZEN_MODES, check_frozen, frozen_named, frozen_units
 from .layout import Layout, ParamShard, Unit, bucket_groups, shard_range, shard_size
 from .model import ZeroModel
@@ -107,7 +108,8 @@ def _engine_kinds(engine: str, c, pc, group, device) -> dict:
 
 def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_compressor=None,
          group=None, bucket_mb: float | None = None, error_feedback: bool = True, units=None,
-         engine: str = "auto", frozen: str = "replicate", **optim_kwargs):
+         engine: str = "auto", frozen: str = "replicate", replica_group=None,
+         replica_compressor=None, **optim_kwargs):
     """(model, opt): `module` wrapped for ZeRO stage 1, 2 or 3 over `group` (None: the default
     group), and a ZeroOptimizer running optim_cls(**optim_kwargs) on this rank's shards.
     optim_kwargs may hold params= (param groups, as optim_cls's first argument: lists of the
@@ -138,7 +140,16 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
     gradient; never reduced), all-gathered as bytes right behind the unit's trainable gather
     (same prefetch and free) and freed after use: ~1/W of the frozen bytes a rank between steps
     (pyfast.parallel.zero.frozen). Stages 1/2 keep the base whole: they have no gather to
-    piggyback on."""
+    piggyback on.
+
+    replica_group, replica_compressor: hybrid sharding (FSDP's HYBRID_SHARD; hybrid.py):
+    everything is sharded over `group` (a node) and replicated across replica_group (the ranks
+    holding this rank's shard in the other nodes); each unit's gradient shard, once
+    reduce-scattered over `group`, is averaged over replica_group through replica_compressor
+    (any compressor that codes a flat shard, error feedback per unit shard unless
+    error_feedback=False; None: exact). The replicas stay bit-identical. Checkpoints
+    (checkpoint.py) then add a leading Replicate() mesh dimension and run over the default
+    group."""
     if not dist.is_initialized():
         raise RuntimeError("zero needs torch.distributed initialized "
                            "(torchrun + dist.init_process_group)")
@@ -165,6 +176,9 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
     if not named:
         raise ValueError("zero: the module has no parameter with requires_grad=True to shard")
     c = _grad_compressor(compressor, error_feedback, named[0][1].device)
+    check_replicas(group, replica_group, replica_compressor)
+    rc = None if replica_group is None else \
+        _grad_compressor(replica_compressor, error_feedback, named[0][1].device)
     kinds = _engine_kinds(engine, c, C.get(param_compressor), group,  # before any collective
                           named[0][1].device)
     check_params(named, "zero")
@@ -173,7 +187,11 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     # every block of either compressor codes one parameter's elements only (layout.py)
     pc = C.get(param_compressor)
-    align = math.lcm(c.block if c.spec != "none" else 1, pc.block if pc.spec != "none" else 1)
+    align = math.lcm(*(x.block if x.spec != "none" else 1 for x in (c, pc, rc) if x is not None))
+    replicas = None if replica_group is None else Replicas(replica_group, rc)
+    if replicas is not None:  # the same layout and rank 0's state in every replica too
+        check_same_layout(named, replica_group)
+        broadcast_state(module, replica_group)
     check_same_layout(named, group)
     broadcast_state(module, group)
     if stage == 3:
@@ -186,14 +204,17 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
         funits = []
         layout = Layout(bucket_groups(named, bucket_mb or BUCKET_MB, world, align),
                         world, rank, align)
-    agree([f"stage {stage}", f"compressor {c.spec}", f"param_compressor {param_compressor}"]
-          + layout.describe() + [d for f in funits for d in f.describe()], None, group,
-          what="zero", device=named[0][1].device,
-          differ=_first_difference)
+    described = ([f"stage {stage}", f"compressor {c.spec}", f"param_compressor {param_compressor}"]
+                 + (replicas.describe() if replicas is not None else [])
+                 + layout.describe() + [d for f in funits for d in f.describe()])
+    for g in ([replica_group] if replicas is not None else []) + [group]:
+        agree(described, None, g, what="zero", device=named[0][1].device,
+              differ=_first_difference)
     if stage == 3:
         model = Stage3Model(module, layout, c, group, named, param_compressor, kinds, funits)
     else:
         model = ZeroModel(module, layout, stage, c, group, named, kinds)
+    model.replicas = replicas
     opt = ZeroOptimizer(model, optim_cls, **optim_kwargs)
     return model, opt
 

@@ -49,20 +49,38 @@ MASTER = "fp32_master"
 
 
 def _mesh(model):
-    """The 1-D DeviceMesh of the model's group (cached per model)."""
+    """The DeviceMesh of the model's group (cached per model): 1-D over the shard group, or with
+    hybrid sharding (zero(replica_group=...)) 2-D (replica, shard) whose placements are
+    [Replicate(), Shard(0)], so DCP writes each shard once (its planner keeps one copy of
+    identical chunks) and the checkpoint is the one a non-hybrid run of the same shards writes."""
     mesh = _MESHES.get(model)
     if mesh is None:
         from torch.distributed.device_mesh import DeviceMesh
         group = model.group if model.group is not None else dist.group.WORLD
         device = model._params[0].device.type  # zero() refuses a module without trainable ones
-        mesh = _MESHES[model] = DeviceMesh.from_group(group, device_type=device)
+        reps = getattr(model, "replicas", None)
+        if reps is None:
+            mesh = DeviceMesh.from_group(group, device_type=device)
+        else:
+            ranks = reps.mesh_ranks(group, model._device)
+            mesh = DeviceMesh.from_group([reps.group, group], device, mesh=ranks,
+                                         mesh_dim_names=("replica", "shard"))
+        _MESHES[model] = mesh
     return mesh
 
 
 def _dtensor(model, local: torch.Tensor, n: int):
-    from torch.distributed.tensor import DTensor, Shard
-    return DTensor.from_local(local, _mesh(model), [Shard(0)], run_check=False,
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    mesh = _mesh(model)
+    places = [Shard(0)] if mesh.ndim == 1 else [Replicate(), Shard(0)]
+    return DTensor.from_local(local, mesh, places, run_check=False,
                               shape=torch.Size([n]), stride=(1,))
+
+
+def _group(model):
+    """DCP's process group: the shard group, or with hybrid sharding every rank (the default
+    group: the replicas must plan together for DCP to write each shard once)."""
+    return model.group if getattr(model, "replicas", None) is None else None
 
 
 def _is_dtensor(t) -> bool:
@@ -317,14 +335,14 @@ def save(checkpoint_id, model, opt) -> None:
     """dcp.save of get_state_dict(model, opt): every rank writes its own shards (collective)."""
     import torch.distributed.checkpoint as dcp
     dcp.save(get_state_dict(model, opt), checkpoint_id=checkpoint_id,
-             process_group=model.group)
+             process_group=_group(model))
 
 
 def load(checkpoint_id, model, opt) -> None:
     """Load a checkpoint written by save() at any world size and stage (collective)."""
     import torch.distributed.checkpoint as dcp
     target = load_target(checkpoint_id, model, opt)
-    dcp.load(target, checkpoint_id=checkpoint_id, process_group=model.group)
+    dcp.load(target, checkpoint_id=checkpoint_id, process_group=_group(model))
     set_state_dict(model, opt, target)
 
 

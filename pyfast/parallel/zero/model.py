@@ -79,6 +79,7 @@ class ZeroModel(nn.Module):
         with torch.no_grad():
             for u in layout.units:
                 self.masters.append([self._master(p, sh) for p, sh in zip(u.params, u.shards)])
+        self.replicas = None  # hybrid sharding (hybrid.Replicas), set by zero()
         self._breaker = Breaker("this zero model")
         self._sync = True
         self._dirty = False  # a forward under no_sync since the last reduction (same on all ranks)
@@ -118,6 +119,8 @@ class ZeroModel(nn.Module):
         if torch.is_grad_enabled() and self._sync:
             bufs = list(self.module.buffers())
             if bufs:
+                if self.replicas is not None:
+                    self.replicas.broadcast(bufs)
                 broadcast_coalesced(bufs, self.group)
             if self._ready is not None:
                 self._ready.arm()
@@ -161,6 +164,8 @@ class ZeroModel(nn.Module):
             h = reduce_scatter(out, buf, self.compressor, self.group, op="avg",
                                async_op=self.stage >= 2, name=u.name)
             h = h if self.stage >= 2 else None
+        if self.replicas is not None:  # hybrid: the shard's all-reduce across the replicas
+            h = self.replicas.launch(u, out, h, async_op=self.stage >= 2)
         self._inflight.append((u, out, h))
 
     def _pack(self, u) -> torch.Tensor:
@@ -192,6 +197,8 @@ class ZeroModel(nn.Module):
         # on the FIFO of the reduce-scatters (stage 3 may have a gather queued there too)
         native = self.engine_kind["reduce_scatter"] == "native"
         self._band.reduce(self._engine if native else None, self.group).wait()
+        if self.replicas is not None:
+            self.replicas.sum_flags(self._band.t)
         self._band.read(self.group)  # a dry run: all used
         self._band.begin()
         for u, out, _ in inflight:
