@@ -15,8 +15,9 @@ bytes both veth ends sent during a step (node A's to B plus B's to A, each read 
 local rank 0 from its namespace's /proc/net/dev; TCP/IP headers and one barrier included).
 Floor: the link's physical limit for those bytes, max(A->B, B->A) x 8 / rate (each direction
 has its own tbf). MB sent: what Job counts all ranks writing in a step (its bytes_sent: both
-links). Before anything is timed, every provider's first-step loss must equal the dense model's
-on the same global batch within 1e-4 (uncompressed, also the gradient norm).
+links); counted across: Job's cross_node_bytes (hybrid sharding only), to be read against the
+two veth columns. Before anything is timed, every provider's first-step loss must equal the
+dense model's on the same global batch within 1e-4 (uncompressed, also the gradient norm).
 
 The launch first checks the emulation: a 64 MB fp32 gloo all-reduce between ranks 0,1 (one
 node) and 0,2 (two nodes), its time and the veth bytes it moved.
@@ -145,6 +146,9 @@ def _worker() -> None:
                    a_to_b=statistics.median(c[0] for c in cross),
                    b_to_a=statistics.median(c[1] for c in cross),
                    bytes_sent=statistics.median(r["bytes_sent"] for r in log[name]["recs"]))
+        if "cross_node_bytes" in log[name]["recs"][0]:  # hybrid: what Job counts crossing
+            row["counted_cross"] = statistics.median(r["cross_node_bytes"]
+                                                     for r in log[name]["recs"])
     if rank == 0:
         atomic_write_text(j["out"], json.dumps({"link_check": link, "rows": list(rows.values())}))
     dist.barrier()
@@ -209,7 +213,7 @@ def table(result: dict):
         f"median of {result['steps']} steps after {result['warmup']} (slowest rank); 1-min load "
         f"avg {load[0]:.2f} before, {load[1]:.2f} after", result,
         ("config", "step ms", "tokens/s", "loss@1 - dense", "MB A->B", "MB B->A",
-         "floor ms", "floor share", "MB sent"), left=("config",))
+         "floor ms", "floor share", "MB sent", "counted across"), left=("config",))
     notes = [f"{result['link']}: {result['skipped']}"] if "skipped" in result else []
     for r in result["rows"]:
         if "error" in r:
@@ -219,7 +223,8 @@ def table(result: dict):
         t.add_row(escape(r["config"]), f"{r['median_s'] * 1e3:.0f}", f"{r['tokens_s']:.0f}",
                   f"{r['loss1'] - r['ref_loss']:+.1e}", f"{r['a_to_b'] / 1e6:.1f}",
                   f"{r['b_to_a'] / 1e6:.1f}", f"{r.get('floor_s', 0) * 1e3:.0f}",
-                  f"{r.get('floor_s', 0) / r['median_s']:.0%}", f"{r['bytes_sent'] / 1e6:.1f}")
+                  f"{r.get('floor_s', 0) / r['median_s']:.0%}", f"{r['bytes_sent'] / 1e6:.1f}",
+                  f"{r['counted_cross'] / 1e6:.1f}" if "counted_cross" in r else "")
     t.caption = escape("\n".join(notes)) if notes else None
     g = Table(title="target (step-time ratio)")
     for col in ("target", "ratio", "need", "met"):
