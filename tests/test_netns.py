@@ -144,11 +144,12 @@ def test_really_unprivileged_process_gets_the_message():
 
 
 @needs_netns
-def test_ctrl_c_kills_the_ranks_and_removes_the_namespace():
+@pytest.mark.parametrize("nodes", [None, 2])  # one namespace; two node namespaces and a veth
+def test_ctrl_c_kills_the_ranks_and_removes_the_namespace(nodes):
     token = f"pyfastctrlc{os.getpid()}x{time.monotonic_ns()}"  # finds only this test's ranks
     code = ("import os; from pyfast.benchmarks import netns; print('go', flush=True); "
             "netns.run_ranks(['-c', 'import time; time.sleep(60)  # ' + os.environ['TOKEN']], "
-            "2, link='1gbit', timeout=120)")  # the token is in the ranks' argv, not this one's
+            f"2, link='1gbit', timeout=120, nodes={nodes})")  # the token: the ranks' argv only
     # the launcher as a terminal starts it: SIGINT neither ignored nor blocked, whatever an
     # earlier test left in this process (both are inherited across exec)
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
@@ -263,7 +264,7 @@ def test_two_nodes_route_in_node_off_the_link_and_cross_node_through_it(tmp_path
 
 
 @needs_netns
-def test_two_nodes_bad_layouts_and_failures_leave_nothing():
+def test_two_nodes_bad_layouts_and_failures_leave_nothing(monkeypatch):
     with pytest.raises(ValueError, match="world 3 does not split into 2 nodes"):
         netns.run_ranks(["-c", "pass"], 3, "1gbit", timeout=60, nodes=2)
     with pytest.raises(ValueError, match="nodes=3: the emulation joins exactly 2"):
@@ -271,4 +272,8 @@ def test_two_nodes_bad_layouts_and_failures_leave_nothing():
     with pytest.raises(RuntimeError, match=r"rank 3 \(exit 1\):\nrank 3 failed"):
         netns.run_ranks(["-c", "import os, sys; sys.exit(os.environ['RANK'] == '3' and "
                          "'rank 3 failed')"], 4, "1gbit", timeout=60, nodes=2)
+    assert netns.ours() == []
+    monkeypatch.setattr(netns, "BURST", "not-a-size")  # tc refuses after both namespaces exist
+    with pytest.raises(netns.LinkUnavailable, match=r"^emulated links need root.*tc qdisc add"):
+        netns.run_ranks(["-c", "pass"], 2, "1gbit", timeout=60, nodes=2)
     assert netns.ours() == []
