@@ -122,6 +122,8 @@ def test_not_root_is_a_clear_skip(monkeypatch):
     with pytest.raises(netns.LinkUnavailable, match="^" + PREFIX.replace("(", r"\(")
                        .replace(")", r"\)")):
         netns.run(["true"], link="1gbit")
+    with pytest.raises(netns.LinkUnavailable, match="running as uid 1000, not root"):
+        netns.run_ranks(["-c", "pass"], 4, "1gbit", nodes=2)  # two nodes need namespaces too
     assert netns.run(["true"], link="loopback").returncode == 0  # plain loopback needs nothing
 
 
