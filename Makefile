@@ -62,6 +62,7 @@ bench: $(STAMP)
 	$(BIN)/pyfast bench block_size --out bench/results/block_size
 	$(BIN)/pyfast bench zero --out bench/results/zero
 	$(BIN)/pyfast bench cp --out bench/results/cp
+	$(BIN)/pyfast bench hsdp --out bench/results/hsdp_a
 	$(BIN)/pyfast bench plan --out bench/results/plan --docs docs/plan.md
 	$(BIN)/pyfast bench report
 

@@ -39,6 +39,8 @@ BENCHMARKS = {
                    "and step time at 1 Gbit/s",
     "qlora_loss": "QLoRA (nf4 / int8 base) vs LoRA: validation loss after N fine-tuning steps "
                   "on a pretrained small Llama",
+    "hsdp": "hybrid sharding on 2 emulated nodes (1 Gbit/s between): HSDP + int8 vs full ZeRO-2 "
+            "vs DataParallel-bf16, step time and cross-node bytes",
     "report": "write docs/benchmarks.md from bench/results/ (no benchmark is run)",
 }
 

@@ -6,6 +6,7 @@ namespace whose loopback is rate-limited by `tc ... tbf`.
     run_ranks(["-m", "mod"], world=2, link="1gbit")  # torchrun-style env, 127.0.0.1
     with ranks(["-m", "mod"], 2, only=[1]) as launch: ...   # rank 0 in this process
     with pool(2) as p: p.call(fn, *args)          # live ranks that run functions on request
+    run_ranks(["-m", "mod"], 4, "1gbit", nodes=2)  # 2 nodes of 2 ranks, 1gbit between them
 
 Both directions of every connection cross the one qdisc on lo, so a link moves at most `rate`
 bits/s in total: the floor of a collective is (bytes sent by all ranks) / rate. Only loopback
@@ -33,6 +34,8 @@ import sys
 import tempfile
 import threading
 import time
+
+from pyfast import netns_nodes
 
 LINKS = ("loopback", "10gbit", "1gbit")  # "loopback": no namespace; else any tc rate string
 IP, TC = "ip", "tc"
@@ -267,12 +270,44 @@ class Launch:
 
 
 @contextlib.contextmanager
+def _places(world: int, link: str, burst: str | None, nodes: int | None):
+    """(argv prefix, env) of every rank: one namespace (or none) for all, or 2 nodes joined by
+    a veth shaped to `link` each way ("loopback": unshaped; netns_nodes.pair)."""
+    if nodes is None:
+        with link_prefix(link, burst) as pre:
+            yield [(pre, {"MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo",
+                          "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(world),
+                          "GROUP_RANK": "0", "PYFAST_NETNS": pre[-1] if pre else ""})
+                   for r in range(world)]
+        return
+    node, per, rate = netns_nodes.layout(world, nodes), world // nodes, rate_bps(link) and link
+    if why := unavailable():
+        raise LinkUnavailable(why)
+
+    def step(*argv):
+        if (r := _ip(*argv)).returncode != 0:
+            raise LinkUnavailable(_msg(f"`{' '.join(argv)}` failed: {r.stderr.strip()}"))
+    with netns_nodes.pair(f"{PREFIX}{os.getpid()}-", rate, burst or BURST, LATENCY, step,
+                          lambda n: _ip(IP, "netns", "del", n)) as names:
+        # rank 0 hosts the rendezvous on node A's veth address: reachable from both nodes
+        yield [([IP, "netns", "exec", names[node[r]]],
+                {"MASTER_ADDR": netns_nodes.address(0), "GLOO_SOCKET_IFNAME": netns_nodes.IFNAME,
+                 "LOCAL_RANK": str(r % per), "LOCAL_WORLD_SIZE": str(per),
+                 "GROUP_RANK": str(node[r]), "PYFAST_NETNS": names[node[r]],
+                 "PYFAST_NODES": str(nodes)}) for r in range(world)]
+
+
+@contextlib.contextmanager
 def ranks(py_argv: list[str], world: int, link: str = "loopback", timeout: float = 600,
-          env: dict | None = None, only: list[int] | None = None, burst: str | None = None):
+          env: dict | None = None, only: list[int] | None = None, burst: str | None = None,
+          nodes: int | None = None):
     """The one launcher of the benchmarks: `python *py_argv` as ranks `only` (default: all) of
-    `world` on `link`, with torchrun's env (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1,
-    MASTER_PORT, one OpenMP thread) plus PYFAST_NETNS=<name> inside a namespace. Yields a Launch;
-    every rank still running when the block ends is killed.
+    `world` on `link`, with torchrun's env (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+    GROUP_RANK, MASTER_ADDR=127.0.0.1, MASTER_PORT, one OpenMP thread) plus PYFAST_NETNS=<name>
+    inside a namespace. Yields a Launch; every rank still running when the block ends is killed.
+
+    nodes=2: 2 emulated nodes of world/2 contiguous ranks (netns_nodes), `link` between them;
+    gloo on the node's veth address, MASTER_ADDR node A's, LOCAL_*, GROUP_RANK per node.
 
     Ports cannot race: on plain loopback this process hosts the rendezvous store on a port the
     kernel picked (torchrun's agent store: every rank connects as a client, and a rank run in
@@ -280,26 +315,26 @@ def ranks(py_argv: list[str], world: int, link: str = "loopback", timeout: float
     port free, so its ranks use 29500. `burst`: the token bucket (namespace())."""
     from datetime import timedelta
     only = list(range(world)) if only is None else list(only)
-    with link_prefix(link, burst) as pre:
+    with _places(world, link, burst, nodes) as places:
         store = None
-        if not pre:
+        if not places[0][0]:
             import torch.distributed as dist
             store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
                                   timeout=timedelta(seconds=timeout))
-        base = {**os.environ, **(env or {}), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE":
-                str(world), "MASTER_ADDR": "127.0.0.1",
+        base = {**os.environ, **(env or {}), "WORLD_SIZE": str(world),
                 "MASTER_PORT": str(store.port if store else 29500),
-                "TORCHELASTIC_USE_AGENT_STORE": str(store is not None),
-                "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
-                "PYFAST_NETNS": pre[-1] if pre else ""}
+                "TORCHELASTIC_USE_AGENT_STORE": str(store is not None), "OMP_NUM_THREADS": "1"}
+        base.pop("PYFAST_NODES", None)
         logs = [tempfile.TemporaryFile("w+") for _ in only]
         procs = []
         try:
             for r, log in zip(only, logs):
+                pre, mine = places[r]
                 procs.append(_start(pre + [sys.executable, *py_argv],
-                                    {**base, "RANK": str(r), "LOCAL_RANK": str(r)}, stderr=log))
-            yield Launch(procs, logs, only, world, timeout, f"{world} ranks of {' '.join(py_argv)} on {link}",
-                         store)
+                                    {**base, **mine, "RANK": str(r)}, stderr=log))
+            where = f"{nodes} nodes, {link} between" if nodes else link
+            yield Launch(procs, logs, only, world, timeout,
+                         f"{world} ranks of {' '.join(py_argv)} on {where}", store)
         finally:
             _kill(procs)
             for log in logs:
@@ -367,8 +402,9 @@ def pool(world: int, timeout: float = 600, env: dict | None = None):
 
 
 def run_ranks(py_argv: list[str], world: int, link: str = "loopback", timeout: float = 600,
-              env: dict | None = None) -> None:
-    """All `world` ranks of `python *py_argv` on `link` (ranks()), waited for. Raises
-    RuntimeError with each rank's stderr tail if any rank fails, TimeoutExpired on timeout."""
-    with ranks(py_argv, world, link, timeout, env) as launch:
+              env: dict | None = None, nodes: int | None = None) -> None:
+    """All `world` ranks of `python *py_argv` on `link` (ranks(); nodes=2: two emulated nodes
+    joined by `link`), waited for. Raises RuntimeError with each rank's stderr tail if any rank
+    fails, TimeoutExpired on timeout."""
+    with ranks(py_argv, world, link, timeout, env, nodes=nodes) as launch:
         launch.wait()

@@ -122,6 +122,8 @@ def test_not_root_is_a_clear_skip(monkeypatch):
     with pytest.raises(netns.LinkUnavailable, match="^" + PREFIX.replace("(", r"\(")
                        .replace(")", r"\)")):
         netns.run(["true"], link="1gbit")
+    with pytest.raises(netns.LinkUnavailable, match="running as uid 1000, not root"):
+        netns.run_ranks(["-c", "pass"], 4, "1gbit", nodes=2)  # two nodes need namespaces too
     assert netns.run(["true"], link="loopback").returncode == 0  # plain loopback needs nothing
 
 
@@ -144,11 +146,12 @@ def test_really_unprivileged_process_gets_the_message():
 
 
 @needs_netns
-def test_ctrl_c_kills_the_ranks_and_removes_the_namespace():
+@pytest.mark.parametrize("nodes", [None, 2])  # one namespace; two node namespaces and a veth
+def test_ctrl_c_kills_the_ranks_and_removes_the_namespace(nodes):
     token = f"pyfastctrlc{os.getpid()}x{time.monotonic_ns()}"  # finds only this test's ranks
     code = ("import os; from pyfast.benchmarks import netns; print('go', flush=True); "
             "netns.run_ranks(['-c', 'import time; time.sleep(60)  # ' + os.environ['TOKEN']], "
-            "2, link='1gbit', timeout=120)")  # the token is in the ranks' argv, not this one's
+            f"2, link='1gbit', timeout=120, nodes={nodes})")  # the token: the ranks' argv only
     # the launcher as a terminal starts it: SIGINT neither ignored nor blocked, whatever an
     # earlier test left in this process (both are inherited across exec)
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
@@ -188,3 +191,91 @@ def _signals(pid: int) -> str:
 
 def _pids(token: str) -> list[str]:
     return subprocess.run(["pgrep", "-f", token], capture_output=True, text=True).stdout.split()
+
+
+# Two emulated nodes: rank 0 (node A) receives N bytes from rank 1 (node A) and from rank 2
+# (node B) over TCP on the nodes' veth addresses, one sender after the other (rank 0 tells
+# rank 2 to start once rank 1's bytes are in). Each sender writes (seconds, its node's veth tx
+# growth, its env) to OUT/<rank>; rank 3 (node B) only checks its env.
+NODES = r"""
+import json, os, socket, sys, time
+from pyfast.netns_nodes import tx_bytes
+n, out, e = int(sys.argv[1]), sys.argv[2], os.environ
+rank, host, B = int(e["RANK"]), e["MASTER_ADDR"], "10.77.0.2"  # node A's and node B's address
+env = {k: e[k] for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GLOO_SOCKET_IFNAME",
+                         "MASTER_ADDR", "PYFAST_NETNS", "PYFAST_NODES")}
+def connect(addr, port):  # the listener is another process: retry until it is up (<= 10 s)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            return socket.create_connection((addr, port))
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+res = {"env": env}
+if rank == 0:
+    srv = socket.create_server((host, 29511))
+    got = []
+    for peer in (1, 2):
+        if peer == 2:
+            connect(B, 29512).close()  # rank 1 is done: rank 2 may start
+        c, addr = srv.accept()
+        total = 0
+        while (b := c.recv(1 << 20)):
+            total += len(b)
+        got.append((addr[0], total))
+    res["got"] = got
+elif rank in (1, 2):
+    if rank == 2:
+        socket.create_server((B, 29512)).accept()
+    tx0, t0 = tx_bytes(), time.perf_counter()
+    with connect(host, 29511) as s:
+        s.sendall(b"x" * n)
+        s.shutdown(socket.SHUT_WR)
+        s.recv(1)  # rank 0 closes after reading everything: the bytes have arrived
+    res.update(s=time.perf_counter() - t0, tx=tx_bytes() - tx0)
+with open(os.path.join(out, str(rank)), "w") as f:
+    json.dump(res, f)
+"""
+
+
+@needs_netns
+def test_two_nodes_route_in_node_off_the_link_and_cross_node_through_it(tmp_path):
+    n, rate = 8 << 20, "200mbit"
+    netns.run_ranks(["-c", NODES, str(n), str(tmp_path)], 4, rate, timeout=60, nodes=2)
+    assert netns.ours() == []  # both namespaces (and the veth pair with them) are gone
+    res = [__import__("json").loads((tmp_path / str(r)).read_text()) for r in range(4)]
+    envs = [r["env"] for r in res]
+    assert [(e["GROUP_RANK"], e["LOCAL_RANK"]) for e in envs] == \
+        [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")]
+    assert {e["LOCAL_WORLD_SIZE"] for e in envs} == {"2"} and {e["PYFAST_NODES"] for e in envs} == {"2"}
+    assert {e["MASTER_ADDR"] for e in envs} == {"10.77.0.1"}
+    assert {e["GLOO_SOCKET_IFNAME"] for e in envs} == {"pfnode"}
+    a, b = envs[0]["PYFAST_NETNS"], envs[2]["PYFAST_NETNS"]
+    assert a != b and envs[1]["PYFAST_NETNS"] == a and envs[3]["PYFAST_NETNS"] == b
+    assert res[0]["got"] == [["10.77.0.1", n], ["10.77.0.2", n]]  # by address: which node
+    inside, across = res[1], res[2]
+    # in-node: none of the 8 MB on the veth (node A's tx: at most ACKs of rank 2's bytes and
+    # the go-ahead, a few KB), so not shaped
+    assert inside["tx"] < 0.01 * n, inside
+    # cross-node: every byte through B's veth, with TCP/IP headers (66 of 1448 payload bytes a
+    # 1500-byte frame, 4.6%), and not faster than tbf allows after its 512 KB burst
+    assert n <= across["tx"] < 1.06 * n, across
+    assert across["s"] >= (n - netns.BURST_BYTES) * 8 / netns.rate_bps(rate), across
+
+
+@needs_netns
+def test_two_nodes_bad_layouts_and_failures_leave_nothing(monkeypatch):
+    with pytest.raises(ValueError, match="world 3 does not split into 2 nodes"):
+        netns.run_ranks(["-c", "pass"], 3, "1gbit", timeout=60, nodes=2)
+    with pytest.raises(ValueError, match="nodes=3: the emulation joins exactly 2"):
+        netns.run_ranks(["-c", "pass"], 6, "1gbit", timeout=60, nodes=3)
+    with pytest.raises(RuntimeError, match=r"rank 3 \(exit 1\):\nrank 3 failed"):
+        netns.run_ranks(["-c", "import os, sys; sys.exit(os.environ['RANK'] == '3' and "
+                         "'rank 3 failed')"], 4, "1gbit", timeout=60, nodes=2)
+    assert netns.ours() == []
+    monkeypatch.setattr(netns, "BURST", "not-a-size")  # tc refuses after both namespaces exist
+    with pytest.raises(netns.LinkUnavailable, match=r"^emulated links need root.*tc qdisc add"):
+        netns.run_ranks(["-c", "pass"], 2, "1gbit", timeout=60, nodes=2)
+    assert netns.ours() == []
