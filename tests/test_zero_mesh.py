@@ -134,3 +134,83 @@ def test_dp2_tp2_zero2_checkpoint_resumes_at_dp1_tp2(pool4, pool2, tmp_path):
         worst = max((rparams[n] - p).abs().max().item() for n, p in params.items())
         print(f"tp rank {tp}: step 3 loss {abs(rloss - loss) / loss:.1e} relative, "
               f"weights {worst:.1e} from the uninterrupted dp2 run")
+
+
+# ---------------------------------------------------------------------------- int8 on a tp mesh
+def _int8_on_tp(rank, world, stages):
+    """Per stage, 2 steps of int8 ZeRO on gpt-tiny (tied, vocab-parallel) at dp2 x tp2, and per
+    step whether every master gradient shard equals, bit for bit, the simulation of the
+    unsharded compressed reduce-scatter's semantics on the same shards: each dp rank's local
+    gradient (from a twin of the module without ZeRO, holding the same parameters) copied into
+    the unit's buffer by the layout, each rank's chunk `i` int8-coded with its own
+    error-feedback memory under the name "unitK.i", decoded, summed over the dp ranks in rank
+    order and averaged (tests/test_comm_sharded.py's rs_reference, here per unit)."""
+    import torch.distributed as dist
+
+    import pyfast.compress as C
+    from pyfast import models
+    from pyfast.parallel import Mesh, parallelize, vocab_parallel_cross_entropy
+    from pyfast.parallel.zero import zero
+    from test_comm_sharded import dec_sum
+    mesh = Mesh(dp=2, tp=2)
+    dp, me = mesh.dp_cp_group, dist.get_rank(mesh.dp_cp_group)
+    out = {}
+    def build():  # the same seed: the same tp shard (a parallelized module cannot deepcopy)
+        torch.manual_seed(0)
+        m = models.build("gpt-tiny", 97, 16, tie_embeddings=True)
+        parallelize(m, m.tp_plan(), group=mesh.tp_group)
+        m.retie()
+        return m
+
+    for stage in stages:
+        model, twin = build(), build()
+        z, opt = zero(model, torch.optim.AdamW, stage=stage, compressor="int8", group=dp,
+                      tp_group=mesh.tp_group, lr=1e-3)
+        sims = [C.wrap(C.get("int8"), True) for _ in range(2)]  # dp rank r's memory
+        tw = dict(twin.named_parameters())
+        same = []
+        for step in range(2):
+            g = torch.Generator().manual_seed(100 * step + mesh.dp_rank)
+            x, y = torch.randint(0, 97, (2, 16), generator=g), torch.randint(0, 97, (2, 16),
+                                                                            generator=g)
+            for m in (z, twin):
+                logits = m(x)
+                vocab_parallel_cross_entropy(logits.flatten(0, -2), y.flatten(),
+                                             group=mesh.tp_group).backward()
+            locals_ = {}
+            for n, p in tw.items():  # both dp ranks' local gradients
+                got = [torch.empty_like(p.grad) for _ in range(2)]
+                dist.all_gather(got, p.grad.contiguous(), group=dp)
+                locals_[n] = got
+            opt.norm_sq()  # finishes the reduction (stage 1: runs it)
+            ok = True
+            for u in z.layout.units:
+                acc = torch.zeros(u.S)
+                for r in range(2):
+                    buf = u.new_buffer()
+                    for i, sh in enumerate(u.shards):
+                        u.copy_in(buf, i, locals_[sh.name][r])
+                    acc += dec_sum(sims[r], u.segment(buf, me), f"{u.name}.{me}")
+                acc = acc / 2
+                for i, mst in enumerate(z.masters[u.index]):
+                    ok &= torch.equal(mst.grad, u.shard_view(acc, i))
+            same.append(ok)
+            opt.step()
+            opt.zero_grad()
+            twin.zero_grad()
+            if stage == 3:
+                z.gather_all()
+            with torch.no_grad():  # the twin continues from ZeRO's parameters
+                for n, p in model.named_parameters():
+                    tw[n].copy_(p)
+            if stage == 3:
+                z.free_all()
+        out[stage] = same
+        z.close()
+    return out
+
+
+def test_int8_zero_on_tp_equals_its_error_feedback_simulation(pool4):
+    out = pool4.run(_int8_on_tp, (1, 2, 3), timeout=300)
+    for r, res in enumerate(out):
+        assert res == {1: [True, True], 2: [True, True], 3: [True, True]}, (r, res)
