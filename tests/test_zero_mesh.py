@@ -214,3 +214,56 @@ def test_int8_zero_on_tp_equals_its_error_feedback_simulation(pool4):
     out = pool4.run(_int8_on_tp, (1, 2, 3), timeout=300)
     for r, res in enumerate(out):
         assert res == {1: [True, True], 2: [True, True], 3: [True, True]}, (r, res)
+
+
+# ---------------------------------------------------------------------------- bad input
+def _bad_mesh(rank, world):
+    import torch.nn.functional as F
+
+    from pyfast import models
+    from pyfast.parallel import Mesh, Pipeline, parallelize
+    from pyfast.parallel.zero import zero
+
+    def err(fn):
+        try:
+            fn()
+        except (ValueError, TypeError) as e:
+            return type(e).__name__, str(e)
+        return "no error", ""
+
+    mesh = Mesh(dp=2, tp=2)
+    torch.manual_seed(0)
+    tp = models.build("gpt-tiny", 97, 16)
+    parallelize(tp, tp.tp_plan(), group=mesh.tp_group)
+    res = {"no tp_group": err(lambda: zero(tp, torch.optim.AdamW, group=mesh.dp_cp_group)),
+           # the tp group as the shard group: ranks holding different tp shards (same shapes)
+           "crosses tp": err(lambda: zero(tp, torch.optim.AdamW, group=mesh.tp_group,
+                                          tp_group=mesh.tp_group))}
+    pmesh = Mesh(dp=2, pp=2)
+    pipe = Pipeline.from_sequential(models.build("gpt-tiny", 97, 16), 2, "zb-h1",
+                                    lambda y, t: F.cross_entropy(y.flatten(0, 1), t.flatten()),
+                                    group=pmesh.pp_group)
+    res["zb-h1"] = err(lambda: zero(pipe, torch.optim.AdamW, stage=3, group=pmesh.dp_cp_group,
+                                    pp_group=pmesh.pp_group))
+    return res
+
+
+def test_bad_meshes_fail_naming_the_problem(pool4):
+    for r, res in enumerate(pool4.run(_bad_mesh, timeout=300)):
+        kind, msg = res["no tp_group"]
+        assert kind == "ValueError" and "tensor-parallel" in msg and "tp_group is None" in msg
+        kind, msg = res["crosses tp"]
+        assert kind == "ValueError" and "tp rank 0 of 2" in msg and "tp rank 1 of 2" in msg, msg
+        kind, msg = res["zb-h1"]
+        assert kind == "ValueError" and "schedule 'zb-h1'" in msg, msg
+        if r == 0:
+            print("\n".join(m for _, m in res.values()))
+
+
+def test_zero_at_dp1_with_tp_or_pp_passes_the_checks():
+    """--zero with --dp 1 --tp 2 (a shard group of one rank per tp shard) is allowed: the
+    checkpoint of a larger dp resumes there; --dp 1 alone still has nothing to shard over."""
+    from pyfast.train import config as C
+    for flags in (["--tp", "2", "--nproc", "2"], ["--pp", "2", "--nproc", "2"]):
+        cfg = C.from_args(C.parser().parse_args(["--model", "gpt-tiny", "--zero", "2", *flags]))
+        C.check(cfg, 2, model=False)
