@@ -21,7 +21,6 @@ import math
 import torch
 import torch.distributed as dist
 
-from pyfast.comm import all_reduce
 
 PER_ELEMENT = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
                torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
@@ -184,8 +183,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             total = t[0]
         elif norm_type == 2.0:
             t = self.norm_sq()[0].reshape(1)  # fp64, as the job's norm
-            for g in groups:
-                all_reduce(t, None, g, op="sum")
+            for g in groups:  # nothing in flight (_reduce waited); comm's takes no fp64
+                dist.all_reduce(t, group=g)
             total = t[0].sqrt()
         else:
             raise ValueError(f"clip_grad_norm_: norm_type 2 or inf, got {norm_type}")
