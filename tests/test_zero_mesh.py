@@ -254,6 +254,28 @@ def _bad_mesh(rank, world):
                                     group=pmesh.pp_group)
     res["zb-h1"] = err(lambda: zero(pipe, torch.optim.AdamW, stage=3, group=pmesh.dp_cp_group,
                                     pp_group=pmesh.pp_group))
+    # a Pipeline's caller that forgets model.reduce_gradients(): step() reduces what .grad holds
+    # (stage 2's hooks never fire: a silent step on unreduced gradients is what this rules out)
+    torch.manual_seed(0)
+    pipe = Pipeline.from_sequential(models.build("gpt-tiny", 97, 16), 2, "1f1b",
+                                    lambda y, t: F.cross_entropy(y.flatten(0, 1), t.flatten()),
+                                    group=pmesh.pp_group)
+    z, opt = zero(pipe, torch.optim.SGD, stage=2, group=pmesh.dp_cp_group,
+                  pp_group=pmesh.pp_group, lr=1.0)
+    before = [p.detach().clone() for p in z._params]
+    g = torch.Generator().manual_seed(pmesh.dp_rank)  # each dp rank its own batch
+    x, y = torch.randint(0, 97, (2, 16), generator=g), torch.randint(0, 97, (2, 16), generator=g)
+    pipe.step(x, y)
+    grads = [p.grad.clone() for p in z._params]
+    opt.step()
+    mean = []  # the dp average of the local gradients: what SGD at lr 1 must have subtracted
+    for gr in grads:
+        both = [torch.empty_like(gr) for _ in range(2)]
+        torch.distributed.all_gather(both, gr, group=pmesh.dp_cp_group)
+        mean.append((both[0] + both[1]) / 2)
+    res["forgot"] = max((b - m - p.detach()).abs().max().item()
+                        for b, m, p in zip(before, mean, z._params))
+    z.close()
     return res
 
 
@@ -265,8 +287,10 @@ def test_bad_meshes_fail_naming_the_problem(pool4):
         assert kind == "ValueError" and "tp rank 0 of 2" in msg and "tp rank 1 of 2" in msg, msg
         kind, msg = res["zb-h1"]
         assert kind == "ValueError" and "schedule 'zb-h1'" in msg, msg
+        # fp32: b - (g0 + g1) / 2 against SGD's b - avg, one rounding apart
+        assert res["forgot"] < 1e-6, res["forgot"]
         if r == 0:
-            print("\n".join(m for _, m in res.values()))
+            print("\n".join(v[1] for v in res.values() if isinstance(v, tuple)))
 
 
 def test_zero_at_dp1_with_tp_or_pp_passes_the_checks():

@@ -49,6 +49,8 @@ from pyfast.comm.buckets import broadcast_coalesced
 from pyfast.comm.failure import Breaker
 from pyfast.comm.ready import Readiness, SideBand, check_unchanged, wait_then_raise
 
+from .meshes import is_pipeline
+
 
 class ZeroModel(nn.Module):
     """The module handed back by pyfast.parallel.zero(): forward runs the wrapped module;
@@ -66,6 +68,7 @@ class ZeroModel(nn.Module):
             from pyfast.comm.engine import NativeEngine
             self._engine = NativeEngine.private(group)
         self.module, self.layout, self.stage = module, layout, stage
+        self.pipeline = is_pipeline(module)  # its forwards never pass through ours
         self.compressor, self.group = compressor, group
         self.world, self.rank = layout.world, layout.rank
         self._named, self._params = named, [p for _, p in named]

@@ -106,7 +106,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self._reduced:
             return
         m = self.model
-        if m.stage == 1 or m._dirty:
+        # a Pipeline's backwards never pass zero's forward: whatever .grad holds is unreduced
+        # (the caller may have reduced already: then every .grad is None)
+        piped = m.pipeline and any(p.grad is not None for p in m._params)
+        if m.stage == 1 or m._dirty or piped:
             m.reduce_gradients()
         else:
             m.finish()
