@@ -101,6 +101,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     setattr(self.inner, key, state.pop(key))
         super().__setstate__(state)
 
+    def reduce_gradients(self) -> None:
+        """Finish this step's gradient reduction now (stage 1: the reduce-scatter; stage 2/3
+        after no_sync: the accumulated gradients), so the master shards' .grad hold it: what a
+        loss scaler's unscale_ and a norm need before step(). Idempotent until step()."""
+        self._reduce()
+
     def _reduce(self) -> None:
         self.model._breaker.check()
         if self._reduced:
@@ -203,11 +209,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._reduce()
         self.inner.step()
         self._reduced = False
+        self.model.settle_feedback(True)  # the step applied: keep its feedback memory
         if self.model.stage < 3:
             self.model.gather_params()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._reduced = False  # a skipped step (no step()) reduced gradients now thrown away
         for ms in self.model.masters:
             for m in ms:
                 if m.grad is not None:
