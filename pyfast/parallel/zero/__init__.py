@@ -202,7 +202,8 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
         layout = Layout(bucket_groups(named, bucket_mb or BUCKET_MB, world, align),
                         world, rank, align)
     agree([f"stage {stage}", f"compressor {c.spec}", f"param_compressor {param_compressor}"]
-          + coords(tp_group, pp_group) + layout.describe() + [d for f in funits for d in f.describe()], None, group,
+          + coords(tp_group, pp_group) + layout.describe()
+          + [d for f in funits for d in f.describe()], None, group,
           what="zero", device=named[0][1].device,
           differ=_first_difference)
     if stage == 3:
