@@ -13,7 +13,11 @@ import torch
 TINY = dict(model="gpt-tiny", batch=8, seq=32, seed=1, eval_every=0)
 MESHES = {"dp2xtp2": dict(dp=2, tp=2, tie_embeddings=True),
           "dp2xpp2": dict(dp=2, pp=2, schedule="1f1b"),  # 4 micro-batches
-          "dp2xcp2": dict(dp=2, cp=2, tie_embeddings=True)}
+          "dp2xcp2": dict(dp=2, cp=2, tie_embeddings=True),
+          # fp16 (ZeroGradScaler) through a pipeline: the stages that scale no loss unscale too
+          "dp2xpp2-fp16": dict(dp=2, pp=2, precision="fp16")}
+# the weights' tolerance (see the test): fp16's is wider, and why is said there
+ATOL = {"dp2xtp2": 2e-6, "dp2xpp2": 2e-6, "dp2xcp2": 2e-6, "dp2xpp2-fp16": 1e-4}
 STAGES = (0, 1, 2, 3)  # 0: the same mesh with DataParallel (no ZeRO), the reference
 STEPS = 2
 
@@ -67,7 +71,13 @@ def test_every_stage_on_the_mesh_equals_the_mesh_without_zero(pool4, mesh):
     step (gpt-tiny's norms 5.6, 3.0 > --clip 1), so the one global norm over dp x tp x pp x
     cp is checked by the weights too: a norm that missed a tp shard or a pp stage would
     scale the update by a different factor (>1e-3 off). lr 1e-3 (warmup) x 2 AdamW steps
-    move a weight by up to 2e-3 from its initial value."""
+    move a weight by up to 2e-3 from its initial value. fp16 (autocast, ZeroGradScaler against
+    GradScaler) through the pipeline: losses and norms as tight, weights within 1e-4: measured
+    4.8e-5 on 17 of the 192 elements of a qkv bias (its key third's gradient is zero in exact
+    arithmetic, softmax ignores a per-key constant, so in fp16 it is rounding noise that AdamW
+    turns into steps of up to lr) and <= 9e-6 on a few dozen weight elements; why the two
+    reductions round that noise differently is not pinned down (2 dp ranks: a + b is exact in
+    either order), so this bound is measured, not derived."""
     out = pool4.run(_stages, MESHES[mesh], timeout=600)
     for r, res in enumerate(out):
         ref_recs, ref_params, _ = res[0]
@@ -80,7 +90,7 @@ def test_every_stage_on_the_mesh_equals_the_mesh_without_zero(pool4, mesh):
                 assert norm == pytest.approx(rn, rel=1e-6), (mesh, stage, r)
             assert params.keys() == ref_params.keys()
             for n, p in ref_params.items():
-                torch.testing.assert_close(params[n], p, rtol=0, atol=2e-6,
+                torch.testing.assert_close(params[n], p, rtol=0, atol=ATOL[mesh],
                                            msg=lambda m: f"{mesh} zero {stage} rank {r} {n}: {m}")
 
 

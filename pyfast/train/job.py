@@ -235,6 +235,11 @@ class Job:
                 torch.amp.GradScaler(device.type) if self.zero is None else self._zero_scaler()
             if self.zero is not None:  # ZeroGradScaler's staging, on meta too: the dry run's
                 self.zero.stage_feedback(True)  # memory holds the staged feedback (2x)
+            if self.pipe is not None and device.type != "meta":
+                # only the last stage scales a loss, and GradScaler makes its scale there; the
+                # other stages' gradients come from that scaled loss and are unscaled by the
+                # same init scale (unscale_ raised "_scale is None" on them, --pp 2 --dp 2)
+                self.scaler.scale(torch.zeros((), device=device))
         # --diloco: the inner optimizer steps through DiLoCo over the replica group (outer.py)
         # (with --zero 1|2 DiLoCo sets the parameters zero's optimizer steps views of)
         self.diloco = outer.build(cfg, self.zero if self.zero is not None else module,
