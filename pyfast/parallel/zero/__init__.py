@@ -14,6 +14,7 @@ all-gather) go through pyfast's compressors. User guide: docs/zero.md.
 - checkpoint.py: torch.distributed.checkpoint save/load, any world size; the full state dict.
 - scaler.py: ZeroGradScaler, fp16 loss scaling on the shards (torch's ShardedGradScaler, fixed
   for ZeroOptimizer; imported from there: it pulls in torch.distributed.fsdp).
+- meshes.py: zero on a tp / pp mesh (tp_group=, pp_group=, a Pipeline as the module).
 
 Memory per rank between steps, fp32 parameters, psi = parameter count, N ranks (measured in
 tests/test_zero.py): DataParallel 16 psi bytes (params, grads, two Adam moments); stages 1 and 2:
@@ -51,6 +52,7 @@ from pyfast.comm.engine import NativeEngine, status as native_status
 from .hybrid import Replicas, check_replicas
 from .frozen import MODES as FROZEN_MODES, check_frozen, frozen_named, frozen_units
 from .layout import Layout, ParamShard, Unit, bucket_groups, shard_range, shard_size
+from .meshes import check_pipeline, coords, tp_flags
 from .model import ZeroModel
 from .optimizer import PER_ELEMENT, ZeroOptimizer, check_optimizer
 
@@ -65,7 +67,8 @@ def _first_difference(every: list) -> str:
     a, b = every[0], every[bad]
     i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
     at = lambda xs: xs[i] if i < len(xs) else "nothing"  # noqa: E731
-    return (f"ranks differ in their options or layout (stage, compressors, bucket_mb, units): "
+    return (f"ranks differ in their options or layout (stage, compressors, tp / pp coordinates, "
+            f"bucket_mb, units): "
             f"rank 0 has {at(a)!r}, rank {bad} has {at(b)!r}")
 
 
@@ -81,17 +84,18 @@ def _grad_compressor(spec, error_feedback: bool, device=None):
     return C.wrap(c, error_feedback, device)  # the memory on the parameters' device
 
 
-def _engine_kinds(engine: str, c, pc, group, device) -> dict:
+def _engine_kinds(engine: str, c, pc, group, device, every_rank: bool = False) -> dict:
     """Who runs the reduce-scatters (compressor c) and the parameter all-gathers (pc): "native"
     where the engine can run and codes the compressor, unless engine="python"; engine="native"
     that cannot run raises ValueError naming why (no silent fallback). "auto" on a group smaller
     than the default one: python, since the engine's private group is made collectively over
-    the default group, which a subgroup's zero() need not be called on (ask for "native").
+    the default group, which a subgroup's zero() need not be called on (ask for "native"), unless
+    every_rank says every rank of the default group calls zero() here (a mesh's groups).
     device: the parameters' (the engine runs CPU tensors, CUDA ones only in a CUDA build)."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     ok, why = native_status(device)
-    if engine == "auto" and dist.get_world_size(group) != dist.get_world_size():
+    if engine == "auto" and not every_rank and dist.get_world_size(group) != dist.get_world_size():
         ok, why = False, "a subgroup (the engine's group is made over the default one)"
     if engine == "native" and not ok:
         raise ValueError(f"engine='native' cannot run: {why}; use engine='python' or 'auto'")
@@ -110,8 +114,8 @@ def _engine_kinds(engine: str, c, pc, group, device) -> dict:
 
 def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_compressor=None,
          group=None, bucket_mb: float | None = None, error_feedback: bool = True, units=None,
-         engine: str = "auto", frozen: str = "replicate", replica_group=None,
-         replica_compressor=None, **optim_kwargs):
+         engine: str = "auto", frozen: str = "replicate", tp_group=None, pp_group=None,
+         replica_group=None, replica_compressor=None, every_rank: bool = False, **optim_kwargs):
     """(model, opt): `module` wrapped for ZeRO stage 1, 2 or 3 over `group` (None: the default
     group), and a ZeroOptimizer running optim_cls(**optim_kwargs) on this rank's shards.
     optim_kwargs may hold params= (param groups, as optim_cls's first argument: lists of the
@@ -128,12 +132,14 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
     the dense deterministic compressors (none, fp16, bf16, int8, int4, fp8, sign), else
     ValueError naming the compressor (topk, randomk, ternary...). "python": comm.reduce_scatter /
     all_gather on comm's FIFO worker (every compressor). "auto": native where it can run,
-    python otherwise, per collective (and python on a group smaller than the default group's:
-    see below); model.engine_kind says which. Results, error-feedback memory and checkpoints
+    python otherwise, per collective (and python on a group smaller than the default group's
+    unless every_rank=True: see below); model.engine_kind says which. Results, error-feedback memory and checkpoints
     are bitwise the same either way. The native engine has a process group of its own, made
     collectively over the default group (pyfast.comm.engine.private_group): with a subgroup,
     engine="native" needs every rank of the default group to call zero() at the same point (a
-    mesh's data-parallel groups do). Call model.close() before dist.destroy_process_group().
+    mesh's data-parallel groups do; every_rank=True says so, and lets "auto" choose native on a
+    subgroup: pyfast's training job passes it). Call model.close() before
+    dist.destroy_process_group().
 
     frozen: where the parameters with requires_grad=False (a LoRA base) live. "replicate" (the
     default, every stage): whole on every rank, never communicated (after rank 0's are
@@ -144,6 +150,13 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
     (pyfast.parallel.zero.frozen). Stages 1/2 keep the base whole: they have no gather to
     piggyback on.
 
+    tp_group, pp_group (meshes.py): `module` is this rank's tensor-parallel shard (tp_group: its
+    tp group; required when it has parameters marked tensor_parallel) and / or a Pipeline stage
+    (pp_group: the pipeline's group); `group` is then the dp x cp ranks holding the same tp / pp
+    shard. They serve the one global gradient norm (opt.clip_grad_norm_) and the checkpoint's
+    tp dimension. With a Pipeline, stages 1/2 reduce when the caller calls
+    model.reduce_gradients() after the step's last backward; stage 3 gathers per layer.
+
     replica_group, replica_compressor: hybrid sharding (FSDP's HYBRID_SHARD; hybrid.py):
     everything is sharded over `group` (a node) and replicated across replica_group (the ranks
     holding this rank's shard in the other nodes); each unit's gradient shard, once
@@ -151,7 +164,7 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
     (any compressor that codes a flat shard, error feedback per unit shard unless
     error_feedback=False; None: exact). The replicas stay bit-identical. Checkpoints
     (checkpoint.py) then add a leading Replicate() mesh dimension and run over the default
-    group."""
+    group, as they do on a tp / pp mesh."""
     if not dist.is_initialized():
         raise RuntimeError("zero needs torch.distributed initialized "
                            "(torchrun + dist.init_process_group)")
@@ -177,12 +190,14 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     if not named:
         raise ValueError("zero: the module has no parameter with requires_grad=True to shard")
+    tp_sharded = tp_flags(named, tp_group)
+    check_pipeline(module, stage)
     c = _grad_compressor(compressor, error_feedback, named[0][1].device)
     check_replicas(group, replica_group, replica_compressor)
     rc = None if replica_group is None else \
         _grad_compressor(replica_compressor, error_feedback, named[0][1].device)
     kinds = _engine_kinds(engine, c, C.get(param_compressor), group,  # before any collective
-                          named[0][1].device)
+                          named[0][1].device, every_rank)
     check_params(named, "zero")
     fnamed = frozen_named(module, named) if frozen == "shard" else []
     check_frozen(fnamed, named[0][1].device)  # before any collective: the same on every rank
@@ -208,7 +223,8 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
                         world, rank, align)
     described = ([f"stage {stage}", f"compressor {c.spec}", f"param_compressor {param_compressor}"]
                  + (replicas.describe() if replicas is not None else [])
-                 + layout.describe() + [d for f in funits for d in f.describe()])
+                 + coords(tp_group, pp_group) + layout.describe()
+                 + [d for f in funits for d in f.describe()])
     for g in ([replica_group] if replicas is not None else []) + [group]:
         agree(described, None, g, what="zero", device=named[0][1].device,
               differ=_first_difference)
@@ -217,6 +233,7 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
     else:
         model = ZeroModel(module, layout, stage, c, group, named, kinds)
     model.replicas = replicas
+    model.set_mesh(tp_group, pp_group, tp_sharded)
     opt = ZeroOptimizer(model, optim_cls, **optim_kwargs)
     return model, opt
 

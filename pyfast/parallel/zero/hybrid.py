@@ -80,13 +80,14 @@ class Replicas:
         if tensors:
             broadcast_coalesced(list(tensors), self.group)
 
-    def mesh_ranks(self, shard_group, device) -> torch.Tensor:
-        """(replicas, shard) global ranks: row i the shard group of replica i (one all-gather
-        over the replicas of this rank's shard group's ranks; cached)."""
+    def mesh_ranks(self, table: torch.Tensor, device) -> torch.Tensor:
+        """(replicas, *table.shape) global ranks: entry i this rank's `table` (its shard
+        group's ranks, or its (tp, shard) ranks) as replica i holds it (one all-gather over the
+        replicas; cached)."""
         if self._mesh_ranks is None:
-            mine = torch.tensor(dist.get_process_group_ranks(shard_group), device=device)
-            every = mine.new_empty(self.world, mine.numel())
-            _dist.all_gather_single(every.view(-1), mine, group=self.group)
+            mine = table.to(device)
+            every = mine.new_empty(self.world, *mine.shape)
+            _dist.all_gather_single(every.view(-1), mine.reshape(-1), group=self.group)
             self._mesh_ranks = every.cpu()
         return self._mesh_ranks
 

@@ -51,6 +51,8 @@ from pyfast.comm.buckets import broadcast_coalesced
 from pyfast.comm.failure import Breaker
 from pyfast.comm.ready import Readiness, SideBand, check_unchanged, wait_then_raise
 
+from .meshes import is_pipeline
+
 
 class ZeroModel(nn.Module):
     """The module handed back by pyfast.parallel.zero(): forward runs the wrapped module;
@@ -68,6 +70,7 @@ class ZeroModel(nn.Module):
             from pyfast.comm.engine import NativeEngine
             self._engine = NativeEngine.private(group)
         self.module, self.layout, self.stage = module, layout, stage
+        self.pipeline = is_pipeline(module)  # its forwards never pass through ours
         self.compressor, self.group = compressor, group
         self.world, self.rank = layout.world, layout.rank
         self._named, self._params = named, [p for _, p in named]
@@ -83,6 +86,7 @@ class ZeroModel(nn.Module):
                 self.masters.append([self._master(p, sh) for p, sh in zip(u.params, u.shards)])
         self.replicas = None  # hybrid sharding (hybrid.Replicas), set by zero()
         self._breaker = Breaker("this zero model")
+        self.set_mesh(None, None, [False] * len(named))
         self._sync = True
         self._dirty = False  # a forward under no_sync since the last reduction (same on all ranks)
         # which parameters each rank used: one flag per parameter, unit by unit
@@ -105,6 +109,13 @@ class ZeroModel(nn.Module):
         if self.stage < 3 and p.dtype == torch.float32 and p.is_contiguous():
             return piece
         return piece.to(torch.float32).clone()
+
+    def set_mesh(self, tp_group, pp_group, tp_sharded: list) -> None:
+        """zero(tp_group=, pp_group=) (meshes.py): the groups, and per unit and parameter whether
+        it is a tensor-parallel shard (tp_sharded: per trainable parameter, in `named` order)."""
+        self.tp_group, self.pp_group = tp_group, pp_group
+        flags = {id(p): bool(f) for p, f in zip(self._params, tp_sharded)}
+        self.tp_sharded = [[flags[id(p)] for p in u.params] for u in self.layout.units]
 
     def master(self, p: torch.Tensor) -> torch.Tensor:
         u, i = self.layout.of(p)
