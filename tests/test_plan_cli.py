@@ -17,7 +17,7 @@ from pyfast.plan.spec import Plan, Workload
 
 TINY = ["--model", "gpt-tiny", "--gpus", "2", "--gpus-per-node", "2", "--gpu", "cpu",
         "--seq", "64", "--global-batch", "4", "--precision", "fp32"]
-KEYS = ["dp", "cp", "tp", "pp", "zero", "compress", "micro_batch", "micro_batches", "schedule",
+KEYS = ["dp", "cp", "tp", "pp", "zero", "shard_group", "compress", "micro_batch", "micro_batches", "schedule",
         "activation_checkpointing", "memory_bytes_per_rank", "step_s", "tokens_per_s", "command"]
 
 
