@@ -528,12 +528,17 @@ def check_zero(cfg: TrainConfig) -> None:
         return
     if cfg.zero not in (1, 2, 3):
         raise ConfigError(f"--zero must be 1, 2 or 3 (0: off), got {cfg.zero}")
-    if cfg.dp * cfg.cp == 1:
+    if cfg.dp * cfg.cp == 1 and cfg.tp == cfg.pp == 1:
         raise ConfigError(f"--zero {cfg.zero} shards over the data-parallel ranks, but --dp is 1 "
                           "(nothing to shard over)")
-    if cfg.tp > 1 or cfg.pp > 1:
-        raise ConfigError(f"--zero {cfg.zero} with --tp {cfg.tp} --pp {cfg.pp}: the job shards "
-                          "only a data-parallel mesh (--tp 1 --pp 1) for now")
+    # --dp 1 (x --cp 1) with --tp / --pp > 1 is allowed: a shard group of one rank per tp / pp
+    # shard, so a ZeRO checkpoint of a larger dp resumes there (docs/zero.md)
+    if cfg.zero == 3 and cfg.pp > 1 and cfg.schedule == "zb-h1":
+        raise ConfigError(f"--zero 3 with --schedule {cfg.schedule}: zero bubble splits backward "
+                          "into input- and weight-gradient passes, and the weight pass runs after "
+                          "stage 3 regathered and freed the layer, so it cannot regather per "
+                          "micro-batch; use --zero 1 or 2, or --schedule 1f1b / gpipe / "
+                          "interleaved-1f1b")
     if cfg.precision == "fp16":
         raise ConfigError(f"--zero {cfg.zero} with --precision fp16: GradScaler unscales the "
                           "gradients of the parameters, which zero keeps as shards; use bf16")

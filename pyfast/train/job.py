@@ -6,11 +6,12 @@ modules exactly as a user would compose them:
     model.context_parallel(cp, layout, method)       context parallelism (cp > 1)
     Pipeline.from_sequential(model, ..., group=pp)   pipeline stages (pp > 1)
     DataParallel(module, compressor, group=dp x cp)  gradient reduction (dp x cp > 1)
-    zero(module, AdamW, stage, compressor, group=dp) or sharded data parallelism (--zero 1|2|3)
+    zero(module, AdamW, stage, compressor, group=dp x cp, tp_group=tp, pp_group=pp)
+                                                     or sharded data parallelism (--zero 1|2|3)
 
 Gradients are reduced over dp once per optimizer step: without a pipeline, the last piece's
 backward reduces (overlapped, DDP-style) and the earlier pieces run under no_sync(); with a
-pipeline, DataParallel.reduce_gradients() runs after the last pipeline step.
+pipeline, DataParallel.reduce_gradients() (or zero's) runs after the last pipeline step.
 
 Context parallelism: the cp ranks of a dp replica read the same batch and each keeps its shard
 of every sequence (shard_sequence, --cp-layout), so each computes the mean loss of its equal
@@ -193,7 +194,7 @@ class Job:
                   {"params": rest, "weight_decay": 0.0}]
         self.dp = self.zero = None
         self.frozen_note = None  # --lora --zero 3: where the frozen base lives, and why
-        if cfg.zero:  # config.check_zero: dp x cp > 1, no tp/pp; shards over dp x cp
+        if cfg.zero:  # config.check_zero; shards each tp / pp shard over its dp x cp ranks
             frozen = "replicate"
             if cfg.zero == 3 and cfg.lora:
                 frozen, self.frozen_note = decide_frozen(module, cfg.base_placement,
@@ -202,6 +203,8 @@ class Job:
                 module, torch.optim.AdamW, stage=cfg.zero, compressor=cfg.compress, frozen=frozen,
                 param_compressor=None if cfg.param_compress == "none" else cfg.param_compress,
                 group=mesh.dp_cp_group, params=groups, lr=cfg.lr, betas=(0.9, 0.95),
+                tp_group=mesh.tp_group if cfg.tp > 1 else None,
+                pp_group=mesh.pp_group if cfg.pp > 1 else None,
                 error_feedback=cfg.error_feedback == "on",
                 **({"bucket_mb": cfg.bucket_mb} if cfg.bucket_mb else {}))
         elif cfg.dp * cfg.cp > 1:
@@ -351,6 +354,11 @@ class Job:
         if self.dp is not None:
             self.dp.reduce_gradients()
             waited += self.dp.last_wait_s
+        if self.zero is not None and self.cfg.zero > 1:  # after the rank's last backward
+            # of the step (zero's meshes.py); stage 1 reduces in the optimizer, as always
+            tw = clock(self.device)
+            self.zero.reduce_gradients()
+            waited += clock(self.device) - tw
         return total, waited
 
     def train_step(self, step: int) -> dict:
@@ -401,8 +409,11 @@ class Job:
             skipped = self._skip(step)
         else:
             self.skips = 0
-            if cfg.clip > 0 and gnorm > cfg.clip and self.zero is None:
-                torch._foreach_mul_(grads, cfg.clip / (gnorm + 1e-6))  # torch's rule, global norm
+            if cfg.clip > 0 and gnorm > cfg.clip:  # torch's rule, global norm
+                if self.zero is not None:
+                    self.opt.clip_(self.scalar(gnorm), cfg.clip)
+                else:
+                    torch._foreach_mul_(grads, cfg.clip / (gnorm + 1e-6))
             if self.scaler is not None:
                 self.scaler.step(self.opt)
                 self.scaler.update()
@@ -455,14 +466,12 @@ class Job:
         return read(vec, [0.0, sq, 0.0, 0.0])
 
     def _zero_norm(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this rank's share of the squared global gradient norm, NaN/Inf flag) under zero:
-        ZeroOptimizer.clip_grad_norm_ all-reduces the shards' squares and clips with torch's
-        rule (max_norm / (norm + 1e-6) when below 1); a NaN norm scales nothing, and the step
-        stops before the update as without zero."""
-        clip = self.cfg.clip if self.cfg.clip > 0 else math.inf
-        norm = self.opt.clip_grad_norm_(clip).double()  # stays on the device: no host read
-        share = norm.square() if self.mesh.dp_rank == self.mesh.cp_rank == 0 else self.scalar(0.0)
-        return share, (~torch.isfinite(norm)).double()
+        """(this rank's share of the squared global gradient norm, NaN/Inf flag) under zero, on
+        any mesh: ZeroOptimizer.norm_sq counts each element once (its own shard over dp x cp,
+        tp-replicated tensors on tp rank 0, each pp stage its own), so the step's one
+        all-reduce over every rank sums the global norm, with no collective of its own; the
+        clip (torch's rule) follows on the shards (ZeroOptimizer.clip_)."""
+        return self.opt.norm_sq()
 
     def _skip(self, step: int) -> bool:
         """fp16 overflow somewhere in the mesh: every rank skips this update and backs off the

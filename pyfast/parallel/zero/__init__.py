@@ -12,6 +12,7 @@ all-gather) go through pyfast's compressors. User guide: docs/zero.md.
 - frozen.py: stage 3's frozen parameters (a LoRA base) sharded and gathered as stored bytes
   (frozen="shard"), and the job's rule for choosing that placement.
 - checkpoint.py: torch.distributed.checkpoint save/load, any world size; the full state dict.
+- meshes.py: zero on a tp / pp mesh (tp_group=, pp_group=, a Pipeline as the module).
 
 Memory per rank between steps, fp32 parameters, psi = parameter count, N ranks (measured in
 tests/test_zero.py): DataParallel 16 psi bytes (params, grads, two Adam moments); stages 1 and 2:
@@ -48,6 +49,7 @@ from pyfast.comm.engine import NativeEngine, status as native_status
 
 from .frozen import MODES as FROZEN_MODES, check_frozen, frozen_named, frozen_units
 from .layout import Layout, ParamShard, Unit, bucket_groups, shard_range, shard_size
+from .meshes import check_pipeline, coords, tp_flags
 from .model import ZeroModel
 from .optimizer import PER_ELEMENT, ZeroOptimizer, check_optimizer
 
@@ -62,7 +64,8 @@ def _first_difference(every: list) -> str:
     a, b = every[0], every[bad]
     i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
     at = lambda xs: xs[i] if i < len(xs) else "nothing"  # noqa: E731
-    return (f"ranks differ in their options or layout (stage, compressors, bucket_mb, units): "
+    return (f"ranks differ in their options or layout (stage, compressors, tp / pp coordinates, "
+            f"bucket_mb, units): "
             f"rank 0 has {at(a)!r}, rank {bad} has {at(b)!r}")
 
 
@@ -107,7 +110,8 @@ def _engine_kinds(engine: str, c, pc, group, device) -> dict:
 
 def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_compressor=None,
          group=None, bucket_mb: float | None = None, error_feedback: bool = True, units=None,
-         engine: str = "auto", frozen: str = "replicate", **optim_kwargs):
+         engine: str = "auto", frozen: str = "replicate", tp_group=None, pp_group=None,
+         **optim_kwargs):
     """(model, opt): `module` wrapped for ZeRO stage 1, 2 or 3 over `group` (None: the default
     group), and a ZeroOptimizer running optim_cls(**optim_kwargs) on this rank's shards.
     optim_kwargs may hold params= (param groups, as optim_cls's first argument: lists of the
@@ -138,7 +142,14 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
     gradient; never reduced), all-gathered as bytes right behind the unit's trainable gather
     (same prefetch and free) and freed after use: ~1/W of the frozen bytes a rank between steps
     (pyfast.parallel.zero.frozen). Stages 1/2 keep the base whole: they have no gather to
-    piggyback on."""
+    piggyback on.
+
+    tp_group, pp_group (meshes.py): `module` is this rank's tensor-parallel shard (tp_group: its
+    tp group; required when it has parameters marked tensor_parallel) and / or a Pipeline stage
+    (pp_group: the pipeline's group); `group` is then the dp x cp ranks holding the same tp / pp
+    shard. They serve the one global gradient norm (opt.clip_grad_norm_) and the checkpoint's
+    tp dimension. With a Pipeline, stages 1/2 reduce when the caller calls
+    model.reduce_gradients() after the step's last backward; stage 3 gathers per layer."""
     if not dist.is_initialized():
         raise RuntimeError("zero needs torch.distributed initialized "
                            "(torchrun + dist.init_process_group)")
@@ -164,6 +175,8 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     if not named:
         raise ValueError("zero: the module has no parameter with requires_grad=True to shard")
+    tp_sharded = tp_flags(named, tp_group)
+    check_pipeline(module, stage)
     c = _grad_compressor(compressor, error_feedback, named[0][1].device)
     kinds = _engine_kinds(engine, c, C.get(param_compressor), group,  # before any collective
                           named[0][1].device)
@@ -187,13 +200,14 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
         layout = Layout(bucket_groups(named, bucket_mb or BUCKET_MB, world, align),
                         world, rank, align)
     agree([f"stage {stage}", f"compressor {c.spec}", f"param_compressor {param_compressor}"]
-          + layout.describe() + [d for f in funits for d in f.describe()], None, group,
+          + coords(tp_group, pp_group) + layout.describe() + [d for f in funits for d in f.describe()], None, group,
           what="zero", device=named[0][1].device,
           differ=_first_difference)
     if stage == 3:
         model = Stage3Model(module, layout, c, group, named, param_compressor, kinds, funits)
     else:
         model = ZeroModel(module, layout, stage, c, group, named, kinds)
+    model.set_mesh(tp_group, pp_group, tp_sharded)
     opt = ZeroOptimizer(model, optim_cls, **optim_kwargs)
     return model, opt
 

@@ -49,20 +49,56 @@ MASTER = "fp32_master"
 
 
 def _mesh(model):
-    """The 1-D DeviceMesh of the model's group (cached per model)."""
+    """The DeviceMesh of the model's group (cached per model): 1-D, or with zero(tp_group=)
+    2-D (tp, group), its ranks tp_ranks[t] + group_ranks[g] - this rank (the offsets of a
+    row-major mesh such as pyfast's Mesh and init_device_mesh)."""
     mesh = _MESHES.get(model)
     if mesh is None:
         from torch.distributed.device_mesh import DeviceMesh
         group = model.group if model.group is not None else dist.group.WORLD
         device = model._params[0].device.type  # zero() refuses a module without trainable ones
-        mesh = _MESHES[model] = DeviceMesh.from_group(group, device_type=device)
+        tp = getattr(model, "tp_group", None)
+        if tp is None:
+            mesh = DeviceMesh.from_group(group, device_type=device)
+        else:
+            me = dist.get_rank()
+            ranks = torch.tensor([[t + g - me for g in dist.get_process_group_ranks(group)]
+                                  for t in dist.get_process_group_ranks(tp)])
+            mesh = DeviceMesh.from_group([tp, group], device_type=device, mesh=ranks,
+                                         mesh_dim_names=("tp", "shard"))
+        _MESHES[model] = mesh
     return mesh
 
 
-def _dtensor(model, local: torch.Tensor, n: int):
-    from torch.distributed.tensor import DTensor, Shard
-    return DTensor.from_local(local, _mesh(model), [Shard(0)], run_check=False,
+def _dtensor(model, local: torch.Tensor, fqn: str):
+    """Parameter fqn's per-element value (this rank's shard `local`) as a DTensor: (n,) with
+    Shard(0) over the group; with zero(tp_group=) a tp shard as (tp, n) with [Shard(0) over tp,
+    Shard(1) over the group] (each tp rank's parameter has its own row: they hold different
+    values under one FQN) and a tp-replicated one (n,) with [Replicate(), Shard(0)]."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    n, mesh = model.layout.params[fqn].n, _mesh(model)
+    if mesh.ndim == 1:
+        return DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
+                                  shape=torch.Size([n]), stride=(1,))
+    if _tp_shard(model, fqn):
+        tp = mesh.size(0)
+        return DTensor.from_local(local.view(1, -1), mesh, [Shard(0), Shard(1)],
+                                  run_check=False, shape=torch.Size([tp, n]), stride=(n, 1))
+    return DTensor.from_local(local, mesh, [Replicate(), Shard(0)], run_check=False,
                               shape=torch.Size([n]), stride=(1,))
+
+
+def _tp_shard(model, fqn: str) -> bool:
+    sh = model.layout.params[fqn]
+    return model.tp_sharded[sh.unit][model.layout.units[sh.unit].shards.index(sh)]
+
+
+def _flat_size(model, fqn: str) -> tuple:
+    """The checkpoint's shape of parameter fqn's flat form (_dtensor's)."""
+    n = model.layout.params[fqn].n
+    if getattr(model, "tp_group", None) is not None and _tp_shard(model, fqn):
+        return (dist.get_world_size(model.tp_group), n)
+    return (n,)
 
 
 def _is_dtensor(t) -> bool:
@@ -112,8 +148,9 @@ def _model_state(model, opt) -> dict:
     own = _tensors(model)
     out = {}
     for fqn, first in _names(model).items():
-        if first is not None and model.stage == 3:
-            out[fqn] = _dtensor(model, opt.shards[first], model.layout.params[first].n)
+        # tp: every stage, since tp ranks hold different values under one FQN
+        if first is not None and (model.stage == 3 or _mesh(model).ndim > 1):
+            out[fqn] = _dtensor(model, opt.shards[first], first)
         else:
             out[fqn] = own[fqn]
     return out
@@ -141,7 +178,6 @@ def _optim_state(model, opt) -> dict:
             st[MASTER] = shard
         if not st:
             continue
-        n = model.layout.params[fqn].n
         entry = {}
         for k, v in st.items():
             if isinstance(v, torch.Tensor) and v.dim() > 0:
@@ -150,7 +186,7 @@ def _optim_state(model, opt) -> dict:
                         f"optimizer state {fqn}.{k} has shape {tuple(v.shape)}, not the shard's "
                         f"{tuple(shard.shape)}: only per-element state (or scalars) can be "
                         "sharded")
-                entry[k] = _dtensor(model, v, n)
+                entry[k] = _dtensor(model, v, fqn)
             else:
                 entry[k] = v
         state[fqn] = entry
@@ -209,7 +245,8 @@ def _piece(model, fqn: str, v) -> torch.Tensor:
     """This rank's shard of parameter fqn's per-element value v: a DTensor's local tensor, or
     the [start, start+length) slice of a whole (full_state_dict) tensor."""
     sh = model.layout.params[fqn]
-    local = v.to_local() if _is_dtensor(v) else v.reshape(-1)[sh.start:sh.start + sh.length]
+    local = v.to_local().reshape(-1) if _is_dtensor(v) else \
+        v.reshape(-1)[sh.start:sh.start + sh.length]
     if local.numel() != sh.length:
         raise ValueError(f"{fqn}: {local.numel()} elements, this rank's shard has {sh.length} "
                          "(a DTensor state dict must come from this world size; load() "
@@ -286,8 +323,8 @@ def load_target(checkpoint_id, model, opt) -> dict:
             # whole (a stage 1/2 checkpoint): into the replicated parameter, or a temporary
             model_sd[fqn] = own[fqn] if model.stage < 3 else \
                 torch.empty(size, dtype=md[k].properties.dtype, device=model._device)
-        elif size == (sh.n,):
-            model_sd[fqn] = _dtensor(model, opt.shards[first], sh.n)
+        elif size == _flat_size(model, first):
+            model_sd[fqn] = _dtensor(model, opt.shards[first], first)
         else:
             raise ValueError(f"{k}: the checkpoint holds shape {size}, the parameter is "
                              f"{sh.shape} ({sh.n} elements)")
@@ -304,12 +341,13 @@ def load_target(checkpoint_id, model, opt) -> dict:
             name = k[len(prefix):]
             if len(m.size) == 0:
                 entry[name] = torch.zeros((), dtype=m.properties.dtype)
-            elif tuple(m.size) == (sh.n,):
+            elif tuple(m.size) == _flat_size(model, fqn):
                 # on the parameters' device, as the mesh _dtensor puts it on (_mesh)
                 local = torch.zeros(sh.length, dtype=m.properties.dtype, device=model._device)
-                entry[name] = _dtensor(model, local, sh.n)
+                entry[name] = _dtensor(model, local, fqn)
             else:
-                raise ValueError(f"{k}: shape {tuple(m.size)}, expected ({sh.n},)")
+                raise ValueError(f"{k}: shape {tuple(m.size)}, expected "
+                                 f"{_flat_size(model, fqn)}")
     return {"model": model_sd, "optim": {"state": state, "param_groups": _param_groups(opt)}}
 
 
@@ -337,8 +375,11 @@ def full_state_dict(model, opt, rank0_only: bool = False) -> dict:
     shapes = {fqn: sh.shape for fqn, sh in model.layout.params.items()}
     names = _names(model)
 
-    def whole(v, shape):
-        return v.full_tensor().reshape(shape) if _is_dtensor(v) else v.detach().clone()
+    def whole(v, shape):  # a tp shard's (tp, n): this tp rank's row
+        if not _is_dtensor(v):
+            return v.detach().clone()
+        t = v.full_tensor()
+        return (t[dist.get_rank(model.tp_group)] if t.dim() == 2 else t).reshape(shape)
 
     out_model = {fqn: whole(v, shapes[names[fqn]] if names[fqn] else v.shape)
                  for fqn, v in sd["model"].items()}

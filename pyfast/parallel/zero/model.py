@@ -80,6 +80,7 @@ class ZeroModel(nn.Module):
             for u in layout.units:
                 self.masters.append([self._master(p, sh) for p, sh in zip(u.params, u.shards)])
         self._breaker = Breaker("this zero model")
+        self.set_mesh(None, None, [False] * len(named))
         self._sync = True
         self._dirty = False  # a forward under no_sync since the last reduction (same on all ranks)
         # which parameters each rank used: one flag per parameter, unit by unit
@@ -97,6 +98,13 @@ class ZeroModel(nn.Module):
         if self.stage < 3 and p.dtype == torch.float32 and p.is_contiguous():
             return piece
         return piece.to(torch.float32).clone()
+
+    def set_mesh(self, tp_group, pp_group, tp_sharded: list) -> None:
+        """zero(tp_group=, pp_group=) (meshes.py): the groups, and per unit and parameter whether
+        it is a tensor-parallel shard (tp_sharded: per trainable parameter, in `named` order)."""
+        self.tp_group, self.pp_group = tp_group, pp_group
+        flags = {id(p): bool(f) for p, f in zip(self._params, tp_sharded)}
+        self.tp_sharded = [[flags[id(p)] for p in u.params] for u in self.layout.units]
 
     def master(self, p: torch.Tensor) -> torch.Tensor:
         u, i = self.layout.of(p)

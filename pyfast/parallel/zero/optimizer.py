@@ -44,7 +44,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     all-gather them into every rank's parameters (bit-identical replicas); stage 3 keeps the
     parameters sharded. zero_grad(set_to_none=True) clears the master shards' and the
     parameters' gradients. clip_grad_norm_(max_norm) clips by the global norm (one
-    all-reduce), since no rank holds a full gradient under stage 2/3."""
+    all-reduce per group: dp, tp, pp), since no rank holds a full gradient under stage 2/3."""
 
     def __init__(self, model, optim_cls, params=None, **kwargs):
         check_optimizer(optim_cls)
@@ -116,35 +116,81 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 p.grad = None
         self._reduced = True
 
+    def _grads(self) -> tuple[list, list]:
+        """(this rank's master gradient shards, whether each counts in the norm here): a
+        tp-replicated parameter (LayerNorm, a row-parallel bias: the same gradient on every tp
+        rank) on tp rank 0 only; a tp shard, and everything without tp, everywhere (the shards
+        over `group` are disjoint, and pp stages hold distinct parameters)."""
+        m = self.model
+        tp0 = m.tp_group is None or dist.get_rank(m.tp_group) == 0
+        grads, counted = [], []
+        for ms, flags in zip(m.masters, m.tp_sharded):
+            for master, tp in zip(ms, flags):
+                if master.grad is not None:
+                    grads.append(master.grad)
+                    counted.append(tp or tp0)
+        return grads, counted
+
+    @torch.no_grad()
+    def norm_sq(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this rank's share of the squared global gradient norm, 1.0 if any of its gradient
+        shards is NaN/Inf else 0.0), fp64 on the parameters' device, no collective: the shares
+        summed over `group`, tp_group and pp_group are the squared norm torch's
+        clip_grad_norm_ takes of the unsharded model's gradient. For a caller with an
+        all-reduce of its own to ride on (the training job's one per step); then clip_(norm,
+        max_norm)."""
+        self._reduce()
+        grads, counted = self._grads()
+        dev = self.model._device
+        if not grads:
+            zero = torch.zeros((), dtype=torch.float64, device=dev)
+            return zero, zero.clone()
+        # one fused pass (torch._foreach_norm, as torch's clip_grad_norm_), squared in fp64
+        sq = torch.stack(torch._foreach_norm(grads)).double().square()
+        mask = torch.tensor(counted, dtype=torch.bool, device=dev)
+        bad = (~torch.isfinite(sq).all()).double()  # unmasked: a NaN anywhere is seen
+        return torch.where(mask, sq, 0.0).sum(), bad
+
+    @torch.no_grad()
+    def clip_(self, total: torch.Tensor, max_norm: float) -> None:
+        """Scale every gradient shard by torch's rule for the global norm `total`:
+        max_norm / (total + 1e-6) where that is below 1. Clamped, not `if coef < 1` (torch's
+        way): no host sync, and x * 1.0 is x exactly; a NaN norm makes NaN gradients, as
+        torch.nn.utils.clip_grad_norm_ does."""
+        grads, _ = self._grads()
+        if grads:
+            coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_ over the whole (sharded) gradient: the total norm
-        (returned) from one all-reduce of the shards' sum of squares (max for inf), then every
-        shard scaled by max_norm / (total + 1e-6) if that is below 1, as torch does."""
+        (returned) over dp, tp and pp, then clip_(). One all-reduce (sum of squares; max for
+        inf) per group given: `group`, then tp_group and pp_group if zero() had them (distinct
+        process groups: one collective cannot span them without a group over their union,
+        which zero() is not given; the training job rides on its own step all-reduce instead,
+        norm_sq)."""
         self._reduce()
-        grads = [m.grad for ms in self.model.masters for m in ms if m.grad is not None]
         dev = self.model._device  # the parameters': a rank may hold no gradient shard
         norm_type = float(norm_type)
+        groups = [self.model.group] + [g for g in (self.model.tp_group, self.model.pp_group)
+                                       if g is not None]
         if norm_type == math.inf:
-            local = torch.stack([g.abs().max() for g in grads if g.numel()]).max() \
-                if any(g.numel() for g in grads) else torch.zeros((), device=dev)
-            t = local.reshape(1).clone()
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.model.group)  # nothing in flight
+            grads, _ = self._grads()
+            t = torch.stack([g.abs().max() for g in grads if g.numel()]).max().reshape(1) \
+                if any(g.numel() for g in grads) else torch.zeros(1, device=dev)
+            for g in groups:  # nothing in flight
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)
             total = t[0]
         elif norm_type == 2.0:
-            t = torch.zeros(1, device=dev)
-            for g in grads:
-                t += g.pow(2).sum()
-            all_reduce(t, None, self.model.group, op="sum")
+            t = self.norm_sq()[0].reshape(1)  # fp64, as the job's norm
+            for g in groups:
+                all_reduce(t, None, g, op="sum")
             total = t[0].sqrt()
         else:
             raise ValueError(f"clip_grad_norm_: norm_type 2 or inf, got {norm_type}")
-        # clamped, not `if coef < 1` (torch's way): no host sync, and x * 1.0 is x exactly;
-        # a NaN norm makes NaN gradients, as torch.nn.utils.clip_grad_norm_ does
-        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        if grads:
-            torch._foreach_mul_(grads, coef)
-        return total
+        self.clip_(total, max_norm)
+        return total.float()  # torch's clip_grad_norm_ returns the gradients' dtype
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -51,12 +51,15 @@ from torch.utils._pytree import tree_flatten
 import pyfast.compress as C
 from pyfast.comm.collectives import Handle
 
+from .meshes import is_pipeline, pipeline_units
 from .model import ZeroModel
 
 
 def _wrapped(module: nn.Module, units) -> list[tuple[str, nn.Module]]:
     """(name, module) of every wrapped module (not the root), in registration order."""
     named = list(module.named_modules())
+    if units is None and is_pipeline(module):  # the stage's layers: Embed, Block, Head
+        return pipeline_units(module)
     if units is not None:
         classes = tuple(u for u in units if isinstance(u, type))
         ids = {id(u) for u in units if isinstance(u, nn.Module)}
@@ -265,8 +268,10 @@ class Stage3Model(ZeroModel):
 
     def _pre(self, g):
         def hook(module, args):
-            if not self._recorded:
-                self._order.append(g.index)
+            if not self._recorded and g.index not in self._order:  # once: a pipeline's
+                self._order.append(g.index)  # micro-batches run the same units again
+            for r in self._root:  # a Pipeline never calls forward(): its root (if any) here
+                self.gather(r)
             self.gather(g)
             nxt = self._next_in_order(g, 1)
             if nxt is not None:
@@ -289,7 +294,10 @@ class Stage3Model(ZeroModel):
             # g's output gradient is complete, so the unit after g in forward order is done
             # with its backward: its frozen part (norm weights, dequantized bases' codes) goes
             nxt = self._next_in_order(g, 1)
-            if nxt is not None and nxt.f is not None and nxt.module is not None:
+            if nxt is not None and nxt.module is not None and (nxt.f is not None or
+                                                                not self._armed):
+                # not armed (a Pipeline, no_sync): nobody packs nxt's gradients (they stay
+                # in .grad till the step's reduction), so its parameters are freed here
                 self.free(nxt)
             self.gather(g)
             prev = self._next_in_order(g, -1)  # backward runs the forward order backwards
@@ -324,5 +332,8 @@ class Stage3Model(ZeroModel):
         self.free_all()
 
     def reduce_gradients(self) -> None:
+        """Reduce the accumulated .grad (after no_sync, or a Pipeline step's last backward:
+        the unit order is then recorded, as a forward() records it) and free everything."""
         super().reduce_gradients()
+        self._recorded = True
         self.free_all()
