@@ -30,15 +30,17 @@ TOP = 10
 
 
 def kind(p) -> str:
-    if not p.zero:
-        return "no ZeRO"
-    return f"ZeRO {p.zero} in a node" if getattr(p, "shard_group", 0) else f"ZeRO {p.zero}"
+    """no ZeRO / ZeRO S / ZeRO S in a node (hybrid), and whether dp > 1 (the issue's ask)."""
+    k = "no ZeRO" if not p.zero else \
+        f"ZeRO {p.zero} in a node" if getattr(p, "shard_group", 0) else f"ZeRO {p.zero}"
+    return k + (", dp > 1" if p.dp > 1 else "")
 
 
 def _row(s, shape, work, cl) -> dict:
     t = s.time
     mfu = t["tokens_per_s"] * shape.flops_per_token(work.seq) / (cl.gpus * cl.gpu.flops_16)
-    return {"plan": cli.describe(s), "fields": s.plan.fields(), "kind": kind(s.plan),
+    text = cli.describe(s) + (f", {s.plan.cp_method}" if s.plan.cp > 1 else "")
+    return {"plan": text, "fields": s.plan.fields(), "kind": kind(s.plan),
             "memory_gib": s.peak / GiB, "where": s.memory["where"], "step_s": t["step_s"],
             "tokens_per_s": t["tokens_per_s"], "mfu": mfu, "to_target_s": s.to_target_s,
             "why": cli.why(s, s)[len("best: "):], "command": cli.command(s, shape, work, cl)}
