@@ -49,7 +49,9 @@ def fake_checkpoint(out, step, **key):
     (["--dp", "2", "--zero", "3", "--param-compress", "int3"], "--param-compress 'int3': one of"),
     (["--dp", "2", "--zero", "2", "--compress", "powersgd:4"],
      "--compress powersgd:4 with --zero 2: the gradient reduce-scatter takes one fixed"),
-    (["--dp", "2", "--pp", "2", "--zero", "1", "--nproc", "4"], "--zero 1 with --tp 1 --pp 2"),
+    (["--dp", "2", "--pp", "2", "--zero", "3", "--schedule", "zb-h1", "--nproc", "4"],
+     "--zero 3 with --schedule zb-h1: zero bubble splits backward into input- and "
+     "weight-gradient passes"),
     (["--steps", "0"], "--steps must be >= 1"),
     (["--cp", "0"], "--cp must be >= 1, got 0"),
     (["--cp", "2", "--nproc", "3"], "--dp 1 x --cp 2 x --tp 1 x --pp 1 = 2 ranks, but --nproc 3"),

@@ -472,7 +472,8 @@ def test_bad_inputs_fail_at_construction_naming_the_problem(pool2):
               "stage": ("ValueError", "stage must be one of"),
               "units": ("TypeError", "units=")}
     assert got["ranks_differ"] == ("ValueError", "zero: ranks differ in their options or layout "
-                                   "(stage, compressors, bucket_mb, units): rank 0 has 'stage 1', "
+                                   "(stage, compressors, tp / pp coordinates, bucket_mb, units): "
+                                   "rank 0 has 'stage 1', "
                                    "rank 1 has 'stage 2'")
     assert got["models_differ"][0] == "ValueError" and \
         "parameters differ across ranks" in got["models_differ"][1]

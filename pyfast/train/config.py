@@ -539,9 +539,6 @@ def check_zero(cfg: TrainConfig) -> None:
                           "stage 3 regathered and freed the layer, so it cannot regather per "
                           "micro-batch; use --zero 1 or 2, or --schedule 1f1b / gpipe / "
                           "interleaved-1f1b")
-    if cfg.precision == "fp16":
-        raise ConfigError(f"--zero {cfg.zero} with --precision fp16: GradScaler unscales the "
-                          "gradients of the parameters, which zero keeps as shards; use bf16")
     import pyfast.compress as C
     from pyfast.parallel.zero import PARAM_COMPRESSORS
     if cfg.compress == "auto" or C.get(cfg.compress).algorithm == "powersgd":

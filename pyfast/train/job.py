@@ -232,7 +232,9 @@ class Job:
         if cfg.precision == "fp16":  # a dry run's: no host read of the scale or found_inf
             from .meta_autocast import MetaGradScaler
             self.scaler = MetaGradScaler() if device.type == "meta" else \
-                torch.amp.GradScaler(device.type)
+                torch.amp.GradScaler(device.type) if self.zero is None else self._zero_scaler()
+            if self.zero is not None:  # ZeroGradScaler's staging, on meta too: the dry run's
+                self.zero.stage_feedback(True)  # memory holds the staged feedback (2x)
         # --diloco: the inner optimizer steps through DiLoCo over the replica group (outer.py)
         # (with --zero 1|2 DiLoCo sets the parameters zero's optimizer steps views of)
         self.diloco = outer.build(cfg, self.zero if self.zero is not None else module,
@@ -369,10 +371,14 @@ class Job:
         x, y = x.to(self.device), y.to(self.device)
         local, waited = self._forward_backward(x, y)
         scale = self.scaler.get_scale() if self.scaler is not None else 1.0
+        if self.zero is not None:
+            self.opt.reduce_gradients()  # before unscale_: stage 1 reduces in the step
         if self.scaler is not None:
             self.scaler.unscale_(self.opt)
         if self.zero is not None:
             sq, bad = self._zero_norm()
+            if hasattr(self.scaler, "found_inf"):  # a unit sent as zeros (ZeroGradScaler)
+                bad = bad + self.scaler.found_inf(self.opt).double().sum()
         else:
             have = [i for i, p in enumerate(self.params) if p.grad is not None]
             grads = [self.params[i].grad for i in have]
@@ -464,6 +470,13 @@ class Job:
         gradient norm is clipped (twice --clip) stands in, so every branch of a step runs."""
         sq = (2.0 * max(self.cfg.clip, 1.0)) ** 2
         return read(vec, [0.0, sq, 0.0, 0.0])
+
+    def _zero_scaler(self):
+        """--zero with fp16: torch's ShardedGradScaler on the master shards, fixed for zero
+        (pyfast.parallel.zero.scaler); found_inf joins the step's one all-reduce (agree=False)
+        and _skip sets it on every rank, which rolls the feedback memory back."""
+        from pyfast.parallel.zero.scaler import ZeroGradScaler
+        return ZeroGradScaler(self.device.type, optimizer=self.opt, agree=False)
 
     def _zero_norm(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(this rank's share of the squared global gradient norm, NaN/Inf flag) under zero, on

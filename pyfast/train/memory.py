@@ -145,7 +145,8 @@ def held(root, skip=()) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
             if o.grad is not None:
                 tensors.append(o.grad)
         elif isinstance(o, ErrorFeedback):
-            feedback += list(o.memory.values())
+            # a staged step's (fp16: comm.guard, zero's scaler) spare and new memories too
+            feedback += [*o.memory.values(), *o._spare.values(), *(o._staged or {}).values()]
         elif isinstance(o, dict):
             todo += list(o.values())
         elif isinstance(o, (list, tuple, set)):

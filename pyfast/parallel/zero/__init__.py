@@ -12,6 +12,8 @@ all-gather) go through pyfast's compressors. User guide: docs/zero.md.
 - frozen.py: stage 3's frozen parameters (a LoRA base) sharded and gathered as stored bytes
   (frozen="shard"), and the job's rule for choosing that placement.
 - checkpoint.py: torch.distributed.checkpoint save/load, any world size; the full state dict.
+- scaler.py: ZeroGradScaler, fp16 loss scaling on the shards (torch's ShardedGradScaler, fixed
+  for ZeroOptimizer; imported from there: it pulls in torch.distributed.fsdp).
 - meshes.py: zero on a tp / pp mesh (tp_group=, pp_group=, a Pipeline as the module).
 
 Memory per rank between steps, fp32 parameters, psi = parameter count, N ranks (measured in

@@ -378,8 +378,9 @@ def full_state_dict(model, opt, rank0_only: bool = False) -> dict:
     def whole(v, shape):  # a tp shard's (tp, n): this tp rank's row
         if not _is_dtensor(v):
             return v.detach().clone()
-        t = v.full_tensor()
-        return (t[dist.get_rank(model.tp_group)] if t.dim() == 2 else t).reshape(shape)
+        t = v.full_tensor()  # the live local tensor itself where nothing is gathered
+        t = t[dist.get_rank(model.tp_group)] if t.dim() == 2 else t  # (a group of one rank)
+        return t.reshape(shape).clone()
 
     out_model = {fqn: whole(v, shapes[names[fqn]] if names[fqn] else v.shape)
                  for fqn, v in sd["model"].items()}

@@ -44,10 +44,14 @@ import contextlib
 import torch
 from torch import nn
 
+import pyfast.compress as C
 from pyfast.comm import all_gather, reduce_scatter
+from pyfast.comm.collectives import all_finite
 from pyfast.comm.buckets import broadcast_coalesced
 from pyfast.comm.failure import Breaker
 from pyfast.comm.ready import Readiness, SideBand, check_unchanged, wait_then_raise
+
+from .meshes import is_pipeline
 
 
 class ZeroModel(nn.Module):
@@ -66,6 +70,7 @@ class ZeroModel(nn.Module):
             from pyfast.comm.engine import NativeEngine
             self._engine = NativeEngine.private(group)
         self.module, self.layout, self.stage = module, layout, stage
+        self.pipeline = is_pipeline(module)  # its forwards never pass through ours
         self.compressor, self.group = compressor, group
         self.world, self.rank = layout.world, layout.rank
         self._named, self._params = named, [p for _, p in named]
@@ -87,6 +92,11 @@ class ZeroModel(nn.Module):
         self._band = SideBand([len(u.params) for u in layout.units], 0, self._device)
         self._inflight: list = []  # (unit, out, handle)
         self._hooks = []  # stage 3's module hooks
+        # fp16 loss scaling (scaler.py): the gradient compressor's feedback memory staged per
+        # step, committed by the step, rolled back by a skipped one; a non-finite unit that a
+        # compressor could drop (topk/randomk) sent as zeros without memory and flagged here
+        self._staging = self._staged = False
+        self._bad = False
         # stage 2/3: each unit's reduce-scatter launched (in unit order) as its gradients
         # complete, the rest and the wait in the autograd final callback
         self._ready = None if stage < 2 else Readiness(
@@ -163,10 +173,11 @@ class ZeroModel(nn.Module):
         if buf is None:
             buf = self._pack(u)
         out = torch.empty(u.S, dtype=torch.float32, device=buf.device)
+        c = self.compressor.base if u.extra.pop("base", False) else self.compressor
         if self.engine_kind["reduce_scatter"] == "native":  # waited for in finish()
-            h = self._engine.reduce_scatter(out, buf, self.compressor, op="avg", name=u.name)
+            h = self._engine.reduce_scatter(out, buf, c, op="avg", name=u.name)
         else:
-            h = reduce_scatter(out, buf, self.compressor, self.group, op="avg",
+            h = reduce_scatter(out, buf, c, self.group, op="avg",
                                async_op=self.stage >= 2, name=u.name)
             h = h if self.stage >= 2 else None
         self._inflight.append((u, out, h))
@@ -179,7 +190,50 @@ class ZeroModel(nn.Module):
             for i, p in enumerate(u.params):
                 u.copy_in(buf, i, p.grad)
                 p.grad = None
+        if self._staging:
+            self._guard(u, buf)
         return buf
+
+    # ------------------------------------------------------------------ fp16 (scaler.py)
+    def stage_feedback(self, on: bool = True) -> None:
+        """Stage the gradient compressor's error-feedback memory step by step (on: what a loss
+        scaler needs, pyfast.parallel.zero.scaler): the updates of a step's reductions are
+        written beside the old memory (ErrorFeedback.begin_step: twice its memory, and a copy
+        of each unit's memory a step, since the reduce-scatters update it in place) and kept
+        by settle_feedback(True) -- ZeroOptimizer.step() -- or dropped by settle_feedback(False)
+        (a skipped step), so an overflowing step leaves no NaN/Inf, and no residual of
+        gradients never applied, in the memory. A no-op without error feedback."""
+        self._staging = bool(on) and getattr(self.compressor, "feedback", None) is not None
+
+    def _guard(self, u, buf) -> None:
+        """Open the step's staging at its first unit. A quantizer or block codec carries a
+        NaN/Inf to the shard's owner (a non-finite block decodes to NaN, pyfast.comm.guard);
+        the sparse ones do not (topk/randomk's reduce-scatter raises NonFiniteGradient on
+        every rank, which would end an fp16 run at its first overflow), so their units are
+        checked here (one aminmax pass): a non-finite one is sent as zeros without the memory
+        (u.extra["base"]) and flagged for the scaler."""
+        if not self._staged:
+            self.compressor.feedback.begin_step()
+            self._staged, self._bad = True, False
+        if not isinstance(self.compressor.base, (C.Quantizer, C.BlockCodec)) \
+                and not all_finite(buf):
+            buf.zero_()
+            u.extra["base"] = True
+            self._bad = True
+
+    @property
+    def sent_nonfinite(self) -> bool:
+        """Whether this step this rank sent a non-finite unit as zeros (_guard): its shards'
+        owners cannot see the overflow, so the scaler adds this flag to its found_inf."""
+        return self._bad
+
+    def settle_feedback(self, keep: bool) -> None:
+        """Close the step's staging: keep (the step was applied) or drop the feedback updates."""
+        self._bad = False
+        if self._staged:
+            fb = self.compressor.feedback
+            fb.commit() if keep else fb.rollback()
+            self._staged = False
 
     @property
     def _device(self):

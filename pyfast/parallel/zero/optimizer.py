@@ -21,7 +21,6 @@ import math
 import torch
 import torch.distributed as dist
 
-from pyfast.comm import all_reduce
 
 PER_ELEMENT = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
                torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
@@ -102,12 +101,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     setattr(self.inner, key, state.pop(key))
         super().__setstate__(state)
 
+    def reduce_gradients(self) -> None:
+        """Finish this step's gradient reduction now (stage 1: the reduce-scatter; stage 2/3
+        after no_sync: the accumulated gradients), so the master shards' .grad hold it: what a
+        loss scaler's unscale_ and a norm need before step(). Idempotent until step()."""
+        self._reduce()
+
     def _reduce(self) -> None:
         self.model._breaker.check()
         if self._reduced:
             return
         m = self.model
-        if m.stage == 1 or m._dirty:
+        # a Pipeline's backwards never pass zero's forward: whatever .grad holds is unreduced
+        # (the caller may have reduced already: then every .grad is None)
+        piped = m.pipeline and any(p.grad is not None for p in m._params)
+        if m.stage == 1 or m._dirty or piped:
             m.reduce_gradients()
         else:
             m.finish()
@@ -184,8 +192,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             total = t[0]
         elif norm_type == 2.0:
             t = self.norm_sq()[0].reshape(1)  # fp64, as the job's norm
-            for g in groups:
-                all_reduce(t, None, g, op="sum")
+            for g in groups:  # nothing in flight (_reduce waited); comm's takes no fp64
+                dist.all_reduce(t, group=g)
             total = t[0].sqrt()
         else:
             raise ValueError(f"clip_grad_norm_: norm_type 2 or inf, got {norm_type}")
@@ -201,11 +209,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._reduce()
         self.inner.step()
         self._reduced = False
+        self.model.settle_feedback(True)  # the step applied: keep its feedback memory
         if self.model.stage < 3:
             self.model.gather_params()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._reduced = False  # a skipped step (no step()) reduced gradients now thrown away
         for ms in self.model.masters:
             for m in ms:
                 if m.grad is not None:
