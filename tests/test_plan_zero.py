@@ -128,7 +128,9 @@ STATE, ACTS = ("gpt:layers=3,heads=6,hidden=384,mlp=2", 64), ("gpt:layers=3,head
     (STATE, dict(dp=2, pp=2, zero=1, batch=4, micro_batches=2)),
     (STATE, dict(dp=2, tp=2, zero=3, batch=4, compress="int8")),
     (STATE, dict(dp=4, zero=2, batch=8, compress="int8", zero_shard_group="2")),
-], ids=["zero2-accumulated", "zero1-pp2", "zero3-tp2-int8", "zero2-hybrid-int8"])
+    (STATE, dict(dp=2, zero=2, batch=4, compress="int8", precision="fp16")),
+], ids=["zero2-accumulated", "zero1-pp2", "zero3-tp2-int8", "zero2-hybrid-int8",
+        "zero2-fp16-int8"])
 def test_tiny_zero_dry_runs_within_ten_percent(shape, kw):
     """The job's dry run on meta tensors against the model, per rank (the issue's 10%)."""
     from pyfast.train.config import TrainConfig

@@ -114,6 +114,13 @@ DRY_MESH = [
     ("1.3B zero2 tp4 pp2 dp2", dict(model=GPT1B, tp=4, pp=2, dp=2, zero=2, seq=2048, batch=8,
                                     micro_batches=4)),
 ]
+# ZeRO under fp16 (ZeroGradScaler stages the error-feedback memory)
+DRY_FP16 = [
+    ("124M zero2 dp8 fp16 int8", dict(model=GPT124, dp=8, zero=2, seq=1024, batch=16,
+                                      precision="fp16", compress="int8")),
+    ("350M zero1 tp2 dp4 fp16", dict(model=GPT350, tp=2, dp=4, zero=1, seq=1024, batch=8,
+                                     precision="fp16")),
+]
 # hybrid sharding (needs the job's --zero-shard-group)
 DRY_HYBRID = [
     ("124M zero2 dp8 group4 int8", dict(model=GPT124, dp=8, zero=2, seq=1024, batch=16,
@@ -191,7 +198,7 @@ def run_dry(names=None, configs=None) -> dict:
     from pyfast.train.config import TrainConfig
     from pyfast.train.dryrun import dry_run
     rows, t_all = [], time.perf_counter()
-    for name, kw in DRY + DRY_MESH + DRY_HYBRID if configs is None else configs:
+    for name, kw in DRY + DRY_MESH + DRY_FP16 + DRY_HYBRID if configs is None else configs:
         if names and name not in names:
             continue
         cfg = TrainConfig(**kw)
@@ -330,8 +337,9 @@ def main(argv=None) -> int:
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--part", default="dry,real", help="dry, real or both (comma list)")
     p.add_argument("--configs", default="", help="comma list of config names (default: all)")
-    p.add_argument("--set", default="all", choices=("all", "base", "mesh", "hybrid"),
-                   help="dry: every configuration, or one list (DRY, DRY_MESH, DRY_HYBRID)")
+    p.add_argument("--set", default="all", choices=("all", "base", "mesh", "fp16", "hybrid"),
+                   help="dry: every configuration, or one list (DRY, DRY_MESH, DRY_FP16, "
+                   "DRY_HYBRID)")
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
     names = set(a.configs.split(",")) if a.configs else None
@@ -339,7 +347,8 @@ def main(argv=None) -> int:
            "date": datetime.datetime.now().isoformat(timespec="seconds")}
     if "dry" in a.part:
         res["dry"] = run_dry(names, None if a.set == "all" else
-                             {"base": DRY, "mesh": DRY_MESH, "hybrid": DRY_HYBRID}[a.set])
+                             {"base": DRY, "mesh": DRY_MESH, "fp16": DRY_FP16,
+                              "hybrid": DRY_HYBRID}[a.set])
     if "real" in a.part:
         res["real"] = run_real(names)
     res["summary"] = summary(res)

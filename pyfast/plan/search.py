@@ -5,8 +5,8 @@ A mesh dp x cp x tp x pp (product = the GPUs) is kept if the job can build it
 the global batch; tp divides heads, kv heads, ffn (and the vocabulary when it is split, from
 VOCAB_PARALLEL_MIN up); pp <= layers; the sequence splits into 2 x cp zigzag chunks; tp x cp
 ranks (tp innermost, then cp: consecutive ranks) stay inside a node unless allowed across.
-On each mesh: ZeRO 1-3 (dp x cp > 1, not fp16: each tp / pp shard sharded over its dp x cp
-group) and, when that group spans nodes, also sharded within a node only (hybrid sharding,
+On each mesh: ZeRO 1-3 (dp x cp > 1: each tp / pp shard sharded over its dp x cp group) and,
+when that group spans nodes (not under fp16), also sharded within a node only (hybrid sharding,
 --zero-shard-group N: N = the group's ranks in a node, the shards all-reduced across nodes with
 the compressor), the compressors (dp x cp > 1, each with error feedback; not powersgd under
 ZeRO), micro-batch sizes (powers of two dividing the rank's batch; the count follows from
@@ -217,8 +217,10 @@ def _lora_plans(work: Workload, dp: int, lora: int, base: str):
 def _full_plans(shape: ModelShape, work: Workload, dp: int, cp: int, tp: int, pp: int,
                 node_group: int = 0):
     shard = dp * cp
-    # ZeRO on any mesh; fp16 with ZeRO: the job refuses it (GradScaler on shards, issue 33)
-    zeros = (0, 1, 2, 3) if shard > 1 and work.precision != "fp16" else (0,)
+    # ZeRO on any mesh (fp16 too: ZeroGradScaler)
+    zeros = (0, 1, 2, 3) if shard > 1 else (0,)
+    if work.precision == "fp16":  # ZeroGradScaler refuses a hybrid model whose cross-node
+        node_group = 0  # compressor keeps feedback memory: no hybrid plans under fp16
     if pp > 1:  # under a pipeline stage 2 is stage 1: both keep the stage's gradients whole
         zeros = tuple(z for z in zeros if z != 2)  # until after it (memory.py's `piped`)
     scheds = [s for s in SCHEDULES if s != "interleaved-1f1b" or 2 * pp <= shape.layers + 2] \
