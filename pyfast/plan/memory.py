@@ -59,11 +59,11 @@ from functools import lru_cache
 from pyfast._partition import partition
 
 from .activations import KINDS, _block_saved  # noqa: F401  (memory.KINDS: a public name)
+from .sharding import BLOCKED, blocked as _blocked, hybrid_compressors, shard_group  # noqa: F401
 from .spec import ModelShape, Plan, Workload
 
 F32 = 4
 QUANT_BLOCK = 512      # pyfast.ops.quantize.DEFAULT_BLOCK: int8/int4/fp8/sign code blocks
-BLOCKED = ("int8", "int4", "e3m0", "fp8", "sign", "ternary")
 LOSSY = BLOCKED + ("topk", "randomk", "powersgd")
 BUCKET_MB = 4.0        # pyfast.parallel.data.BUCKET_MB (ZeRO's units too)
 VOCAB_PARALLEL_MIN = 2048  # pyfast.models.gpt.VOCAB_PARALLEL_MIN
@@ -232,35 +232,6 @@ def _sizes(tensors: tuple, n: int, align: int, vec: int) -> tuple[int, ...]:
 
 def _comp(spec: str) -> str:
     return spec.split(":")[0]
-
-
-def _blocked(*names: str) -> bool:
-    return any(c in BLOCKED for c in names)
-
-
-def shard_group(plan: Plan) -> int:
-    """The ranks ZeRO shards over: plan.shard_group (hybrid sharding) or all of dp x cp;
-    ValueError when the shard group does not divide dp x cp."""
-    n = plan.dp * plan.cp
-    g = plan.shard_group
-    if not g:
-        return n
-    if not plan.zero:
-        raise ValueError(f"shard_group {g} without ZeRO: hybrid sharding shards ZeRO's state")
-    if g < 1 or n % g:
-        raise ValueError(f"shard_group {g} does not divide the dp x cp = {plan.dp} x {plan.cp} "
-                         f"= {n} ranks that average gradients")
-    return g
-
-
-def hybrid_compressors(plan: Plan) -> tuple[str, str]:
-    """(the reduce-scatter's compressor, the replicas' all-reduce's) of a plan. Hybrid
-    sharding: the reduce-scatter inside the node exact, --compress on the cross-node
-    all-reduce of each shard (the slow link's bytes); otherwise --compress on the
-    reduce-scatter (or DataParallel's all-reduce) and no replicas."""
-    if plan.zero and plan.shard_group and plan.shard_group < plan.dp * plan.cp:
-        return "none", plan.compress
-    return plan.compress, "none"
 
 
 def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = "cuda") -> dict:

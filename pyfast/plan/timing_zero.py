@@ -1,7 +1,7 @@
 """ZeRO's reduce-scatters and parameter all-gathers in the time model (pyfast.plan.timing)."""
 from __future__ import annotations
 
-from .memory import hybrid_compressors
+from .sharding import hybrid_compressors
 from .spec import Plan, Workload
 from .hardware import Cluster
 from .timing_link import Link
