@@ -27,6 +27,8 @@ BENCHMARKS = {
     "plan_finetune": "the planner's LoRA/QLoRA memory: 8B-shaped table, torchtune's figures, "
                      "the dry run",
     "plan_time": "the planner's step-time model vs measured pyfast train runs on 3 links",
+    "plan_large": "the planner's 70B / 405B plans on 64 / 512 H100: tokens/s, MFU, memory, "
+                  "commands (ZeRO on any mesh, hybrid sharding)",
     "plan_published": "the planner's GPU tokens/s and memory vs published runs (torchtitan "
                       "8B-405B on 8-512 H100, 64 A100): fitted constants, held-out errors",
     "data": "pyfast data prepare's MB/s (1 vs 2 workers, bytes and BPE), data vs compute per "

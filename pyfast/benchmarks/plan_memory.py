@@ -2,7 +2,8 @@
 and against real CPU allocations.
 
 (a) GPU-shaped configurations (gpt-small to 7B-shaped, 8-64 ranks; dp, tp, pp with every
-    schedule, cp ring/ulysses, ZeRO 1-3, compressors, activation checkpointing), fp32: the
+    schedule, cp ring/ulysses, ZeRO 1-3 on any of those meshes and with hybrid sharding
+    (DRY_MESH, DRY_HYBRID: issue 33), compressors, activation checkpointing), fp32: the
     model's peak per rank (device="meta": the math attention the dry run traces) against
     pyfast.train.dryrun.dry_run's traced peak of the same rank. Target: within 10% each.
 (b) Configurations that run here on 1, 2 and 4 gloo ranks: the model (device="cpu") against the
@@ -89,6 +90,49 @@ DRY = [
                                   dp=2, seq=2048, batch=6, micro_batches=3,
                                   activation_checkpointing=True)),
 ]
+# issue 33: ZeRO on tp / pp / cp meshes (the dp x cp group of each tp / pp shard) and hybrid
+# sharding (--zero-shard-group N, --compress across the groups); odd shapes among them
+DRY_MESH = [
+    ("124M zero2 dp8 2 micro-batches", dict(model=GPT124, dp=8, zero=2, seq=1024, batch=16,
+                                            micro_batches=2)),
+    ("350M zero1 tp2 dp4", dict(model=GPT350, tp=2, dp=4, zero=1, seq=1024, batch=8)),
+    ("350M zero2 tp2 dp4 int8", dict(model=GPT350, tp=2, dp=4, zero=2, seq=1024, batch=8,
+                                     compress="int8")),
+    ("350M zero3 tp2 dp4 ckpt", dict(model=GPT350, tp=2, dp=4, zero=3, seq=1024, batch=8,
+                                     activation_checkpointing=True)),
+    ("350M zero2 pp4 dp2 1f1b", dict(model=GPT350, pp=4, dp=2, zero=2, seq=1024, batch=16,
+                                     micro_batches=8)),
+    ("350M zero3 pp2 dp2 gpipe", dict(model=GPT350, pp=2, dp=2, zero=3, seq=1024, batch=8,
+                                      micro_batches=4, schedule="gpipe")),
+    ("350M zero1 pp2 dp2 zb-h1", dict(model=GPT350, pp=2, dp=2, zero=1, seq=1024, batch=8,
+                                      micro_batches=4, schedule="zb-h1")),
+    ("350M zero3 cp2 tp2 dp2 ring", dict(model=GPT350, cp=2, tp=2, dp=2, zero=3, seq=2048,
+                                         batch=4)),
+    ("odd zero1 tp3 pp3 dp2 ckpt", dict(model="gpt:layers=7,heads=6,hidden=576,mlp=3", tp=3,
+                                        pp=3, dp=2, zero=1, seq=2048, batch=6, micro_batches=3,
+                                        activation_checkpointing=True)),
+    ("1.3B zero2 tp4 pp2 dp2", dict(model=GPT1B, tp=4, pp=2, dp=2, zero=2, seq=2048, batch=8,
+                                    micro_batches=4)),
+]
+# ZeRO under fp16 (ZeroGradScaler stages the error-feedback memory)
+DRY_FP16 = [
+    ("124M zero2 dp8 fp16 int8", dict(model=GPT124, dp=8, zero=2, seq=1024, batch=16,
+                                      precision="fp16", compress="int8")),
+    ("350M zero1 tp2 dp4 fp16", dict(model=GPT350, tp=2, dp=4, zero=1, seq=1024, batch=8,
+                                     precision="fp16")),
+]
+# hybrid sharding (needs the job's --zero-shard-group)
+DRY_HYBRID = [
+    ("124M zero2 dp8 group4 int8", dict(model=GPT124, dp=8, zero=2, seq=1024, batch=16,
+                                        compress="int8", zero_shard_group="4")),
+    ("124M zero3 dp8 group2 int4", dict(model=GPT124, dp=8, zero=3, seq=1024, batch=16,
+                                        compress="int4", zero_shard_group="2")),
+    ("124M zero1 dp4 cp2 group2", dict(model=GPT124, dp=4, cp=2, zero=1, seq=2048, batch=8,
+                                       zero_shard_group="2")),
+    ("odd zero2 dp8 group4 topk tied", dict(model=ODD, dp=8, zero=2, seq=1536, batch=8,
+                                            compress="topk:0.01", tie_embeddings=True,
+                                            zero_shard_group="4")),
+]
 # (name, ranks, TrainConfig fields): small enough for this 2-core machine
 REAL = [
     ("tiny 1 rank", 1, dict(model="gpt-tiny", seq=256, batch=4)),
@@ -122,8 +166,20 @@ def plan_of(cfg, vocab: int = 256):
                 schedule=cfg.schedule, activation_checkpointing=cfg.activation_checkpointing,
                 cp_method=cfg.cp_method, param_compress=cfg.param_compress,
                 sequence_parallel=cfg.sequence_parallel, lora=cfg.lora, base_dtype=cfg.base_dtype, lora_dropout=cfg.lora_dropout,
-                base_placement="shard" if cfg.base_placement == "shard" else "replicate")
+                base_placement="shard" if cfg.base_placement == "shard" else "replicate",
+                shard_group=shard_n(cfg))
     return shape, plan, Workload(seq=cfg.seq, global_batch=cfg.batch, precision=cfg.precision)
+
+
+def shard_n(cfg) -> int:
+    """Plan.shard_group of --zero-shard-group N (0: the whole dp x cp group; "node" needs the
+    node's size, which a dry run has not: give N)."""
+    spec = str(getattr(cfg, "zero_shard_group", "") or "")
+    if not spec:
+        return 0
+    if not spec.isdigit():
+        raise ValueError(f"--zero-shard-group {spec}: the planner's check takes N, not {spec!r}")
+    return 0 if int(spec) == cfg.dp * cfg.cp else int(spec)
 
 
 def dry_ranks(cfg) -> list[int]:
@@ -142,7 +198,7 @@ def run_dry(names=None, configs=None) -> dict:
     from pyfast.train.config import TrainConfig
     from pyfast.train.dryrun import dry_run
     rows, t_all = [], time.perf_counter()
-    for name, kw in DRY if configs is None else configs:
+    for name, kw in DRY + DRY_MESH + DRY_FP16 + DRY_HYBRID if configs is None else configs:
         if names and name not in names:
             continue
         cfg = TrainConfig(**kw)
@@ -281,13 +337,18 @@ def main(argv=None) -> int:
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--part", default="dry,real", help="dry, real or both (comma list)")
     p.add_argument("--configs", default="", help="comma list of config names (default: all)")
+    p.add_argument("--set", default="all", choices=("all", "base", "mesh", "fp16", "hybrid"),
+                   help="dry: every configuration, or one list (DRY, DRY_MESH, DRY_FP16, "
+                   "DRY_HYBRID)")
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
     names = set(a.configs.split(",")) if a.configs else None
     res = {"machine": perf.machine(),
            "date": datetime.datetime.now().isoformat(timespec="seconds")}
     if "dry" in a.part:
-        res["dry"] = run_dry(names)
+        res["dry"] = run_dry(names, None if a.set == "all" else
+                             {"base": DRY, "mesh": DRY_MESH, "fp16": DRY_FP16,
+                              "hybrid": DRY_HYBRID}[a.set])
     if "real" in a.part:
         res["real"] = run_real(names)
     res["summary"] = summary(res)

@@ -17,8 +17,8 @@ from .finetune import DEFAULT_RANK, FINETUNES
 from .search import TIE_BAND, GiB, Result, Scored, search
 from .spec import ModelShape, Workload, gpt_model_flag
 
-PLAN_KEYS = ("dp", "cp", "tp", "pp", "zero", "compress", "micro_batch", "micro_batches",
-             "schedule", "activation_checkpointing")
+PLAN_KEYS = ("dp", "cp", "tp", "pp", "zero", "shard_group", "compress", "micro_batch",
+             "micro_batches", "schedule", "activation_checkpointing")
 VERIFY_MAX_RANKS = 4   # dry-run ranks per verified plan (the first roles and the last)
 
 
@@ -122,7 +122,8 @@ def describe(s: Scored) -> str:
         parts[0] = (f"DiLoCo {d['replicas']} replicas (H {d['sync_every']}, F {d['fragments']}, "
                     f"tau {d['delay']}, {d['outer_compress']}) of " + parts[0])
     if p.zero:
-        parts.append(f"zero {p.zero}")
+        parts.append(f"zero {p.zero}" + (f" in groups of {p.shard_group}" if p.shard_group
+                                          else ""))
     if p.compress != "none":
         parts.append(p.compress)
     parts.append(f"{p.micro_batches} x {p.micro_batch} seq")
@@ -133,6 +134,11 @@ def describe(s: Scored) -> str:
     if p.lora:
         parts.append(finetune_label(p))
     return ", ".join(parts)
+
+
+def zero_cell(p) -> str:
+    """The ZeRO stage, and "/N" when it shards over N ranks of a node (hybrid sharding)."""
+    return f"{p.zero}/{p.shard_group}" if p.shard_group else str(p.zero)
 
 
 def finetune_label(p) -> str:
@@ -297,7 +303,7 @@ def render(res: Result, shape, work, cl, console) -> None:
         mesh = f"{p.dp}x{p.cp}x{p.tp}x{p.pp}"
         if s.diloco:
             mesh = f"DiLoCo {s.diloco['replicas']} x {mesh}"
-        t.add_row(str(i), mesh, str(p.zero), p.compress,
+        t.add_row(str(i), mesh, zero_cell(p), p.compress,
                   f"{p.micro_batches}x{p.micro_batch}",
                   " ".join([p.schedule] * (p.pp > 1) + [p.cp_method] * (p.cp > 1)) or "-",
                   "yes" if p.activation_checkpointing else "no",
@@ -312,7 +318,7 @@ def render(res: Result, shape, work, cl, console) -> None:
             r.add_column(c, justify="left" if c in ("reason", "fine-tune") else "right")
         for s in res.rejected:
             p = s.plan
-            r.add_row(f"{p.dp}x{p.cp}x{p.tp}x{p.pp}", str(p.zero), p.compress,
+            r.add_row(f"{p.dp}x{p.cp}x{p.tp}x{p.pp}", zero_cell(p), p.compress,
                       f"{p.micro_batches}x{p.micro_batch}",
                       "yes" if p.activation_checkpointing else "no",
                       *(finetune_label(p),) * ft,

@@ -59,11 +59,11 @@ from functools import lru_cache
 from pyfast._partition import partition
 
 from .activations import KINDS, _block_saved  # noqa: F401  (memory.KINDS: a public name)
+from .sharding import BLOCKED, blocked as _blocked, hybrid_compressors, shard_group  # noqa: F401
 from .spec import ModelShape, Plan, Workload
 
 F32 = 4
 QUANT_BLOCK = 512      # pyfast.ops.quantize.DEFAULT_BLOCK: int8/int4/fp8/sign code blocks
-BLOCKED = ("int8", "int4", "e3m0", "fp8", "sign", "ternary")
 LOSSY = BLOCKED + ("topk", "randomk", "powersgd")
 BUCKET_MB = 4.0        # pyfast.parallel.data.BUCKET_MB (ZeRO's units too)
 VOCAB_PARALLEL_MIN = 2048  # pyfast.models.gpt.VOCAB_PARALLEL_MIN
@@ -245,7 +245,8 @@ def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = 
     tp, pp, cp, dp, v = plan.tp, plan.pp, plan.cp, plan.dp, plan.virtual_stages
     n = dp * cp  # the gradient-averaging group (DataParallel or ZeRO's shards)
     zero = plan.zero if n > 1 else 0
-    comp = _comp(plan.compress)
+    ns = shard_group(plan)  # the ranks ZeRO shards over: n, or a node's (hybrid sharding)
+    comp, rcomp = (_comp(c) for c in hybrid_compressors(plan))
     bpe = F32 if work.precision == "fp32" else 2  # autocast: 16-bit matmul outputs
     h, a = shape.hidden, shape.heads
     # --sequence-parallel: the residual stream between blocks (a checkpoint, a pipeline
@@ -256,18 +257,22 @@ def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = 
     tok = plan.micro_batch * s_local  # tokens per micro-batch on this rank
     vt = _vocab_split(shape, tp)
     rotary = 2 * work.seq * (shape.head_dim // 2) * F32  # cos, sin per layer (buffers)
-    align = QUANT_BLOCK if comp in BLOCKED else 1
+    align = QUANT_BLOCK if _blocked(comp, rcomp) else 1
     lossy = comp in LOSSY
     saved, temp = _block_saved(shape, tp, work.seq if not (cp > 1 and plan.cp_method == "ring")
                                else s_local, device, plan.cp_method, cp, bpe, plan.micro_batch,
                                sp)
     ckpt = plan.activation_checkpointing
+    # ZeRO under a pipeline: each stage's gradients accumulate whole over the micro-batches
+    # and are reduce-scattered after the stage's last backward (Megatron's distributed
+    # optimizer; pyfast's job calls reduce_gradients() after the pipeline, as DataParallel's)
+    piped = pp > 1 and zero > 0
     rows = []
     for r, (tensors, stage_layers, last) in enumerate(_static(shape, tp, pp, v)):
         layers = sum(stage_layers)
         # ZeRO's shard of each tensor on shard rank 0 (the longest: ceil), padded to align
         vec = max(h, shape.ffn // tp, (h + 2 * shape.kv_dim) // tp)  # the longest vector
-        P, big, aligned, shard, mats_aligned, mats_shard = _sizes(tensors, n, align, vec)
+        P, big, aligned, shard, mats_aligned, mats_shard = _sizes(tensors, ns, align, vec)
         k = dict.fromkeys(KINDS, 0.0)
         k["parameters"] = F32 * (P if zero < 3 else shard) + rotary * layers
         k["optimizer"] = 2 * F32 * (P if not zero else shard) + F32 * len(tensors)
@@ -280,7 +285,18 @@ def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = 
             # engine on CPU keeps only the former: measured on 2 gloo ranks)
             again = 1 + 1 / n if (comp in BLOCKED and not zero and device != "cpu") else 1
             k["feedback"] = F32 * again * ((mats_aligned if pw else aligned) if not zero else
-                                           n * (mats_shard if pw else shard))
+                                           ns * (mats_shard if pw else shard))
+        if zero and work.precision == "fp16":
+            # ZeroGradScaler stages the error-feedback memory (a spare of each buffer) so an
+            # overflowing step can put it back: twice the memory (124M ZeRO 2 dp 8 int8 fp16:
+            # traced 1,977 MiB, 1,603 predicted with one copy)
+            k["feedback"] *= 2
+        if rcomp in LOSSY and ns < n:
+            # hybrid sharding: the replicas' all-reduce of each unit's shard keeps one fp32
+            # element of memory per shard element; blockwise codecs on the python engine code
+            # the reduced chunk again for the all-gather, as DataParallel's (1/R more)
+            again = 1 + ns / n if (rcomp in BLOCKED and device != "cpu") else 1
+            k["feedback"] += F32 * again * shard
         buckets = F32 * aligned if (n > 1 and not zero) else 0
         k["comm_buffers"] = buckets
         grads_full = F32 * P
@@ -332,8 +348,11 @@ def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = 
         comm_t = min(BUCKET_MB * 2**20, F32 * P) * PAYLOAD.get(comp, 0.25) \
             if (n > 1 and not zero) else 0
         # a pipeline's later micro-batches and accumulation run a forward after a backward:
-        # the gradients are all there at the activations' peak
-        g_at_start = (grads_end if zero >= 2 else grads_full) if grads_on else 0.0
+        # the gradients are all there at the activations' peak, whole under every ZeRO stage
+        # (the job accumulates them in .grad under no_sync, as DDP and FSDP2's
+        # set_requires_gradient_sync(False): gpt-124M-shaped ZeRO 2 on dp 8, 2 micro-batches,
+        # traced 1,409 MiB, 1,166 predicted when this counted the shards only)
+        g_at_start = grads_full if grads_on else 0.0
         # the head's backward (its saved tensors, dlogits) ends before the last block's backward
         # or recompute starts: the two are never live together
         start = (g_at_start, act + max(rec + t_block, head + t_head))  # (grads, activations)
@@ -341,7 +360,8 @@ def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = 
         # (ZeRO 2/3: the shards, and a unit's packed gradients with its reduced segment), less
         # the gradients of the layer still running when none came before it; its input is
         # the checkpoint's, counted once
-        g_end = grads_full if zero < 2 else grads_end + 2 * min(BUCKET_MB * 2**20, F32 * P)
+        g_end = grads_full if zero < 2 or piped else \
+            grads_end + 2 * min(BUCKET_MB * 2**20, F32 * P)
         if not grads_on and layers:
             g_end -= F32 * sum(_layer_tensors(shape, tp)) / (n if zero >= 2 else 1)
         end = (g_end, (tok * saved if ckpt else tok * per_layer) + t_block)
@@ -353,10 +373,20 @@ def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = 
             opt_t = F32 * (P if not zero else shard)  # foreach: sqrt(exp_avg_sq) per group
         else:
             opt_t = 3 * F32 * (big if not zero else -(-big // n))
-        if zero in (1, 2):  # after the step, all-gather: two units in flight (seg + full)
-            opt_t = max(opt_t, 2 * min(BUCKET_MB * 2**20 * (1 + 1 / n), F32 * P))
-        # ZeRO 1 reduce-scatters at step(): the full .grad until each unit is packed
-        grads_opt = grads_full + F32 * shard if zero == 1 else grads_end
+        if zero in (1, 2):  # after the step, all-gather: two units in flight (seg + full),
+            # at most the whole stage once (+ its segment): a 3 x 384 pp2 stage of 5.2 MB
+            # traced 6.9 MB of temporaries, 10.3 predicted as two whole stages
+            opt_t = max(opt_t, min(2 * BUCKET_MB * 2**20, F32 * P) * (1 + 1 / ns))
+        # ZeRO 1 reduce-scatters at step(), every stage under a pipeline after it: the full
+        # .grad until each unit is packed (packing frees it: with the reduced shards, no unit
+        # more), then the step on the shards. Both at once overcounted a pipeline's stage: 350M
+        # pp2 zero 1 traced 36.6 MB, 47.5 predicted (gpt 3 x 384, seq 64)
+        if zero == 1 or (zero and piped):
+            reduce_g = grads_full + F32 * shard
+            grads_opt, opt_t = (reduce_g, 0.0) if reduce_g > F32 * shard + opt_t else \
+                (F32 * shard, opt_t)
+        else:
+            grads_opt = grads_end
         opt = static + grads_opt + opt_t
         if fwd >= opt:
             k["gradients"], k["activations"] = g, ac

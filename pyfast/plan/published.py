@@ -22,9 +22,11 @@ models have no switch for is applied here, each from a stated source:
   overlapping TP's all-reduces would have to win).
 Published memory is the caching allocator's peak reserved memory; the model predicts the peak
 allocated by pyfast's own job, which keeps fp32 checkpoints and LayerNorm outputs (torchtitan's
-are bf16); TP cases run with --sequence-parallel, as torchtitan's TP always does. Not modelled:
-FSDP under pp keeping its stage's gathered weights and unsharded gradients over the
-micro-batches (the 405B rows). bench/results/plan_published.txt names the gap per case.
+are bf16); TP cases run with --sequence-parallel, as torchtitan's TP always does. Under pp the
+stage's gradients are held whole over the micro-batches (pyfast's job does so, as FSDP under
+torch's pipelining schedules: issue 33 added it to the memory model, the 405B rows' predicted
+memory rose by 15 GiB, toward the published); not modelled: FSDP keeping the stage's gathered
+weights between micro-batches. bench/results/plan_published.txt names the gap per case.
 """
 from __future__ import annotations
 

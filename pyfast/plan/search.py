@@ -5,10 +5,13 @@ A mesh dp x cp x tp x pp (product = the GPUs) is kept if the job can build it
 the global batch; tp divides heads, kv heads, ffn (and the vocabulary when it is split, from
 VOCAB_PARALLEL_MIN up); pp <= layers; the sequence splits into 2 x cp zigzag chunks; tp x cp
 ranks (tp innermost, then cp: consecutive ranks) stay inside a node unless allowed across.
-On each mesh: ZeRO 1-3 (tp = pp = 1, dp x cp > 1, not fp16), the compressors (dp x cp > 1, each
-with error feedback; not powersgd under ZeRO), micro-batch sizes (powers of two dividing the
-rank's batch; the count follows from global = dp x micro_batch x micro_batches), the schedules
-when pp > 1, ring or Ulysses attention when cp > 1, activation checkpointing on and off.
+On each mesh: ZeRO 1-3 (dp x cp > 1: each tp / pp shard sharded over its dp x cp group) and,
+when that group spans nodes (not under fp16), also sharded within a node only (hybrid sharding,
+--zero-shard-group N: N = the group's ranks in a node, the shards all-reduced across nodes with
+the compressor), the compressors (dp x cp > 1, each with error feedback; not powersgd under
+ZeRO), micro-batch sizes (powers of two dividing the rank's batch; the count follows from
+global = dp x micro_batch x micro_batches), the schedules when pp > 1, ring or Ulysses
+attention when cp > 1, activation checkpointing on and off.
 
 --finetune lora / qlora (finetune.py): LoRA plans instead, on dp-only meshes (mesh_plans),
 each without and with --loss-chunks LOSS_CHUNKS (the LM head and fp32 loss on chunks of the
@@ -165,18 +168,31 @@ def finetune_variants(kind: str, work: Workload, rank: int = DEFAULT_RANK) -> li
     raise ValueError(f"--finetune must be one of {', '.join(FINETUNES)}, got {kind!r}")
 
 
+def node_shard_group(dp: int, cp: int, tp: int, gpus_per_node: int) -> int:
+    """--zero-shard-group of a mesh whose dp x cp group spans nodes: its ranks in one node
+    (the mesh's order puts tp innermost, then cp, then dp: gpus_per_node / tp of them), or 0
+    when the group fits in a node or a node does not hold a whole number of its ranks."""
+    n = dp * cp
+    if not gpus_per_node or n * tp <= gpus_per_node or gpus_per_node % tp:
+        return 0
+    g = gpus_per_node // tp
+    return g if 1 < g < n and n % g == 0 else 0
+
+
 def mesh_plans(shape: ModelShape, work: Workload, dp: int, cp: int, tp: int, pp: int,
-               finetune: list[tuple] = ((0, "none"),)):
+               finetune: list[tuple] = ((0, "none"),), gpus_per_node: int = 0):
     """The plans of one valid mesh, grouped: each group is a list ordered by micro-batch size
     (ascending), all else equal. finetune: the (lora rank, base dtype) variants
     (finetune_variants); a LoRA one on dp-only meshes, uncompressed (its adapters' gradients
-    are small), each ZeRO 3 with the base replicated and sharded."""
+    are small), each ZeRO 3 with the base replicated and sharded. gpus_per_node (a job over
+    several nodes): ZeRO sharded within a node too (node_shard_group)."""
     for lora, base in finetune:
         if lora:
             if (tp, cp, pp) == (1, 1, 1):
                 yield from _lora_plans(work, dp, lora, base)
         else:
-            yield from _full_plans(shape, work, dp, cp, tp, pp)
+            yield from _full_plans(shape, work, dp, cp, tp, pp,
+                                   node_shard_group(dp, cp, tp, gpus_per_node))
 
 
 def _sizes_of(rows: int) -> list[int]:
@@ -198,20 +214,29 @@ def _lora_plans(work: Workload, dp: int, lora: int, base: str):
                         yield group
 
 
-def _full_plans(shape: ModelShape, work: Workload, dp: int, cp: int, tp: int, pp: int):
+def _full_plans(shape: ModelShape, work: Workload, dp: int, cp: int, tp: int, pp: int,
+                node_group: int = 0):
     shard = dp * cp
-    zeros = (0, 1, 2, 3) if tp == pp == 1 and shard > 1 and work.precision != "fp16" else (0,)
+    # ZeRO on any mesh (fp16 too: ZeroGradScaler)
+    zeros = (0, 1, 2, 3) if shard > 1 else (0,)
+    if work.precision == "fp16":  # ZeroGradScaler refuses a hybrid model whose cross-node
+        node_group = 0  # compressor keeps feedback memory: no hybrid plans under fp16
+    if pp > 1:  # under a pipeline stage 2 is stage 1: both keep the stage's gradients whole
+        zeros = tuple(z for z in zeros if z != 2)  # until after it (memory.py's `piped`)
     scheds = [s for s in SCHEDULES if s != "interleaved-1f1b" or 2 * pp <= shape.layers + 2] \
         if pp > 1 else ["1f1b"]
     methods = ["ring"] + (["ulysses"] if cp > 1 and (shape.heads // tp) % cp == 0 else []) \
         if cp > 1 else ["ring"]
     rows = work.global_batch // dp
     sizes = _sizes_of(rows)
-    for zero in zeros:
+    for zero, sg in [(z, g) for z in zeros for g in ((0, node_group) if z and node_group
+                                                     else (0,))]:
         for comp in COMPRESSORS if shard > 1 else ("none",):
             if zero and comp.startswith("powersgd"):
                 continue
             for sched in scheds:
+                if zero == 3 and sched == "zb-h1":  # the job refuses it: zb-h1's weight pass
+                    continue  # runs after stage 3 freed the layer (config.check_zero)
                 for method in methods:
                     for ac in (False, True):
                         group = []
@@ -220,7 +245,7 @@ def _full_plans(shape: ModelShape, work: Workload, dp: int, cp: int, tp: int, pp
                             if sched == "interleaved-1f1b" and m % max(1, m // pp):
                                 continue
                             group.append(Plan(dp, cp, tp, pp, zero, comp, b, m, sched, ac,
-                                              method))
+                                              method, shard_group=sg))
                         if group:
                             yield group
 
@@ -250,7 +275,8 @@ def search(shape: ModelShape, work: Workload, cluster: Cluster, top: int = 10,
         if why:
             res.mesh_problems[(dp, cp, tp, pp)] = why
             continue
-        for group in mesh_plans(shape, work, dp, cp, tp, pp, variants):
+        node = cluster.gpus_per_node if cluster.gpus > cluster.gpus_per_node else 0
+        for group in mesh_plans(shape, work, dp, cp, tp, pp, variants, node):
             for i, plan in enumerate(group):
                 mem = predict_memory(shape, plan, work, device)
                 res.memory_scored += 1
@@ -258,7 +284,8 @@ def search(shape: ModelShape, work: Workload, cluster: Cluster, top: int = 10,
                 if res.smallest is None or s.peak < res.smallest.peak:
                     res.smallest = s
                 if s.peak > cap:
-                    k = (dp, cp, tp, pp, plan.zero, plan.base_dtype, plan.base_placement)
+                    k = (dp, cp, tp, pp, plan.zero, plan.shard_group, plan.base_dtype,
+                         plan.base_placement)
                     if k not in oom or s.peak < oom[k].peak:
                         oom[k] = s
                     res.pruned += len(group) - i - 1
@@ -287,7 +314,8 @@ def search(shape: ModelShape, work: Workload, cluster: Cluster, top: int = 10,
         if len(res.plans) == top:
             break
     fitting_meshes = {(s.plan.dp, s.plan.cp, s.plan.tp, s.plan.pp, s.plan.zero,
-                       s.plan.base_dtype, s.plan.base_placement) for s in fits}
+                       s.plan.shard_group, s.plan.base_dtype, s.plan.base_placement)
+                      for s in fits}
     for k, s in oom.items():
         if k in fitting_meshes:
             continue

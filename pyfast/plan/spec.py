@@ -125,6 +125,10 @@ class Plan:
     activation_checkpointing: bool = False
     cp_method: str = "ring"
     param_compress: str = "none"
+    # --zero-shard-group N (hybrid sharding, FSDP's HSDP): ZeRO shards over N of the dp x cp
+    # ranks (a node's), replicated over the dp x cp / N groups, whose shards are all-reduced
+    # with `compress`; 0: over the whole dp x cp group
+    shard_group: int = 0
     # --sequence-parallel (tp > 1): norms and the residual stream sharded over tp (memory.py)
     sequence_parallel: bool = False
     # fine-tuning (pyfast/plan/finetune.py): LoRA rank (0: a full fine-tune), the frozen
@@ -166,6 +170,8 @@ class Plan:
             f += ["--schedule", self.schedule]
         if self.zero:
             f += ["--zero", str(self.zero)]
+            if self.shard_group:
+                f += ["--zero-shard-group", str(self.shard_group)]
         if self.compress != "none":
             f += ["--compress", self.compress]
         if self.param_compress != "none":

@@ -39,6 +39,7 @@ from .timing_reduce import (ALLGATHER_MAX_BYTES, BUCKET_MB, DENSE_BYTES,  # noqa
                             FIRST_BUCKET_MB, NONE_BUCKET_MB, REL_ERROR, STEPS_PER_ERROR,
                             _bucket_cost, _buckets, _codec, _fifo, _trainable, reduction_s,
                             rel_error, steps_factor)
+from .sharding import shard_group
 from .timing_zero import _zero, zero_key
 
 
@@ -161,8 +162,18 @@ def _predict(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster,
     cont = cal.get("cpu_contention", 0.0)
     cpu_link = _cpu_link(cluster, world)
     # measured at this stage, compressor and micro-batch on 2 ranks (calibrate_dist.zero_probe)
-    zero_m = cal.get("zero", {}).get(zero_key(plan, work)) if world == 2 and p == 1 else None
-    n_opt = n_local / world if plan.zero and zero_m is None else n_local
+    zero_m = cal.get("zero", {}).get(zero_key(plan, work)) \
+        if world == 2 and p == 1 and not plan.shard_group else None
+    ns = shard_group(plan)  # ZeRO's shards: over dp x cp, or a node's ranks (hybrid)
+    n_opt = n_local / ns if plan.zero and zero_m is None else n_local
+    if plan.zero and ns < world:  # hybrid: the shard group in the node, replicas across nodes
+        dp_link = Link(cluster, plan.tp * ns, ns)
+        rep_link = Link(cluster, plan.tp * plan.cp * plan.dp, world // ns)
+        for lk in (dp_link, rep_link):
+            if lk.tbf and free_step_s is not None:
+                lk.refill = lk.tbf[0] * free_step_s
+    else:
+        rep_link = None
     dp_m, hooks = None, 0.0
     if not plan.zero:  # DataParallel's measured wait replaces the arithmetic's, below
         dp_m, zero_m = zero_m, None
@@ -196,7 +207,7 @@ def _predict(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster,
         exposed_dp = max(0.0, fb * (m if plan.zero == 3 else 1) + st +
                          max(0.0, exposed_dp - lo_exp))
     elif world > 1:
-        zero_c, exposed_dp = _zero(plan, gmods, dp_link, cluster, body, mod_s, frozen)
+        zero_c, exposed_dp = _zero(plan, gmods, dp_link, cluster, body, mod_s, frozen, rep_link)
         exposed_dp += dp_link.wake(bb)  # the step's wait for the last reduce-scatter
         if cont and plan.zero >= 2:
             zero_c_cpu, _ = _zero(plan, gmods, cpu_link, cluster, body, mod_s, frozen)
