@@ -219,3 +219,13 @@ def value_error_text(fn) -> str:
     except ValueError as e:
         return str(e)
     return "no error"
+
+
+def error_of(fn) -> tuple[str, str]:
+    """(the exception's type name, its message) if fn() raises ValueError or TypeError, else
+    ("no error", ""): ranks report bad input's errors for the test to check."""
+    try:
+        fn()
+    except (ValueError, TypeError) as e:
+        return type(e).__name__, str(e)
+    return "no error", ""

@@ -103,12 +103,7 @@ def _bad_inputs(rank, world):
     was left in flight)."""
     from pyfast.parallel.context import context_parallel_attention, shard_sequence
 
-    def err(fn):
-        try:
-            fn()
-        except (ValueError, TypeError) as e:
-            return type(e).__name__, str(e)
-        return "no error", ""
+    from dist_utils import error_of as err
 
     x = lambda *shape, dtype=torch.float32: torch.randn(*shape, dtype=dtype)  # noqa: E731
     cpa = functools.partial(context_parallel_attention, layout="zigzag")

@@ -427,12 +427,7 @@ def test_compressed_gradients_and_parameters_converge(pool2):
 def _bad_inputs(rank, world):
     from pyfast.parallel import zero
 
-    def err(fn):
-        try:
-            fn()
-        except (ValueError, TypeError) as e:
-            return type(e).__name__, str(e)
-        return "no error", ""
+    from dist_utils import error_of as err
 
     class F64(nn.Module):
         def __init__(self):

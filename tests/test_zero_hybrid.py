@@ -208,12 +208,7 @@ def _bad(rank, world):
     from test_zero import MLP
     shard, replica = _groups()
 
-    def err(fn):
-        try:
-            fn()
-        except (ValueError, TypeError) as e:
-            return type(e).__name__, str(e)
-        return "no error", ""
+    from dist_utils import error_of as err
     adam = torch.optim.AdamW
     return {
         "no_group": err(lambda: zero(MLP(), adam, group=shard, replica_compressor="int8")),

@@ -249,12 +249,7 @@ def _bad_mesh(rank, world):
     from pyfast.parallel import Mesh, Pipeline, parallelize
     from pyfast.parallel.zero import zero
 
-    def err(fn):
-        try:
-            fn()
-        except (ValueError, TypeError) as e:
-            return type(e).__name__, str(e)
-        return "no error", ""
+    from dist_utils import error_of as err
 
     mesh = Mesh(dp=2, tp=2)
     torch.manual_seed(0)
