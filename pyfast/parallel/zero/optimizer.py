@@ -146,8 +146,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def norm_sq(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(this rank's share of the squared global gradient norm, 1.0 if any of its gradient
         shards is NaN/Inf else 0.0), fp64 on the parameters' device, no collective: the shares
-        summed over `group`, tp_group, pp_group (and a hybrid model's replica_group) are the squared norm torch's
-        clip_grad_norm_ takes of the unsharded model's gradient. For a caller with an
+        summed over `group`, tp_group, pp_group (and a hybrid model's replica_group) are the
+        squared norm torch's clip_grad_norm_ takes of the unsharded model's gradient. For a caller with an
         all-reduce of its own to ride on (the training job's one per step); then clip_(norm,
         max_norm)."""
         self._reduce()
