@@ -134,8 +134,7 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
     all_gather on comm's FIFO worker (every compressor). "auto": native where it can run,
     python otherwise, per collective (and python on a group smaller than the default group's
     unless every_rank=True: see below); model.engine_kind says which. Results, error-feedback
-    memory and checkpoints
-    are bitwise the same either way. The native engine has a process group of its own, made
+    memory and checkpoints are bitwise the same either way. The native engine has a process group of its own, made
     collectively over the default group (pyfast.comm.engine.private_group): with a subgroup,
     engine="native" needs every rank of the default group to call zero() at the same point (a
     mesh's data-parallel groups do; every_rank=True says so, and lets "auto" choose native on a
