@@ -130,16 +130,16 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
     engine: who runs the gradient reduce-scatters and the parameter all-gathers (every stage).
     "native": the C++ overlap engine (pyfast.comm.engine; no Python, no GIL on the path), for
     the dense deterministic compressors (none, fp16, bf16, int8, int4, fp8, sign), else
-    ValueError naming the compressor (topk, randomk, ternary...). "python": comm.reduce_scatter /
-    all_gather on comm's FIFO worker (every compressor). "auto": native where it can run,
+    ValueError naming the compressor (topk, randomk, ternary...). "python": comm.reduce_scatter
+    / all_gather on comm's FIFO worker (every compressor). "auto": native where it can run,
     python otherwise, per collective (and python on a group smaller than the default group's
     unless every_rank=True: see below); model.engine_kind says which. Results, error-feedback
-    memory and checkpoints are bitwise the same either way. The native engine has a process group of its own, made
-    collectively over the default group (pyfast.comm.engine.private_group): with a subgroup,
-    engine="native" needs every rank of the default group to call zero() at the same point (a
-    mesh's data-parallel groups do; every_rank=True says so, and lets "auto" choose native on a
-    subgroup: pyfast's training job passes it). Call model.close() before
-    dist.destroy_process_group().
+    memory and checkpoints are bitwise the same either way. The native engine has a process
+    group of its own, made collectively over the default group
+    (pyfast.comm.engine.private_group): with a subgroup, engine="native" needs every rank of the
+    default group to call zero() at the same point (a mesh's data-parallel groups do;
+    every_rank=True says so, and lets "auto" choose native on a subgroup: pyfast's training job
+    passes it). Call model.close() before dist.destroy_process_group().
 
     frozen: where the parameters with requires_grad=False (a LoRA base) live. "replicate" (the
     default, every stage): whole on every rank, never communicated (after rank 0's are
