@@ -60,8 +60,9 @@ class ZeroModel(nn.Module):
     gradients locally (full .grad) until the next synced backward, as DDP's."""
 
     def __init__(self, module: nn.Module, layout, stage: int, compressor, group, named,
-                 engine_kind=None):
+                 engine_kind=None, offload=None):
         super().__init__()
+        self.offload = offload  # offload.Offload or None: zero(offload=...)
         # {"reduce_scatter": "native"|"python", "all_gather": ...}: who runs each collective
         self.engine_kind = dict(engine_kind or {"reduce_scatter": "python",
                                                 "all_gather": "python"})

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -24,6 +25,30 @@ from torch.multiprocessing.reductions import StorageWeakRef
 MODES = (None, "optimizer", "params")
 GiB = 2**30
 _HOST: dict[int, StorageWeakRef] = {}  # storage key -> weak ref: the host storages, any Host
+
+
+@dataclass
+class Offload:
+    """zero(offload=mode, prefetch=, delay=): the model's offload settings and its Host."""
+    mode: str
+    host: "Host"
+    prefetch: int = 1
+    delay: bool = False
+
+
+def check_args(offload, stage: int, prefetch, delay) -> None:
+    """ValueError naming the bad zero(offload=, prefetch=, delay=) argument."""
+    if offload not in MODES:
+        raise ValueError(f"offload={offload!r}: one of {MODES}")
+    if offload == "params" and stage != 3:
+        raise ValueError(f"offload='params' keeps stage 3's parameter shards in host memory; "
+                         f"stage {stage} keeps full parameters on the device (use "
+                         "offload='optimizer', or stage=3)")
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
+        raise ValueError(f"prefetch must be an int >= 1 (units fetched ahead), got {prefetch!r}")
+    if delay and offload is None:
+        raise ValueError("delay=True is the offloaded optimizer's one-step delayed update; "
+                         "it needs offload='optimizer' or 'params'")
 
 
 class OffloadError(RuntimeError):
