@@ -10,7 +10,7 @@ from pyfast.benchmarks import adamw
 def test_adamw_bench_runs_every_provider_and_prints_the_roof():
     threads = torch.get_num_threads()
     try:
-        r = adamw.run([NUMEL], [NUMEL], repeats=1, threads=1)
+        r = adamw.run([NUMEL], [NUMEL], repeats=1, threads=1, roof_numel=NUMEL)
     finally:
         torch.set_num_threads(threads)
     assert [c["dtype"] for c in r["cases"]] == ["float32", "bfloat16"]

@@ -23,8 +23,9 @@ from pyfast.ops import BackendUnavailable
 from pyfast.ops.adamw import adamw_, adamw_reference_
 
 SIZES = (1, 7, 31, 1000, 4097, 65537)
-# per-tensor gradient scales side by side: AdamW normalizes each element by its own history,
-# so 1e-6 and 1e3 gradients must both step by ~lr (eps 1e-8 < sqrt(v) ~ 1e-6 still)
+# gradients of very different scales side by side in one call: each element's update is
+# normalized by its own history (eps 1e-8 still below sqrt(v) ~ 1e-6), so every tensor must
+# match torch within the same bound
 SCALES = (1e-6, 1e3, 1.0, 1e-2, 1e2, 1.0)
 ULPS = 8
 
@@ -76,7 +77,7 @@ def test_fp32_equals_reference_and_torch_adamw_over_100_steps():
             p.grad, q.grad = g, g * gs
         opt.step(grad_scale=gs)
         topt.step()
-        for grp, idx in ((_groups(refs)[0], slice(0, None, 2)), (_groups(refs)[1], slice(1, None, 2))):
+        for grp, idx in zip(_groups(refs), (slice(0, None, 2), slice(1, None, 2))):
             adamw_reference_(refs[idx], grads[idx], ms[idx], vs[idx], step=step, lr=grp["lr"],
                              beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=grp["weight_decay"],
                              grad_scale=gs)
@@ -246,8 +247,10 @@ def test_bad_inputs_raise_naming_the_problem(monkeypatch):
          "step counts from 1"),
         (lambda: op([p], [g], [m], [v], 1, 1e-3, .9, .9, 1e-8, 0., torch.ones(2), 1.),
          RuntimeError, "one-element"),
-        (lambda: pyfast.optim.AdamW([torch.nn.Parameter(p)], amsgrad=True), ValueError, "amsgrad"),
-        (lambda: pyfast.optim.AdamW([torch.nn.Parameter(p)], maximize=True), ValueError, "maximize"),
+        (lambda: pyfast.optim.AdamW([torch.nn.Parameter(p)], amsgrad=True), ValueError,
+         "amsgrad"),
+        (lambda: pyfast.optim.AdamW([torch.nn.Parameter(p)], maximize=True), ValueError,
+         "maximize"),
         (lambda: pyfast.optim.AdamW([torch.nn.Parameter(p)], capturable=True), ValueError,
          "capturable"),
         (lambda: pyfast.optim.AdamW([torch.nn.Parameter(p)], differentiable=True), ValueError,
@@ -291,9 +294,11 @@ def test_zero_with_pyfast_adamw_equals_zero_with_torch_adamw(pool2):
         for stage in (1, 2, 3):
             ours, theirs = out[stage, "pyfast"], out[stage, "torch"]
             for k in theirs:
-                # step 2's gradients see step 1's few-ulp differences; a gradient at its noise
-                # floor (gpt-tiny's softmax-invariant key biases, test_zero.py) may then flip
-                # sign, moving AdamW's step by up to 2 lr: the bound admits that, the rest of
-                # the tensor stays within the ulp bound
-                d = (ours[k] - theirs[k]).abs()
-                assert close(ours[k], theirs[k], 2 * 1e-2) or float(d.max()) <= 4e-2, (stage, k)
+                # step 1: equal within the ulp bound (its lr term is 2.4e-9); step 2's
+                # gradients then differ by ~1e-7 of themselves, and AdamW's normalized step
+                # turns a relative gradient change d into ~lr * d: 4.3e-7 at most seen; gpt-tiny's
+                # softmax-invariant key biases (gradients at their noise floor, test_zero.py)
+                # see the largest d: 5.3e-6 seen. Bounds: about 4x those.
+                bound = 2e-5 if k.endswith("attn.qkv.bias") else 2e-6
+                d = float((ours[k] - theirs[k]).abs().max())
+                assert d <= bound, (stage, k, d)

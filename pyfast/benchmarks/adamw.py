@@ -100,10 +100,10 @@ def parse_size(s: str) -> int:
     return int(float(s[:-1]) * mult[s[-1]]) if s[-1] in mult else int(s)
 
 
-def run(sizes, bf16_sizes, repeats: int = 5, threads: int = 2) -> dict:
+def run(sizes, bf16_sizes, repeats: int = 5, threads: int = 2, roof_numel: int = 1 << 26) -> dict:
     torch.set_num_threads(threads)
     load0 = os.getloadavg()[0]  # the machine is shared: say how busy it was
-    x = torch.empty(1 << 26).uniform_()  # 256 MB: far past the caches
+    x = torch.empty(roof_numel).uniform_()  # 2^26: 256 MB, far past the caches
     copy_bw = perf.copy_bandwidth(x, max(repeats, 5))
     roof_bw = inplace_bandwidth(x, max(repeats, 5))
     cases = [measure(n, torch.float32, repeats, roof_bw) for n in sizes]
