@@ -50,6 +50,7 @@ test: $(STAMP)
 # last step regenerates docs/benchmarks.md from them).
 bench: $(STAMP)
 	$(BIN)/pyfast bench compress --out bench/results/compress
+	$(BIN)/pyfast bench adamw --out bench/results/adamw
 	$(BIN)/pyfast bench allreduce --out bench/results/allreduce
 	$(BIN)/pyfast bench dp --out bench/results/dp
 	$(BIN)/pyfast bench dp_semantics --out bench/results/dp_semantics

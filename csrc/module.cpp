@@ -12,6 +12,10 @@ TORCH_LIBRARY(pyfast, m) {
   m.def("dequantize_accumulate_(Tensor(a!) out, Tensor codes, Tensor scales, str kind, int block) -> ()");
   m.def("topk_count(Tensor x, Tensor? ef, float threshold) -> Tensor");
   m.def("topk_select(Tensor x, Tensor(a!)? ef, float threshold, int limit) -> (Tensor, Tensor)");
+  // csrc/adamw.cpp; grad_scale_t (a 0-d tensor: a clip coefficient) multiplies grad_scale
+  m.def("adamw_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+        "int step, float lr, float beta1, float beta2, float eps, float weight_decay, "
+        "Tensor? grad_scale_t, float grad_scale) -> ()");
 }
 
 namespace py = pybind11;

@@ -16,6 +16,8 @@ BENCHMARKS = {
     "dp_semantics": "what DataParallel's DDP semantics and check_finite cost a step",
     "tp": "tensor-parallel MLP block vs DTensor TP and one process",
     "overlap_tp": "overlapped vs sequential all-gather/reduce-scatter + matmul",
+    "adamw": "the C++ AdamW vs torch.optim.AdamW foreach and fused on 10M-500M parameters, "
+             "against the memory roof",
     "epilogue": "a fused C++ bias+GELU epilogue vs torch's GEMM + GELU on CPU",
     "pipeline": "pipeline schedules vs torch.distributed.pipelining",
     "train": "the training job's tokens/s per mesh vs one process and torch-native",

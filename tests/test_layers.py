@@ -19,6 +19,7 @@ LAYERS = [  # (layer, the modules in it: a name covers its submodules), bottom t
               "pyfast.netns_nodes"]),
     ("kernels, csrc", ["pyfast.kernels", "pyfast._C"]),
     ("ops", ["pyfast.ops"]),
+    ("optim", ["pyfast.optim"]),  # pyfast.optim.AdamW: a torch optimizer over ops.adamw_
     ("compress", ["pyfast.compress"]),
     ("comm", ["pyfast.comm"]),
     ("parallel", ["pyfast.parallel"]),

@@ -58,3 +58,13 @@ def _ternary_decode(codes, scales, n, block, dtype):
 if hasattr(torch.ops.pyfast, "ternary_encode"):
     torch.library.register_fake("pyfast::ternary_encode", _ternary_encode)
     torch.library.register_fake("pyfast::ternary_decode", _ternary_decode)
+
+
+def _adamw_(params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1, beta2, eps, weight_decay,
+            grad_scale_t, grad_scale):
+    return None  # in place: the outputs are the inputs, whose shapes do not change
+
+
+# likewise a pyfast._C built before csrc/adamw.cpp (ops/adamw.py then says so)
+if hasattr(torch.ops.pyfast, "adamw_"):
+    torch.library.register_fake("pyfast::adamw_", _adamw_)

@@ -21,10 +21,11 @@ import math
 import torch
 import torch.distributed as dist
 
+import pyfast.optim
 
 PER_ELEMENT = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
                torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
-               torch.optim.ASGD, torch.optim.Rprop)
+               torch.optim.ASGD, torch.optim.Rprop, pyfast.optim.AdamW)
 
 
 def check_optimizer(optim_cls) -> None:

@@ -1,0 +1,127 @@
+"""pyfast.optim.AdamW: torch.optim.AdamW's step in one fused pass per parameter group
+(pyfast.ops.adamw_: the C++ kernel on CPU tensors, 28 bytes moved per fp32 parameter; the torch
+reference on CUDA, its fake on meta), a drop-in torch.optim.Optimizer.
+
+Same semantics and state as torch.optim.AdamW (decoupled weight decay, bias correction, state
+keys "step" (a 0-d fp32 tensor), "exp_avg", "exp_avg_sq"), so state dicts load into either and
+training continues (tests/test_adamw.py). Differences, on purpose:
+- the moments are fp32 for every parameter dtype: a bf16 parameter is updated in fp32 and
+  rounded once to bf16 (torch keeps bf16 moments for bf16 parameters and rounds each op);
+  a bf16 state loaded from torch is widened to fp32;
+- `max_norm` clips by the global 2-norm of this optimizer's gradients, torch's clip_grad_norm_
+  rule (coefficient min(1, max_norm / (norm + 1e-6))), folded into the pass as a gradient
+  scale instead of a pass of its own; the norm is left in `self.grad_norm`;
+- `step(grad_scale=s)` multiplies every gradient by s (a float or a 0-d tensor: 1/loss-scale)
+  inside the same pass; the clip norm is taken of the scaled gradients.
+amsgrad, maximize, capturable, differentiable, foreach/fused and complex parameters are refused.
+"""
+from __future__ import annotations
+
+import torch
+
+from pyfast.ops.adamw import PARAM_DTYPES, adamw_
+
+_REFUSED = ("amsgrad", "maximize", "capturable", "differentiable")
+
+
+class AdamW(torch.optim.Optimizer):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 max_norm=None, **torch_only):
+        for k, v in torch_only.items():
+            if k in _REFUSED + ("foreach", "fused") and not v:
+                continue  # amsgrad=False etc.: what this optimizer does anyway
+            raise ValueError(f"pyfast.optim.AdamW does not support {k}={v!r} (it implements "
+                             "torch.optim.AdamW without amsgrad, maximize, capturable, "
+                             "differentiable; its own pass replaces foreach/fused)")
+        if max_norm is not None and not max_norm > 0:
+            raise ValueError(f"max_norm must be positive or None, got {max_norm}")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+        self.max_norm = max_norm
+        self.grad_norm = None
+        for group in self.param_groups:
+            self._check_group(group)
+
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        if hasattr(self, "max_norm"):  # after __init__: torch's __init__ calls this too
+            self._check_group(self.param_groups[-1])
+
+    @staticmethod
+    def _check_group(group) -> None:
+        lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        if not (0.0 <= float(lr) and 0.0 <= eps and 0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0
+                and 0.0 <= wd):
+            raise ValueError(f"invalid AdamW group: lr={lr}, betas=({b1}, {b2}), eps={eps}, "
+                             f"weight_decay={wd} (need lr, eps, wd >= 0 and betas in [0, 1))")
+        for p in group["params"]:
+            if torch.is_complex(p) or p.dtype not in PARAM_DTYPES:
+                raise ValueError(f"pyfast.optim.AdamW takes float32 or bfloat16 parameters, got "
+                                 f"{p.dtype} (shape {tuple(p.shape)})")
+
+    def load_state_dict(self, state_dict) -> None:
+        super().load_state_dict(state_dict)
+        # torch casts a loaded state to the parameter's dtype; this optimizer's moments are fp32
+        for st in self.state.values():
+            for k in ("exp_avg", "exp_avg_sq"):
+                if k in st:
+                    st[k] = st[k].to(torch.float32).contiguous()
+
+    def _grads(self):
+        return [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+
+    def _clip_scale(self, grad_scale):
+        grads = self._grads()
+        if not grads:
+            return grad_scale
+        if any(g.is_sparse for g in grads):
+            raise ValueError("pyfast.optim.AdamW does not take sparse gradients")
+        # torch.nn.utils.clip_grad_norm_'s norm: per-tensor norms, then the norm of those
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)))
+        if not isinstance(grad_scale, torch.Tensor) and grad_scale == 1.0:
+            self.grad_norm = norm
+            return torch.clamp(self.max_norm / (norm + 1e-6), max=1.0)
+        self.grad_norm = norm * grad_scale
+        return grad_scale * torch.clamp(self.max_norm / (self.grad_norm + 1e-6), max=1.0)
+
+    @torch.no_grad()
+    def step(self, closure=None, grad_scale=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        scale = 1.0 if grad_scale is None else grad_scale
+        if self.max_norm is not None:
+            scale = self._clip_scale(scale)
+        for group in self.param_groups:
+            self._step_group(group, scale)
+        return loss
+
+    def _step_group(self, group, scale) -> None:
+        beta1, beta2 = group["betas"]
+        # one call per (step, device): a parameter that missed steps (no grad) has its own
+        # count, as in torch
+        by_step = {}
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise ValueError("pyfast.optim.AdamW does not take sparse gradients")
+            st = self.state[p]
+            if not st:
+                st["step"] = torch.tensor(0.0, dtype=torch.float32)
+                st["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                st["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            st["step"] += 1
+            by_step.setdefault((int(st["step"].item()), p.device), []).append(p)
+        for (step, _), ps in by_step.items():
+            # the kernel takes contiguous tensors; a strided parameter steps on a copy
+            flat = [p if p.is_contiguous() else p.contiguous() for p in ps]
+            adamw_(flat, [p.grad.contiguous() for p in ps],
+                   [self.state[p]["exp_avg"] for p in ps],
+                   [self.state[p]["exp_avg_sq"] for p in ps], step=step, lr=float(group["lr"]),
+                   beta1=beta1, beta2=beta2, eps=group["eps"],
+                   weight_decay=group["weight_decay"], grad_scale=scale)
+            for p, f in zip(ps, flat):
+                if f is not p:
+                    p.copy_(f)
