@@ -192,6 +192,8 @@ class ZeroModel(nn.Module):
         if self.replicas is not None:  # hybrid: the shard's all-reduce across the replicas
             h = self.replicas.launch(u, out, h, async_op=self.stage >= 2)
         self._inflight.append((u, out, h))
+        if self._host is not None:  # offload: the finished units' copies to the host, now
+            self._host.early(self._inflight)
 
     def _pack(self, u) -> torch.Tensor:
         """Unit u's gradients in a fresh buffer (zeros for None), the full .grad freed."""

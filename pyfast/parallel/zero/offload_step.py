@@ -8,10 +8,10 @@ are the master shards (so a unit moves in ONE copy each way, padding included, z
 device), and one gradient segment of S fp32 (two with delay=True: the step in flight reads one
 while backward fills the other):
 - gradients, device -> host: each unit's reduce-scatter output (compressed or not, after the
-  hybrid replica all-reduce) is copied into the gradient segment in ZeroModel._finish, all
-  units' copies started before the side band's all-reduce and waited after it (on CUDA they
-  run on offload's d2h stream behind the reduce-scatters; on CPU a copy either way). The device
-  output is then dropped: no gradient shard stays on the device.
+  hybrid replica all-reduce) is copied into the gradient segment: started during backward for
+  every unit whose reduce-scatter has completed by the time a later unit is launched (early(),
+  polled at each launch), the rest in ZeroModel._finish; on CUDA on offload's d2h stream, on
+  CPU a copy either way. The device output is then dropped: no gradient shard stays there.
 - the step: the inner optimizer on the host masters (torch's AdamW runs its foreach kernels on
   CPU tensors; pyfast.optim.AdamW's C++ kernel where it is the optim_cls).
 - parameters, host -> device: stages 1/2 all-gather a device segment made by one H2D copy of
@@ -64,6 +64,7 @@ class HostShards:
         self.segs = [self.host.empty(u.S) for u in units]
         self.gsegs = [[self.host.empty(u.S) for u in units] for _ in range(2 if off.delay else 1)]
         self.buf = 0  # which gradient segment backward fills (delay: alternates per step)
+        self._early: dict = {}  # unit index -> (dst, fresh, Copy) started during backward
         for seg in self.segs + [g for gs in self.gsegs for g in gs]:
             seg.zero_()  # the padding between shards travels with them: zeros, as on the device
         self.masters = []
@@ -88,17 +89,34 @@ class HostShards:
         self._registered = 0
 
     # ------------------------------------------------------------------ gradients in
+    def _start(self, u, out):
+        """Start unit u's device -> host copy: (dst, fresh, Copy). Into its gradient segment
+        when none of its shards holds a gradient yet, else a temporary (added in grads_in)."""
+        fresh = all(g is None for g in self._grads_of(u))
+        dst = self.gsegs[self.buf][u.index] if fresh else self.host.empty(u.S)
+        return dst, fresh, self.host.to_host(dst, out)
+
+    def early(self, inflight) -> None:
+        """During backward (ZeroModel._launch, as each unit is launched): start the copy of
+        every earlier unit whose reduce-scatter has completed, so on CUDA the copies run beside
+        the rest of backward instead of after it (polled at launches: no callback thread)."""
+        for u, out, h in inflight:
+            if u.index in self._early or not (h is None or h.is_completed()):
+                continue
+            try:
+                if h is not None:
+                    h.wait()  # done: returns at once (orders the current stream after it)
+            except BaseException:  # noqa: BLE001 -- finish()'s wait_then_raise raises it
+                continue
+            self._early[u.index] = self._start(u, out)
+
     def grads_in(self, inflight, used) -> None:
-        """Copy each reduced unit (u, out) into its host gradient segment; used(u, i) says which
-        parameters have a gradient (the side band). Accumulates where a shard already has one
-        (gradient accumulation through several synced backwards)."""
+        """Copy each reduced unit (u, out) into its host gradient segment (or take the copy
+        early() started); used(u, i) says which parameters have a gradient (the side band).
+        Accumulates where a shard already has one (several synced backwards)."""
         gsegs = self.gsegs[self.buf]
-        copies = []
-        for u, out, _ in inflight:
-            have = self._grads_of(u)
-            fresh = all(g is None for g in have)
-            dst = gsegs[u.index] if fresh else self.host.empty(u.S)
-            copies.append((u, dst, fresh, self.host.to_host(dst, out)))
+        early, self._early = self._early, {}
+        copies = [(u, *(early.get(u.index) or self._start(u, out))) for u, out, _ in inflight]
         for u, dst, fresh, c in copies:
             c.wait()
             have = self._grads_of(u)
