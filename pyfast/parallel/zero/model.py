@@ -333,7 +333,7 @@ class ZeroModel(nn.Module):
         (its master shards at u.shard_view offsets), the source of its parameter all-gather."""
         if self._host is None or self._host.dsegs is None:
             raise RuntimeError("device_shard: only stage 3 with offload='optimizer' keeps one")
-        return self._host.dsegs[u.index]
+        return self._host.device_segment(u)  # (its refresh copy waited for)
 
     def refresh_device_shards(self) -> None:
         """Stage 3 with offload: the device shards from the host masters (after a step or a

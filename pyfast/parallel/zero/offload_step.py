@@ -17,9 +17,8 @@ while backward fills the other):
 - parameters, host -> device: stages 1/2 all-gather a device segment made by one H2D copy of
   the host segment (ZeroModel._start_gather); stage 3 keeps a DEVICE copy of each unit's
   segment (fp32, `device_shard(u)`) as the gather source, refreshed from the host right after
-  the step (`refresh_device_shards()`; on CUDA on the h2d stream, the next forward's first
-  gather waits only for its own unit's copy... and, in this version, for the others' too: one
-  event per refresh).
+  the step (`refresh_device_shards()`; on CUDA on the h2d stream in forward order, each gather
+  waiting for its own unit's copy only: the rest overlap the next forward's first units).
 - delay=True (ZeRO-Offload's one-step delayed parameter update): step N hands gradient N to a
   worker thread and installs the masters that the worker's previous step (gradient N-1) left:
   the host step runs while the device does step N+1's forward and backward (torch releases the
@@ -78,6 +77,7 @@ class HostShards:
             self.masters.append(ms)
         # stage 3's gather source on the device (offload="optimizer"; "params" has none)
         self.dsegs = None
+        self._h2d: dict = {}  # stage 3: unit index -> its refresh copy, waited at its gather
         if model.stage == 3 and off.mode == "optimizer":
             self.dsegs = [torch.zeros(u.S, dtype=torch.float32, device=dev) for u in units]
             self.refresh()
@@ -161,27 +161,31 @@ class HostShards:
         """The device segment unit u's all-gather sends: stage 3's kept copy, or (stages 1/2)
         a fresh one made by one host -> device copy."""
         if self.dsegs is not None:
+            c = self._h2d.pop(u.index, None)
+            if c is not None:
+                c.wait()  # its refresh copy (and those issued before it), not the later ones
             return self.dsegs[u.index]
         seg = torch.empty(u.S, dtype=torch.float32, device=self.model._device)
         self.host.to_device(seg, self.segs[u.index]).wait()
         return seg
 
     def refresh(self) -> None:
-        """Stage 3: every unit's device segment from the host masters (the current stream
-        waits for the copies before it reads them)."""
+        """Stage 3: every unit's device segment from the host masters, issued in the order the
+        next forward gathers them (the root, the last unit, first; then the wrapped modules in
+        registration order, the reverse of unit order) on one side stream; each gather waits
+        for its own unit's copy only (device_segment), so on CUDA the later copies run beside
+        the next forward's first units."""
         if self.dsegs is None:
             return
-        last = None
-        for d, h in zip(self.dsegs, self.segs):
-            last = self.host.to_device(d, h)
-        if last is not None:
-            last.wait()  # one side stream: in order, the last event covers every copy
+        for i in reversed(range(len(self.dsegs))):
+            self._h2d[i] = self.host.to_device(self.dsegs[i], self.segs[i])
 
     # ------------------------------------------------------------------ the step
     def step(self, inner, install) -> None:
         """Run the inner optimizer's step on the host masters, then install() them (the device
         parameters from the masters). delay=True: install the step the worker finished (if
         any) BEFORE the next one starts writing the masters, then hand it this gradient."""
+        self.host.settle_h2d()  # CUDA: the last install's copies have read the masters
         if self.pending is None:
             host_step(inner)
             self._register(inner)
@@ -190,6 +194,7 @@ class HostShards:
         grads = self.grads()
         if self.wait():
             install()
+            self.host.settle_h2d()  # before the worker writes the masters they copy
         self.buf = (self.buf + 1) % len(self.gsegs)  # the next backward fills the other one
         self.pending = [[None] * len(gs) for gs in grads]
         job = (inner, grads)
