@@ -42,8 +42,8 @@ def _run(rank, stage, compressor, offload, clip, optim=torch.optim.AdamW, delay=
          steps=STEPS, **kw):
     """(losses, full state dict) after `steps` steps of zero() on gpt-tiny."""
     from pyfast.parallel.zero import checkpoint as ck, zero
-    opts = dict(lr=1e-3, weight_decay=0.1) if optim is torch.optim.AdamW else \
-        dict(lr=0.05, momentum=0.9)
+    opts = dict(lr=0.05, momentum=0.9) if optim is torch.optim.SGD else \
+        dict(lr=1e-3, weight_decay=0.1)
     model, opt = zero(_gpt(), optim, stage=stage, compressor=compressor, offload=offload,
                       delay=delay, **opts, **kw)
     losses = []
