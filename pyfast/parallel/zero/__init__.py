@@ -15,6 +15,8 @@ all-gather) go through pyfast's compressors. User guide: docs/zero.md.
 - scaler.py: ZeroGradScaler, fp16 loss scaling on the shards (torch's ShardedGradScaler, fixed
   for ZeroOptimizer; imported from there: it pulls in torch.distributed.fsdp).
 - meshes.py: zero on a tp / pp mesh (tp_group=, pp_group=, a Pipeline as the module).
+- offload.py, offload_step.py: zero(offload=...): host buffers and copies; the host masters,
+  gradients and step (docs/offload.md).
 
 Memory per rank between steps, fp32 parameters, psi = parameter count, N ranks (measured in
 tests/test_zero.py): DataParallel 16 psi bytes (params, grads, two Adam moments); stages 1 and 2:
@@ -192,8 +194,8 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
                          f"gathers; stage {stage} keeps them whole on every rank "
                          "(frozen='replicate')")
     check_offload(offload, stage, prefetch, delay)
-    if offload is not None:  # the lead's placeholder until the offload helpers land it
-        raise NotImplementedError("zero(offload=...) is being built (issue 34)")
+    if offload == "params":  # stage 3's parameter offload: helper "offz3" lands it
+        raise NotImplementedError("zero(offload='params') is being built (issue 34)")
     if units is not None and stage != 3:
         raise ValueError(f"units= chooses stage 3's gathered modules; stage {stage} buckets "
                          "by bucket_mb")
@@ -241,6 +243,11 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
               differ=_first_difference)
     off = None if offload is None else \
         Offload(offload, Host(named[0][1].device), prefetch, delay)
+    if off is not None:  # host memory short: OffloadError on every rank, before allocating
+        from .offload_step import check as check_host
+        problem = check_host(layout, off, optim_cls)
+        for g in ([replica_group] if replicas is not None else []) + [group]:
+            agree(None, problem, g, what="zero", device=named[0][1].device)
     if stage == 3:
         model = Stage3Model(module, layout, c, group, named, param_compressor, kinds, funits,
                             offload=off)

@@ -34,6 +34,10 @@ load() builds what it reads from the checkpoint's metadata (a fresh optimizer ha
 load into, and a parameter no rank ever used has none in the checkpoint) and accepts either
 form of a parameter (a stage 1/2 checkpoint in a stage 3 model and back): a tensor of the
 parameter's shape is read whole and sliced, one of shape (n,) as this rank's shard.
+
+zero(offload=...): the host masters and state are saved as if they were on the device (the same
+keys and shapes; "fp32_master" only where a run without offload has it), and loaded into the
+host tensors, so a checkpoint resumes with or without offload (tests/test_zero_offload.py).
 """
 from __future__ import annotations
 
@@ -190,6 +194,8 @@ def _own_master(model, param: torch.Tensor, master: torch.Tensor) -> bool:
     master), not a view of the parameter that the model state already holds."""
     if model.stage == 3:
         return False  # the model state is the masters
+    if getattr(model, "_host", None) is not None:  # offload: host masters, saved as without
+        return param.dtype != torch.float32 or not param.is_contiguous()  # (ZeroModel._master)
     return master.untyped_storage().data_ptr() != param.untyped_storage().data_ptr()
 
 
@@ -219,7 +225,12 @@ def _optim_state(model, opt) -> dict:
 def get_state_dict(model, opt) -> dict:
     """{"model": ..., "optim": ...} of a zero() model and its optimizer (module docstring):
     this rank's shards as DTensors, the rest plain. Tensors are the live ones (no copy), so
-    dcp.load into it fills the model and optimizer in place; call set_state_dict after."""
+    dcp.load into it fills the model and optimizer in place; call set_state_dict after.
+    Offloaded shards and state (zero(offload=...)) are the host tensors under the same keys
+    and shapes; with delay=True the step in flight is finished and installed first
+    (ZeroModel.flush_offload: collective, as save is)."""
+    if getattr(model, "_host", None) is not None:
+        model.flush_offload()
     return {"model": _model_state(model, opt),
             "optim": {"state": _optim_state(model, opt), "param_groups": _param_groups(opt)}}
 
@@ -312,6 +323,7 @@ def _refresh(model) -> None:
     if model.stage < 3:
         model.gather_params()
     else:
+        model.refresh_device_shards()  # offload: the gather source from the new host masters
         refresh = getattr(model, "masters_changed", None)
         if refresh is not None:
             refresh()
@@ -365,8 +377,9 @@ def load_target(checkpoint_id, model, opt) -> dict:
             if len(m.size) == 0:
                 entry[name] = torch.zeros((), dtype=m.properties.dtype)
             elif tuple(m.size) == _flat_size(model, fqn):
-                # on the parameters' device, as the mesh _dtensor puts it on (_mesh)
-                local = torch.zeros(sh.length, dtype=m.properties.dtype, device=model._device)
+                # where the shard is: the parameters' device, as the mesh (_mesh), or
+                # offload: the host (a device copy of the state is what offload avoids)
+                local = torch.zeros(sh.length, dtype=m.properties.dtype, device=shard.device)
                 entry[name] = _dtensor(model, local, fqn)
             else:
                 raise ValueError(f"{k}: shape {tuple(m.size)}, expected "
