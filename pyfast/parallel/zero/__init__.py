@@ -22,8 +22,9 @@ tests/test_zero.py): DataParallel 16 psi bytes (params, grads, two Adam moments)
 shard being a view of the parameter itself (16-bit parameters keep a separate fp32 master:
 + 4 psi / N); stage 2 differs from stage 1 in the peak during backward (full gradients of the
 units not yet reduced instead of all of them). Stage 3: 16 psi / N (master, gradient and state
-shards) between steps; while a unit runs, + its gathered parameters and the prefetched next one
-(the issue's "+ the largest gathered module", at most twice that with the prefetch).
+shards) between steps; while a unit runs, + its gathered parameters and the prefetched next ones
+(the issue's "+ the largest gathered module": at most prefetch + 1 times that, prefetch=1 the
+default).
 
 Notes: `pyfast.parallel.zero` is the function (the issue's interface); reach the submodules with
 `from pyfast.parallel.zero import layout` (an `import pyfast.parallel.zero.layout as x`
@@ -192,6 +193,9 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
                          f"gathers; stage {stage} keeps them whole on every rank "
                          "(frozen='replicate')")
     check_offload(offload, stage, prefetch, delay)
+    if prefetch != 1 and stage != 3:
+        raise ValueError(f"prefetch={prefetch} is how many units stage 3 gathers ahead; stage "
+                         f"{stage} has no per-unit gather (leave prefetch=1)")
     if offload is not None:  # the lead's placeholder until the offload helpers land it
         raise NotImplementedError("zero(offload=...) is being built (issue 34)")
     if units is not None and stage != 3:
@@ -221,12 +225,15 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
         broadcast_state(module, replica_group)
     check_same_layout(named, group)
     broadcast_state(module, group)
+    off = None if offload is None else \
+        Offload(offload, Host(named[0][1].device), prefetch, delay)
     if stage == 3:
         from .stage3 import Stage3Model, unit_groups
         groups, mods = unit_groups(module, named, units)
         layout = Layout(groups, world, rank, align, modules=mods)
         fgroups, fmods = unit_groups(module, fnamed, units) if fnamed else ([], [])
-        funits = frozen_units(fgroups, fmods, world, rank)
+        funits = frozen_units(fgroups, fmods, world, rank,
+                              off.host if off is not None and off.mode == "params" else None)
     else:
         funits = []
         layout = Layout(bucket_groups(named, bucket_mb or BUCKET_MB, world, align),
@@ -239,11 +246,9 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
     for g in ([replica_group] if replicas is not None else []) + [group]:
         agree(described, None, g, what="zero", device=named[0][1].device,
               differ=_first_difference)
-    off = None if offload is None else \
-        Offload(offload, Host(named[0][1].device), prefetch, delay)
     if stage == 3:
         model = Stage3Model(module, layout, c, group, named, param_compressor, kinds, funits,
-                            offload=off)
+                            offload=off, prefetch=prefetch)
     else:
         model = ZeroModel(module, layout, stage, c, group, named, kinds, offload=off)
     model.replicas = replicas

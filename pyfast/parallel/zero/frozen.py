@@ -15,6 +15,12 @@ multiple of ALIGN in every segment (S too), so
 - ALIGN = 16 keeps every piece aligned for any dtype, and S a multiple of 4 lets the native
   engine (float32 only) carry the segment as S / 4 float32 words, bits untouched.
 
+Host (zero(frozen="shard", offload="params")): `seg` is a host buffer (offload.Host: pinned on
+CUDA, meta on a dry run) and the device holds none of the base between uses: stage() starts the
+segment's host -> device copy (Stage3Model stages it `prefetch` units ahead of its gather), the
+gather waits for that copy before it reads, and the device copy is dropped once the gather is
+done: a rank's device then holds only the gathered (full) frozen bytes of the units in flight.
+
 Stages 1/2 keep the frozen parameters whole on every rank (frozen="replicate", the default, as
 before this module): there is no gather in their forward to hang a frozen gather on.
 
@@ -81,6 +87,8 @@ class FrozenUnit:
     rank: int
     module: object = None
     seg: torch.Tensor = field(default=None, repr=False)  # this rank's stored bytes
+    device: torch.device = None   # where the gathers run (the trainable parameters' device)
+    host: object = None           # offload.Host: seg lives in host memory (module docstring)
 
     def piece_bytes(self, i: int) -> int:
         return shard_size(self.numels[i], self.world) * self.esizes[i]
@@ -114,15 +122,27 @@ class FrozenUnit:
         if rem:
             flat[rows * sb:].copy_(cols[rows, :rem])
 
-    def start_gather(self, engine, group) -> tuple:
-        """(handle, full buffer): the all-gather of the segments, on the native engine's FIFO
-        (engine given) or comm's FIFO worker over `group`."""
-        full = torch.empty(self.world * self.S, dtype=torch.uint8, device=self.seg.device)
+    def stage(self) -> tuple:
+        """(device segment, its offload.Copy): the host segment's copy to the device, started.
+        Only with a host segment."""
+        dev = torch.empty(self.S, dtype=torch.uint8, device=self.device)
+        return dev, self.host.to_device(dev, self.seg)
+
+    def start_gather(self, engine, group, staged=None) -> tuple:
+        """(handle, full buffer, the device segment it reads): the all-gather of the segments,
+        on the native engine's FIFO (engine given) or comm's FIFO worker over `group`. With a
+        host segment the gather reads its device copy (`staged`: from stage(), else staged
+        now), after waiting for it; the caller keeps that copy until the handle is waited."""
+        seg = self.seg
+        if self.host is not None:
+            seg, copy = staged or self.stage()
+            copy.wait()  # the gather (on the current stream's order) reads what the copy wrote
+        full = torch.empty(self.world * self.S, dtype=torch.uint8, device=self.device)
         if engine is not None:
             return engine.all_gather_into(full.view(torch.float32),
-                                          self.seg.view(torch.float32)), full
-        return Handle.on_worker(_gather_bytes, full, self.seg, group,
-                                f"zero stage 3 frozen all-gather of unit {self.index}"), full
+                                          seg.view(torch.float32)), full, seg
+        return Handle.on_worker(_gather_bytes, full, seg, group,
+                                f"zero stage 3 frozen all-gather of unit {self.index}"), full, seg
 
     def describe(self) -> list[str]:
         return [f"frozen {self.index}:{n}:{tuple(s)}:{e}:{o}:{self.S}"
@@ -135,10 +155,12 @@ def _gather_bytes(full, seg, group, what):
     return full
 
 
-def frozen_units(groups: list, modules: list, world: int, rank: int) -> list[FrozenUnit]:
+def frozen_units(groups: list, modules: list, world: int, rank: int,
+                 host=None) -> list[FrozenUnit]:
     """FrozenUnits of `groups` (lists of (FQN, parameter), stage3.unit_groups' order), each
-    rank's segment filled from the parameters' current (full) values. The parameters are left
-    full: Stage3Model frees them."""
+    rank's segment filled from the parameters' current (full) values; in host memory when
+    `host` (an offload.Host: offload="params") is given. The parameters are left full:
+    Stage3Model frees them."""
     units = []
     for u, (members, mod) in enumerate(zip(groups, modules)):
         offsets, off = [], 0
@@ -148,8 +170,11 @@ def frozen_units(groups: list, modules: list, world: int, rank: int) -> list[Fro
         fu = FrozenUnit(u, [n for n, _ in members], [p for _, p in members],
                         [tuple(p.shape) for _, p in members], [p.numel() for _, p in members],
                         [p.element_size() for _, p in members], offsets, _round_up(off, ALIGN),
-                        world, rank, mod)
-        fu.seg = torch.zeros(fu.S, dtype=torch.uint8, device=members[0][1].device)
+                        world, rank, mod, device=members[0][1].device, host=host)
+        if host is None:
+            fu.seg = torch.zeros(fu.S, dtype=torch.uint8, device=fu.device)
+        else:  # padding zeroed as on the device: the gathered bytes are the same either way
+            fu.seg = host.empty(fu.S, torch.uint8).zero_()
         with torch.no_grad():
             for i, (_, p) in enumerate(members):
                 fu.store(i, p)
