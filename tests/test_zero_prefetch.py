@@ -101,7 +101,22 @@ def test_prefetch_depths_and_offload_are_bitwise_the_reference(pool2):
         assert ref["depth"] == 1
 
 
-def test_prefetch_is_stage3_only():
-    from pyfast.parallel.zero.offload import check_args
-    with pytest.raises(ValueError, match="prefetch must be an int >= 1"):
-        check_args(None, 3, 0, False)
+def _bad(rank, world):
+    from pyfast.parallel import zero
+    errors = []
+    for kw in ({"stage": 2, "prefetch": 2}, {"stage": 2, "offload": "params"},
+               {"stage": 3, "prefetch": 0}):
+        try:
+            zero(nn.Linear(5, 3), torch.optim.AdamW, **kw)
+            errors.append(None)
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
+@pytest.mark.dist
+def test_bad_prefetch_and_offload_are_clear_errors(pool2):
+    for depth, params, zero_depth in pool2.run(_bad):
+        assert "prefetch=2 is how many units stage 3 gathers ahead; stage 2" in depth
+        assert "offload='params' keeps stage 3's parameter shards in host memory" in params
+        assert "prefetch must be an int >= 1" in zero_depth
