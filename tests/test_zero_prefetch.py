@@ -69,7 +69,12 @@ def _run(rank, world, case):
               if p.requires_grad}
     model.free_all()
     model.close()
-    return {"losses": losses, "params": params, "units": len(model._order), **seen}
+    from pyfast.parallel.zero.offload import is_host
+    host = model._host
+    where = {"host_masters": host is not None and all(is_host(s) for s in host.segs),
+             "device_shards": host is not None and host.dsegs is not None,
+             "host_frozen": bool(model.frozen) and all(is_host(f.seg) for f in model.frozen)}
+    return {"losses": losses, "params": params, "units": len(model._order), **seen, **where}
 
 
 def _cases(rank, world, cases):
@@ -82,9 +87,23 @@ def _equal(a, b, what):
         assert torch.equal(v, b["params"][n]), f"{what}: {n}"
 
 
+P = {"offload": "params"}
+C8 = {"compressor": "int8", "param_compressor": "bf16"}
 CASES = {**{f"prefetch{n}": {"zero": {"prefetch": n}} for n in (1, 2)},
          # untied: 4 units (embed, 2 blocks, head), so depth 3 is reached
-         **{f"untied{n}": {"zero": {"prefetch": n}, "tied": False} for n in (1, 3)}}
+         **{f"untied{n}": {"zero": {"prefetch": n}, "tied": False} for n in (1, 3)},
+         # offload="params" against the same without offload
+         "params1": {"zero": {**P}}, "params2": {"zero": {**P, "prefetch": 2}},
+         "c8": {"zero": {**C8}}, "c8_params2": {"zero": {**C8, **P, "prefetch": 2}},
+         # the delayed update: "params" against "optimizer" (its own reference: offopt's tests)
+         "delay_opt": {"zero": {"offload": "optimizer", "delay": True}},
+         "delay_params": {"zero": {**P, "delay": True}},
+         # LoRA, the frozen base stored nf4 / bf16 and sharded, on the host with "params"
+         **{f"{f}{o}": {"lora": f, "zero": {"frozen": "shard", **(P if o else {}),
+                                             "prefetch": 2 if f == "nf4" else 1}}
+            for f in ("nf4", "bf16") for o in ("", "_params")}}
+PAIRS = [("params1", "prefetch1"), ("params2", "prefetch1"), ("c8_params2", "c8"),
+         ("delay_params", "delay_opt"), ("nf4_params", "nf4"), ("bf16_params", "bf16")]
 
 
 @pytest.mark.dist
@@ -99,6 +118,17 @@ def test_prefetch_depths_and_offload_are_bitwise_the_reference(pool2):
             if base is not None:
                 _equal(got, base, name)
         assert ref["depth"] == 1
+        for name, base in PAIRS:
+            got = res[name]
+            _equal(got, res[base], f"{name} vs {base}")
+            # the path ran: host masters, no device shard, the frozen base's segments on the
+            # host; gathers read host copies staged ahead wherever a unit lies more than
+            # prefetch + 1 places ahead of another (3 units tied, 4 with LoRA)
+            assert got["host_masters"] and not got["device_shards"], name
+            assert got["host_frozen"] == (name in ("nf4_params", "bf16_params")), name
+            depth = CASES[name]["zero"].get("prefetch", 1)
+            assert (got["staged"] > 0) == (got["units"] > depth + 1), (name, got["staged"])
+        assert res["delay_opt"]["device_shards"] and not res["nf4"]["host_frozen"]
 
 
 def _bad(rank, world):

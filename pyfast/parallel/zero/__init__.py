@@ -51,7 +51,8 @@ from pyfast.comm.buckets import (BUCKET_MB, ENGINES, broadcast_state, check_para
 from pyfast.comm.engine import NativeEngine, status as native_status
 
 from .hybrid import Replicas, check_replicas
-from .frozen import MODES as FROZEN_MODES, check_frozen, frozen_named, frozen_units
+from .frozen import (MODES as FROZEN_MODES, check_frozen, frozen_named, frozen_units,
+                     segment_bytes)
 from .layout import Layout, ParamShard, Unit, bucket_groups, shard_range, shard_size
 from .meshes import check_pipeline, coords, tp_flags
 from .model import ZeroModel
@@ -196,8 +197,6 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
     if prefetch != 1 and stage != 3:
         raise ValueError(f"prefetch={prefetch} is how many units stage 3 gathers ahead; stage "
                          f"{stage} has no per-unit gather (leave prefetch=1)")
-    if offload is not None:  # the lead's placeholder until the offload helpers land it
-        raise NotImplementedError("zero(offload=...) is being built (issue 34)")
     if units is not None and stage != 3:
         raise ValueError(f"units= chooses stage 3's gathered modules; stage {stage} buckets "
                          "by bucket_mb")
@@ -232,12 +231,18 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
         groups, mods = unit_groups(module, named, units)
         layout = Layout(groups, world, rank, align, modules=mods)
         fgroups, fmods = unit_groups(module, fnamed, units) if fnamed else ([], [])
-        funits = frozen_units(fgroups, fmods, world, rank,
-                              off.host if off is not None and off.mode == "params" else None)
     else:
-        funits = []
+        fgroups, fmods = [], []
         layout = Layout(bucket_groups(named, bucket_mb or BUCKET_MB, world, align),
                         world, rank, align)
+    fhost = off is not None and off.mode == "params"  # the frozen segments on the host too
+    if off is not None:  # host memory short: OffloadError on every rank, before allocating
+        from .offload_step import check as check_host
+        problem = check_host(layout, off, optim_cls,
+                             segment_bytes(fgroups, world) if fhost else 0)
+        for g in ([replica_group] if replicas is not None else []) + [group]:
+            agree(None, problem, g, what="zero", device=named[0][1].device)
+    funits = frozen_units(fgroups, fmods, world, rank, off.host if fhost else None)
     described = ([f"stage {stage}", f"compressor {c.spec}", f"param_compressor {param_compressor}"]
                  + (replicas.describe() if replicas is not None else [])
                  + coords(tp_group, pp_group) + [f"offload {offload} {prefetch} {delay}"]

@@ -155,6 +155,21 @@ def _gather_bytes(full, seg, group, what):
     return full
 
 
+def _offsets(members: list, world: int) -> tuple[list, int]:
+    """(each piece's byte offset in a segment, the segment's bytes S) of one unit's members."""
+    offsets, off = [], 0
+    for _, p in members:
+        offsets.append(off)
+        off = _round_up(off + shard_size(p.numel(), world) * p.element_size(), ALIGN)
+    return offsets, _round_up(off, ALIGN)
+
+
+def segment_bytes(groups: list, world: int) -> int:
+    """The bytes of a rank's segments for these groups (before frozen_units allocates them:
+    offload="params"'s host-memory check counts them)."""
+    return sum(_offsets(members, world)[1] for members in groups)
+
+
 def frozen_units(groups: list, modules: list, world: int, rank: int,
                  host=None) -> list[FrozenUnit]:
     """FrozenUnits of `groups` (lists of (FQN, parameter), stage3.unit_groups' order), each
@@ -163,13 +178,10 @@ def frozen_units(groups: list, modules: list, world: int, rank: int,
     Stage3Model frees them."""
     units = []
     for u, (members, mod) in enumerate(zip(groups, modules)):
-        offsets, off = [], 0
-        for _, p in members:
-            offsets.append(off)
-            off = _round_up(off + shard_size(p.numel(), world) * p.element_size(), ALIGN)
+        offsets, S = _offsets(members, world)
         fu = FrozenUnit(u, [n for n, _ in members], [p for _, p in members],
                         [tuple(p.shape) for _, p in members], [p.numel() for _, p in members],
-                        [p.element_size() for _, p in members], offsets, _round_up(off, ALIGN),
+                        [p.element_size() for _, p in members], offsets, S,
                         world, rank, mod, device=members[0][1].device, host=host)
         if host is None:
             fu.seg = torch.zeros(fu.S, dtype=torch.uint8, device=fu.device)

@@ -193,21 +193,29 @@ class Stage3Model(ZeroModel):
         hs, fulls = [], [None, None, None]
         staged = self._staged.pop(g.index, {})
         if g.t is not None:
-            h, fulls[0] = self._start_gather(g.t, self.param_compressor)
+            seg = None
+            if self._host_params:  # no device shard: its host copy, staged or now
+                seg, copy = staged.get("t") or self._host.stage(g.t)
+                copy.wait()  # the gather reads what the copy wrote
+            h, fulls[0] = self._start_gather(g.t, self.param_compressor, seg)
+            fulls[2] = [seg]  # kept until gathered (the frozen segment joins it below)
             hs.append(h)
         if g.f is not None:
             native = self.engine_kind["all_gather"] == "native"
-            h, fulls[1], fulls[2] = g.f.start_gather(self._engine if native else None,
-                                                     self.group, staged.get("f"))
+            h, fulls[1], fseg = g.f.start_gather(self._engine if native else None,
+                                                 self.group, staged.get("f"))
+            fulls[2] = (fulls[2] or []) + [fseg]
             hs.append(h)
         return Handle.of_all(hs), fulls
 
     def _stage(self, g) -> None:
-        """offload="params": start g's host -> device copies (its frozen segment) now, ahead of
-        its gather, unless g is gathered, being gathered or staged already."""
+        """offload="params": start g's host -> device copies (its trainable shards' segment
+        and its frozen segment) now, ahead of its gather, unless g is gathered, being gathered
+        or staged already."""
         if (self._host_params and not self._gathered[g.index] and g.index not in self._gathering
                 and g.index not in self._staged):
-            self._staged[g.index] = {"f": g.f.stage() if g.f is not None else None}
+            self._staged[g.index] = {"t": self._host.stage(g.t) if g.t is not None else None,
+                                     "f": g.f.stage() if g.f is not None else None}
 
     def _fill(self, p, shape, write) -> None:
         """p.data <- its full tensor (the same storage each time, refilled), written by write."""
