@@ -51,7 +51,7 @@ def _run(rank, world, case):
         seen["depth"] = max(seen["depth"], len(model._gathering))
 
     def watched_start(g):
-        seen["staged"] += g.index in model._staged
+        seen["staged"] += g.index in model._copies
         return start(g)
     model.prefetch, model._start = watched_prefetch, watched_start
     losses = []
@@ -150,3 +150,41 @@ def test_bad_prefetch_and_offload_are_clear_errors(pool2):
         assert "prefetch=2 is how many units stage 3 gathers ahead; stage 2" in depth
         assert "offload='params' keeps stage 3's parameter shards in host memory" in params
         assert "prefetch must be an int >= 1" in zero_depth
+
+
+def test_auto_base_placement_shards_under_params_offload():
+    from pyfast.parallel.zero.frozen import decide
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3))
+    m[0].requires_grad_(False)  # a tiny frozen base: auto would replicate it on the device
+    assert decide(m, "auto", "nf4", 2, "cpu")[0] == "replicate"
+    mode, note = decide(m, "auto", "nf4", 2, "cpu", host=True)
+    assert mode == "shard" and "--offload params keeps the sharded base in host memory" in note
+    assert decide(m, "replicate", "nf4", 2, "cpu", host=True)[0] == "replicate"  # as asked
+
+
+def test_dry_run_counts_the_offloaded_shards_as_host_bytes():
+    """The dry run (meta tensors, the fake group): under offload="params" the trainable shards
+    (and a LoRA's sharded nf4 base) are host bytes and no device shard is left; "optimizer"
+    keeps the fp32 device shard as stage 3's gather source."""
+    from pyfast.train.config import TrainConfig, build_model
+    from pyfast.train.dryrun import dry_run
+
+    def rows(**kw):
+        c = TrainConfig(**{"model": "gpt-tiny", "dp": 2, "zero": 3, **kw})
+        return c, dry_run(c, 2, [0])[0]
+    c, opt = rows(offload="optimizer")
+    _, par = rows(offload="params", offload_prefetch=2)
+    n = sum(p.numel() for p in build_model(c, 256, "meta").parameters())
+    shard = 4 * n / 2  # this rank's fp32 shard
+    # host: master + gradient + AdamW's two moments of the shard, + torch AdamW's foreach
+    # temporaries during the host step (measured 4.37 shards at the peak on gpt-tiny)
+    for r in (opt, par):
+        assert 4 * shard <= r["host_bytes"] <= 4.5 * shard, r
+    # "optimizer": the fp32 device copy of the shard, the gathers' source (a kept buffer,
+    # filed under comm_buffers); "params": none, the device peak lower by that much
+    assert opt["comm_buffers"] >= shard and par["comm_buffers"] < 0.01 * shard, (opt, par)
+    assert opt["peak_bytes"] - par["peak_bytes"] >= shard, (opt, par)
+    _, base = rows(lora=8, base_dtype="nf4", base_placement="shard", offload="params")
+    _, dev = rows(lora=8, base_dtype="nf4", base_placement="shard")
+    # the sharded nf4 base's segments move from the device to the host
+    assert base["host_bytes"] > dev["host_bytes"] and base["peak_bytes"] < dev["peak_bytes"]

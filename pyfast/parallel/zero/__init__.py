@@ -172,8 +172,11 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
 
     offload, prefetch, delay (offload.py): None (everything on the device), "optimizer"
     (ZeRO-Offload: the fp32 master shards, their gradients and the optimizer state in host
-    memory, the step on the host) or "params" (stage 3: the parameter shards too, fetched
-    `prefetch` units ahead of their gather); delay=True: the one-step delayed update."""
+    memory, the step on the host) or "params" (stage 3: no device shard; each unit's host
+    shard, and with frozen="shard" its frozen segment, copied to the device `prefetch` units
+    ahead of its gather); delay=True: the one-step delayed update. prefetch (stage 3, any
+    offload): the units whose all-gathers run ahead of the one computing (up to prefetch + 1
+    units gathered at once; bitwise the same results for any depth); stages 1/2: 1 only."""
     if not dist.is_initialized():
         raise RuntimeError("zero needs torch.distributed initialized "
                            "(torchrun + dist.init_process_group)")

@@ -242,11 +242,16 @@ def summary(mode: str, fmt: str, frozen_bytes: int, world: int, why: str) -> str
             f"{frozen_bytes / 2**20:.1f} ({why})")
 
 
-def decide(module, requested: str, fmt: str, world: int, device) -> tuple[str, str]:
+def decide(module, requested: str, fmt: str, world: int, device,
+           host: bool = False) -> tuple[str, str]:
     """The job's zero(frozen=...) for --base-placement `requested` and its log line: the frozen
     bytes of `module` whole, the rest a rank's ZeRO-3 state of the trainable ones (16 bytes a
-    parameter over W: fp32 master, gradient, two Adam moments), the budget memory_budget()."""
+    parameter over W: fp32 master, gradient, two Adam moments), the budget memory_budget().
+    host (--offload params): auto shards, since only a sharded base lives in host memory."""
     frozen = sum(p.numel() * p.element_size() for p in module.parameters() if not p.requires_grad)
+    if requested == "auto" and host and world > 1:
+        return "shard", summary("shard", fmt if fmt != "none" else "as built", frozen, world,
+                                "auto: --offload params keeps the sharded base in host memory")
     rest = 16 * sum(p.numel() for p in module.parameters() if p.requires_grad) // world
     mode, why = choose_placement(requested, frozen, rest, world,
                                  memory_budget(device) if requested == "auto" else (0, ""))

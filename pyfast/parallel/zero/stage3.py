@@ -141,10 +141,10 @@ class Stage3Model(ZeroModel):
         self._of_t = {g.t.index: g for g in self.units if g.t is not None}
         self._order: list[int] = []   # forward order of the units, recorded on the first forward
         self._recorded = False
-        self._gathering: dict[int, tuple] = {}  # unit -> (handle, [full, frozen full, seg])
+        self._gathering: dict[int, tuple] = {}  # unit -> (handle, [full, frozen full, segs])
         # offload="params": unit -> its started host -> device copies, not yet gathered (_stage)
         self._host_params = offload is not None and offload.mode == "params"
-        self._staged: dict[int, dict] = {}
+        self._copies: dict[int, dict] = {}
         self._gathered = [False] * len(self.units)
         self._full: dict[int, torch.Tensor] = {}  # parameter -> its full tensor (see free)
         self._root = [g for g in self.units if g.module is None]
@@ -188,33 +188,33 @@ class Stage3Model(ZeroModel):
 
     def _start(self, g) -> tuple:
         """Start g's all-gathers, trainable then frozen (one FIFO, the same order everywhere):
-        (handle, [full, frozen full, the device segments they read]); with offload="params"
-        from the host copies staged for g (_stage), or staged now."""
-        hs, fulls = [], [None, None, None]
-        staged = self._staged.pop(g.index, {})
+        (handle, [full, frozen full, the device segments they read...]); with
+        offload="params" from the host copies staged for g (_stage), or staged now."""
+        hs, fulls, segs = [], [None, None], []
+        staged = self._copies.pop(g.index, {})
         if g.t is not None:
             seg = None
             if self._host_params:  # no device shard: its host copy, staged or now
                 seg, copy = staged.get("t") or self._host.stage(g.t)
                 copy.wait()  # the gather reads what the copy wrote
             h, fulls[0] = self._start_gather(g.t, self.param_compressor, seg)
-            fulls[2] = [seg]  # kept until gathered (the frozen segment joins it below)
+            segs.append(seg)  # kept until gathered (None: made by _start_gather)
             hs.append(h)
         if g.f is not None:
             native = self.engine_kind["all_gather"] == "native"
             h, fulls[1], fseg = g.f.start_gather(self._engine if native else None,
                                                  self.group, staged.get("f"))
-            fulls[2] = (fulls[2] or []) + [fseg]
+            segs.append(fseg if g.f.host is not None else None)  # (else: its own seg)
             hs.append(h)
-        return Handle.of_all(hs), fulls
+        return Handle.of_all(hs), fulls + [t for t in segs if t is not None]
 
     def _stage(self, g) -> None:
         """offload="params": start g's host -> device copies (its trainable shards' segment
         and its frozen segment) now, ahead of its gather, unless g is gathered, being gathered
         or staged already."""
         if (self._host_params and not self._gathered[g.index] and g.index not in self._gathering
-                and g.index not in self._staged):
-            self._staged[g.index] = {"t": self._host.stage(g.t) if g.t is not None else None,
+                and g.index not in self._copies):
+            self._copies[g.index] = {"t": self._host.stage(g.t) if g.t is not None else None,
                                      "f": g.f.stage() if g.f is not None else None}
 
     def _fill(self, p, shape, write) -> None:
@@ -232,7 +232,7 @@ class Stage3Model(ZeroModel):
         """Unit g's parameters full (from its prefetch if one is in flight)."""
         if self._gathered[g.index]:
             return
-        h, (full, ffull, _) = self._gathering.pop(g.index, None) or self._start(g)
+        h, (full, ffull, *_) = self._gathering.pop(g.index, None) or self._start(g)
         with self._breaker.guard(f"zero stage 3 all-gather of unit {g.index}"):
             h.wait()
         with torch.no_grad():
@@ -275,7 +275,14 @@ class Stage3Model(ZeroModel):
         for h, _ in self._gathering.values():
             h.wait()
         self._gathering.clear()
-        self._staged.clear()  # host copies never gathered (a no_grad forward's): dropped
+        # host copies staged and never gathered (a no_grad forward's) are dropped, the current
+        # stream first ordered after them: the host writes the masters only after waiting for
+        # work queued behind (the step's device -> host gradient copies), never under a copy
+        for staged in self._copies.values():
+            for seg_copy in staged.values():
+                if seg_copy is not None:
+                    seg_copy[1].wait()
+        self._copies.clear()
         for g in self.units:
             self.free(g)
 
