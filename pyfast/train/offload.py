@@ -25,9 +25,9 @@ def add_flags(p: argparse.ArgumentParser, d) -> None:
                         "gradients on the host while step N+1 runs (parameters one step stale)")
 
 
-def check(cfg) -> None:
-    """ConfigError for --offload* flags that zero() would refuse, told by flag."""
-    from .config import ConfigError
+def check(cfg, ConfigError=ValueError) -> None:
+    """ConfigError (config.py's, passed in: config imports this module) for --offload* flags
+    that zero() would refuse, told by flag."""
     off = cfg.offload
     if off not in MODES:
         raise ConfigError(f"--offload {off!r}: one of {', '.join(MODES)}")
