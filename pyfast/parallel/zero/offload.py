@@ -165,6 +165,13 @@ class Host:
         src.record_stream(s)  # the allocator must not reuse src before the copy read it
         return Copy(s.record_event(), True, self.device)
 
+    def settle_h2d(self) -> None:
+        """Block the host until every host -> device copy issued so far has read its source:
+        before the host writes those buffers again (the next host step). A no-op off CUDA."""
+        s = self._streams.get("h2d")
+        if s is not None:
+            s.synchronize()
+
     def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> Copy:
         """Copy host buffer src into device tensor dst; wait() before the device reads dst (the
         current stream waits on the copy's event; the host does not block)."""

@@ -275,13 +275,10 @@ class Stage3Model(ZeroModel):
         for h, _ in self._gathering.values():
             h.wait()
         self._gathering.clear()
-        # host copies staged and never gathered (a no_grad forward's) are dropped, the current
-        # stream first ordered after them: the host writes the masters only after waiting for
-        # work queued behind (the step's device -> host gradient copies), never under a copy
-        for staged in self._copies.values():
-            for seg_copy in staged.values():
-                if seg_copy is not None:
-                    seg_copy[1].wait()
+        # host copies staged and never gathered (a no_grad forward's) are dropped: their
+        # device segments are the allocator's once the copies ran (Host.to_device records
+        # them on its stream), and the host step waits for that stream before it writes the
+        # masters they read (Host.settle_h2d)
         self._copies.clear()
         for g in self.units:
             self.free(g)
