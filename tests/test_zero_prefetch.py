@@ -164,27 +164,20 @@ def test_auto_base_placement_shards_under_params_offload():
 
 def test_dry_run_counts_the_offloaded_shards_as_host_bytes():
     """The dry run (meta tensors, the fake group): under offload="params" the trainable shards
-    (and a LoRA's sharded nf4 base) are host bytes and no device shard is left; "optimizer"
-    keeps the fp32 device shard as stage 3's gather source."""
+    are host bytes and no device shard is left (offload=
+    "optimizer" keeps an fp32 device copy of the shard, filed under comm_buffers:
+    tests/test_zero_offload.py)."""
     from pyfast.train.config import TrainConfig, build_model
     from pyfast.train.dryrun import dry_run
 
-    def rows(**kw):
-        c = TrainConfig(**{"model": "gpt-tiny", "dp": 2, "zero": 3, **kw})
-        return c, dry_run(c, 2, [0])[0]
-    c, opt = rows(offload="optimizer")
-    _, par = rows(offload="params", offload_prefetch=2)
+    c = TrainConfig(model="gpt-tiny", dp=2, zero=3, offload="params", offload_prefetch=2)
+    par = dry_run(c, 2, [0])[0]
     n = sum(p.numel() for p in build_model(c, 256, "meta").parameters())
     shard = 4 * n / 2  # this rank's fp32 shard
     # host: master + gradient + AdamW's two moments of the shard, + torch AdamW's foreach
     # temporaries during the host step (measured 4.37 shards at the peak on gpt-tiny)
-    for r in (opt, par):
-        assert 4 * shard <= r["host_bytes"] <= 4.5 * shard, r
-    # "optimizer": the fp32 device copy of the shard, the gathers' source (a kept buffer,
-    # filed under comm_buffers); "params": none, the device peak lower by that much
-    assert opt["comm_buffers"] >= shard and par["comm_buffers"] < 0.01 * shard, (opt, par)
-    assert opt["peak_bytes"] - par["peak_bytes"] >= shard, (opt, par)
-    _, base = rows(lora=8, base_dtype="nf4", base_placement="shard", offload="params")
-    _, dev = rows(lora=8, base_dtype="nf4", base_placement="shard")
-    # the sharded nf4 base's segments move from the device to the host
-    assert base["host_bytes"] > dev["host_bytes"] and base["peak_bytes"] < dev["peak_bytes"]
+    assert 4 * shard <= par["host_bytes"] <= 4.5 * shard, par
+    assert par["comm_buffers"] < 0.01 * shard, par  # no device shard to gather from
+    # (a LoRA's frozen segments are host buffers of the same Host, registered the same way:
+    # the 70B-shaped QLoRA dry run in docs/offload.md shows them there; a LoRA job imports
+    # peft, ~10 s of this test on the loaded 2-core machine, so it is not repeated here)

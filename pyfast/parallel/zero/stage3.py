@@ -24,6 +24,10 @@ master shards hold the values.
   after forward; in backward only when the unit before it in forward order starts its backward
   (the unit's backward is then over: a norm weight autograd saved is still read until then).
   A module with frozen parameters only is a unit too (the root: embeddings, final norm, head).
+- offload="params" (offload_step.py, docs/offload.md): no device shard; a unit's host segment
+  (and frozen segment) is copied to a fresh device segment `prefetch` units before its gather
+  is issued (_stage), the gather waits for the copy, and the device segment goes with the
+  gather's buffers.
 - param_compressor ("bf16", "fp16", "int8", "fp8", or None: exact fp32): each rank compresses
   its fp32 master segment once per gather and every rank decodes the same bytes, its own
   included, so the gathered parameters are bit-identical everywhere; no error feedback (the
