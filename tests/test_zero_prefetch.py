@@ -59,6 +59,8 @@ def _run(rank, world, case):
         x, y = _data(s, rank)
         loss = nn.functional.cross_entropy(model(x).reshape(-1, V), y.reshape(-1))
         loss.backward()
+        if case.get("clip"):  # the global norm over the host gradient shards, then the clip
+            opt.clip_grad_norm_(case["clip"])
         opt.step()
         opt.zero_grad()
         t = loss.detach().clone()
@@ -94,7 +96,8 @@ CASES = {**{f"prefetch{n}": {"zero": {"prefetch": n}} for n in (1, 2)},
          **{f"untied{n}": {"zero": {"prefetch": n}, "tied": False} for n in (1, 3)},
          # offload="params" against the same without offload
          "params1": {"zero": {**P}}, "params2": {"zero": {**P, "prefetch": 2}},
-         "c8": {"zero": {**C8}}, "c8_params2": {"zero": {**C8, **P, "prefetch": 2}},
+         "c8": {"zero": {**C8}, "clip": 0.5},
+         "c8_params2": {"zero": {**C8, **P, "prefetch": 2}, "clip": 0.5},
          # the delayed update: "params" against "optimizer" (its own reference: offopt's tests)
          "delay_opt": {"zero": {"offload": "optimizer", "delay": True}},
          "delay_params": {"zero": {**P, "delay": True}},
