@@ -184,3 +184,52 @@ def test_dry_run_counts_the_offloaded_shards_as_host_bytes():
     # (a LoRA's frozen segments are host buffers of the same Host, registered the same way:
     # the 70B-shaped QLoRA dry run in docs/offload.md shows them there; a LoRA job imports
     # peft, ~10 s of this test on the loaded 2-core machine, so it is not repeated here)
+
+
+def _resume(rank, world, root):
+    """Save after step 1 with offload="params" and load without (and the reverse), step 2: the
+    full state bitwise that of a run that never stopped (DCP holds the host shards as if they
+    were on the device)."""
+    from pyfast.parallel import zero
+    from pyfast.parallel.zero import checkpoint as ck
+
+    def step(model, opt, s):
+        x, y = _data(s, rank)
+        nn.functional.cross_entropy(model(x).reshape(-1, V), y.reshape(-1)).backward()
+        opt.step()
+        opt.zero_grad()
+
+    def flat(sd):  # the parameters and every AdamW state tensor (step, moments)
+        out = {f"model.{k}": v for k, v in sd["model"].items()}
+        for fqn, st in sd["optim"]["state"].items():
+            out.update({f"optim.{fqn}.{k}": v for k, v in st.items()
+                        if isinstance(v, torch.Tensor)})
+        return out
+    model, opt = zero(_build(), torch.optim.AdamW, stage=3, lr=LR, weight_decay=0.1)
+    for s in range(STEPS):
+        step(model, opt, s)
+    never = flat(ck.full_state_dict(model, opt))
+    model.close()
+    bad = {}
+    for saved, loaded in (("params", None), (None, "params")):
+        path = f"{root}/{saved}"
+        model, opt = zero(_build(), torch.optim.AdamW, stage=3, offload=saved, lr=LR,
+                          weight_decay=0.1)
+        step(model, opt, 0)
+        ck.save(path, model, opt)
+        model.close()
+        model, opt = zero(_build(), torch.optim.AdamW, stage=3, offload=loaded, lr=LR,
+                          weight_decay=0.1)
+        ck.load(path, model, opt)
+        step(model, opt, 1)
+        got = flat(ck.full_state_dict(model, opt))
+        model.close()
+        bad[f"{saved}->{loaded}"] = sorted(set(got) ^ set(never)) + \
+            [k for k in never if k in got and not torch.equal(got[k], never[k])]
+    return bad, sum(k.startswith("optim.") for k in never)
+
+
+@pytest.mark.dist
+def test_checkpoint_resumes_across_params_offload_bit_exact(pool2, tmp_path):
+    for bad, n in pool2.run(_resume, str(tmp_path)):
+        assert n > 0 and bad == {"params->None": [], "None->params": []}, bad
