@@ -96,7 +96,8 @@ class Host:
 
     def __init__(self, device):
         self.device = torch.device(device)
-        self.host = torch.device("meta") if self.device.type == "meta" else torch.device("cpu")
+        host = "cpu"  # cpu-literal: host memory is what offload is for (meta on a dry run)
+        self.host = torch.device("meta" if self.device.type == "meta" else host)
         self.pin = self.device.type == "cuda"
         self._streams: dict[str, object] = {}
 
