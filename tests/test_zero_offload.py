@@ -42,8 +42,8 @@ def _run(rank, stage, compressor, offload, clip, optim=torch.optim.AdamW, delay=
          steps=STEPS, **kw):
     """(losses, full state dict) after `steps` steps of zero() on gpt-tiny."""
     from pyfast.parallel.zero import checkpoint as ck, zero
-    opts = dict(lr=1e-3, weight_decay=0.1) if optim is torch.optim.AdamW else \
-        dict(lr=0.05, momentum=0.9)
+    opts = dict(lr=0.05, momentum=0.9) if optim is torch.optim.SGD else \
+        dict(lr=1e-3, weight_decay=0.1)
     model, opt = zero(_gpt(), optim, stage=stage, compressor=compressor, offload=offload,
                       delay=delay, **opts, **kw)
     losses = []
@@ -117,18 +117,29 @@ def _reference(world, delay):
 
 
 def _host_short(rank, world):
-    """Rank 1 sees no free host memory: OffloadError on both ranks (no hang), naming GiB."""
+    """Rank 1 sees no free host memory, then rank 1's pinned allocation is refused (a CPU build
+    of torch refuses pin_memory=True: Host.empty's own conversion runs): OffloadError on both
+    ranks each time (no hang), naming GiB."""
     from pyfast.parallel.zero import offload, zero
-    saved = offload.available_bytes
-    if rank == 1:
-        offload.available_bytes = lambda: 0
-    try:
-        zero(_gpt(), torch.optim.AdamW, stage=2, offload="optimizer")
-    except offload.OffloadError as e:
-        return str(e)
-    finally:
-        offload.available_bytes = saved
-    return None
+    got = []
+    saved, init = offload.available_bytes, offload.Host.__init__
+
+    def pinned(self, device):
+        init(self, device)
+        self.pin = True
+    for patch in ("memory", "pin"):
+        if rank == 1 and patch == "memory":
+            offload.available_bytes = lambda: 0
+        if rank == 1 and patch == "pin":
+            offload.Host.__init__ = pinned
+        try:
+            zero(_gpt(), torch.optim.AdamW, stage=2, offload="optimizer")
+            got.append(None)
+        except offload.OffloadError as e:
+            got.append(str(e))
+        finally:
+            offload.available_bytes, offload.Host.__init__ = saved, init
+    return got
 
 
 def test_offload_equals_no_offload_and_delay_reference(pool2):
@@ -145,8 +156,9 @@ def test_offload_equals_no_offload_and_delay_reference(pool2):
             torch.testing.assert_close(sd[name], p.detach(), atol=1e-6, rtol=0,
                                        msg=lambda m: f"stage {stage} {name}: {m}")
         assert max((sd[n] - p).abs().max().item() for n, p in plain.items()) > 1e-3
-    errs = pool2.run(_host_short)
-    assert all(e is not None and "GiB" in e and "host memory" in e for e in errs), errs
+    for short, pin in pool2.run(_host_short):
+        assert short is not None and "GiB" in short and "host memory" in short, short
+        assert pin is not None and "pinned host memory refused" in pin and "GiB" in pin, pin
 
 
 def _resume(rank, world, root):
