@@ -86,6 +86,8 @@ def fake_checkpoint(out, step, **key):
                                                       "tune --offload"),
     (["--dp", "2", "--zero", "3", "--offload", "params", "--offload-prefetch", "0"],
      "--offload-prefetch must be >= 1, got 0"),
+    (["--dp", "2", "--zero", "2", "--offload", "optimizer", "--offload-prefetch", "2"],
+     "--offload-prefetch 2: how many units stage 3 gathers ahead; --zero 2 has no"),
 ])
 def test_bad_flags_fail_before_any_rank_starts(tmp_path, capsys, flags, message):
     assert main(TINY + ["--out", str(tmp_path)] + flags) == 2

@@ -54,7 +54,11 @@ PYFAST = {"pyfast zero1": dict(stage=1), "pyfast zero2": dict(stage=2),
 CONFIGS = [*PEERS, *PYFAST]
 # `pyfast bench zero_offload` (zero_offload.py): known to the workers, not in the default CONFIGS
 OFFLOAD = {"pyfast zero2 offload": dict(stage=2, offload="optimizer"),
-           "pyfast zero2 offload delay": dict(stage=2, offload="optimizer", delay=True)}
+           "pyfast zero2 offload delay": dict(stage=2, offload="optimizer", delay=True),
+           # stage 3's parameter offload (docs/offload.md): bench/results/zero3_offload_params*
+           "pyfast zero3 offload": dict(stage=3, offload="optimizer"),
+           "pyfast zero3 offload params": dict(stage=3, offload="params"),
+           "pyfast zero3 offload params p2": dict(stage=3, offload="params", prefetch=2)}
 PYFAST.update(OFFLOAD)
 STAGE = {"torch DDP": 0, "torch DDP+ZeroRedundancyOptimizer": 1, "torch FSDP2": 3,
          **{k: v["stage"] for k, v in PYFAST.items()}}

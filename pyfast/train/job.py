@@ -213,7 +213,8 @@ class Job:
             if cfg.zero == 3 and cfg.lora:
                 frozen, self.frozen_note = decide_frozen(module, cfg.base_placement,
                                                          cfg.base_dtype,
-                                                         self.shard_size or cfg.dp * cfg.cp, device)
+                                                         self.shard_size or cfg.dp * cfg.cp, device,
+                                                         host=cfg.offload == "params")
             # hybrid (--zero-shard-group): --compress is the cross-group all-reduce's, the
             # reduce-scatter inside the group exact (docs/zero.md, "Hybrid sharding")
             hybrid = self.shard_size is not None

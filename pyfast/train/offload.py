@@ -17,7 +17,9 @@ def add_flags(p: argparse.ArgumentParser, d) -> None:
                         "state in host memory, the step on the host (ZeRO-Offload); params "
                         "(--zero 3): the parameter shards too (none: off)")
     g.add_argument("--offload-prefetch", type=int, default=d.offload_prefetch, metavar="N",
-                   help="--offload params: units fetched host -> device ahead of their gather")
+                   help="--zero 3: units all-gathered ahead of the one computing (up to N + 1 "
+                        "gathered at once); --offload params copies each host -> device N "
+                        "units before its gather")
     g.add_argument("--offload-delay", action="store_true", default=d.offload_delay,
                    help="ZeRO-Offload's one-step delayed update: step N applies step N-1's "
                         "gradients on the host while step N+1 runs (parameters one step stale)")
@@ -42,6 +44,9 @@ def problem(cfg) -> str | None:
                 "--zero 3)")
     if cfg.offload_prefetch < 1:
         return f"--offload-prefetch must be >= 1, got {cfg.offload_prefetch}"
+    if cfg.offload_prefetch != 1 and cfg.zero != 3:
+        return (f"--offload-prefetch {cfg.offload_prefetch}: how many units stage 3 gathers "
+                f"ahead; --zero {cfg.zero} has no per-unit gather")
     if cfg.offload_delay and cfg.precision == "fp16":
         return ("--offload-delay with --precision fp16: the loss scaler decides a step's skip "
                 "from gradients the delayed step applies a step later; use bf16 or fp32")

@@ -24,8 +24,9 @@ tests/test_zero.py): DataParallel 16 psi bytes (params, grads, two Adam moments)
 shard being a view of the parameter itself (16-bit parameters keep a separate fp32 master:
 + 4 psi / N); stage 2 differs from stage 1 in the peak during backward (full gradients of the
 units not yet reduced instead of all of them). Stage 3: 16 psi / N (master, gradient and state
-shards) between steps; while a unit runs, + its gathered parameters and the prefetched next one
-(the issue's "+ the largest gathered module", at most twice that with the prefetch).
+shards) between steps; while a unit runs, + its gathered parameters and the prefetched next ones
+(the issue's "+ the largest gathered module": at most prefetch + 1 times that, prefetch=1 the
+default).
 
 Notes: `pyfast.parallel.zero` is the function (the issue's interface); reach the submodules with
 `from pyfast.parallel.zero import layout` (an `import pyfast.parallel.zero.layout as x`
@@ -52,7 +53,8 @@ from pyfast.comm.buckets import (BUCKET_MB, ENGINES, broadcast_state, check_para
 from pyfast.comm.engine import NativeEngine, status as native_status
 
 from .hybrid import Replicas, check_replicas
-from .frozen import MODES as FROZEN_MODES, check_frozen, frozen_named, frozen_units
+from .frozen import (MODES as FROZEN_MODES, check_frozen, frozen_named, frozen_units,
+                     segment_bytes)
 from .layout import Layout, ParamShard, Unit, bucket_groups, shard_range, shard_size
 from .meshes import check_pipeline, coords, tp_flags
 from .model import ZeroModel
@@ -172,8 +174,11 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
 
     offload, prefetch, delay (offload.py): None (everything on the device), "optimizer"
     (ZeRO-Offload: the fp32 master shards, their gradients and the optimizer state in host
-    memory, the step on the host) or "params" (stage 3: the parameter shards too, fetched
-    `prefetch` units ahead of their gather); delay=True: the one-step delayed update."""
+    memory, the step on the host) or "params" (stage 3: no device shard; each unit's host
+    shard, and with frozen="shard" its frozen segment, copied to the device `prefetch` units
+    ahead of its gather); delay=True: the one-step delayed update. prefetch (stage 3, any
+    offload): the units whose all-gathers run ahead of the one computing (up to prefetch + 1
+    units gathered at once; bitwise the same results for any depth); stages 1/2: 1 only."""
     if not dist.is_initialized():
         raise RuntimeError("zero needs torch.distributed initialized "
                            "(torchrun + dist.init_process_group)")
@@ -194,8 +199,9 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
                          f"gathers; stage {stage} keeps them whole on every rank "
                          "(frozen='replicate')")
     check_offload(offload, stage, prefetch, delay)
-    if offload == "params":  # stage 3's parameter offload: helper "offz3" lands it
-        raise NotImplementedError("zero(offload='params') is being built (issue 34)")
+    if prefetch != 1 and stage != 3:
+        raise ValueError(f"prefetch={prefetch} is how many units stage 3 gathers ahead; stage "
+                         f"{stage} has no per-unit gather (leave prefetch=1)")
     if units is not None and stage != 3:
         raise ValueError(f"units= chooses stage 3's gathered modules; stage {stage} buckets "
                          "by bucket_mb")
@@ -223,16 +229,25 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
         broadcast_state(module, replica_group)
     check_same_layout(named, group)
     broadcast_state(module, group)
+    off = None if offload is None else \
+        Offload(offload, Host(named[0][1].device), prefetch, delay)
     if stage == 3:
         from .stage3 import Stage3Model, unit_groups
         groups, mods = unit_groups(module, named, units)
         layout = Layout(groups, world, rank, align, modules=mods)
         fgroups, fmods = unit_groups(module, fnamed, units) if fnamed else ([], [])
-        funits = frozen_units(fgroups, fmods, world, rank)
     else:
-        funits = []
+        fgroups, fmods = [], []
         layout = Layout(bucket_groups(named, bucket_mb or BUCKET_MB, world, align),
                         world, rank, align)
+    fhost = off is not None and off.mode == "params"  # the frozen segments on the host too
+    if off is not None:  # host memory short: OffloadError on every rank, before allocating
+        from .offload_step import check as check_host
+        problem = check_host(layout, off, optim_cls,
+                             segment_bytes(fgroups, world) if fhost else 0)
+        for g in ([replica_group] if replicas is not None else []) + [group]:
+            agree(None, problem, g, what="zero", device=named[0][1].device)
+    funits = frozen_units(fgroups, fmods, world, rank, off.host if fhost else None)
     described = ([f"stage {stage}", f"compressor {c.spec}", f"param_compressor {param_compressor}"]
                  + (replicas.describe() if replicas is not None else [])
                  + coords(tp_group, pp_group) + [f"offload {offload} {prefetch} {delay}"]
@@ -241,16 +256,9 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
     for g in ([replica_group] if replicas is not None else []) + [group]:
         agree(described, None, g, what="zero", device=named[0][1].device,
               differ=_first_difference)
-    off = None if offload is None else \
-        Offload(offload, Host(named[0][1].device), prefetch, delay)
-    if off is not None:  # host memory short: OffloadError on every rank, before allocating
-        from .offload_step import check as check_host
-        problem = check_host(layout, off, optim_cls)
-        for g in ([replica_group] if replicas is not None else []) + [group]:
-            agree(None, problem, g, what="zero", device=named[0][1].device)
     if stage == 3:
         model = Stage3Model(module, layout, c, group, named, param_compressor, kinds, funits,
-                            offload=off)
+                            offload=off, prefetch=prefetch)
     else:
         model = ZeroModel(module, layout, stage, c, group, named, kinds, offload=off)
     model.replicas = replicas

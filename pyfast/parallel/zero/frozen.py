@@ -15,6 +15,12 @@ multiple of ALIGN in every segment (S too), so
 - ALIGN = 16 keeps every piece aligned for any dtype, and S a multiple of 4 lets the native
   engine (float32 only) carry the segment as S / 4 float32 words, bits untouched.
 
+Host (zero(frozen="shard", offload="params")): `seg` is a host buffer (offload.Host: pinned on
+CUDA, meta on a dry run) and the device holds none of the base between uses: stage() starts the
+segment's host -> device copy (Stage3Model stages it `prefetch` units ahead of its gather), the
+gather waits for that copy before it reads, and the device copy is dropped once the gather is
+done: a rank's device then holds only the gathered (full) frozen bytes of the units in flight.
+
 Stages 1/2 keep the frozen parameters whole on every rank (frozen="replicate", the default, as
 before this module): there is no gather in their forward to hang a frozen gather on.
 
@@ -81,6 +87,8 @@ class FrozenUnit:
     rank: int
     module: object = None
     seg: torch.Tensor = field(default=None, repr=False)  # this rank's stored bytes
+    device: torch.device = None   # where the gathers run (the trainable parameters' device)
+    host: object = None           # offload.Host: seg lives in host memory (module docstring)
 
     def piece_bytes(self, i: int) -> int:
         return shard_size(self.numels[i], self.world) * self.esizes[i]
@@ -114,15 +122,27 @@ class FrozenUnit:
         if rem:
             flat[rows * sb:].copy_(cols[rows, :rem])
 
-    def start_gather(self, engine, group) -> tuple:
-        """(handle, full buffer): the all-gather of the segments, on the native engine's FIFO
-        (engine given) or comm's FIFO worker over `group`."""
-        full = torch.empty(self.world * self.S, dtype=torch.uint8, device=self.seg.device)
+    def stage(self) -> tuple:
+        """(device segment, its offload.Copy): the host segment's copy to the device, started.
+        Only with a host segment."""
+        dev = torch.empty(self.S, dtype=torch.uint8, device=self.device)
+        return dev, self.host.to_device(dev, self.seg)
+
+    def start_gather(self, engine, group, staged=None) -> tuple:
+        """(handle, full buffer, the device segment it reads): the all-gather of the segments,
+        on the native engine's FIFO (engine given) or comm's FIFO worker over `group`. With a
+        host segment the gather reads its device copy (`staged`: from stage(), else staged
+        now), after waiting for it; the caller keeps that copy until the handle is waited."""
+        seg = self.seg
+        if self.host is not None:
+            seg, copy = staged or self.stage()
+            copy.wait()  # the gather (on the current stream's order) reads what the copy wrote
+        full = torch.empty(self.world * self.S, dtype=torch.uint8, device=self.device)
         if engine is not None:
             return engine.all_gather_into(full.view(torch.float32),
-                                          self.seg.view(torch.float32)), full
-        return Handle.on_worker(_gather_bytes, full, self.seg, group,
-                                f"zero stage 3 frozen all-gather of unit {self.index}"), full
+                                          seg.view(torch.float32)), full, seg
+        return Handle.on_worker(_gather_bytes, full, seg, group,
+                                f"zero stage 3 frozen all-gather of unit {self.index}"), full, seg
 
     def describe(self) -> list[str]:
         return [f"frozen {self.index}:{n}:{tuple(s)}:{e}:{o}:{self.S}"
@@ -135,21 +155,38 @@ def _gather_bytes(full, seg, group, what):
     return full
 
 
-def frozen_units(groups: list, modules: list, world: int, rank: int) -> list[FrozenUnit]:
+def _offsets(members: list, world: int) -> tuple[list, int]:
+    """(each piece's byte offset in a segment, the segment's bytes S) of one unit's members."""
+    offsets, off = [], 0
+    for _, p in members:
+        offsets.append(off)
+        off = _round_up(off + shard_size(p.numel(), world) * p.element_size(), ALIGN)
+    return offsets, _round_up(off, ALIGN)
+
+
+def segment_bytes(groups: list, world: int) -> int:
+    """The bytes of a rank's segments for these groups (before frozen_units allocates them:
+    offload="params"'s host-memory check counts them)."""
+    return sum(_offsets(members, world)[1] for members in groups)
+
+
+def frozen_units(groups: list, modules: list, world: int, rank: int,
+                 host=None) -> list[FrozenUnit]:
     """FrozenUnits of `groups` (lists of (FQN, parameter), stage3.unit_groups' order), each
-    rank's segment filled from the parameters' current (full) values. The parameters are left
-    full: Stage3Model frees them."""
+    rank's segment filled from the parameters' current (full) values; in host memory when
+    `host` (an offload.Host: offload="params") is given. The parameters are left full:
+    Stage3Model frees them."""
     units = []
     for u, (members, mod) in enumerate(zip(groups, modules)):
-        offsets, off = [], 0
-        for _, p in members:
-            offsets.append(off)
-            off = _round_up(off + shard_size(p.numel(), world) * p.element_size(), ALIGN)
+        offsets, S = _offsets(members, world)
         fu = FrozenUnit(u, [n for n, _ in members], [p for _, p in members],
                         [tuple(p.shape) for _, p in members], [p.numel() for _, p in members],
-                        [p.element_size() for _, p in members], offsets, _round_up(off, ALIGN),
-                        world, rank, mod)
-        fu.seg = torch.zeros(fu.S, dtype=torch.uint8, device=members[0][1].device)
+                        [p.element_size() for _, p in members], offsets, S,
+                        world, rank, mod, device=members[0][1].device, host=host)
+        if host is None:
+            fu.seg = torch.zeros(fu.S, dtype=torch.uint8, device=fu.device)
+        else:  # padding zeroed as on the device: the gathered bytes are the same either way
+            fu.seg = host.empty(fu.S, torch.uint8).zero_()
         with torch.no_grad():
             for i, (_, p) in enumerate(members):
                 fu.store(i, p)
@@ -205,11 +242,16 @@ def summary(mode: str, fmt: str, frozen_bytes: int, world: int, why: str) -> str
             f"{frozen_bytes / 2**20:.1f} ({why})")
 
 
-def decide(module, requested: str, fmt: str, world: int, device) -> tuple[str, str]:
+def decide(module, requested: str, fmt: str, world: int, device,
+           host: bool = False) -> tuple[str, str]:
     """The job's zero(frozen=...) for --base-placement `requested` and its log line: the frozen
     bytes of `module` whole, the rest a rank's ZeRO-3 state of the trainable ones (16 bytes a
-    parameter over W: fp32 master, gradient, two Adam moments), the budget memory_budget()."""
+    parameter over W: fp32 master, gradient, two Adam moments), the budget memory_budget().
+    host (--offload params): auto shards, since only a sharded base lives in host memory."""
     frozen = sum(p.numel() * p.element_size() for p in module.parameters() if not p.requires_grad)
+    if requested == "auto" and host and world > 1:
+        return "shard", summary("shard", fmt if fmt != "none" else "as built", frozen, world,
+                                "auto: --offload params keeps the sharded base in host memory")
     rest = 16 * sum(p.numel() for p in module.parameters() if p.requires_grad) // world
     mode, why = choose_placement(requested, frozen, rest, world,
                                  memory_budget(device) if requested == "auto" else (0, ""))

@@ -314,9 +314,12 @@ class ZeroModel(nn.Module):
                         pu.copy_out(full, i, p.data)
                 prev = cur
 
-    def _start_gather(self, u, compressor):
-        """Start the all-gather of unit u's master shards: (handle, the full buffer)."""
-        if self._host is not None:  # offload: from the host segment (stage 3: its device copy)
+    def _start_gather(self, u, compressor, seg=None):
+        """Start the all-gather of unit u's master shards: (handle, the full buffer). seg: the
+        device segment to send, made by the caller (stage 3 offload="params": staged ahead)."""
+        if seg is not None:
+            pass
+        elif self._host is not None:  # offload: from the host segment (stage 3: its device copy)
             seg = self._host.device_segment(u)
         else:
             seg = torch.zeros(u.S, dtype=torch.float32, device=self._device)

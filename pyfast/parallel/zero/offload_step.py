@@ -25,6 +25,14 @@ while backward fills the other):
   GIL inside its ops). The first step only stores its gradient. The pending gradient is never
   on a master's .grad (the worker owns those), so norm and clip read `grads()` instead.
 
+offload="params" (stage 3; stage3.py stages the copies): no device segment at all. Each unit's
+gather source is copied host -> device into a fresh device segment (`stage(u)`), `prefetch`
+units ahead of the gather that reads it (which waits for it), and dropped once gathered, as
+FSDP2's CPUOffloadPolicy copies its CPU shard to the device for each all-gather. With
+delay=True the worker writes the masters while forward reads them, so the gathers read a
+published host copy instead (`psegs`, + 4 S): refresh() copies the masters into it when a
+finished step is installed (host memcpy, before the next step starts writing).
+
 Host bytes per rank (check before allocating, offload.Host.check): 4 S (master) + 4 S per
 gradient segment + the optimizer state: 8 S for the Adam family (two fp32 moments), 4 S for
 the other PER_ELEMENT optimizers (one buffer: SGD's momentum, Adagrad's sum, RMSprop's square
@@ -48,10 +56,11 @@ def state_floats(optim_cls) -> int:
     return 2 if names & set(ADAM_LIKE) else 1
 
 
-def host_bytes(layout, optim_cls, delay: bool) -> int:
+def host_bytes(layout, optim_cls, delay: bool, mode: str = "optimizer") -> int:
     """The host memory this rank's offloaded shards need (module docstring)."""
     s = sum(u.S for u in layout.units)
-    return 4 * s * (1 + (2 if delay else 1) + state_floats(optim_cls))
+    published = 1 if mode == "params" and delay else 0
+    return 4 * s * (1 + (2 if delay else 1) + state_floats(optim_cls) + published)
 
 
 class HostShards:
@@ -77,6 +86,9 @@ class HostShards:
             self.masters.append(ms)
         # stage 3's gather source on the device (offload="optimizer"; "params" has none)
         self.dsegs = None
+        # offload="params" with delay: what the gathers read while the worker steps the masters
+        self.psegs = [self.host.like(s) for s in self.segs] \
+            if off.mode == "params" and off.delay else None
         self._h2d: dict = {}  # stage 3: unit index -> its refresh copy, waited at its gather
         if model.stage == 3 and off.mode == "optimizer":
             self.dsegs = [torch.zeros(u.S, dtype=torch.float32, device=dev) for u in units]
@@ -158,23 +170,33 @@ class HostShards:
 
     # ------------------------------------------------------------------ parameters out
     def device_segment(self, u) -> torch.Tensor:
-        """The device segment unit u's all-gather sends: stage 3's kept copy, or (stages 1/2)
-        a fresh one made by one host -> device copy."""
+        """The device segment unit u's all-gather sends: stage 3's kept copy, or (stages 1/2,
+        stage 3 with offload="params") a fresh one made by one host -> device copy."""
         if self.dsegs is not None:
             c = self._h2d.pop(u.index, None)
             if c is not None:
                 c.wait()  # its refresh copy (and those issued before it), not the later ones
             return self.dsegs[u.index]
-        seg = torch.empty(u.S, dtype=torch.float32, device=self.model._device)
-        self.host.to_device(seg, self.segs[u.index]).wait()
+        seg, copy = self.stage(u)
+        copy.wait()
         return seg
+
+    def stage(self, u) -> tuple:
+        """(a fresh device segment, its offload.Copy): unit u's host segment (the published
+        copy under delay) copied to the device, started; wait() before the gather reads it."""
+        seg = torch.empty(u.S, dtype=torch.float32, device=self.model._device)
+        src = (self.psegs or self.segs)[u.index]
+        return seg, self.host.to_device(seg, src)
 
     def refresh(self) -> None:
         """Stage 3: every unit's device segment from the host masters, issued in the order the
         next forward gathers them (the root, the last unit, first; then the wrapped modules in
         registration order, the reverse of unit order) on one side stream; each gather waits
         for its own unit's copy only (device_segment), so on CUDA the later copies run beside
-        the next forward's first units."""
+        the next forward's first units. offload="params" with delay: the published host copies
+        (a host memcpy; the host waited for the h2d copies reading them, see step())."""
+        for p, h in zip(self.psegs or [], self.segs):
+            p.copy_(h)
         if self.dsegs is None:
             return
         for i in reversed(range(len(self.dsegs))):
@@ -253,10 +275,11 @@ def host_step(inner) -> None:
     inner.step()
 
 
-def check(layout, off, optim_cls) -> OffloadError | None:
-    """This rank's host memory problem, if any (zero() agrees on it over the group)."""
+def check(layout, off, optim_cls, extra: int = 0) -> OffloadError | None:
+    """This rank's host memory problem, if any (zero() agrees on it over the group); extra:
+    more host bytes (offload="params": the frozen base's segments, frozen.segment_bytes)."""
     try:
-        off.host.check(host_bytes(layout, optim_cls, off.delay),
+        off.host.check(host_bytes(layout, optim_cls, off.delay, off.mode) + extra,
                        f"offload={off.mode!r} ({state_floats(optim_cls)} state buffer(s) "
                        f"per element for {getattr(optim_cls, '__name__', optim_cls)})")
     except OffloadError as e:

@@ -24,6 +24,10 @@ master shards hold the values.
   after forward; in backward only when the unit before it in forward order starts its backward
   (the unit's backward is then over: a norm weight autograd saved is still read until then).
   A module with frozen parameters only is a unit too (the root: embeddings, final norm, head).
+- offload="params" (offload_step.py, docs/offload.md): no device shard; a unit's host segment
+  (and frozen segment) is copied to a fresh device segment `prefetch` units before its gather
+  is issued (_stage), the gather waits for the copy, and the device segment goes with the
+  gather's buffers.
 - param_compressor ("bf16", "fp16", "int8", "fp8", or None: exact fp32): each rank compresses
   its fp32 master segment once per gather and every rank decodes the same bytes, its own
   included, so the gathered parameters are bit-identical everywhere; no error feedback (the
@@ -122,8 +126,9 @@ class Stage3Model(ZeroModel):
     """ZeroModel with parameters sharded between uses (module docstring)."""
 
     def __init__(self, module, layout, compressor, group, named, param_compressor=None,
-                 engine_kind=None, frozen=None, offload=None):
+                 engine_kind=None, frozen=None, offload=None, prefetch: int = 1):
         super().__init__(module, layout, 3, compressor, group, named, engine_kind, offload)
+        self.depth = prefetch  # units gathered ahead (zero(prefetch=)): see _ahead
         self.param_compressor = C.get(param_compressor)
         self.frozen = list(frozen or [])  # FrozenUnits: frozen="shard"
         self.units: list[Gathered] = []
@@ -140,7 +145,10 @@ class Stage3Model(ZeroModel):
         self._of_t = {g.t.index: g for g in self.units if g.t is not None}
         self._order: list[int] = []   # forward order of the units, recorded on the first forward
         self._recorded = False
-        self._gathering: dict[int, tuple] = {}  # unit -> (handle, (full, frozen full)): prefetch
+        self._gathering: dict[int, tuple] = {}  # unit -> (handle, [full, frozen full, segs])
+        # offload="params": unit -> its started host -> device copies, not yet gathered (_stage)
+        self._host_params = offload is not None and offload.mode == "params"
+        self._copies: dict[int, dict] = {}
         self._gathered = [False] * len(self.units)
         self._full: dict[int, torch.Tensor] = {}  # parameter -> its full tensor (see free)
         self._root = [g for g in self.units if g.module is None]
@@ -183,16 +191,35 @@ class Stage3Model(ZeroModel):
         return sum(f.S for f in self.frozen), sum(f.nbytes for f in self.frozen)
 
     def _start(self, g) -> tuple:
-        """Start g's all-gathers, trainable then frozen (one FIFO, the same order everywhere)."""
-        hs, fulls = [], [None, None]
+        """Start g's all-gathers, trainable then frozen (one FIFO, the same order everywhere):
+        (handle, [full, frozen full, the device segments they read...]); with
+        offload="params" from the host copies staged for g (_stage), or staged now."""
+        hs, fulls, segs = [], [None, None], []
+        staged = self._copies.pop(g.index, {})
         if g.t is not None:
-            h, fulls[0] = self._start_gather(g.t, self.param_compressor)
+            seg = None
+            if self._host_params:  # no device shard: its host copy, staged or now
+                seg, copy = staged.get("t") or self._host.stage(g.t)
+                copy.wait()  # the gather reads what the copy wrote
+            h, fulls[0] = self._start_gather(g.t, self.param_compressor, seg)
+            segs.append(seg)  # kept until gathered (None: made by _start_gather)
             hs.append(h)
         if g.f is not None:
             native = self.engine_kind["all_gather"] == "native"
-            h, fulls[1] = g.f.start_gather(self._engine if native else None, self.group)
+            h, fulls[1], fseg = g.f.start_gather(self._engine if native else None,
+                                                 self.group, staged.get("f"))
+            segs.append(fseg if g.f.host is not None else None)  # (else: its own seg)
             hs.append(h)
-        return Handle.of_all(hs), fulls
+        return Handle.of_all(hs), fulls + [t for t in segs if t is not None]
+
+    def _stage(self, g) -> None:
+        """offload="params": start g's host -> device copies (its trainable shards' segment
+        and its frozen segment) now, ahead of its gather, unless g is gathered, being gathered
+        or staged already."""
+        if (self._host_params and not self._gathered[g.index] and g.index not in self._gathering
+                and g.index not in self._copies):
+            self._copies[g.index] = {"t": self._host.stage(g.t) if g.t is not None else None,
+                                     "f": g.f.stage() if g.f is not None else None}
 
     def _fill(self, p, shape, write) -> None:
         """p.data <- its full tensor (the same storage each time, refilled), written by write."""
@@ -209,7 +236,7 @@ class Stage3Model(ZeroModel):
         """Unit g's parameters full (from its prefetch if one is in flight)."""
         if self._gathered[g.index]:
             return
-        h, (full, ffull) = self._gathering.pop(g.index, None) or self._start(g)
+        h, (full, ffull, *_) = self._gathering.pop(g.index, None) or self._start(g)
         with self._breaker.guard(f"zero stage 3 all-gather of unit {g.index}"):
             h.wait()
         with torch.no_grad():
@@ -252,6 +279,11 @@ class Stage3Model(ZeroModel):
         for h, _ in self._gathering.values():
             h.wait()
         self._gathering.clear()
+        # host copies staged and never gathered (a no_grad forward's) are dropped: their
+        # device segments are the allocator's once the copies ran (Host.to_device records
+        # them on its stream), and the host step waits for that stream before it writes the
+        # masters they read (Host.settle_h2d)
+        self._copies.clear()
         for g in self.units:
             self.free(g)
 
@@ -266,6 +298,23 @@ class Stage3Model(ZeroModel):
         j = self._order.index(g.index) + step
         return self.units[self._order[j]] if 0 <= j < len(self._order) else None
 
+    def _ahead(self, g, direction: int, first: int = 1, last: int | None = None) -> list:
+        """The units `first`..`last` (default: `depth`) places after g in the recorded forward
+        order (direction 1: forward) or before it (-1: backward's order), nearest first: 1..depth
+        are the gathers to have in flight while g runs. Memory bound: g's gathered parameters
+        plus `depth` gathers in flight, so up to depth + 1 units' full parameters (and their
+        gather buffers) live at once; depth 1 is FSDP2's default (one all-gather ahead).
+        offload="params" stages the host -> device copies of the units depth+1..2*depth places
+        ahead (their shards only: 1/W of a unit each), so each copy has `depth` units of
+        compute to finish before its gather waits for it."""
+        out = []
+        for k in range(first, (self.depth if last is None else last) + 1):
+            u = self._next_in_order(g, direction * k)
+            if u is None:
+                break
+            out.append(u)
+        return out
+
     def _pre(self, g):
         def hook(module, args):
             if not self._recorded and g.index not in self._order:  # once: a pipeline's
@@ -273,9 +322,10 @@ class Stage3Model(ZeroModel):
             for r in self._root:  # a Pipeline never calls forward(): its root (if any) here
                 self.gather(r)
             self.gather(g)
-            nxt = self._next_in_order(g, 1)
-            if nxt is not None:
+            for nxt in self._ahead(g, 1):
                 self.prefetch(nxt)
+            for nxt in self._ahead(g, 1, self.depth + 1, 2 * self.depth):
+                self._stage(nxt)
         return hook
 
     def _post(self, g):
@@ -300,9 +350,11 @@ class Stage3Model(ZeroModel):
                 # in .grad till the step's reduction), so its parameters are freed here
                 self.free(nxt)
             self.gather(g)
-            prev = self._next_in_order(g, -1)  # backward runs the forward order backwards
-            if prev is not None and self._armed:
-                self.prefetch(prev)
+            if self._armed:  # backward runs the forward order backwards
+                for prev in self._ahead(g, -1):
+                    self.prefetch(prev)
+                for prev in self._ahead(g, -1, self.depth + 1, 2 * self.depth):
+                    self._stage(prev)
             return grad
         return hook
 
