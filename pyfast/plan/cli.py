@@ -43,6 +43,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--inter-bw", help=f"one way per GPU between nodes, e.g. 400gbit, 10gbit "
                    f"(default {clusters.DEFAULT_INTER})")
     g.add_argument("--cluster", metavar="FILE.toml", help="the cluster as a TOML file")
+    g.add_argument("--host-ram", metavar="SIZE", help="host RAM per node, e.g. 256GB, 2TB "
+                   "(default: the GPU type's usual host, pyfast/plan/hardware.py)")
     g.add_argument("--allow-cross-node-tp", action="store_true",
                    help="let tp and cp groups span nodes (default: inside one node)")
     g.add_argument("--measure", nargs="?", const="loopback", metavar="LINK",
@@ -61,6 +63,10 @@ def parser() -> argparse.ArgumentParser:
                    "plan fits, else lora, else qlora); docs/plan.md \"Fine-tuning\"")
     g.add_argument("--lora-rank", type=int, metavar="R",
                    help=f"the adapters' rank for lora/qlora/auto (default {DEFAULT_RANK})")
+    g.add_argument("--offload", default="auto", choices=("auto", "none", "optimizer", "params"),
+                   help="auto (the default): when no plan fits on the GPUs alone, plan ZeRO "
+                   "with --offload optimizer|params (host RAM, PCIe); none: never; optimizer "
+                   "or params: only plans with that offload (to compare)")
     g.add_argument("--top", type=int, default=10, help="plans to show (default 10)")
     g.add_argument("--verify", action="store_true", help="dry-run the top plans (up to 3) and "
                    "print predicted vs traced peak memory per rank")
@@ -82,7 +88,8 @@ def inputs(ns) -> tuple[ModelShape, Workload, object]:
             raise ValueError(f"--lora-rank {ns.lora_rank} with --finetune full: a full "
                              "fine-tune has no adapters (--finetune lora, qlora or auto)")
     work = Workload(ns.seq, ns.global_batch, ns.precision)
-    cl = clusters.build(ns.gpus, ns.gpus_per_node, ns.gpu, ns.intra_bw, ns.inter_bw, ns.cluster)
+    cl = clusters.build(ns.gpus, ns.gpus_per_node, ns.gpu, ns.intra_bw, ns.inter_bw, ns.cluster,
+                        ns.host_ram)
     if ns.measure:
         from .calibrate import measure
         cl = measure(shape, work, cl, link=ns.measure)
@@ -103,6 +110,12 @@ def nothing_fits(res: Result, shape: ModelShape, work: Workload, cl) -> str:
         return (f"no dp x cp x tp x pp of {where} can run {shape.name}{lora} with --seq "
                 f"{work.seq} --global-batch {work.global_batch}: {'; '.join(why[:4])}{more}")
     s, cap = res.smallest, cl.gpu.memory_bytes
+    if res.host_short is not None:  # offload plans fit the GPUs, but not the host
+        h = res.host_short
+        return (f"nothing fits: offload plans fit the {cap / GiB:.1f} GiB of a {cl.gpu.name} "
+                f"but not the host; the one needing the least host RAM ({describe(h)}) "
+                f"needs {h.reason.split(': ', 1)[1]}; give the --host-ram your nodes have, or "
+                "more GPUs")
     bigger = [n for n, g in GPUS.items() if g.memory_bytes > s.peak and n != "cpu"]
     return (f"nothing fits: the smallest plan ({describe(s)}) needs {s.peak / GiB:.1f} GiB a "
             f"rank on {s.memory['where']}, {s.peak / cap:.1f}x the {cap / GiB:.1f} GiB of one "
@@ -111,6 +124,8 @@ def nothing_fits(res: Result, shape: ModelShape, work: Workload, cl) -> str:
             + (f", a GPU with more memory (--gpu {', '.join(bigger)})" if bigger else "")
             + (", --finetune lora or qlora (adapters on a frozen base)"
                if s.plan.finetune == "full" and len(res.passed_over) < 2 else "")
+            + (" (offload cannot help one GPU: it offloads ZeRO's shards, dp x cp >= 2)"
+               if cl.gpus < 2 and cl.gpu.name != "cpu" else "")
             + ", or a shorter --seq / smaller --global-batch")
 
 
@@ -133,6 +148,8 @@ def describe(s: Scored) -> str:
         parts.append("recompute")
     if p.lora:
         parts.append(finetune_label(p))
+    if p.offload != "none":
+        parts.append(f"offload {p.offload}")
     return ", ".join(parts)
 
 
@@ -211,6 +228,9 @@ def why(s: Scored, best: Scored) -> str:
                     ("recompute_s", "recompute"), ("codec_s", "codec")):
         if t.get(k, 0) > 1e-3 * t["step_s"]:
             parts.append(f"{name} {t[k]:.3g}s")
+    if t.get("host_step_s") is not None:  # an offload plan (offload.py)
+        parts.append(f"host step {t['host_step_s']:.3g}s, exposed PCIe "
+                     f"{t['exposed_pcie_s']:.3g}s")
     if s.diloco:
         parts.append(f"DiLoCo outer {t['outer_s']:.3g}s a step")
     if t["steps_factor"] != 1.0:
@@ -235,7 +255,12 @@ def row(s: Scored, shape, work, cl, rejected: bool = False) -> dict:
                  base_placement=s.plan.base_placement, loss_chunks=s.plan.loss_chunks,
                  adapter_params=s.memory.get("adapter_params"),
                  base_bytes=s.memory.get("base_bytes"))
-    d["memory_bytes_per_rank"] = int(s.peak)
+    d["memory_bytes_per_rank"] = int(s.peak)  # the device's
+    if s.plan.offload != "none":  # (a plan without offload keeps the keys it had)
+        d.update(offload=s.plan.offload, prefetch=s.plan.prefetch,
+                 host_bytes_per_rank=s.memory["host_bytes"],
+                 host_bytes_per_node=s.memory["host_bytes"] * min(s.plan.ranks,
+                                                                  cl.gpus_per_node))
     d["step_s"] = s.time["step_s"] if s.time else None
     d["tokens_per_s"] = s.time["tokens_per_s"] if s.time else None
     d["command"] = None if rejected else command(s, shape, work, cl)
@@ -292,9 +317,11 @@ def render(res: Result, shape, work, cl, console) -> None:
     t = Table(title="plans, best first (time to the target loss = step x compression's extra "
               "steps)")
     ft = any(s.plan.lora for s in res.plans + res.rejected)  # a fine-tune column
+    off = bool(res.offload)  # offload plans: the offload, the host's bytes beside the device's
     for c in ("#", "dp x cp x tp x pp", "zero", "compress", "micro-batches x seqs",
               "schedule / cp", "recompute") + ("fine-tune",) * ft + (
-              "memory/rank", "step s", "tokens/s", "why"):
+              ("offload",) * off + ("device/rank" if off else "memory/rank",) +
+              ("host/rank", "host/node") * off + ("step s", "tokens/s", "why")):
         t.add_column(c, justify="left" if c in ("why", "compress", "schedule / cp",
                                                 "fine-tune") else "right")
     best = res.plans[0]
@@ -307,27 +334,37 @@ def render(res: Result, shape, work, cl, console) -> None:
                   f"{p.micro_batches}x{p.micro_batch}",
                   " ".join([p.schedule] * (p.pp > 1) + [p.cp_method] * (p.cp > 1)) or "-",
                   "yes" if p.activation_checkpointing else "no",
-                  *(finetune_label(p),) * ft, size(s.peak),
+                  *(finetune_label(p),) * ft, *(p.offload,) * off, size(s.peak),
+                  *(size(s.memory.get("host_bytes", 0)),
+                    size(s.memory.get("host_bytes", 0) * min(p.ranks, cl.gpus_per_node))) * off,
                   f"{s.time['step_s']:.3g}", f"{s.time['tokens_per_s']:,.0f}", why(s, best))
     console.print(t)
     if res.rejected:
         r = Table(title="rejected (per mesh and ZeRO stage where nothing fits: its smallest "
                   "plan), fastest-if-it-fitted first")
         for c in ("dp x cp x tp x pp", "zero", "compress", "micro-batches x seqs", "recompute") \
-                + ("fine-tune",) * ft + ("step s", "reason"):
+                + ("fine-tune",) * ft + ("offload",) * off + ("step s", "reason"):
             r.add_column(c, justify="left" if c in ("reason", "fine-tune") else "right")
         for s in res.rejected:
             p = s.plan
             r.add_row(f"{p.dp}x{p.cp}x{p.tp}x{p.pp}", zero_cell(p), p.compress,
                       f"{p.micro_batches}x{p.micro_batch}",
                       "yes" if p.activation_checkpointing else "no",
-                      *(finetune_label(p),) * ft,
+                      *(finetune_label(p),) * ft, *(p.offload,) * off,
                       f"{s.time['step_s']:.3g}" if s.time else "-", s.reason)
         console.print(r)
     if res.mesh_problems:
         uniq = list(dict.fromkeys(res.mesh_problems.values()))
         console.print("meshes refused: " + "; ".join(uniq[:5])
                       + (f"; and {len(uniq) - 5} more" if len(uniq) > 5 else ""))
+    if res.offload and res.plans[0].plan.offload != "none":
+        console.print((f"note: no plan fits the {cl.gpu.memory_bytes / GiB:.1f} GiB of a "
+                       f"{cl.gpu.name} alone" if res.offload == "auto" else
+                       f"note: --offload {res.offload}") + ": these keep ZeRO's optimizer state (and with "
+                      "params, the parameter shards) in host memory, checked against "
+                      f"{cl.host_ram_bytes / GiB:,.0f} GiB of host RAM a node (--host-ram); "
+                      f"PCIe {cl.gpu.pcie_bps / 1e9:g} GB/s one way, host AdamW at "
+                      f"{cl.gpu.host_bps / 1e9:g} GB/s a GPU (hardware.py)")
     for kind, small in res.passed_over:
         console.print(f"note: --finetune auto: no {kind} plan fits"
                       + (f" (its smallest, {describe(small)}, needs {size(small.peak)} a rank)"
@@ -390,20 +427,25 @@ def verify(res: Result, shape: ModelShape, work: Workload, console, n: int = 3) 
 
 def plan_finetune(shape: ModelShape, work: Workload, cl, ns) -> Result:
     """search() for --finetune; auto: full, then lora, then qlora, the first with a plan that
-    fits (the most faithful update that fits; within a kind, the fastest). Nothing fits at
-    all: the last kind's result (its smallest plan is the smallest of any)."""
+    fits (the most faithful update that fits; within a kind, the fastest), on the GPUs alone
+    first and, --offload auto, then with host offload (a last resort: any kind that fits
+    without it wins). Nothing fits at all: the last kind's result (its smallest plan is the
+    smallest of any)."""
     kinds = ("full", "lora", "qlora") if ns.finetune == "auto" else (ns.finetune,)
+    offloads = ("none", "auto") if ns.offload == "auto" and len(kinds) > 1 else (ns.offload,)
     rank = ns.lora_rank or DEFAULT_RANK
     passed, scored = [], []
-    for kind in kinds:
-        res = search(shape, work, cl, ns.top, ns.allow_cross_node_tp, diloco=True,
-                     finetune=kind, lora_rank=rank)
-        res.passed_over = list(passed)
-        if res.plans:
-            return res
-        passed.append((kind, res.smallest))
-        if res.smallest is not None:
-            scored.append(res)
+    for off in offloads:
+        for kind in kinds:
+            res = search(shape, work, cl, ns.top, ns.allow_cross_node_tp, diloco=True,
+                         finetune=kind, lora_rank=rank, offload=off)
+            res.passed_over = list(passed)
+            if res.plans:
+                return res
+            if off == offloads[0]:
+                passed.append((kind, res.smallest))
+            if res.smallest is not None:
+                scored.append(res)
     # nothing fits: the last kind that had plans to score (a LoRA kind may have no mesh)
     res = scored[-1] if scored else res
     res.passed_over = passed

@@ -58,8 +58,10 @@ from functools import lru_cache
 
 from pyfast._partition import partition
 
-from .activations import KINDS, _block_saved  # noqa: F401  (memory.KINDS: a public name)
+from .activations import KINDS, _block_saved, korthikanti_activation_bytes  # noqa: F401
 from .sharding import BLOCKED, blocked as _blocked, hybrid_compressors, shard_group  # noqa: F401
+from .offload import D2H_IN_FLIGHT, add as add_host, check as check_offload, host_state, \
+    params_extra
 from .spec import ModelShape, Plan, Workload
 
 F32 = 4
@@ -71,22 +73,6 @@ DEVICES = ("cuda", "cpu", "meta", "meta-math")
 # a compressor's payload per fp32 bucket byte (codes + scales; top-k's values and indices)
 PAYLOAD = {"none": 0.0, "bf16": 0.5, "fp16": 0.5, "fp8": 0.26, "int8": 0.26, "int4": 0.13, "e3m0": 0.13,
            "sign": 0.04, "ternary": 0.07, "topk": 0.02, "randomk": 0.02, "powersgd": 0.25}
-
-
-def korthikanti_activation_bytes(s: int, b: int, h: int, a: int, tp: int = 1, sp: bool = False,
-                                 recompute: str = "none") -> float:
-    """Activation bytes of one transformer layer per Korthikanti et al. 2022 ("Reducing
-    Activation Recomputation in Large Transformer Models", eqs. 1-4, 16-bit activations,
-    dropout masks 1 byte): sbh(34 + 5as/h) without parallelism; tensor parallelism
-    sbh(10 + 24/t + 5as/(ht)); with sequence parallelism sbh(34/t + 5as/(ht)); selective
-    recompute drops the 5as/h attention term; full recompute keeps the layer input, 2sbh."""
-    if recompute not in ("none", "selective", "full"):
-        raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
-    if recompute == "full":
-        return 2.0 * s * b * h / (tp if sp else 1)
-    attn = 0.0 if recompute == "selective" else 5.0 * a * s / (h * tp)
-    lin = 34.0 / tp if sp else 10.0 + 24.0 / tp
-    return s * b * h * (lin + attn)
 
 
 def _vocab_split(shape: ModelShape, tp: int) -> int:
@@ -301,6 +287,19 @@ def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = 
         k["comm_buffers"] = buckets
         grads_full = F32 * P
         grads_end = F32 * shard if zero >= 2 else grads_full
+        state_opt = k["optimizer"]
+        off = plan.offload if zero else "none"
+        unit3 = F32 * max(sum(_layer_tensors(shape, tp)), big)  # stage 3's gathered unit
+        if off != "none":  # offload.py: master, gradient shards and state on the host
+            check_offload(plan, n)
+            host = host_state(F32 * shard, F32 * shard, k["optimizer"])
+            k["optimizer"] = 0.0
+            if off == "params":
+                k["parameters"] = rotary * layers
+            # the device's gradients: a unit's reduced segment per copy in flight
+            stage = D2H_IN_FLIGHT * (unit3 if zero == 3 else
+                                     min(BUCKET_MB * 2**20, F32 * P)) / ns
+            grads_end = stage if zero >= 2 else grads_full
 
         # ---- forward/backward: held micro-batches x layers
         per_layer = F32 * hs if ckpt else saved
@@ -341,7 +340,7 @@ def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = 
         if pp > 1:  # received activations and gradients in flight (p2p buffers)
             k["comm_buffers"] += 2 * tok * F32 * hs
         if zero == 3:  # the gathered units of the forward (this one and the prefetched)
-            act += 2 * F32 * max(sum(_layer_tensors(shape, tp)), big)
+            act += 2 * unit3 + params_extra(plan, unit3, ns)
         # a compressor's buffers while a bucket is in flight: its payload, a fraction of the
         # bucket (measured in the dry run, gpt-small: int8 1 MB, PowerSGD 0-3 MB, top-k 0.02
         # MB of 4 MB buckets); ZeRO's are the packed unit of `end` below
@@ -373,6 +372,8 @@ def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = 
             opt_t = F32 * (P if not zero else shard)  # foreach: sqrt(exp_avg_sq) per group
         else:
             opt_t = 3 * F32 * (big if not zero else -(-big // n))
+        if off != "none":  # the step on the host: no AdamW temporaries here
+            opt_t = 0.0
         if zero in (1, 2):  # after the step, all-gather: two units in flight (seg + full),
             # at most the whole stage once (+ its segment): a 3 x 384 pp2 stage of 5.2 MB
             # traced 6.9 MB of temporaries, 10.3 predicted as two whole stages
@@ -382,9 +383,9 @@ def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = 
         # more), then the step on the shards. Both at once overcounted a pipeline's stage: 350M
         # pp2 zero 1 traced 36.6 MB, 47.5 predicted (gpt 3 x 384, seq 64)
         if zero == 1 or (zero and piped):
-            reduce_g = grads_full + F32 * shard
-            grads_opt, opt_t = (reduce_g, 0.0) if reduce_g > F32 * shard + opt_t else \
-                (F32 * shard, opt_t)
+            reduce_g = grads_full + (stage if off != "none" else F32 * shard)
+            kept = stage if off != "none" else F32 * shard  # the shards, on the host
+            grads_opt, opt_t = (reduce_g, 0.0) if reduce_g > kept + opt_t else (kept, opt_t)
         else:
             grads_opt = grads_end
         opt = static + grads_opt + opt_t
@@ -400,9 +401,11 @@ def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = 
         row["where"], row["phase"] = f"pp stage {r}", phase
         # the model state once backward is over (ZeRO's formula): fp32 weights (+ the rotary
         # buffers), gradients, AdamW's two moments (+ a 4-byte step per tensor)
-        row["state"] = {"parameters": int(k["parameters"]), "gradients": int(grads_end),
-                        "optimizer": int(2 * F32 * (P if not zero else shard)
-                                         + F32 * len(tensors))}
+        row["state"] = {"parameters": int(k["parameters"]),
+                        "gradients": int(0 if off != "none" and zero >= 2 else grads_end),
+                        "optimizer": int(state_opt if off == "none" else 0)}
+        if off != "none":
+            add_host(row, host)
         rows.append(row)
     worst = max(rows, key=lambda x: x["peak_bytes"])
     return {**worst, "per_stage": [x["peak_bytes"] for x in rows]}
