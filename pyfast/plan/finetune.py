@@ -142,8 +142,7 @@ def lora_memory(shape: ModelShape, plan: Plan, work: Workload, device: str,
     state_opt, off = k["optimizer"], plan.offload if zero else "none"
     unit = F32 * a_layer + (base_layer_bytes(shape, plan.base_dtype, tb, rest) if shard else 0)
     if off != "none":  # offload.py: the adapters' master, gradient shards, state on the host
-        from .offload import check as check_offload, host_state
-        check_offload(plan, n)
+        from .offload import host_state
         base_host = cdiv(frozen) if off == "params" and shard else 0
         host = host_state(F32 * cdiv(A), F32 * cdiv(A), k["optimizer"], base_host)
         k["optimizer"] = 0.0

@@ -28,10 +28,10 @@ The host (offload plans, pyfast/plan/offload.py), per GPU, one way:
   PCIe 4.0 x16 (a100, l40s, l4, rtx4090) is 32 GB/s nominal; 25 GB/s effective (pinned
   cudaMemcpy on A100 measures 24-26 GB/s: NVIDIA's bandwidthTest). An estimate where not stated.
 - host_ram_per_gpu, the usual host RAM per node divided by its GPUs (the default --host-ram is
-  this x --gpus-per-node): DGX H100 / DGX H200 datasheets: 2 TB for 8 GPUs (256 GB a GPU; the
+  this x --gpus-per-node): DGX H100 / DGX H200 datasheets: 2 TB for 8 GPUs (250 GB a GPU; the
   h100-hbm2e's Grand Teton hosts: assumed the same); DGX A100 datasheet: 1 TB for 8 (2 TB
-  optional; 128 GB a GPU, both a100s); l40s: an 8-GPU PCIe server with 1 TB (an assumption,
-  128 GB a GPU); l4: Google Cloud's G2 machine types, 48 GB a GPU (g2-standard-96: 8 L4, 384
+  optional; 125 GB a GPU, both a100s); l40s: an 8-GPU PCIe server with 1 TB (an assumption,
+  125 GB a GPU); l4: Google Cloud's G2 machine types, 48 GB a GPU (g2-standard-96: 8 L4, 384
   GB); rtx4090: a workstation with 2 of them and 128 GB (an assumption, 64 GB a GPU); mi300x:
   an 8-GPU platform with 2 TB (an assumption, as DGX H100).
 - host_bps, the host memory bandwidth a GPU's share of the CPUs streams a CPU AdamW at (28
@@ -78,8 +78,8 @@ class Gpu:
 # held-out H200 run: 23% faster than predicted).
 H100_MFU, H100_ATTN, A100_MFU = 0.391, 0.212, 0.595
 # the host of each kind of GPU (module doc): (pcie_bps, host_ram_per_gpu, host_bps)
-PCIE5 = dict(pcie_bps=55 * GB, host_ram_per_gpu=256 * GB, host_bps=50 * GB)
-PCIE4 = dict(pcie_bps=25 * GB, host_ram_per_gpu=128 * GB, host_bps=25 * GB)
+PCIE5 = dict(pcie_bps=55 * GB, host_ram_per_gpu=250 * GB, host_bps=50 * GB)
+PCIE4 = dict(pcie_bps=25 * GB, host_ram_per_gpu=125 * GB, host_bps=25 * GB)
 
 GPUS = {
     "h100": Gpu("h100", 81559 * MiB, 989e12, 67e12, 3.35e12, 450 * GB, mfu=H100_MFU,

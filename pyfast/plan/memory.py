@@ -225,6 +225,7 @@ def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = 
         raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
     if work.precision not in ("fp32", "bf16", "fp16"):
         raise ValueError(f"precision must be fp32, bf16 or fp16, got {work.precision!r}")
+    check_offload(plan, plan.dp * plan.cp)
     if plan.lora:  # a frozen base under LoRA adapters: finetune.py's model
         from .finetune import lora_memory
         return lora_memory(shape, plan, work, device)
@@ -291,7 +292,6 @@ def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = 
         off = plan.offload if zero else "none"
         unit3 = F32 * max(sum(_layer_tensors(shape, tp)), big)  # stage 3's gathered unit
         if off != "none":  # offload.py: master, gradient shards and state on the host
-            check_offload(plan, n)
             host = host_state(F32 * shard, F32 * shard, k["optimizer"])
             k["optimizer"] = 0.0
             if off == "params":

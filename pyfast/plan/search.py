@@ -359,7 +359,7 @@ def search(shape: ModelShape, work: Workload, cluster: Cluster, top: int = 10,
                        s.plan.shard_group, s.plan.base_dtype, s.plan.base_placement,
                        s.plan.offload) for s in fits}
     for k, s in oom.items():
-        if k in fitting_meshes:
+        if k in fitting_meshes or k in host_over:  # (the host is what rules it out)
             continue
         s.reason = (f"OOM by {(s.peak - cap) / GiB:.1f} GiB on {s.memory['where']} "
                     f"({s.peak / GiB:.1f} of {cap / GiB:.1f} GiB)")
