@@ -78,6 +78,14 @@ def fake_checkpoint(out, step, **key):
       "--precision", "fp16"], "--zero-shard-group with --precision fp16 and --compress int8: "
                               "the cross-node compressor's error-feedback memory"),
     (["--lr-decay-steps", "-1"], "--lr-decay-steps must be >= 0 (0: --steps), got -1"),
+    (["--dp", "2", "--offload", "optimizer"], "--offload optimizer moves ZeRO's shards to host "
+                                              "memory: it needs --zero 1, 2 or 3"),
+    (["--dp", "2", "--zero", "2", "--offload", "params"], "--offload params keeps stage 3's "
+                                                          "parameter shards on the host; --zero 2"),
+    (["--dp", "2", "--zero", "2", "--offload-delay"], "--offload-delay / --offload-prefetch "
+                                                      "tune --offload"),
+    (["--dp", "2", "--zero", "3", "--offload", "params", "--offload-prefetch", "0"],
+     "--offload-prefetch must be >= 1, got 0"),
 ])
 def test_bad_flags_fail_before_any_rank_starts(tmp_path, capsys, flags, message):
     assert main(TINY + ["--out", str(tmp_path)] + flags) == 2
@@ -138,6 +146,11 @@ def test_worker_args_reproduce_the_config():
     cfg = from_args(parser().parse_args(TINY + ["--dp", "2", "--precision", "bf16",
                                                 "--activation-checkpointing", "--lr", "3e-4",
                                                 "--data", "x.txt"]))
+    assert from_args(parser().parse_args(worker_args(cfg))) == cfg
+    cfg = from_args(parser().parse_args(TINY + ["--dp", "2", "--zero", "3", "--offload",
+                                                "params", "--offload-prefetch", "2",
+                                                "--offload-delay"]))
+    assert (cfg.offload, cfg.offload_prefetch, cfg.offload_delay) == ("params", 2, True)
     assert from_args(parser().parse_args(worker_args(cfg))) == cfg
 
 

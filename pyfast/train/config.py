@@ -12,6 +12,8 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
+from . import offload
+
 PRECISIONS = ("fp32", "bf16", "fp16")
 # pyfast.parallel.context's METHODS and LAYOUTS, here so that parsing the flags imports no torch
 # (tests/test_train_config.py checks they are the same)
@@ -40,6 +42,9 @@ class TrainConfig:
     zero: int = 0                   # ZeRO stage 1-3 over dp instead of DataParallel; 0: off
     param_compress: str = "none"    # --zero 3: the parameter all-gather's compressor
     zero_shard_group: str = ""      # --zero: "node" or N (hybrid sharding); "": all dp x cp
+    offload: str = "none"           # --zero: none, optimizer, params (pyfast.train.offload)
+    offload_prefetch: int = 1
+    offload_delay: bool = False
     schedule: str = "1f1b"
     micro_batches: int = 0          # 0: 1 without pipeline, 2 x pp with one
     grad_accum: int = 1
@@ -219,6 +224,7 @@ def parser() -> argparse.ArgumentParser:
     add_watch_flags(p, d)
     add_diloco_flags(p, d)
     add_lora_flags(p, d)
+    offload.add_flags(p, d)
     g = p.add_argument_group("dry run (pyfast.train.dryrun: no process is started)")
     g.add_argument("--dry-run", action="store_true", help="run one whole step of the job for a "
                    "world of --nproc ranks in this process, on memoryless (meta) tensors over "
@@ -285,6 +291,7 @@ def check(cfg: TrainConfig, world: int, model: bool = True) -> dict:
     check_loss_chunks(cfg)
     check_cp(cfg)
     check_zero(cfg)
+    offload.check(cfg)
     check_diloco(cfg)
     check_lora(cfg)
     data = check_data(cfg)
@@ -320,6 +327,9 @@ RESUME_FREE += ("eval_outer",)
 # the shard group changes where the shards live, as --dp does (DCP reshards); the per-rank
 # error-feedback memory is then left out (Job.load compares it)
 RESUME_FREE += ("zero_shard_group",)
+# offloaded state is saved as if it were on the device (tests/test_zero_offload.py); the delayed
+# update (--offload-delay) is another update rule: refused as an optimizer change is
+RESUME_FREE += ("offload", "offload_prefetch")
 
 
 def resume_changes(cfg: TrainConfig, record: dict, data: dict | None = None

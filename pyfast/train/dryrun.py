@@ -117,7 +117,9 @@ def measure(job, step) -> dict:
     others = {id(t) for t in job.model.parameters()} - ours  # other stages' layers
     before, _ = held(job, skip)
     tracker = MemoryTracker()
-    tracker.seed([t for t in before if t.device == job.device and id(t) not in others])
+    from pyfast.parallel.zero.offload import is_host  # offload's host tensors count too
+    tracker.seed([t for t in before if (t.device == job.device or is_host(t))
+                  and id(t) not in others])
     del before  # held here, last step's gradients would outlive zero_grad
     with tracker:
         step()
@@ -180,7 +182,7 @@ def dry_world(world: int, rank: int):
 
 
 def run_rank(cfg: TrainConfig, world: int, rank: int) -> dict:
-    """One rank's dry step: {"rank", "peak_bytes", <KINDS>: bytes}."""
+    """One rank's dry step: {"rank", "peak_bytes", <KINDS>: bytes, "host_bytes"}."""
     from .job import Job
     job = None
     with dry_world(world, rank) as named:
@@ -255,10 +257,17 @@ def table(rows: list[dict], cfg: TrainConfig, gpu: str | None):
               + " - peak memory of one step, MiB")
     short = {"parameters": "params", "gradients": "grads", "optimizer": "optim",
              "activations": "activ", "comm_buffers": "comm", "feedback": "feedback"}
-    for col in ("rank", "peak", *(short[k] for k in KINDS)) + (("fits " + gpu,) if gpu else ()):
+    host = any(r.get("host_bytes") for r in rows)  # --offload: the host's own peak
+    for col in ("rank", "peak", *(short[k] for k in KINDS)) + (("host",) if host else ()) \
+            + (("fits " + gpu,) if gpu else ()):
         t.add_column(col, justify="right")
     mib = lambda b: f"{b / 2**20:,.1f}"  # noqa: E731
     for r in rows:
         fits = () if cap is None else (("yes" if r["peak_bytes"] <= cap else "NO"),)
-        t.add_row(str(r["rank"]), mib(r["peak_bytes"]), *(mib(r[k]) for k in KINDS), *fits)
+        t.add_row(str(r["rank"]), mib(r["peak_bytes"]), *(mib(r[k]) for k in KINDS),
+                  *((mib(r["host_bytes"]),) if host else ()), *fits)
+    if host:
+        t.caption = ("peak: the device's; host: offloaded shards, gradients and optimizer state"
+                     + ("" if gpu else " (without --gpu: on this CPU machine host and device "
+                        "are the same memory, peak + host)"))
     return t

@@ -58,7 +58,7 @@ from pyfast.parallel.zero import zero
 from pyfast.parallel.zero.frozen import decide as decide_frozen
 
 from . import checkpoint as ck
-from . import outer
+from . import offload, outer
 from .config import (ConfigError, TrainConfig, build_model, check_data, check_model,
                      check_shard_group, lora_options)
 from .telemetry import bytes_written
@@ -218,7 +218,8 @@ class Job:
             # reduce-scatter inside the group exact (docs/zero.md, "Hybrid sharding")
             hybrid = self.shard_size is not None
             self.zero, self.opt = zero(
-                module, torch.optim.AdamW, stage=cfg.zero, frozen=frozen,
+                module, offload.optim_cls(cfg), stage=cfg.zero, frozen=frozen,
+                **offload.zero_kwargs(cfg),  # --offload (pyfast.train.offload)
                 compressor=None if hybrid else cfg.compress,
                 replica_group=mesh.shard_replica_group if hybrid else None,
                 replica_compressor=cfg.compress if hybrid else None,

@@ -10,6 +10,11 @@ pyfast.compress.feedback), comm_buffers (made inside pyfast.comm, torch.distribu
 pipeline's / tensor parallelism's p2p, and the buffers the parallel wrappers keep between steps:
 gradient buckets, flat shards), activations (everything else made during the step: what forward
 saves for backward, and temporaries).
+
+Host memory (zero(offload=...)) is counted apart: a storage registered as host by
+pyfast.parallel.zero.offload (the master shards, their gradients, the inner optimizer's state),
+or made inside Host.empty or the host step (offload_step.host_step: the optimizer's
+temporaries), adds to `host_bytes` (its own peak) and not to the device's `peak_bytes`.
 """
 from __future__ import annotations
 
@@ -26,19 +31,30 @@ KINDS = ("parameters", "gradients", "optimizer", "activations", "comm_buffers", 
 COMM_FILES = ("/pyfast/comm/", "/pyfast/parallel/p2p.py", "/pyfast/parallel/tp_comm.py",
               "/torch/distributed/")
 OPT_FILES = ("/torch/optim/", "/pyfast/parallel/zero/optimizer.py")
+# (file, function) whose ops make host memory, wherever they are on the stack (module docstring)
+HOST_FRAMES = {("/pyfast/parallel/zero/offload.py", "empty"),
+               ("/pyfast/parallel/zero/offload_step.py", "host_step")}
 
 
 def _where() -> str:
-    """'comm_buffers' or 'optimizer' when an op runs inside such code, else 'activations'."""
-    f = sys._getframe(2)
+    """'host' inside HOST_FRAMES; else 'comm_buffers' or 'optimizer' when an op runs inside
+    such code (the innermost wins), else 'activations'."""
+    f, kind = sys._getframe(2), None
     while f is not None:
         name = f.f_code.co_filename
-        if any(k in name for k in COMM_FILES):
-            return "comm_buffers"
-        if any(k in name for k in OPT_FILES):
-            return "optimizer"
+        if any(name.endswith(h) and f.f_code.co_name == c for h, c in HOST_FRAMES):
+            return "host"
+        if kind is None and any(k in name for k in COMM_FILES):
+            kind = "comm_buffers"
+        if kind is None and any(k in name for k in OPT_FILES):
+            kind = "optimizer"
         f = f.f_back
-    return "activations"
+    return kind or "activations"
+
+
+def _is_host(s) -> bool:
+    from pyfast.parallel.zero.offload import is_host
+    return is_host(s)
 
 
 def _storage(t: torch.Tensor):
@@ -56,6 +72,7 @@ class MemoryTracker(TorchDispatchMode):
         super().__init__()
         self.live: dict[int, tuple[StorageWeakRef, int, str]] = {}
         self.bytes = self.peak = 0
+        self.host_bytes = self.host_peak = 0  # kind "host": offload's, not the device's
         self.at_peak: list[tuple[StorageWeakRef, int, str]] = []
         self.lock = threading.Lock()  # pyfast.comm's worker thread runs ops under this mode too
 
@@ -68,29 +85,39 @@ class MemoryTracker(TorchDispatchMode):
         if old is not None:
             if not old[0].expired():
                 return
-            self.bytes -= old[1]  # freed, and its address reused by this new storage
+            self._count(old[2], -old[1])  # freed, and its address reused by this new storage
+        if kind != "host" and _is_host(s):
+            kind = "host"
         n = s.nbytes()
         self.live[key] = (StorageWeakRef(s), n, kind)
-        self.bytes += n
+        self._count(kind, n)
+
+    def _count(self, kind: str, n: int) -> None:
+        if kind == "host":
+            self.host_bytes += n
+        else:
+            self.bytes += n
 
     def seed(self, tensors) -> None:
         """What exists before the step; unless breakdown() names it (parameters, gradients,
         optimizer state, feedback), it is a buffer a parallel wrapper keeps between steps
-        (gradient buckets, flat shards, side bands): comm_buffers."""
+        (gradient buckets, flat shards, side bands): comm_buffers; host if offload's (_add)."""
         for t in tensors:
             if isinstance(t, torch.Tensor):
                 self._add(t, "comm_buffers")
         self._sweep()
 
     def _sweep(self) -> None:
-        if self.bytes <= self.peak:  # counting the freed too, no new peak: no need to look
-            return
+        if self.bytes <= self.peak and self.host_bytes <= self.host_peak:
+            return  # counting the freed too, no new peak: no need to look
         dead = [k for k, (ref, _, _) in self.live.items() if ref.expired()]
         for k in dead:
-            self.bytes -= self.live.pop(k)[1]
+            _, n, kind = self.live.pop(k)
+            self._count(kind, -n)
         if self.bytes > self.peak:
             self.peak = self.bytes
-            self.at_peak = list(self.live.values())
+            self.at_peak = [x for x in self.live.values() if x[2] != "host"]
+        self.host_peak = max(self.host_peak, self.host_bytes)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -113,7 +140,8 @@ class MemoryTracker(TorchDispatchMode):
             self._sweep()
 
     def breakdown(self, params, grads, optimizer, feedback) -> dict:
-        """{"peak_bytes", kind: bytes, ...} of the live storages at the peak; the identity sets
+        """{"peak_bytes", kind: bytes, ..., "host_bytes"}: the device's live storages at its
+        peak, and the host's peak (offload); the identity sets
         (tensors alive now) name parameters, gradients, optimizer state and feedback memory."""
         ident = {}
         for kind, ts in (("feedback", feedback), ("optimizer", optimizer),
@@ -127,7 +155,7 @@ class MemoryTracker(TorchDispatchMode):
             if not ref.expired():
                 kind = ident.get(ref.cdata, kind)
             out[kind] += n
-        return {"peak_bytes": self.peak, **out}
+        return {"peak_bytes": self.peak, **out, "host_bytes": self.host_peak}
 
 
 def held(root, skip=()) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -11,7 +11,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from . import checkpoint as ck
+from . import checkpoint as ck, offload
 from .config import ConfigError, TrainConfig, check, check_data, resume_changes
 from .job import Job, NonFiniteError
 from .metrics import MetricsLog, Progress, plot, read, summary
@@ -94,8 +94,9 @@ def run(cfg: TrainConfig, device: torch.device, restarted: bool = False) -> None
                   f"{job.mesh}, {cfg.precision}, compress {cfg.compress}; "
                   f"{job.corpus.source}; {note}", flush=True)
             print(describe_tensorboard(cfg.tensorboard, cfg.out), flush=True)
-            if job.frozen_note:
-                print(f"pyfast train: {job.frozen_note}", flush=True)
+            for line in (job.frozen_note, offload.describe(job) if job.zero else None):
+                if line:
+                    print(f"pyfast train: {line}", flush=True)
         _loop(cfg, job, start, device)
     except (ConfigError, NonFiniteError):
         job.close()

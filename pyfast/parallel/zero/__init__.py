@@ -54,6 +54,7 @@ from .frozen import MODES as FROZEN_MODES, check_frozen, frozen_named, frozen_un
 from .layout import Layout, ParamShard, Unit, bucket_groups, shard_range, shard_size
 from .meshes import check_pipeline, coords, tp_flags
 from .model import ZeroModel
+from .offload import Host, Offload, check_args as check_offload
 from .optimizer import PER_ELEMENT, ZeroOptimizer, check_optimizer
 
 log = logging.getLogger(__name__)
@@ -115,7 +116,8 @@ def _engine_kinds(engine: str, c, pc, group, device, every_rank: bool = False) -
 def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_compressor=None,
          group=None, bucket_mb: float | None = None, error_feedback: bool = True, units=None,
          engine: str = "auto", frozen: str = "replicate", tp_group=None, pp_group=None,
-         replica_group=None, replica_compressor=None, every_rank: bool = False, **optim_kwargs):
+         replica_group=None, replica_compressor=None, every_rank: bool = False,
+         offload=None, prefetch: int = 1, delay: bool = False, **optim_kwargs):
     """(model, opt): `module` wrapped for ZeRO stage 1, 2 or 3 over `group` (None: the default
     group), and a ZeroOptimizer running optim_cls(**optim_kwargs) on this rank's shards.
     optim_kwargs may hold params= (param groups, as optim_cls's first argument: lists of the
@@ -164,7 +166,12 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
     (any compressor that codes a flat shard, error feedback per unit shard unless
     error_feedback=False; None: exact). The replicas stay bit-identical. Checkpoints
     (checkpoint.py) then add a leading Replicate() mesh dimension and run over the default
-    group, as they do on a tp / pp mesh."""
+    group, as they do on a tp / pp mesh.
+
+    offload, prefetch, delay (offload.py): None (everything on the device), "optimizer"
+    (ZeRO-Offload: the fp32 master shards, their gradients and the optimizer state in host
+    memory, the step on the host) or "params" (stage 3: the parameter shards too, fetched
+    `prefetch` units ahead of their gather); delay=True: the one-step delayed update."""
     if not dist.is_initialized():
         raise RuntimeError("zero needs torch.distributed initialized "
                            "(torchrun + dist.init_process_group)")
@@ -184,6 +191,9 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
         raise ValueError(f"frozen='shard' shards the frozen parameters between stage 3's "
                          f"gathers; stage {stage} keeps them whole on every rank "
                          "(frozen='replicate')")
+    check_offload(offload, stage, prefetch, delay)
+    if offload == "params":  # stage 3's parameter offload: helper "offz3" lands it
+        raise NotImplementedError("zero(offload='params') is being built (issue 34)")
     if units is not None and stage != 3:
         raise ValueError(f"units= chooses stage 3's gathered modules; stage {stage} buckets "
                          "by bucket_mb")
@@ -223,15 +233,24 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
                         world, rank, align)
     described = ([f"stage {stage}", f"compressor {c.spec}", f"param_compressor {param_compressor}"]
                  + (replicas.describe() if replicas is not None else [])
-                 + coords(tp_group, pp_group) + layout.describe()
+                 + coords(tp_group, pp_group) + [f"offload {offload} {prefetch} {delay}"]
+                 + layout.describe()
                  + [d for f in funits for d in f.describe()])
     for g in ([replica_group] if replicas is not None else []) + [group]:
         agree(described, None, g, what="zero", device=named[0][1].device,
               differ=_first_difference)
+    off = None if offload is None else \
+        Offload(offload, Host(named[0][1].device), prefetch, delay)
+    if off is not None:  # host memory short: OffloadError on every rank, before allocating
+        from .offload_step import check as check_host
+        problem = check_host(layout, off, optim_cls)
+        for g in ([replica_group] if replicas is not None else []) + [group]:
+            agree(None, problem, g, what="zero", device=named[0][1].device)
     if stage == 3:
-        model = Stage3Model(module, layout, c, group, named, param_compressor, kinds, funits)
+        model = Stage3Model(module, layout, c, group, named, param_compressor, kinds, funits,
+                            offload=off)
     else:
-        model = ZeroModel(module, layout, stage, c, group, named, kinds)
+        model = ZeroModel(module, layout, stage, c, group, named, kinds, offload=off)
     model.replicas = replicas
     model.set_mesh(tp_group, pp_group, tp_sharded)
     opt = ZeroOptimizer(model, optim_cls, **optim_kwargs)

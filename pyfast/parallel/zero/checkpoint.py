@@ -190,6 +190,8 @@ def _own_master(model, param: torch.Tensor, master: torch.Tensor) -> bool:
     master), not a view of the parameter that the model state already holds."""
     if model.stage == 3:
         return False  # the model state is the masters
+    if getattr(model, "_host", None) is not None:  # offload: host masters, saved as without
+        return param.dtype != torch.float32 or not param.is_contiguous()  # (ZeroModel._master)
     return master.untyped_storage().data_ptr() != param.untyped_storage().data_ptr()
 
 
@@ -219,7 +221,12 @@ def _optim_state(model, opt) -> dict:
 def get_state_dict(model, opt) -> dict:
     """{"model": ..., "optim": ...} of a zero() model and its optimizer (module docstring):
     this rank's shards as DTensors, the rest plain. Tensors are the live ones (no copy), so
-    dcp.load into it fills the model and optimizer in place; call set_state_dict after."""
+    dcp.load into it fills the model and optimizer in place; call set_state_dict after.
+    Offloaded shards and state (zero(offload=...)) are the host tensors under the same keys
+    and shapes; with delay=True the step in flight is finished and installed first
+    (ZeroModel.flush_offload: collective, as save is)."""
+    if getattr(model, "_host", None) is not None:
+        model.flush_offload()
     return {"model": _model_state(model, opt),
             "optim": {"state": _optim_state(model, opt), "param_groups": _param_groups(opt)}}
 
@@ -312,6 +319,7 @@ def _refresh(model) -> None:
     if model.stage < 3:
         model.gather_params()
     else:
+        model.refresh_device_shards()  # offload: the gather source from the new host masters
         refresh = getattr(model, "masters_changed", None)
         if refresh is not None:
             refresh()
@@ -365,8 +373,9 @@ def load_target(checkpoint_id, model, opt) -> dict:
             if len(m.size) == 0:
                 entry[name] = torch.zeros((), dtype=m.properties.dtype)
             elif tuple(m.size) == _flat_size(model, fqn):
-                # on the parameters' device, as the mesh _dtensor puts it on (_mesh)
-                local = torch.zeros(sh.length, dtype=m.properties.dtype, device=model._device)
+                # where the shard is: the parameters' device, as the mesh (_mesh), or
+                # offload: the host (a device copy of the state is what offload avoids)
+                local = torch.zeros(sh.length, dtype=m.properties.dtype, device=shard.device)
                 entry[name] = _dtensor(model, local, fqn)
             else:
                 raise ValueError(f"{k}: shape {tuple(m.size)}, expected "

@@ -60,8 +60,9 @@ class ZeroModel(nn.Module):
     gradients locally (full .grad) until the next synced backward, as DDP's."""
 
     def __init__(self, module: nn.Module, layout, stage: int, compressor, group, named,
-                 engine_kind=None):
+                 engine_kind=None, offload=None):
         super().__init__()
+        self.offload = offload  # offload.Offload or None: zero(offload=...)
         # {"reduce_scatter": "native"|"python", "all_gather": ...}: who runs each collective
         self.engine_kind = dict(engine_kind or {"reduce_scatter": "python",
                                                 "all_gather": "python"})
@@ -80,9 +81,14 @@ class ZeroModel(nn.Module):
         # parameter: a view of the parameter itself (its elements [start, start+length) are
         # contiguous in the flat view), so no fp32 copy is kept twice: 4 psi + 12 psi / N. A
         # 16-bit parameter (and every parameter under stage 3, whose data is freed) gets its own.
+        # With zero(offload=...): host views of one host segment per unit (offload_step.py).
         self.masters: list[list[torch.Tensor]] = []
+        self._host = None  # offload_step.HostShards
         with torch.no_grad():
-            for u in layout.units:
+            if offload is not None:
+                self._host = _host_shards(self, offload, group)
+                self.masters = self._host.masters
+            for u in layout.units if offload is None else []:
                 self.masters.append([self._master(p, sh) for p, sh in zip(u.params, u.shards)])
         self.replicas = None  # hybrid sharding (hybrid.Replicas), set by zero()
         self._breaker = Breaker("this zero model")
@@ -263,6 +269,9 @@ class ZeroModel(nn.Module):
             self.replicas.sum_flags(self._band.t)
         self._band.read(self.group)  # a dry run: all used
         self._band.begin()
+        if self._host is not None:  # offload: into the host gradient segments, off the device
+            self._host.grads_in(inflight, self._band.used)
+            return
         for u, out, _ in inflight:
             for i, p in enumerate(u.params):
                 if not self._band.used(u.index, i):
@@ -305,13 +314,37 @@ class ZeroModel(nn.Module):
 
     def _start_gather(self, u, compressor):
         """Start the all-gather of unit u's master shards: (handle, the full buffer)."""
-        seg = torch.zeros(u.S, dtype=torch.float32, device=self._device)
-        for i, m in enumerate(self.masters[u.index]):
-            u.shard_view(seg, i).copy_(m)
+        if self._host is not None:  # offload: from the host segment (stage 3: its device copy)
+            seg = self._host.device_segment(u)
+        else:
+            seg = torch.zeros(u.S, dtype=torch.float32, device=self._device)
+            for i, m in enumerate(self.masters[u.index]):
+                u.shard_view(seg, i).copy_(m)
         full = u.new_buffer(self._device)
         if self.engine_kind["all_gather"] == "native":
             return self._engine.all_gather(full, seg, compressor, name=u.name), full
         return all_gather(full, seg, compressor, self.group, async_op=True, name=u.name), full
+
+    # ------------------------------------------------------------------ offload (offload_step)
+    def device_shard(self, u) -> torch.Tensor:
+        """zero(offload="optimizer"), stage 3: unit u's device copy of this rank's fp32 segment
+        (its master shards at u.shard_view offsets), the source of its parameter all-gather."""
+        if self._host is None or self._host.dsegs is None:
+            raise RuntimeError("device_shard: only stage 3 with offload='optimizer' keeps one")
+        return self._host.dsegs[u.index]
+
+    def refresh_device_shards(self) -> None:
+        """Stage 3 with offload: the device shards from the host masters (after a step or a
+        checkpoint load). A no-op otherwise."""
+        if self._host is not None:
+            self._host.refresh()
+
+    def flush_offload(self) -> None:
+        """delay=True: finish the host step in flight and install it now (a checkpoint then
+        holds every gradient applied, and the run after it continues exactly as a resume from
+        it does). Collective under stages 1/2 (the all-gather). A no-op otherwise."""
+        if self._host is not None and self._host.wait():
+            self.gather_params() if self.stage < 3 else self.refresh_device_shards()
 
     def close(self) -> None:
         """Remove the gradient hooks (the wrapped module stays usable on its own); wait for the
@@ -328,8 +361,24 @@ class ZeroModel(nn.Module):
             with contextlib.suppress(BaseException):  # already raised, or will not matter now
                 h.wait()
         self._inflight = []
+        if self._host is not None:
+            self._host.close()
         if hasattr(self, "_gathering"):
             self._gathering.clear()
         if self._engine is not None:
             self._engine.close()
             self._engine = None
+
+
+def _host_shards(model, off, group):
+    """The model's HostShards; a refused pinned allocation raises on every rank of the group."""
+    from pyfast.comm.agree import agree
+    from .offload import OffloadError
+    from .offload_step import HostShards
+    shards, problem = None, None
+    try:
+        shards = HostShards(model, off)
+    except OffloadError as e:
+        problem = e
+    agree(None, problem, group, what="zero(offload=...)", device=model._device)
+    return shards

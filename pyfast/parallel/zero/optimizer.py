@@ -135,10 +135,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         reps = getattr(m, "replicas", None)
         rep0 = reps is None or reps.rank == 0
         grads, counted = [], []
-        for ms, flags in zip(m.masters, m.tp_sharded):
-            for master, tp in zip(ms, flags):
-                if master.grad is not None:
-                    grads.append(master.grad)
+        # offload: the host gradient shards (with delay=True not on the masters: HostShards)
+        every = m._host.grads() if m._host is not None else \
+            [[master.grad for master in ms] for ms in m.masters]
+        for gs, flags in zip(every, m.tp_sharded):
+            for g, tp in zip(gs, flags):
+                if g is not None:
+                    grads.append(g)
                     counted.append((tp or tp0) and rep0)
         return grads, counted
 
@@ -158,9 +161,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return zero, zero.clone()
         # one fused pass (torch._foreach_norm, as torch's clip_grad_norm_), squared in fp64
         sq = torch.stack(torch._foreach_norm(grads)).double().square()
-        mask = torch.tensor(counted, dtype=torch.bool, device=dev)
+        mask = torch.tensor(counted, dtype=torch.bool, device=sq.device)
         bad = (~torch.isfinite(sq).all()).double()  # unmasked: a NaN anywhere is seen
-        return torch.where(mask, sq, 0.0).sum(), bad
+        # offload: computed where the gradients are (the host); two fp64 scalars move, not them
+        return torch.where(mask, sq, 0.0).sum().to(dev), bad.to(dev)
 
     @torch.no_grad()
     def clip_(self, total: torch.Tensor, max_norm: float) -> None:
@@ -171,7 +175,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         grads, _ = self._grads()
         if grads:
             coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+            # offload: the scalar to the host gradients (on CUDA a sync the host step needs anyway)
+            torch._foreach_mul_(grads, coef.to(grads[0].device, grads[0].dtype))
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -212,16 +217,25 @@ class ZeroOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._reduce()
-        self.inner.step()
+        host = self.model._host
+        install = self.model.gather_params if self.model.stage < 3 else \
+            self.model.refresh_device_shards  # (a no-op for stage 3 without offload)
+        if host is None:
+            self.inner.step()
+        else:  # offload: the step on the host masters, installed (delay: the one before)
+            host.step(self.inner, install)
         self._reduced = False
         self.model.settle_feedback(True)  # the step applied: keep its feedback memory
-        if self.model.stage < 3:
-            self.model.gather_params()
+        if host is None:
+            install()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._reduced = False  # a skipped step (no step()) reduced gradients now thrown away
-        for ms in self.model.masters:
+        host = self.model._host
+        if host is not None and host.pending is not None:  # delay: the worker owns .grad
+            host.clear_grads(set_to_none)
+        for ms in self.model.masters if host is None or host.pending is None else []:
             for m in ms:
                 if m.grad is not None:
                     if set_to_none:

@@ -122,8 +122,8 @@ class Stage3Model(ZeroModel):
     """ZeroModel with parameters sharded between uses (module docstring)."""
 
     def __init__(self, module, layout, compressor, group, named, param_compressor=None,
-                 engine_kind=None, frozen=None):
-        super().__init__(module, layout, 3, compressor, group, named, engine_kind)
+                 engine_kind=None, frozen=None, offload=None):
+        super().__init__(module, layout, 3, compressor, group, named, engine_kind, offload)
         self.param_compressor = C.get(param_compressor)
         self.frozen = list(frozen or [])  # FrozenUnits: frozen="shard"
         self.units: list[Gathered] = []

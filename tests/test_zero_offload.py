@@ -1,0 +1,186 @@
+"""zero(offload="optimizer"): ZeRO 1/2/3 with the fp32 master shards, their gradients and the
+optimizer state in host memory (pyfast.parallel.zero.offload_step), on 2 gloo ranks (one pool
+launch for every case), gpt-tiny (LayerNorm and biases of odd sizes, a tied embedding), against
+the same run without offload.
+
+Tolerances: offloading moves storage, not arithmetic: the same reduce-scatter output is copied
+to the host, the same foreach AdamW runs on the same values (CPU either way here), the same
+segment bytes (padding included) are all-gathered. So parameters, optimizer state and losses
+are asserted BITWISE equal. The delayed update (delay=True) is checked against a one-process
+reference written here (SGD with momentum, torch ops only, gradient N-1 applied at step N):
+the runs differ only in how the two ranks' micro-batch gradients are summed (gloo's
+reduce-scatter vs autograd over the averaged loss), a few fp32 ulps per gradient; SGD turns
+that into lr * ulps per step, so atol 1e-6 over 3 steps at lr 0.05 (the reference without the
+delay differs by > 1e-3: asserted too, so the check can tell a delayed update from a plain one).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+V, SEQ, STEPS = 97, 16, 3
+
+
+def _gpt():
+    from pyfast import models
+    torch.manual_seed(0)
+    return models.build("gpt-tiny", V, SEQ)
+
+
+def _data(step, rank):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    ids = torch.randint(0, V, (2, SEQ + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def _loss(m, x, y):
+    return nn.functional.cross_entropy(m(x).reshape(-1, V), y.reshape(-1))
+
+
+def _run(rank, stage, compressor, offload, clip, optim=torch.optim.AdamW, delay=False,
+         steps=STEPS, **kw):
+    """(losses, full state dict) after `steps` steps of zero() on gpt-tiny."""
+    from pyfast.parallel.zero import checkpoint as ck, zero
+    opts = dict(lr=1e-3, weight_decay=0.1) if optim is torch.optim.AdamW else \
+        dict(lr=0.05, momentum=0.9)
+    model, opt = zero(_gpt(), optim, stage=stage, compressor=compressor, offload=offload,
+                      delay=delay, **opts, **kw)
+    losses = []
+    for s in range(steps):
+        loss = _loss(model, *_data(s, rank))
+        loss.backward()
+        if clip:
+            opt.clip_grad_norm_(0.05)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    sd = ck.full_state_dict(model, opt)
+    model.close()
+    return torch.stack(losses), sd
+
+
+def _flat(sd) -> dict:
+    out = {f"model.{k}": v for k, v in sd["model"].items()}
+    for fqn, st in sd["optim"]["state"].items():
+        out.update({f"optim.{fqn}.{k}": v for k, v in st.items() if isinstance(v, torch.Tensor)})
+    return out
+
+
+CASES = [(1, None, False), (2, None, True), (2, "int8", False), (3, None, False),
+         (3, "int8", True)]
+
+
+def _same_as_without(rank, world):
+    """Per case: the names of the tensors that differ between offload and no offload."""
+    out = {}
+    for stage, comp, clip in CASES:
+        la, a = _run(rank, stage, comp, None, clip)
+        lb, b = _run(rank, stage, comp, "optimizer", clip)
+        a, b = _flat(a), _flat(b)
+        assert a.keys() == b.keys(), (stage, comp, set(a) ^ set(b))
+        bad = [k for k in a if not torch.equal(a[k], b[k])]
+        out[(stage, comp, clip)] = (bad, torch.equal(la, lb), len(a))
+    return out
+
+
+def _delayed(rank, world):
+    """delay=True (stages 2, 3) and its one-process reference: max |difference| per case."""
+    out = {}
+    for stage in (2, 3):
+        _, sd = _run(rank, stage, None, "optimizer", False, torch.optim.SGD, delay=True)
+        out[stage] = sd["model"]
+    return out
+
+
+def _reference(world, delay):
+    """One process, torch only: SGD(momentum) on the average of the ranks' micro-batch losses,
+    gradient N-1 applied at step N (delay) or gradient N at step N. With delay the last
+    gradient is applied at the end, as the checkpoint's flush (full_state_dict) does."""
+    m = _gpt()
+    opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+    prev = None
+    for s in range(STEPS):
+        loss = sum(_loss(m, *_data(s, r)) for r in range(world)) / world
+        grads = torch.autograd.grad(loss, list(m.parameters()))
+        use = prev if delay else grads
+        if use is not None:
+            for p, g in zip(m.parameters(), use):
+                p.grad = g
+            opt.step()
+        prev = grads
+    if delay:
+        for p, g in zip(m.parameters(), prev):
+            p.grad = g
+        opt.step()
+    return dict(m.named_parameters())
+
+
+def _host_short(rank, world):
+    """Rank 1 sees no free host memory: OffloadError on both ranks (no hang), naming GiB."""
+    from pyfast.parallel.zero import offload, zero
+    saved = offload.available_bytes
+    if rank == 1:
+        offload.available_bytes = lambda: 0
+    try:
+        zero(_gpt(), torch.optim.AdamW, stage=2, offload="optimizer")
+    except offload.OffloadError as e:
+        return str(e)
+    finally:
+        offload.available_bytes = saved
+    return None
+
+
+def test_offload_equals_no_offload_and_delay_reference(pool2):
+    got = pool2.run(_same_as_without)
+    for case in CASES:
+        for r in (0, 1):
+            bad, losses_equal, n = got[r][case]
+            assert not bad and losses_equal, (case, r, bad)
+            assert n > 20  # parameters and AdamW's moments of every parameter were compared
+    delayed = pool2.run(_delayed)[0]
+    ref, plain = _reference(2, True), _reference(2, False)
+    for stage, sd in delayed.items():
+        for name, p in ref.items():
+            torch.testing.assert_close(sd[name], p.detach(), atol=1e-6, rtol=0,
+                                       msg=lambda m: f"stage {stage} {name}: {m}")
+        assert max((sd[n] - p).abs().max().item() for n, p in plain.items()) > 1e-3
+    errs = pool2.run(_host_short)
+    assert all(e is not None and "GiB" in e and "host memory" in e for e in errs), errs
+
+
+def _resume(rank, world, root):
+    """Per stage and direction: save at step 2 with / without offload, load into a model built
+    the other way, step 3; the full state against a run that never stopped (bitwise)."""
+    from pyfast.parallel.zero import checkpoint as ck, zero
+    out = {}
+    for stage in (2, 3):
+        _, never = _run(rank, stage, None, None, False)
+        for saved, loaded in (("optimizer", None), (None, "optimizer")):
+            path = f"{root}/s{stage}-{saved}"
+            model, opt = zero(_gpt(), torch.optim.AdamW, stage=stage, offload=saved, lr=1e-3,
+                              weight_decay=0.1)
+            for s in range(STEPS - 1):
+                _loss(model, *_data(s, rank)).backward()
+                opt.step()
+                opt.zero_grad()
+            ck.save(path, model, opt)
+            model.close()
+            model, opt = zero(_gpt(), torch.optim.AdamW, stage=stage, offload=loaded, lr=0.5,
+                              weight_decay=0.0)  # other options: the checkpoint's must win
+            ck.load(path, model, opt)
+            _loss(model, *_data(STEPS - 1, rank)).backward()
+            opt.step()
+            sd = _flat(ck.full_state_dict(model, opt))
+            model.close()
+            ref = _flat(never)
+            out[(stage, saved, loaded)] = (sorted(set(sd) ^ set(ref)),
+                                           [k for k in ref if k in sd and not
+                                            torch.equal(sd[k], ref[k])])
+    return out
+
+
+def test_checkpoint_resumes_across_offload_bit_exact(pool2, tmp_path):
+    for r, got in enumerate(pool2.run(_resume, str(tmp_path))):
+        for case, (keys, bad) in got.items():
+            assert not keys and not bad, (r, case, keys, bad)
