@@ -73,18 +73,21 @@ def dry_ready() -> bool:
     return "offload" in TrainConfig.__dataclass_fields__
 
 
-def compare(name: str, kw: dict) -> dict:
-    """One case: rank 0's dry-run device peak and host peak against the planner's."""
+def compare(name: str, kw: dict, **base) -> dict:
+    """One case: rank 0's dry-run device peak and host peak against the planner's (base:
+    TrainConfig fields over BASE's, e.g. a smaller model for a test)."""
     from pyfast.benchmarks.plan_memory import plan_of
     from pyfast.plan.memory import predict_memory
     from pyfast.train.config import TrainConfig
     from pyfast.train.dryrun import dry_run
-    cfg = TrainConfig(**dict(BASE, batch=kw["dp"], **kw))
+    cfg = TrainConfig(**dict(BASE, batch=kw["dp"], **base, **kw))
     t0 = time.perf_counter()
     traced = dry_run(cfg, cfg.ranks, [0])[0]
     dt = time.perf_counter() - t0
     shape, plan, work = plan_of(cfg)
     pred = predict_memory(shape, plan.replace(offload=kw["offload"]), work, "meta")
+    pred.setdefault("host_bytes", 0)
+    pred.setdefault("host", {})
     if "host_bytes" not in traced:
         raise RuntimeError(f"{name}: the dry run's rows have no host_bytes (keys "
                            f"{sorted(traced)}): it does not count the host yet")
@@ -104,15 +107,21 @@ def dry(names=None) -> dict:
         return {"rows": [], "pending": [c for c, _ in DRY],
                 "why": "pyfast train has no --offload here (zero's offload, branch offopt, not "
                        "merged): nothing to dry-run"}
-    rows = []
+    rows, pending = [], []
     for name, kw in DRY:
         if names and name not in names:
             continue
-        rows.append(compare(name, kw))
+        try:
+            rows.append(compare(name, kw))
+        except NotImplementedError as e:  # zero's offload mode not built yet: said, no number
+            pending.append(name)
+            print(f"{name}: pending ({e})", flush=True)
+            continue
         r = rows[-1]
         print(f"{name}: device {r['device_error']:+.1%}, host {r['host_error']:+.1%} "
               f"({r['dry_s']:.1f} s)", flush=True)
-    return {"rows": rows, "pending": []}
+    return {"rows": rows, "pending": pending,
+            "why": "zero() raised NotImplementedError for their offload mode"}
 
 
 def summary(res: dict) -> str:
@@ -138,8 +147,8 @@ def summary(res: dict) -> str:
                    f"|error| {worst:.1%}, "
                    f"{sum(max(abs(r['device_error']), abs(r['host_error'])) > 0.10 for r in rows)}"
                    " over 10%")
-    elif d.get("pending"):
-        out.append(f"dry run pending ({len(d['pending'])} configs): {d['why']}")
+    if d.get("pending"):
+        out.append(f"dry run pending ({', '.join(d['pending'])}): {d['why']}")
     return "\n".join(out)
 
 

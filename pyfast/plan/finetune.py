@@ -144,12 +144,11 @@ def lora_memory(shape: ModelShape, plan: Plan, work: Workload, device: str,
     if off != "none":  # offload.py: the adapters' master, gradient shards, state on the host
         from .offload import host_state
         base_host = cdiv(frozen) if off == "params" and shard else 0
-        host = host_state(F32 * cdiv(A), F32 * cdiv(A), k["optimizer"], base_host)
+        host = host_state(F32 * cdiv(A), F32 * cdiv(A), k["optimizer"], F32 * cdiv(big_a),
+                          base_host)
         k["optimizer"] = 0.0
         if off == "params":  # no device shard: the sharded base, the adapters' shards
             k["parameters"] = rotary + (0 if shard else frozen)
-        grads_end = (unit if zero == 3 else min(4 * 2**20, F32 * A)) / n if zero >= 2 else \
-            grads_full  # a unit's reduced segment in flight to the host
 
     # ---- activations of a micro-batch
     saved, temp = _block_saved(shape, 1, work.seq, device, "ring", 1, bpe, plan.micro_batch)
@@ -198,8 +197,9 @@ def lora_memory(shape: ModelShape, plan: Plan, work: Workload, device: str,
         opt_t = 3 * F32 * (cdiv(big_a) if zero else big_a)
     if off != "none":  # the step on the host
         opt_t = 0.0
-    grads_opt = grads_full + (grads_end if off != "none" else F32 * cdiv(A)) if zero == 1 \
-        else grads_end
+    # offload: the reduced shards leave the device at the end of backward (memory.py)
+    grads_opt = grads_full + F32 * cdiv(A) if zero == 1 else \
+        (0.0 if off != "none" else grads_end)
     opt = static + grads_opt + opt_t
     if fwd >= opt:
         k["gradients"], k["activations"] = g, ac

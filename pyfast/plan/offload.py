@@ -8,15 +8,16 @@ parameters, `shard` its ZeRO shard, ceil-rounded per tensor):
   without offload step on a view of the device parameter), the reduced gradient shards (4
   shard) and AdamW's two moments and step counts (8 shard + 4 a tensor); the device keeps its
   parameters (stages 1/2: all, fp32 as the job holds them; stage 3: its shard, the gather
-  source refreshed from the master) and, while gradients stream out, one reduced unit segment
-  (a unit / N) per transfer in flight (D2H_IN_FLIGHT). The device's optimizer step is gone:
-  after the step only the all-gather's units of stages 1/2 (as without offload).
+  source refreshed from the master) and its gradients as without offload until the end of
+  backward (pyfast.parallel.zero.offload_step copies every unit's reduced shard to the host
+  then, in ZeroModel._finish: the dry run traces them on the device). The device's optimizer
+  step is gone: after it only the all-gather's units of stages 1/2 (as without offload).
 - params (ZeRO 3): optimizer, plus no device shard at all: the master is the gather source, and
   a LoRA base sharded (--base-placement shard) lives on the host in its stored format; the
   device keeps `prefetch + 1` gathered units (the running one and those fetched ahead) and the
   `prefetch` host shards copied ahead of their all-gather.
-The host's AdamW is pyfast.optim.AdamW (C++, in place: no temporaries); one rank's host bytes
-times the ranks of a node is what --host-ram must hold.
+The host's step adds torch AdamW's temporaries (HOST_ADAMW_TEMPS); one rank's host bytes times
+the ranks of a node is what --host-ram must hold.
 
 Time (offload_time, on top of the plan's time without offload, whose device optimizer step it
 removes): the host step, HOST_ADAMW_BYTES a parameter over the GPU's share of the host memory
@@ -39,9 +40,11 @@ F32 = 4
 # bytes a parameter a CPU AdamW streams: reads parameter, gradient and two moments (4 x 4 fp32),
 # writes parameter and moments (3 x 4): 28 (DeepSpeed's CPU Adam and pyfast.optim.AdamW alike)
 HOST_ADAMW_BYTES = 28
-# reduced gradient segments waiting for their device->host copy while backward runs: one (the
-# copy of unit i runs beside unit i-1's reduce-scatter, then its buffer is free)
-D2H_IN_FLIGHT = 1
+# temporaries of the host step, in largest-shard-tensors: the job's AdamW on the host is torch's
+# until pyfast.optim.AdamW is built (pyfast.train.offload.optim_cls), whose single-tensor CPU
+# path keeps 3 at once (the dry run: gpt-7b-shaped ZeRO 2 dp 2, 384 MiB over the state, 3 x
+# the 4096 x 16384 fc's half); pyfast.optim.AdamW's in-place kernel keeps none (then 0 here)
+HOST_ADAMW_TEMPS = 3
 
 
 def check(plan, n: int) -> None:
@@ -60,10 +63,12 @@ def check(plan, n: int) -> None:
         raise ValueError(f"--offload-prefetch must be >= 1, got {plan.prefetch}")
 
 
-def host_state(master: float, gradients: float, optimizer: float, base: float = 0.0) -> dict:
-    """One rank's host bytes by kind."""
+def host_state(master: float, gradients: float, optimizer: float, largest: float,
+               base: float = 0.0) -> dict:
+    """One rank's host bytes by kind at the step's peak; largest: the bytes of the largest
+    parameter shard, of which torch's single-tensor AdamW keeps HOST_ADAMW_TEMPS at once."""
     return {"master": int(master), "gradients": int(gradients), "optimizer": int(optimizer),
-            "base": int(base)}
+            "base": int(base), "temporaries": int(HOST_ADAMW_TEMPS * largest)}
 
 
 def params_extra(plan, unit: float, n: int) -> float:
