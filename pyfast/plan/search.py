@@ -18,6 +18,10 @@ each without and with --loss-chunks LOSS_CHUNKS (the LM head and fp32 loss on ch
 tokens: less memory, the head's forward again in backward). A chunked plan is kept only when
 the same plan unchunked does not fit: it is never faster, only smaller.
 
+When nothing fits, ZeRO's plans are scored again with host offload (--offload optimizer, and
+params under ZeRO 3: offload.py), each kept if its host bytes times a node's ranks fit
+cluster.host_ram_bytes (--host-ram), else rejected saying so.
+
 Each is scored by memory.predict_memory; one over the GPU's memory is rejected with the amount
 and where; the rest by timing.predict_time, ranked by time to the target loss (step_s x
 steps_factor: a lossy compressor's extra steps); plans within TIE_BAND of each other are a
