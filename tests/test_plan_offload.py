@@ -230,3 +230,29 @@ def test_dry_run_zero3_offload_saves_what_the_planner_says():
     traced = off["device_traced"] - on["device_traced"]
     predicted = off["device_predicted"] - on["device_predicted"]
     assert abs(predicted / traced - 1) <= 0.02 and abs(on["host_error"]) <= 0.02, (on, off)
+
+
+def test_every_offload_plan_passes_the_jobs_checks(monkeypatch):
+    """Each offload variant the search scores (gpt-tiny, 2 and 4 GPUs: ZeRO 1-3 on every mesh)
+    gives flags `pyfast train` parses and accepts (pyfast.train.offload's checks included);
+    its data check, the same for all, once."""
+    import types
+
+    from pyfast.plan import search as S
+    from pyfast.train import config as C
+    data = C.check_data(types.SimpleNamespace(data=C.TrainConfig().data, batch=8, seq=64))
+    monkeypatch.setattr(C, "check_data", lambda cfg: data)
+    shape, work = shapes.preset("gpt-tiny"), Workload(64, 8, "bf16")
+    seen = 0
+    for gpus in (2, 4):
+        for mesh in S.meshes(gpus):
+            if S.mesh_problem(shape, work, build(gpus, gpu_name="h100"), *mesh):
+                continue
+            for group in S.mesh_plans(shape, work, *mesh):
+                for kind in S.OFFLOAD_KINDS.get(group[0].zero, ()):
+                    p = group[0].replace(offload=kind, prefetch=2 if kind == "params" else 1)
+                    cfg = C.from_args(C.parser().parse_args(p.train_flags("gpt-tiny", work)))
+                    assert (cfg.offload, cfg.offload_prefetch) == (kind, p.prefetch)
+                    C.check(cfg, p.ranks, model=False)
+                    seen += 1
+    assert seen > 50
