@@ -93,18 +93,18 @@ def exposed(x: float, units: int, compute: float) -> float:
 
 
 def offload_time(shape, plan, work, cluster, t: dict, n_opt: float, base_bytes: float = 0.0,
-                 units: int | None = None) -> dict:
+                 units: int | None = None, bwd_per_fwd: float = 2.0) -> dict:
     """The plan's time `t` (predicted without offload) with the host's and the link's seconds
     (module doc). n_opt: the parameters this rank's host steps; base_bytes: a sharded frozen
-    base's stored bytes on this rank (params offload); units: ZeRO 3's per micro-batch."""
-    from .timing_compute import BWD_PER_FWD
+    base's stored bytes on this rank (params offload); units: ZeRO 3's per micro-batch;
+    bwd_per_fwd: backward's compute over forward's (timing_compute.BWD_PER_FWD)."""
     g = cluster.gpu
     m, z = plan.micro_batches, plan.zero
     units = units or shape.layers + 2
     host_s = HOST_ADAMW_BYTES * n_opt / g.host_bps
     shard_s = F32 * n_opt / g.pcie_bps          # one way: all this rank's shards
     fb = max(0.0, t["compute_s"] - t["recompute_s"]) / max(m, 1)  # a micro-batch's f + b
-    fwd = fb / (1 + BWD_PER_FWD)
+    fwd = fb / (1 + bwd_per_fwd)
     bwd = fb - fwd
     piped = plan.pp > 1
     d2h = exposed(shard_s, units, bwd) if z >= 2 and not piped else shard_s

@@ -291,4 +291,4 @@ def _offloaded(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster) 
     else:
         n_local, base = shape.params() / (plan.tp * plan.pp), 0.0
     units = -(-shape.layers // plan.pp) + 2
-    return offload_time(shape, plan, work, cluster, t, n_local / ns, base, units)
+    return offload_time(shape, plan, work, cluster, t, n_local / ns, base, units, BWD_PER_FWD)
