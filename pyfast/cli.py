@@ -39,6 +39,8 @@ BENCHMARKS = {
               "time to loss, bytes, peak bandwidth, compute utilization",
     "lora": "LoRA vs a full fine-tune of a ~100M Llama on dp2: tokens/s, peak RSS, bytes, "
             "checkpoint size",
+    "zero_offload": "ZeRO-2 with the optimizer offloaded to host memory vs without: step "
+                    "time (target: <= 15% more), memory",
     "zero_frozen": "ZeRO-3 with a frozen LoRA base sharded as bf16 / int8 / nf4: gathered bytes "
                    "and step time at 1 Gbit/s",
     "qlora_loss": "QLoRA (nf4 / int8 base) vs LoRA: validation loss after N fine-tuning steps "

@@ -32,7 +32,8 @@ def n_params(c: TrainConfig) -> int:
 def check_rows(rows, ranks):
     assert [r["rank"] for r in rows] == ranks
     for r in rows:
-        assert set(r) == {"rank", "peak_bytes", *KINDS}
+        assert set(r) == {"rank", "peak_bytes", "host_bytes", *KINDS}
+        assert r["host_bytes"] == 0  # no --offload: nothing lives in host memory
         assert all(isinstance(r[k], int) and r[k] >= 0 for k in KINDS)
         # the peak is the live storages at one moment, each counted under exactly one kind
         assert sum(r[k] for k in KINDS) == r["peak_bytes"]

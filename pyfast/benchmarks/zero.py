@@ -52,6 +52,10 @@ PYFAST = {"pyfast zero1": dict(stage=1), "pyfast zero2": dict(stage=2),
           "pyfast zero3": dict(stage=3), "pyfast zero2 int8": dict(stage=2, compressor="int8"),
           "pyfast zero3 int8+int8p": dict(stage=3, compressor="int8", param_compressor="int8")}
 CONFIGS = [*PEERS, *PYFAST]
+# `pyfast bench zero_offload` (zero_offload.py): known to the workers, not in the default CONFIGS
+OFFLOAD = {"pyfast zero2 offload": dict(stage=2, offload="optimizer"),
+           "pyfast zero2 offload delay": dict(stage=2, offload="optimizer", delay=True)}
+PYFAST.update(OFFLOAD)
 STAGE = {"torch DDP": 0, "torch DDP+ZeroRedundancyOptimizer": 1, "torch FSDP2": 3,
          **{k: v["stage"] for k, v in PYFAST.items()}}
 MODEL = dict(n_layer=8, n_head=8, d_model=512)  # 25.5M parameters with 256 byte tokens
@@ -384,7 +388,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
     configs = a.configs.split(",")
-    unknown = [c for c in configs if c not in CONFIGS]
+    unknown = [c for c in configs if c not in CONFIGS and c not in OFFLOAD]
     if unknown:
         p.error(f"unknown configs {unknown}; known: {', '.join(CONFIGS)}")
     res = run(a.link.split(","), configs, a.batch, a.seq, a.steps, a.warmup, a.mem_steps)

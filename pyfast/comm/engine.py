@@ -36,6 +36,8 @@ worker fails the queued jobs without sending anything).
 """
 from __future__ import annotations
 
+import math
+
 import os
 
 import torch
@@ -65,7 +67,10 @@ def _job_handle(engine, job: int, t: torch.Tensor, what: str) -> Handle:
             raise ValueError("the native engine's handles wait without a timeout")
         with naming(what):
             return t, engine.wait(job)  # releases the GIL
-    return Handle(join, lambda: engine.seconds(job))
+    # done: the worker's time is known (NaN while queued or running): what lets zero's offload
+    # copy a finished unit to the host during backward (Handle.is_completed)
+    return Handle(join, lambda: engine.seconds(job),
+                  lambda: not math.isnan(engine.seconds(job)))
 
 
 def private_group(group=None, timeout=None):

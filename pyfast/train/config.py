@@ -291,7 +291,8 @@ def check(cfg: TrainConfig, world: int, model: bool = True) -> dict:
     check_loss_chunks(cfg)
     check_cp(cfg)
     check_zero(cfg)
-    offload.check(cfg)
+    if offload.problem(cfg):
+        raise ConfigError(offload.problem(cfg))
     check_diloco(cfg)
     check_lora(cfg)
     data = check_data(cfg)

@@ -23,33 +23,32 @@ def add_flags(p: argparse.ArgumentParser, d) -> None:
                         "gradients on the host while step N+1 runs (parameters one step stale)")
 
 
-def check(cfg) -> None:
-    """ConfigError for --offload* flags that zero() would refuse, told by flag."""
-    from .config import ConfigError
+def problem(cfg) -> str | None:
+    """What is wrong with the --offload* flags (zero() would refuse it), told by flag; None if
+    nothing. config.check raises it as a ConfigError (this module imports nothing of config)."""
     off = cfg.offload
     if off not in MODES:
-        raise ConfigError(f"--offload {off!r}: one of {', '.join(MODES)}")
+        return f"--offload {off!r}: one of {', '.join(MODES)}"
     if off == "none":
         if cfg.offload_delay or cfg.offload_prefetch != 1:
-            raise ConfigError("--offload-delay / --offload-prefetch tune --offload: they need "
-                              "--offload optimizer or params")
-        return
+            return ("--offload-delay / --offload-prefetch tune --offload: they need "
+                    "--offload optimizer or params")
+        return None
     if not cfg.zero:
-        raise ConfigError(f"--offload {off} moves ZeRO's shards to host memory: it needs "
-                          "--zero 1, 2 or 3")
+        return f"--offload {off} moves ZeRO's shards to host memory: it needs --zero 1, 2 or 3"
     if off == "params" and cfg.zero != 3:
-        raise ConfigError(f"--offload params keeps stage 3's parameter shards on the host; "
-                          f"--zero {cfg.zero} keeps whole parameters on the device (use "
-                          "--offload optimizer, or --zero 3)")
+        return (f"--offload params keeps stage 3's parameter shards on the host; --zero "
+                f"{cfg.zero} keeps whole parameters on the device (use --offload optimizer, or "
+                "--zero 3)")
     if cfg.offload_prefetch < 1:
-        raise ConfigError(f"--offload-prefetch must be >= 1, got {cfg.offload_prefetch}")
+        return f"--offload-prefetch must be >= 1, got {cfg.offload_prefetch}"
     if cfg.offload_delay and cfg.precision == "fp16":
-        raise ConfigError("--offload-delay with --precision fp16: the loss scaler decides a "
-                          "step's skip from gradients the delayed step applies a step later; "
-                          "use bf16 or fp32")
+        return ("--offload-delay with --precision fp16: the loss scaler decides a step's skip "
+                "from gradients the delayed step applies a step later; use bf16 or fp32")
     if cfg.diloco:
-        raise ConfigError("--offload with --diloco: DiLoCo sets the parameters zero's optimizer "
-                          "steps, which offload keeps as separate host masters; not supported")
+        return ("--offload with --diloco: DiLoCo sets the parameters zero's optimizer steps, "
+                "which offload keeps as separate host masters; not supported")
+    return None
 
 
 def optim_cls(cfg):

@@ -15,6 +15,8 @@ all-gather) go through pyfast's compressors. User guide: docs/zero.md.
 - scaler.py: ZeroGradScaler, fp16 loss scaling on the shards (torch's ShardedGradScaler, fixed
   for ZeroOptimizer; imported from there: it pulls in torch.distributed.fsdp).
 - meshes.py: zero on a tp / pp mesh (tp_group=, pp_group=, a Pipeline as the module).
+- offload.py, offload_step.py: zero(offload=...): host buffers and copies; the host masters,
+  gradients and step (docs/offload.md).
 
 Memory per rank between steps, fp32 parameters, psi = parameter count, N ranks (measured in
 tests/test_zero.py): DataParallel 16 psi bytes (params, grads, two Adam moments); stages 1 and 2:

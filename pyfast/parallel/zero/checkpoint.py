@@ -34,6 +34,10 @@ load() builds what it reads from the checkpoint's metadata (a fresh optimizer ha
 load into, and a parameter no rank ever used has none in the checkpoint) and accepts either
 form of a parameter (a stage 1/2 checkpoint in a stage 3 model and back): a tensor of the
 parameter's shape is read whole and sliced, one of shape (n,) as this rank's shard.
+
+zero(offload=...): the host masters and state are saved as if they were on the device (the same
+keys and shapes; "fp32_master" only where a run without offload has it), and loaded into the
+host tensors, so a checkpoint resumes with or without offload (tests/test_zero_offload.py).
 """
 from __future__ import annotations
 

@@ -96,7 +96,8 @@ class Host:
 
     def __init__(self, device):
         self.device = torch.device(device)
-        self.host = torch.device("meta") if self.device.type == "meta" else torch.device("cpu")
+        host = "cpu"  # cpu-literal: host memory is what offload is for (meta on a dry run)
+        self.host = torch.device("meta" if self.device.type == "meta" else host)
         self.pin = self.device.type == "cuda"
         self._streams: dict[str, object] = {}
 
@@ -164,6 +165,13 @@ class Host:
             dst.copy_(src, non_blocking=True)
         src.record_stream(s)  # the allocator must not reuse src before the copy read it
         return Copy(s.record_event(), True, self.device)
+
+    def settle_h2d(self) -> None:
+        """Block the host until every host -> device copy issued so far has read its source:
+        before the host writes those buffers again (the next host step). A no-op off CUDA."""
+        s = self._streams.get("h2d")
+        if s is not None:
+            s.synchronize()
 
     def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> Copy:
         """Copy host buffer src into device tensor dst; wait() before the device reads dst (the

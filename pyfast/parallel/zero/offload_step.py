@@ -8,18 +8,17 @@ are the master shards (so a unit moves in ONE copy each way, padding included, z
 device), and one gradient segment of S fp32 (two with delay=True: the step in flight reads one
 while backward fills the other):
 - gradients, device -> host: each unit's reduce-scatter output (compressed or not, after the
-  hybrid replica all-reduce) is copied into the gradient segment in ZeroModel._finish, all
-  units' copies started before the side band's all-reduce and waited after it (on CUDA they
-  run on offload's d2h stream behind the reduce-scatters; on CPU a copy either way). The device
-  output is then dropped: no gradient shard stays on the device.
+  hybrid replica all-reduce) is copied into the gradient segment: started during backward for
+  every unit whose reduce-scatter has completed by the time a later unit is launched (early(),
+  polled at each launch), the rest in ZeroModel._finish; on CUDA on offload's d2h stream, on
+  CPU a copy either way. The device output is then dropped: no gradient shard stays there.
 - the step: the inner optimizer on the host masters (torch's AdamW runs its foreach kernels on
   CPU tensors; pyfast.optim.AdamW's C++ kernel where it is the optim_cls).
 - parameters, host -> device: stages 1/2 all-gather a device segment made by one H2D copy of
   the host segment (ZeroModel._start_gather); stage 3 keeps a DEVICE copy of each unit's
   segment (fp32, `device_shard(u)`) as the gather source, refreshed from the host right after
-  the step (`refresh_device_shards()`; on CUDA on the h2d stream, the next forward's first
-  gather waits only for its own unit's copy... and, in this version, for the others' too: one
-  event per refresh).
+  the step (`refresh_device_shards()`; on CUDA on the h2d stream in forward order, each gather
+  waiting for its own unit's copy only: the rest overlap the next forward's first units).
 - delay=True (ZeRO-Offload's one-step delayed parameter update): step N hands gradient N to a
   worker thread and installs the masters that the worker's previous step (gradient N-1) left:
   the host step runs while the device does step N+1's forward and backward (torch releases the
@@ -64,6 +63,7 @@ class HostShards:
         self.segs = [self.host.empty(u.S) for u in units]
         self.gsegs = [[self.host.empty(u.S) for u in units] for _ in range(2 if off.delay else 1)]
         self.buf = 0  # which gradient segment backward fills (delay: alternates per step)
+        self._early: dict = {}  # unit index -> (dst, fresh, Copy) started during backward
         for seg in self.segs + [g for gs in self.gsegs for g in gs]:
             seg.zero_()  # the padding between shards travels with them: zeros, as on the device
         self.masters = []
@@ -77,6 +77,7 @@ class HostShards:
             self.masters.append(ms)
         # stage 3's gather source on the device (offload="optimizer"; "params" has none)
         self.dsegs = None
+        self._h2d: dict = {}  # stage 3: unit index -> its refresh copy, waited at its gather
         if model.stage == 3 and off.mode == "optimizer":
             self.dsegs = [torch.zeros(u.S, dtype=torch.float32, device=dev) for u in units]
             self.refresh()
@@ -88,17 +89,34 @@ class HostShards:
         self._registered = 0
 
     # ------------------------------------------------------------------ gradients in
+    def _start(self, u, out):
+        """Start unit u's device -> host copy: (dst, fresh, Copy). Into its gradient segment
+        when none of its shards holds a gradient yet, else a temporary (added in grads_in)."""
+        fresh = all(g is None for g in self._grads_of(u))
+        dst = self.gsegs[self.buf][u.index] if fresh else self.host.empty(u.S)
+        return dst, fresh, self.host.to_host(dst, out)
+
+    def early(self, inflight) -> None:
+        """During backward (ZeroModel._launch, as each unit is launched): start the copy of
+        every earlier unit whose reduce-scatter has completed, so on CUDA the copies run beside
+        the rest of backward instead of after it (polled at launches: no callback thread)."""
+        for u, out, h in inflight:
+            if u.index in self._early or not (h is None or h.is_completed()):
+                continue
+            try:
+                if h is not None:
+                    h.wait()  # done: returns at once (orders the current stream after it)
+            except BaseException:  # noqa: BLE001 -- finish()'s wait_then_raise raises it
+                continue
+            self._early[u.index] = self._start(u, out)
+
     def grads_in(self, inflight, used) -> None:
-        """Copy each reduced unit (u, out) into its host gradient segment; used(u, i) says which
-        parameters have a gradient (the side band). Accumulates where a shard already has one
-        (gradient accumulation through several synced backwards)."""
+        """Copy each reduced unit (u, out) into its host gradient segment (or take the copy
+        early() started); used(u, i) says which parameters have a gradient (the side band).
+        Accumulates where a shard already has one (several synced backwards)."""
         gsegs = self.gsegs[self.buf]
-        copies = []
-        for u, out, _ in inflight:
-            have = self._grads_of(u)
-            fresh = all(g is None for g in have)
-            dst = gsegs[u.index] if fresh else self.host.empty(u.S)
-            copies.append((u, dst, fresh, self.host.to_host(dst, out)))
+        early, self._early = self._early, {}
+        copies = [(u, *(early.get(u.index) or self._start(u, out))) for u, out, _ in inflight]
         for u, dst, fresh, c in copies:
             c.wait()
             have = self._grads_of(u)
@@ -143,27 +161,31 @@ class HostShards:
         """The device segment unit u's all-gather sends: stage 3's kept copy, or (stages 1/2)
         a fresh one made by one host -> device copy."""
         if self.dsegs is not None:
+            c = self._h2d.pop(u.index, None)
+            if c is not None:
+                c.wait()  # its refresh copy (and those issued before it), not the later ones
             return self.dsegs[u.index]
         seg = torch.empty(u.S, dtype=torch.float32, device=self.model._device)
         self.host.to_device(seg, self.segs[u.index]).wait()
         return seg
 
     def refresh(self) -> None:
-        """Stage 3: every unit's device segment from the host masters (the current stream
-        waits for the copies before it reads them)."""
+        """Stage 3: every unit's device segment from the host masters, issued in the order the
+        next forward gathers them (the root, the last unit, first; then the wrapped modules in
+        registration order, the reverse of unit order) on one side stream; each gather waits
+        for its own unit's copy only (device_segment), so on CUDA the later copies run beside
+        the next forward's first units."""
         if self.dsegs is None:
             return
-        last = None
-        for d, h in zip(self.dsegs, self.segs):
-            last = self.host.to_device(d, h)
-        if last is not None:
-            last.wait()  # one side stream: in order, the last event covers every copy
+        for i in reversed(range(len(self.dsegs))):
+            self._h2d[i] = self.host.to_device(self.dsegs[i], self.segs[i])
 
     # ------------------------------------------------------------------ the step
     def step(self, inner, install) -> None:
         """Run the inner optimizer's step on the host masters, then install() them (the device
         parameters from the masters). delay=True: install the step the worker finished (if
         any) BEFORE the next one starts writing the masters, then hand it this gradient."""
+        self.host.settle_h2d()  # CUDA: the last install's copies have read the masters
         if self.pending is None:
             host_step(inner)
             self._register(inner)
@@ -172,6 +194,7 @@ class HostShards:
         grads = self.grads()
         if self.wait():
             install()
+            self.host.settle_h2d()  # before the worker writes the masters they copy
         self.buf = (self.buf + 1) % len(self.gsegs)  # the next backward fills the other one
         self.pending = [[None] * len(gs) for gs in grads]
         job = (inner, grads)

@@ -196,7 +196,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if norm_type == math.inf:
             grads, _ = self._grads()
             t = torch.stack([g.abs().max() for g in grads if g.numel()]).max().reshape(1) \
-                if any(g.numel() for g in grads) else torch.zeros(1, device=dev)
+                .to(dev) if any(g.numel() for g in grads) else torch.zeros(1, device=dev)
+            # (offload: the host gradients' max moves to the device for the group's backend)
             for g in groups:  # nothing in flight
                 dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)
             total = t[0]
