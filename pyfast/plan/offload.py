@@ -119,7 +119,9 @@ def offload_time(shape, plan, work, cluster, t: dict, n_opt: float, base_bytes: 
     out = dict(t)
     out["step_s"] = t["step_s"] - t["optimizer_s"] + added
     out["tokens_per_s"] = work.tokens / out["step_s"]
-    out.update(host_step_s=host_s, pcie_s=2 * shard_s + 2 * m * fetch,
+    # gradients down, and the updated shards up (params: none, the master is the source)
+    pcie = shard_s + (0.0 if plan.offload == "params" else shard_s) + 2 * m * fetch
+    out.update(host_step_s=host_s, pcie_s=pcie,
                exposed_pcie_s=d2h + h2d + fetch_exp, optimizer_s=host_s)
     out["exposed_comm_s"] = t["exposed_comm_s"] + d2h + h2d + fetch_exp
     why = [w for w in (t.get("why") or "").split(", ") if w and not w.startswith("optimizer")]
