@@ -28,6 +28,8 @@ BENCHMARKS = {
     "plan_memory": "the planner's memory model vs the dry run and vs measured CPU allocations",
     "plan_finetune": "the planner's LoRA/QLoRA memory: 8B-shaped table, torchtune's figures, "
                      "the dry run",
+    "plan_offload": "the planner's host offload: the 70B QLoRA on 2 x 24 GB and an 8B full "
+                    "fine-tune (device and host bytes), and device vs host against the dry run",
     "plan_time": "the planner's step-time model vs measured pyfast train runs on 3 links",
     "plan_large": "the planner's 70B / 405B plans on 64 / 512 H100: tokens/s, MFU, memory, "
                   "commands (ZeRO on any mesh, hybrid sharding)",

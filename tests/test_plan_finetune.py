@@ -112,7 +112,7 @@ def test_lora_time_backward_skips_weight_gradients():
 # ---- the CLI: issue 31's cases
 
 def test_l40s_lora_fits_and_prints_its_command(capsys):
-    rc, out, err = plan(L40S, capsys)
+    rc, out, err = plan(L40S + ["--offload", "none"], capsys)  # (with it: offload plans)
     assert rc == 2 and "nothing fits" in err and "--finetune lora or qlora" in err
     rc, out, err = plan(L40S + ["--finetune", "lora"], capsys)
     assert rc == 0, err
@@ -133,7 +133,8 @@ def test_l40s_lora_fits_and_prints_its_command(capsys):
 
 
 def test_70b_on_two_24gb_gpus_reports_the_smallest_qlora_plan(capsys):
-    rc, out, err = plan(B70 + ["--finetune", "auto"], capsys)
+    # (on the GPUs alone: with host offload it fits, tests/test_plan_offload.py)
+    rc, out, err = plan(B70 + ["--finetune", "auto", "--offload", "none"], capsys)
     assert rc == 2 and "nothing fits" in err
     assert "zero 3" in err and "qlora 16, nf4 base sharded" in err and "recompute" in err
     need = float(err.split("needs ")[1].split(" GiB")[0])
@@ -253,7 +254,7 @@ def test_lora_kinds_need_a_dp_only_mesh(capsys):
     odd = L40S[:-1] + ["3"]
     rc, out, err = plan(odd + ["--finetune", "lora"], capsys)
     assert rc == 2 and "(--finetune lora: dp-only meshes" in err and "not divisible by dp 2" in err
-    rc, out, err = plan(odd + ["--finetune", "auto"], capsys)
+    rc, out, err = plan(odd + ["--finetune", "auto", "--offload", "none"], capsys)
     assert rc == 2 and "nothing fits" in err and "--finetune lora or qlora" not in err
 
 

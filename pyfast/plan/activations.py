@@ -48,3 +48,19 @@ def _block_saved(shape: ModelShape, tp: int, s_attn: int, device: str, cp_method
     mlp_half = F32 * (2 * h + 2) + bpe * (2 * f + h) / tp
     temp = max(bpe * (2 * f / tp) + F32 * 2 * h, F32 * 2 * soft - mlp_half)
     return saved, temp
+
+
+def korthikanti_activation_bytes(s: int, b: int, h: int, a: int, tp: int = 1, sp: bool = False,
+                                 recompute: str = "none") -> float:
+    """Activation bytes of one transformer layer per Korthikanti et al. 2022 ("Reducing
+    Activation Recomputation in Large Transformer Models", eqs. 1-4, 16-bit activations,
+    dropout masks 1 byte): sbh(34 + 5as/h) without parallelism; tensor parallelism
+    sbh(10 + 24/t + 5as/(ht)); with sequence parallelism sbh(34/t + 5as/(ht)); selective
+    recompute drops the 5as/h attention term; full recompute keeps the layer input, 2sbh."""
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
+    if recompute == "full":
+        return 2.0 * s * b * h / (tp if sp else 1)
+    attn = 0.0 if recompute == "selective" else 5.0 * a * s / (h * tp)
+    lin = 34.0 / tp if sp else 10.0 + 24.0 / tp
+    return s * b * h * (lin + attn)

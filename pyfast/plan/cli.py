@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import shlex
 import sys
 from dataclasses import replace
 
@@ -14,7 +12,9 @@ from . import shapes
 from .hardware import GPUS
 from .memory import predict_memory
 from .finetune import DEFAULT_RANK, FINETUNES
-from .search import TIE_BAND, GiB, Result, Scored, search
+from .render import (command, describe, finetune_label, lost, model_flag, notes,  # noqa: F401
+                     size, why, zero_cell)
+from .search import TIE_BAND, GiB, Result, Scored, search  # noqa: F401
 from .spec import ModelShape, Workload, gpt_model_flag
 
 PLAN_KEYS = ("dp", "cp", "tp", "pp", "zero", "shard_group", "compress", "micro_batch",
@@ -43,6 +43,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--inter-bw", help=f"one way per GPU between nodes, e.g. 400gbit, 10gbit "
                    f"(default {clusters.DEFAULT_INTER})")
     g.add_argument("--cluster", metavar="FILE.toml", help="the cluster as a TOML file")
+    g.add_argument("--host-ram", metavar="SIZE", help="host RAM per node, e.g. 256GB, 2TB "
+                   "(default: the GPU type's usual host, pyfast/plan/hardware.py)")
     g.add_argument("--allow-cross-node-tp", action="store_true",
                    help="let tp and cp groups span nodes (default: inside one node)")
     g.add_argument("--measure", nargs="?", const="loopback", metavar="LINK",
@@ -61,6 +63,10 @@ def parser() -> argparse.ArgumentParser:
                    "plan fits, else lora, else qlora); docs/plan.md \"Fine-tuning\"")
     g.add_argument("--lora-rank", type=int, metavar="R",
                    help=f"the adapters' rank for lora/qlora/auto (default {DEFAULT_RANK})")
+    g.add_argument("--offload", default="auto", choices=("auto", "none", "optimizer", "params"),
+                   help="auto (the default): when no plan fits on the GPUs alone, plan ZeRO "
+                   "with --offload optimizer|params (host RAM, PCIe); none: never; optimizer "
+                   "or params: only plans with that offload (to compare)")
     g.add_argument("--top", type=int, default=10, help="plans to show (default 10)")
     g.add_argument("--verify", action="store_true", help="dry-run the top plans (up to 3) and "
                    "print predicted vs traced peak memory per rank")
@@ -82,7 +88,8 @@ def inputs(ns) -> tuple[ModelShape, Workload, object]:
             raise ValueError(f"--lora-rank {ns.lora_rank} with --finetune full: a full "
                              "fine-tune has no adapters (--finetune lora, qlora or auto)")
     work = Workload(ns.seq, ns.global_batch, ns.precision)
-    cl = clusters.build(ns.gpus, ns.gpus_per_node, ns.gpu, ns.intra_bw, ns.inter_bw, ns.cluster)
+    cl = clusters.build(ns.gpus, ns.gpus_per_node, ns.gpu, ns.intra_bw, ns.inter_bw, ns.cluster,
+                        ns.host_ram)
     if ns.measure:
         from .calibrate import measure
         cl = measure(shape, work, cl, link=ns.measure)
@@ -103,6 +110,12 @@ def nothing_fits(res: Result, shape: ModelShape, work: Workload, cl) -> str:
         return (f"no dp x cp x tp x pp of {where} can run {shape.name}{lora} with --seq "
                 f"{work.seq} --global-batch {work.global_batch}: {'; '.join(why[:4])}{more}")
     s, cap = res.smallest, cl.gpu.memory_bytes
+    if res.host_short is not None:  # offload plans fit the GPUs, but not the host
+        h = res.host_short
+        return (f"nothing fits: offload plans fit the {cap / GiB:.1f} GiB of a {cl.gpu.name} "
+                f"but not the host; the one needing the least host RAM ({describe(h)}) "
+                f"needs {h.reason.split(': ', 1)[1]}; give the --host-ram your nodes have, or "
+                "more GPUs")
     bigger = [n for n, g in GPUS.items() if g.memory_bytes > s.peak and n != "cpu"]
     return (f"nothing fits: the smallest plan ({describe(s)}) needs {s.peak / GiB:.1f} GiB a "
             f"rank on {s.memory['where']}, {s.peak / cap:.1f}x the {cap / GiB:.1f} GiB of one "
@@ -111,121 +124,9 @@ def nothing_fits(res: Result, shape: ModelShape, work: Workload, cl) -> str:
             + (f", a GPU with more memory (--gpu {', '.join(bigger)})" if bigger else "")
             + (", --finetune lora or qlora (adapters on a frozen base)"
                if s.plan.finetune == "full" and len(res.passed_over) < 2 else "")
+            + (" (offload cannot help one GPU: it offloads ZeRO's shards, dp x cp >= 2)"
+               if cl.gpus < 2 and cl.gpu.name != "cpu" else "")
             + ", or a shorter --seq / smaller --global-batch")
-
-
-def describe(s: Scored) -> str:
-    p = s.plan
-    parts = [f"dp {p.dp} x cp {p.cp} x tp {p.tp} x pp {p.pp}"]
-    if s.diloco:
-        d = s.diloco
-        parts[0] = (f"DiLoCo {d['replicas']} replicas (H {d['sync_every']}, F {d['fragments']}, "
-                    f"tau {d['delay']}, {d['outer_compress']}) of " + parts[0])
-    if p.zero:
-        parts.append(f"zero {p.zero}" + (f" in groups of {p.shard_group}" if p.shard_group
-                                          else ""))
-    if p.compress != "none":
-        parts.append(p.compress)
-    parts.append(f"{p.micro_batches} x {p.micro_batch} seq")
-    if p.pp > 1:
-        parts.append(p.schedule)
-    if p.activation_checkpointing:
-        parts.append("recompute")
-    if p.lora:
-        parts.append(finetune_label(p))
-    return ", ".join(parts)
-
-
-def zero_cell(p) -> str:
-    """The ZeRO stage, and "/N" when it shards over N ranks of a node (hybrid sharding)."""
-    return f"{p.zero}/{p.shard_group}" if p.shard_group else str(p.zero)
-
-
-def finetune_label(p) -> str:
-    """'lora 16, bf16 base' / 'qlora 16, nf4 base sharded'; 'full' without adapters."""
-    if not p.lora:
-        return "full"
-    base = "training-dtype" if p.base_dtype == "none" else p.base_dtype
-    return f"{p.finetune} {p.lora}, {base} base" + (" sharded" if p.zero == 3 and
-                                                     p.base_placement == "shard" else "") + \
-        (f", loss chunks {p.loss_chunks}" if p.loss_chunks else "")
-
-
-def model_flag(shape: ModelShape, plan) -> str | None:
-    """`pyfast train --model` of a plan: the reference GPT's; a LoRA plan (dp only) of a Hugging
-    Face shape: hf:DIR (a llama preset: DIR named after its repository, shapes.HF_REPOS)."""
-    try:
-        return gpt_model_flag(shape)
-    except ValueError:
-        pass
-    if not plan.lora:
-        return None
-    if shape.name.startswith("hf:"):
-        return shape.name.split(" (")[0]
-    repo = shapes.HF_REPOS.get(shape.name)
-    return f"hf:{repo.split('/')[-1]}" if repo else None
-
-
-def command(s: Scored, shape: ModelShape, work: Workload, cl) -> str | None:
-    """The `pyfast train` command of a plan; None for a model `pyfast train` cannot build.
-    Several nodes: torchrun's static rendezvous, run on every node with its own rank."""
-    flag = model_flag(shape, s.plan)
-    if flag is None:
-        return None
-    n = s.plan.ranks
-    flags = s.plan.train_flags(flag, work)
-    if s.diloco:  # R replicas of the plan, one a node: --batch stays the global batch
-        d = s.diloco
-        n *= d["replicas"]
-        flags += ["--diloco", str(d["sync_every"]), "--replicas", str(d["replicas"]),
-                  "--fragments", str(d["fragments"]), "--diloco-delay", str(d["delay"]),
-                  "--outer-compress", d["outer_compress"]]
-    per = min(n, cl.gpus_per_node)
-    cmd = shlex.join(["pyfast", "train", *flags, "--nproc", str(per)])
-    if n > per:
-        cmd += f" --nnodes {math.ceil(n / per)} --node-rank $NODE_RANK " \
-               "--rdzv-endpoint $MASTER_ADDR:29500"
-    return cmd
-
-
-def size(n: float) -> str:
-    return f"{n / GiB:.1f} GiB" if n >= 0.1 * GiB else f"{n / 2**20:.1f} MiB"
-
-
-def lost(s: Scored, best: Scored) -> str:
-    """The (at most two) parts of the time to target where `s` loses most to `best`."""
-    t, b = s.time, best.time
-    d = {name: t.get(k, 0) - b.get(k, 0) for k, name in (
-        ("compute_s", "compute"), ("exposed_comm_s", "exposed comm"), ("bubble_s", "bubble"),
-        ("recompute_s", "recompute"), ("codec_s", "codec"))}
-    d["extra steps"] = s.to_target_s - t["step_s"] - (best.to_target_s - b["step_s"])
-    worst = sorted(((v, k) for k, v in d.items() if v > 1e-9), reverse=True)[:2]
-    return ", ".join(f"{k} +{v:.3g}s" for v, k in worst)
-
-
-def why(s: Scored, best: Scored) -> str:
-    """What the plan's time is made of, and for all but the best, what it loses to the best."""
-    t = s.time
-    parts = [f"compute {t['compute_s']:.3g}s"]
-    for k, name in (("exposed_comm_s", "exposed comm"), ("bubble_s", "bubble"),
-                    ("recompute_s", "recompute"), ("codec_s", "codec")):
-        if t.get(k, 0) > 1e-3 * t["step_s"]:
-            parts.append(f"{name} {t[k]:.3g}s")
-    if s.diloco:
-        parts.append(f"DiLoCo outer {t['outer_s']:.3g}s a step")
-    if t["steps_factor"] != 1.0:
-        what = "DiLoCo's loss per token" + (f", {s.plan.compress}" if s.plan.compress != "none"
-                                            else "") if s.diloco else s.plan.compress
-        parts.append(f"x{t['steps_factor']:.2f} steps ({what})")
-    if s is best:
-        return "best: " + ", ".join(parts)
-    loss = lost(s, best)
-    d = s.to_target_s / best.to_target_s - 1
-    if d < 0:  # a tie (search.TIE_BAND) ranked #1 first as simpler or smaller
-        return (f"{d:.1%} vs #1 (a tie within {TIE_BAND:.0%}: #1 has fewer model-parallel "
-                "dimensions or less memory); " + ", ".join(parts))
-    return (f"+{d:.1%} vs #1"
-            + (f" ({loss})" if loss else " (as fast, more memory)") + "; " + ", ".join(parts))
 
 
 def row(s: Scored, shape, work, cl, rejected: bool = False) -> dict:
@@ -235,7 +136,12 @@ def row(s: Scored, shape, work, cl, rejected: bool = False) -> dict:
                  base_placement=s.plan.base_placement, loss_chunks=s.plan.loss_chunks,
                  adapter_params=s.memory.get("adapter_params"),
                  base_bytes=s.memory.get("base_bytes"))
-    d["memory_bytes_per_rank"] = int(s.peak)
+    d["memory_bytes_per_rank"] = int(s.peak)  # the device's
+    if s.plan.offload != "none":  # (a plan without offload keeps the keys it had)
+        d.update(offload=s.plan.offload, prefetch=s.plan.prefetch,
+                 host_bytes_per_rank=s.memory["host_bytes"],
+                 host_bytes_per_node=s.memory["host_bytes"] * min(s.plan.ranks,
+                                                                  cl.gpus_per_node))
     d["step_s"] = s.time["step_s"] if s.time else None
     d["tokens_per_s"] = s.time["tokens_per_s"] if s.time else None
     d["command"] = None if rejected else command(s, shape, work, cl)
@@ -245,109 +151,6 @@ def row(s: Scored, shape, work, cl, rejected: bool = False) -> dict:
         d["replicas"] = s.diloco["replicas"]
         d["diloco"] = dict(s.diloco)
     return d
-
-
-def notes(shape: ModelShape, cl, best: Scored | None = None) -> list[str]:
-    out = []
-    flag = model_flag(shape, best.plan) if best is not None else None
-    if flag and flag.startswith("hf:"):
-        repo = shapes.HF_REPOS.get(shape.name)
-        out.append(f"--model {flag}: a local Hugging Face directory"
-                   + (f", a copy of {repo} (huggingface-cli download {repo} --local-dir "
-                      f"{flag[3:]})" if repo else "")
-                   + "; --data: token shards made with its tokenizer (pyfast data), the job "
-                   "checks their vocabulary against the model's")
-        return out + notes(shape, cl)[1:]
-    try:
-        gpt_model_flag(shape)
-        if shape.vocab != 256:
-            out.append(f"planned with a {shape.vocab:,}-token vocabulary: `pyfast train` takes "
-                       "its vocabulary from --data (256 bytes by default); pass a tokenized "
-                       "--data (uint16 .bin) of that vocabulary for the same model")
-    except ValueError as e:
-        out.append(f"{e}, so no command is printed; `pyfast plan --params "
-                   f"{shape.params():.4g} --layers {shape.layers} --hidden {shape.hidden} --heads "
-                   f"{shape.heads} ...` plans the reference GPT of its depth and width, which "
-                   "it can")
-    if cl.gpu.name == "cpu" and not cl.gpu.measured and not cl.calibration:
-        out.append("--gpu cpu is a placeholder (50 GFLOP/s, 2 GB/s): --measure times this "
-                   "machine, --calibrate RUNDIR refits from a run")
-    return out
-
-
-def render(res: Result, shape, work, cl, console) -> None:
-    from rich.table import Table
-    link = f"{cl.intra_bps / 1e9:g} GB/s in a node" + (
-        f", {cl.inter_bps * 8 / 1e9:g} Gbit/s between nodes" if cl.nodes > 1 else "")
-    console.print(f"[bold]{shape.name}[/]: {shape.params() / 1e9:.3g}B parameters ({shape.arch}, "
-                  f"{shape.layers} layers x {shape.hidden}, {shape.heads} heads / "
-                  f"{shape.kv_heads} kv, ffn {shape.ffn}, vocab {shape.vocab:,}); "
-                  f"{cl.gpus} x {cl.gpu.name} on {cl.nodes} node(s), {link}; --seq {work.seq} "
-                  f"--global-batch {work.global_batch} {work.precision}")
-    console.print(f"scored {res.memory_scored:,} configurations in {res.seconds:.2f} s: "
-                  f"{res.fitting:,} fit, {res.memory_scored - res.time_scored:,} over memory, "
-                  f"{res.pruned:,} pruned (a larger micro-batch than one that does not fit); "
-                  f"{len(res.mesh_problems)} meshes the job cannot run; {res.ties:,} plans "
-                  "left out of the top: they score as one listed (to 0.1%)")
-    t = Table(title="plans, best first (time to the target loss = step x compression's extra "
-              "steps)")
-    ft = any(s.plan.lora for s in res.plans + res.rejected)  # a fine-tune column
-    for c in ("#", "dp x cp x tp x pp", "zero", "compress", "micro-batches x seqs",
-              "schedule / cp", "recompute") + ("fine-tune",) * ft + (
-              "memory/rank", "step s", "tokens/s", "why"):
-        t.add_column(c, justify="left" if c in ("why", "compress", "schedule / cp",
-                                                "fine-tune") else "right")
-    best = res.plans[0]
-    for i, s in enumerate(res.plans, 1):
-        p = s.plan
-        mesh = f"{p.dp}x{p.cp}x{p.tp}x{p.pp}"
-        if s.diloco:
-            mesh = f"DiLoCo {s.diloco['replicas']} x {mesh}"
-        t.add_row(str(i), mesh, zero_cell(p), p.compress,
-                  f"{p.micro_batches}x{p.micro_batch}",
-                  " ".join([p.schedule] * (p.pp > 1) + [p.cp_method] * (p.cp > 1)) or "-",
-                  "yes" if p.activation_checkpointing else "no",
-                  *(finetune_label(p),) * ft, size(s.peak),
-                  f"{s.time['step_s']:.3g}", f"{s.time['tokens_per_s']:,.0f}", why(s, best))
-    console.print(t)
-    if res.rejected:
-        r = Table(title="rejected (per mesh and ZeRO stage where nothing fits: its smallest "
-                  "plan), fastest-if-it-fitted first")
-        for c in ("dp x cp x tp x pp", "zero", "compress", "micro-batches x seqs", "recompute") \
-                + ("fine-tune",) * ft + ("step s", "reason"):
-            r.add_column(c, justify="left" if c in ("reason", "fine-tune") else "right")
-        for s in res.rejected:
-            p = s.plan
-            r.add_row(f"{p.dp}x{p.cp}x{p.tp}x{p.pp}", zero_cell(p), p.compress,
-                      f"{p.micro_batches}x{p.micro_batch}",
-                      "yes" if p.activation_checkpointing else "no",
-                      *(finetune_label(p),) * ft,
-                      f"{s.time['step_s']:.3g}" if s.time else "-", s.reason)
-        console.print(r)
-    if res.mesh_problems:
-        uniq = list(dict.fromkeys(res.mesh_problems.values()))
-        console.print("meshes refused: " + "; ".join(uniq[:5])
-                      + (f"; and {len(uniq) - 5} more" if len(uniq) > 5 else ""))
-    for kind, small in res.passed_over:
-        console.print(f"note: --finetune auto: no {kind} plan fits"
-                      + (f" (its smallest, {describe(small)}, needs {size(small.peak)} a rank)"
-                         if small else "") + f"; these are {res.finetune} plans")
-    for n in notes(shape, cl, res.plans[0]):
-        console.print(f"note: {n}")
-    for i, s in enumerate(res.plans, 1):
-        if s.diloco:
-            dcmd = command(s, shape, work, cl)
-            console.print(f"note: #{i} is DiLoCo across the {s.diloco['replicas']} nodes: its "
-                          f"{s.diloco['caveat']}" + ("; its command (every node):" if dcmd
-                                                      and s is not best else ""))
-            if dcmd and s is not best:
-                console.print(dcmd, markup=False, highlight=False, soft_wrap=True)
-    cmd = command(best, shape, work, cl)
-    if cmd:
-        console.print("the best plan's command" + (" (on every node, NODE_RANK 0.."
-                      f"{cl.nodes - 1}, MASTER_ADDR node 0's address)" if "$NODE_RANK" in cmd
-                      else "") + ":")
-        console.print(cmd, markup=False, highlight=False, soft_wrap=True)
 
 
 def verify(res: Result, shape: ModelShape, work: Workload, console, n: int = 3) -> list[dict]:
@@ -390,20 +193,25 @@ def verify(res: Result, shape: ModelShape, work: Workload, console, n: int = 3) 
 
 def plan_finetune(shape: ModelShape, work: Workload, cl, ns) -> Result:
     """search() for --finetune; auto: full, then lora, then qlora, the first with a plan that
-    fits (the most faithful update that fits; within a kind, the fastest). Nothing fits at
-    all: the last kind's result (its smallest plan is the smallest of any)."""
+    fits (the most faithful update that fits; within a kind, the fastest), on the GPUs alone
+    first and, --offload auto, then with host offload (a last resort: any kind that fits
+    without it wins). Nothing fits at all: the last kind's result (its smallest plan is the
+    smallest of any)."""
     kinds = ("full", "lora", "qlora") if ns.finetune == "auto" else (ns.finetune,)
+    offloads = ("none", "auto") if ns.offload == "auto" and len(kinds) > 1 else (ns.offload,)
     rank = ns.lora_rank or DEFAULT_RANK
     passed, scored = [], []
-    for kind in kinds:
-        res = search(shape, work, cl, ns.top, ns.allow_cross_node_tp, diloco=True,
-                     finetune=kind, lora_rank=rank)
-        res.passed_over = list(passed)
-        if res.plans:
-            return res
-        passed.append((kind, res.smallest))
-        if res.smallest is not None:
-            scored.append(res)
+    for off in offloads:
+        for kind in kinds:
+            res = search(shape, work, cl, ns.top, ns.allow_cross_node_tp, diloco=True,
+                         finetune=kind, lora_rank=rank, offload=off)
+            res.passed_over = list(passed)
+            if res.plans:
+                return res
+            if off == offloads[0]:
+                passed.append((kind, res.smallest))
+            if res.smallest is not None:
+                scored.append(res)
     # nothing fits: the last kind that had plans to score (a LoRA kind may have no mesh)
     res = scored[-1] if scored else res
     res.passed_over = passed
@@ -426,6 +234,7 @@ def main(argv=None) -> int:
         print(json.dumps({"plans": [row(s, shape, work, cl) for s in res.plans],
                           "rejected": [row(s, shape, work, cl, True) for s in res.rejected]}))
     else:
+        from .render import render
         render(res, shape, work, cl, console)
     if ns.verify:
         verify(res, shape, work, console)

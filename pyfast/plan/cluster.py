@@ -17,18 +17,22 @@ A cluster file (every key optional but gpus and a gpu):
     intra_latency_us = 5         # per collective step inside a node
     inter_latency_us = 10        # between nodes
     mfu = 0.45                   # achieved fraction of peak FLOP/s
+    host_ram = "256GB"           # host RAM per node (default: the GPU's usual host's)
+    # [gpu] also takes pcie_bw (the host link, one way) and host_bw (a GPU's share of the
+    # host's memory bandwidth), as hbm
 """
 from __future__ import annotations
 
 import tomllib
 from dataclasses import replace
 
-from .hardware import GPUS, Cluster, Gpu, gpu, parse_bandwidth
+from .hardware import GPUS, Cluster, Gpu, gpu, parse_bandwidth, parse_size
 
 DEFAULT_INTER = "400gbit"  # InfiniBand NDR per GPU (a DGX H100's 8 x 400 Gbit/s ConnectX-7)
 TOP_KEYS = {"gpus", "gpus_per_node", "gpu", "intra_bw", "inter_bw", "intra_latency_us",
-            "inter_latency_us", "mfu"}
-GPU_KEYS = {"base", "name", "memory_gib", "flops_16", "flops_32", "hbm", "hbm_bps", "intra_bw"}
+            "inter_latency_us", "mfu", "host_ram"}
+GPU_KEYS = {"base", "name", "memory_gib", "flops_16", "flops_32", "hbm", "hbm_bps", "intra_bw",
+            "pcie_bw", "host_bw"}
 
 
 def _bw(value, what: str) -> float:
@@ -80,6 +84,9 @@ def gpu_table(t: dict, path: str) -> Gpu:
         kw["hbm_bps"] = _bw(t.get("hbm", t.get("hbm_bps")), f"{where} hbm")
     if "intra_bw" in t:
         kw["intra_bps"] = _bw(t["intra_bw"], f"{where} intra_bw")
+    for k in ("pcie_bw", "host_bw"):
+        if k in t:
+            kw[k.replace("_bw", "_bps")] = _bw(t[k], f"{where} {k}")
     return replace(g, **kw)
 
 
@@ -110,6 +117,8 @@ def load(path: str) -> dict:
     for k in ("intra_latency_us", "inter_latency_us"):
         if k in t:
             out[k.replace("_us", "_s")] = _positive(t, k, f"--cluster {path}") * 1e-6
+    if "host_ram" in t:
+        out["host_ram"] = parse_size(t["host_ram"], f"--cluster {path}: host_ram")
     if "mfu" in t:
         out["mfu"] = _positive(t, "mfu", f"--cluster {path}")
         if out["mfu"] > 1:
@@ -120,10 +129,13 @@ def load(path: str) -> dict:
 
 def build(gpus: int | None = None, gpus_per_node: int | None = None, gpu_name: str | None = None,
           intra_bw: str | None = None, inter_bw: str | None = None,
-          cluster_file: str | None = None) -> Cluster:
+          cluster_file: str | None = None, host_ram: str | None = None) -> Cluster:
     """The Cluster of the flags over the file's values; defaults: h100, 8 GPUs a node (or all
-    of them when fewer), the GPU's own intra-node link, 400 Gbit/s between nodes."""
+    of them when fewer), the GPU's own intra-node link, 400 Gbit/s between nodes, the GPU's
+    usual host RAM a node (hardware.py)."""
     f = load(cluster_file) if cluster_file else {}
+    if host_ram is not None:
+        f["host_ram"] = parse_size(host_ram)
     if gpus is not None:
         f["gpus"] = gpus
     if "gpus" not in f:

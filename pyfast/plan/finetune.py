@@ -139,6 +139,16 @@ def lora_memory(shape: ModelShape, plan: Plan, work: Workload, device: str,
     k["comm_buffers"] = F32 * A if (n > 1 and not zero) else 0
     grads_full = F32 * A
     grads_end = F32 * cdiv(A) if zero >= 2 else grads_full
+    state_opt, off = k["optimizer"], plan.offload if zero else "none"
+    unit = F32 * a_layer + (base_layer_bytes(shape, plan.base_dtype, tb, rest) if shard else 0)
+    if off != "none":  # offload.py: the adapters' master, gradient shards, state on the host
+        from .offload import host_state
+        base_host = cdiv(frozen) if off == "params" and shard else 0
+        host = host_state(F32 * cdiv(A), F32 * cdiv(A), k["optimizer"], F32 * cdiv(big_a),
+                          base_host)
+        k["optimizer"] = 0.0
+        if off == "params":  # no device shard: the sharded base, the adapters' shards
+            k["parameters"] = rotary + (0 if shard else frozen)
 
     # ---- activations of a micro-batch
     saved, temp = _block_saved(shape, 1, work.seq, device, "ring", 1, bpe, plan.micro_batch)
@@ -169,8 +179,8 @@ def lora_memory(shape: ModelShape, plan: Plan, work: Workload, device: str,
         t_head = tok * F32 * h + ct * F32 * 2 * vocab
     if zero == 3:  # a layer's unit and the prefetched one, while a layer runs (the dry run
         # holds none of them during the head's backward: 8B Llama, --zero 3, base sharded)
-        layer += 2 * (F32 * a_layer + (base_layer_bytes(shape, plan.base_dtype, tb, rest)
-                                       if shard else 0))
+        from .offload import params_extra
+        layer += 2 * unit + params_extra(plan, unit, n)
     g_start = (grads_end if zero >= 2 else grads_full) if plan.micro_batches > 1 else 0.0
     # the head's backward (its saved tensors and dlogits) ends before the last layer's
     # backward (or its recompute) starts: the two are never live together
@@ -185,7 +195,11 @@ def lora_memory(shape: ModelShape, plan: Plan, work: Workload, device: str,
         opt_t = F32 * (cdiv(A) if zero else A)       # foreach AdamW: sqrt(exp_avg_sq)
     else:
         opt_t = 3 * F32 * (cdiv(big_a) if zero else big_a)
-    grads_opt = grads_full + F32 * cdiv(A) if zero == 1 else grads_end
+    if off != "none":  # the step on the host
+        opt_t = 0.0
+    # offload: the reduced shards leave the device at the end of backward (memory.py)
+    grads_opt = grads_full + F32 * cdiv(A) if zero == 1 else \
+        (0.0 if off != "none" else grads_end)
     opt = static + grads_opt + opt_t
     if fwd >= opt:
         k["gradients"], k["activations"] = g, ac
@@ -196,8 +210,12 @@ def lora_memory(shape: ModelShape, plan: Plan, work: Workload, device: str,
     row = {kk: int(vv) for kk, vv in k.items()}
     row["peak_bytes"] = sum(row[kk] for kk in KINDS)
     row["where"], row["phase"] = "dp rank 0", phase
-    row["state"] = {"parameters": int(k["parameters"]), "gradients": int(grads_end),
-                    "optimizer": int(2 * F32 * (cdiv(A) if zero else A) + F32 * n_tensors)}
+    row["state"] = {"parameters": int(k["parameters"]),
+                    "gradients": int(0 if off != "none" and zero >= 2 else grads_end),
+                    "optimizer": int(state_opt if off == "none" else 0)}
+    if off != "none":
+        from .offload import add
+        add(row, host)
     row["adapter_params"] = A
     row["base_bytes"] = frozen
     row["per_stage"] = [row["peak_bytes"]]

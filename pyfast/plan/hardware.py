@@ -20,6 +20,26 @@ Sources of the GPU numbers (dense, no structured sparsity; per GPU):
   Infinity Fabric 896 GB/s aggregate (7 peers x 128 GB/s bidirectional).
 - cpu: no datasheet: `pyfast plan --measure` times this machine (its entry is a placeholder
   that --measure replaces; plans for "cpu" without it say so).
+
+The host (offload plans, pyfast/plan/offload.py), per GPU, one way:
+- pcie_bps, the GPU's host link: PCIe 5.0 x16 (h100, h200, h100-hbm2e, mi300x) is 64 GB/s
+  nominal one way; 55 GB/s is what a pinned cudaMemcpy typically measures on an H100 SXM
+  (NVIDIA's nvbandwidth host_to_device_memcpy_ce reports 53-56 GB/s on DGX H100; taken as 55).
+  PCIe 4.0 x16 (a100, l40s, l4, rtx4090) is 32 GB/s nominal; 25 GB/s effective (pinned
+  cudaMemcpy on A100 measures 24-26 GB/s: NVIDIA's bandwidthTest). An estimate where not stated.
+- host_ram_per_gpu, the usual host RAM per node divided by its GPUs (the default --host-ram is
+  this x --gpus-per-node): DGX H100 / DGX H200 datasheets: 2 TB for 8 GPUs (250 GB a GPU; the
+  h100-hbm2e's Grand Teton hosts: assumed the same); DGX A100 datasheet: 1 TB for 8 (2 TB
+  optional; 125 GB a GPU, both a100s); l40s: an 8-GPU PCIe server with 1 TB (an assumption,
+  125 GB a GPU); l4: Google Cloud's G2 machine types, 48 GB a GPU (g2-standard-96: 8 L4, 384
+  GB); rtx4090: a workstation with 2 of them and 128 GB (an assumption, 64 GB a GPU); mi300x:
+  an 8-GPU platform with 2 TB (an assumption, as DGX H100).
+- host_bps, the host memory bandwidth a GPU's share of the CPUs streams a CPU AdamW at (28
+  bytes a parameter: offload.HOST_ADAMW_BYTES): a dual-socket server's 16 DDR5-4800 channels
+  are 614 GB/s nominal, ~400 GB/s in STREAM, 50 GB/s for each of 8 GPUs (h100, h200, mi300x;
+  an assumption); DDR4-3200 servers (a100, l40s) half that, 25 GB/s a GPU; l4 (G2's Cascade
+  Lake vCPUs): 20 GB/s; a workstation's 2 DDR5 channels (~60 GB/s measured-typical) shared
+  by 2 rtx4090: 30 GB/s. All assumptions: measure yours (`pyfast bench adamw`).
 Memory is what the device reports (nvidia-smi's MiB for the NVIDIA parts, as the dry run's
 --gpu table), so a plan's per-rank bytes are compared with what an allocator can get.
 Bandwidths are stored in bytes/s one way per GPU: what a ring collective's each step moves.
@@ -43,6 +63,9 @@ class Gpu:
     measured: bool = False  # numbers timed on this machine (--measure), not a datasheet
     mfu: float | None = None       # fitted on published runs (below); None: MFU, assumed
     attn_mfu: float | None = None  # attention's (flash) efficiency, fitted; None: mfu's
+    pcie_bps: float = 25 * GB      # the host link, one way, bytes/s (module doc)
+    host_ram_per_gpu: float = 64 * GB  # the usual host RAM of a node / its GPUs (module doc)
+    host_bps: float = 25 * GB      # host memory bandwidth of a GPU's share of the CPUs
 
 
 # Efficiencies fitted on published runs by pyfast.plan.published.fit() (`pyfast bench
@@ -54,22 +77,27 @@ class Gpu:
 # The H100 runs were at 500 W: a 700 W SXM H100 or an H200 runs faster than this says (the
 # held-out H200 run: 23% faster than predicted).
 H100_MFU, H100_ATTN, A100_MFU = 0.391, 0.212, 0.595
+# the host of each kind of GPU (module doc): (pcie_bps, host_ram_per_gpu, host_bps)
+PCIE5 = dict(pcie_bps=55 * GB, host_ram_per_gpu=250 * GB, host_bps=50 * GB)
+PCIE4 = dict(pcie_bps=25 * GB, host_ram_per_gpu=125 * GB, host_bps=25 * GB)
 
 GPUS = {
     "h100": Gpu("h100", 81559 * MiB, 989e12, 67e12, 3.35e12, 450 * GB, mfu=H100_MFU,
-                attn_mfu=H100_ATTN),
+                attn_mfu=H100_ATTN, **PCIE5),
     "h100-hbm2e": Gpu("h100-hbm2e", 96 * 1024 * MiB, 989e12, 67e12, 2.4e12, 450 * GB,
-                      mfu=H100_MFU, attn_mfu=H100_ATTN),
+                      mfu=H100_MFU, attn_mfu=H100_ATTN, **PCIE5),
     "h200": Gpu("h200", 143771 * MiB, 989e12, 67e12, 4.8e12, 450 * GB, mfu=H100_MFU,
-                attn_mfu=H100_ATTN),
+                attn_mfu=H100_ATTN, **PCIE5),
     "a100-80gb": Gpu("a100-80gb", 81920 * MiB, 312e12, 19.5e12, 2.039e12, 300 * GB,
-                     mfu=A100_MFU),
+                     mfu=A100_MFU, **PCIE4),
     "a100-40gb": Gpu("a100-40gb", 40960 * MiB, 312e12, 19.5e12, 1.555e12, 300 * GB,
-                     mfu=A100_MFU),
-    "l40s": Gpu("l40s", 46068 * MiB, 362e12, 91.6e12, 864 * GB, 32 * GB),
-    "l4": Gpu("l4", 23034 * MiB, 121e12, 30.3e12, 300 * GB, 25 * GB),
-    "rtx4090": Gpu("rtx4090", 24564 * MiB, 165.2e12, 82.6e12, 1008 * GB, 25 * GB),
-    "mi300x": Gpu("mi300x", 192 * 1024 * MiB, 1307e12, 163e12, 5.3e12, 448 * GB),
+                     mfu=A100_MFU, **PCIE4),
+    "l40s": Gpu("l40s", 46068 * MiB, 362e12, 91.6e12, 864 * GB, 32 * GB, **PCIE4),
+    "l4": Gpu("l4", 23034 * MiB, 121e12, 30.3e12, 300 * GB, 25 * GB, pcie_bps=25 * GB,
+              host_ram_per_gpu=48 * GB, host_bps=20 * GB),
+    "rtx4090": Gpu("rtx4090", 24564 * MiB, 165.2e12, 82.6e12, 1008 * GB, 25 * GB,
+                   pcie_bps=25 * GB, host_ram_per_gpu=64 * GB, host_bps=30 * GB),
+    "mi300x": Gpu("mi300x", 192 * 1024 * MiB, 1307e12, 163e12, 5.3e12, 448 * GB, **PCIE5),
     # placeholder: 24 GiB, 50 GFLOP/s per rank, memcpy-class bandwidths; --measure replaces it
     "cpu": Gpu("cpu", 24 * 1024 * MiB, 50e9, 50e9, 10 * GB, 2 * GB),
 }
@@ -96,6 +124,7 @@ class Cluster:
     mfu: float = MFU
     attn_mfu: float | None = None    # attention's efficiency (timing_compute.attention_s)
     calibration: dict = field(default_factory=dict, compare=False, hash=False)
+    host_ram: float = 0.0            # bytes per node (--host-ram); 0: the GPU's usual host's
 
     def __post_init__(self):
         if self.gpus < 1 or self.gpus_per_node < 1:
@@ -104,6 +133,11 @@ class Cluster:
         if self.gpus % self.gpus_per_node and self.gpus > self.gpus_per_node:
             raise ValueError(f"--gpus {self.gpus} is not a multiple of --gpus-per-node "
                              f"{self.gpus_per_node}")
+
+    @property
+    def host_ram_bytes(self) -> float:
+        """Host RAM per node: --host-ram, or the GPU type's usual (host_ram_per_gpu a GPU)."""
+        return self.host_ram or self.gpu.host_ram_per_gpu * min(self.gpus, self.gpus_per_node)
 
     @property
     def nodes(self) -> int:
@@ -139,6 +173,23 @@ def parse_bandwidth(text: str) -> float:
     value = float(m.group(1)) * _UNITS[unit]
     if value <= 0:
         raise ValueError(f"bandwidth {text!r} must be > 0")
+    return value
+
+
+_SIZES = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20,
+          "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text, what: str = "--host-ram") -> float:
+    """'256GB', '1.5TB', '512GiB' -> bytes (GB = 1e9, GiB = 2**30); ValueError naming `what`."""
+    m = re.fullmatch(r"\s*([-+]?[0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m and (m.group(2) or "b").lower()
+    if not m or unit not in _SIZES:
+        raise ValueError(f"{what} {text!r}: a number and a unit, e.g. 256GB, 1.5TB, 512GiB "
+                         "(units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
+    value = float(m.group(1)) * _SIZES[unit]
+    if value <= 0:
+        raise ValueError(f"{what} {text!r} must be > 0 bytes")
     return value
 
 

@@ -33,7 +33,8 @@ LM head by tp only when vocab >= 2048, models/gpt.py VOCAB_PARALLEL_MIN):
   activation checkpointing a layer keeps only its input, and one layer is recomputed at a time.
 
 A LoRA plan (plan.lora > 0: a frozen base under adapters) is finetune.py's model
-(finetune.lora_memory), which reuses _block_saved for the base's activations.
+(finetune.lora_memory), which reuses _block_saved for the base's activations. An offload plan
+(plan.offload, ZeRO): the kinds are the device's; "host" / "host_bytes" what offload.py moves.
 
 The peak is the larger of two phases: forward/backward (activations at the start of the last
 micro-batch's backward, or the full gradients at its end when those outweigh them) and the
@@ -58,8 +59,10 @@ from functools import lru_cache
 
 from pyfast._partition import partition
 
-from .activations import KINDS, _block_saved  # noqa: F401  (memory.KINDS: a public name)
+from .activations import KINDS, _block_saved, korthikanti_activation_bytes  # noqa: F401
+from .held import _held
 from .sharding import BLOCKED, blocked as _blocked, hybrid_compressors, shard_group  # noqa: F401
+from .offload import add as add_host, check as check_offload, host_state, params_extra
 from .spec import ModelShape, Plan, Workload
 
 F32 = 4
@@ -71,22 +74,6 @@ DEVICES = ("cuda", "cpu", "meta", "meta-math")
 # a compressor's payload per fp32 bucket byte (codes + scales; top-k's values and indices)
 PAYLOAD = {"none": 0.0, "bf16": 0.5, "fp16": 0.5, "fp8": 0.26, "int8": 0.26, "int4": 0.13, "e3m0": 0.13,
            "sign": 0.04, "ternary": 0.07, "topk": 0.02, "randomk": 0.02, "powersgd": 0.25}
-
-
-def korthikanti_activation_bytes(s: int, b: int, h: int, a: int, tp: int = 1, sp: bool = False,
-                                 recompute: str = "none") -> float:
-    """Activation bytes of one transformer layer per Korthikanti et al. 2022 ("Reducing
-    Activation Recomputation in Large Transformer Models", eqs. 1-4, 16-bit activations,
-    dropout masks 1 byte): sbh(34 + 5as/h) without parallelism; tensor parallelism
-    sbh(10 + 24/t + 5as/(ht)); with sequence parallelism sbh(34/t + 5as/(ht)); selective
-    recompute drops the 5as/h attention term; full recompute keeps the layer input, 2sbh."""
-    if recompute not in ("none", "selective", "full"):
-        raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
-    if recompute == "full":
-        return 2.0 * s * b * h / (tp if sp else 1)
-    attn = 0.0 if recompute == "selective" else 5.0 * a * s / (h * tp)
-    lin = 34.0 / tp if sp else 10.0 + 24.0 / tp
-    return s * b * h * (lin + attn)
 
 
 def _vocab_split(shape: ModelShape, tp: int) -> int:
@@ -110,82 +97,6 @@ def _partition(shape: ModelShape, n: int, tp: int) -> tuple[int, ...]:
     head = 2 * shape.hidden + (0 if shape.tied else shape.vocab * shape.hidden // vt)
     w = [shape.vocab * shape.hidden // vt] + [block] * shape.layers + [head]
     return tuple(partition(w, n))
-
-
-@lru_cache(maxsize=4096)
-def _held(schedule: str, rank: int, p: int, m: int, v: int, weights: tuple,
-          w_split: float, w_sent: float = 0.0) -> tuple[tuple[int, ...], int, int, int]:
-    """(micro-batches each local (virtual) stage of `rank` holds from F until its backward,
-    micro-batches held between I and W) at the moment their bytes (weights[stage] each;
-    w_split more for each between I and W, w_sent for each gradient sent) add up most:
-    pyfast.parallel.schedules' action lists replayed as schedules.held does. zb-h1's I runs
-    autograd with retain_graph=True, so a micro-batch keeps everything until its W, plus the
-    output gradients W starts from. The
-    last such moment, the backward passes that sent a gradient before it (the gradients exist
-    once one ran), and the sent gradients' buffers still held then: p2p.Peer.release drops one
-    once a later message from its peer arrives, which a forward's input is, so those sent
-    since the last forward and the one before it (1F1B's last stage, 8 micro-batches, holds
-    at most 2 payloads, tests/test_pipeline.py; before, every one until the step's end)."""
-    ev = []  # (kind, local stage): F holds, B releases, I converts, W releases the converted
-    if schedule == "gpipe":  # closed forms of the two common ones (the replay agrees)
-        return (m,), 0, 0, 0
-    if schedule == "1f1b":
-        sent = max(0, m - (p - rank)) if rank > 0 else int(m > p)
-        return (min(p - rank, m),), 0, sent, min(sent, 1) if rank > 0 else 0
-    if schedule == "gpipe":
-        ev = [("F", 0)] * m + [("B", 0)] * m
-    elif schedule in ("1f1b", "zb-h1"):
-        warm = min(p - 1 - rank, m)
-        ev = [("F", 0)] * warm
-        done_w = 0
-        for k in range(m):
-            if k < m - warm:
-                ev.append(("F", 0))
-            # global stage 0 takes token ids, no input to split the backward at
-            # (Pipeline._f: no handle): its I is the whole backward, its W a no-op
-            if schedule == "1f1b" or rank == 0:
-                ev.append(("B", 0))
-            else:
-                ev.append(("I", 0))
-                if k >= rank:
-                    ev.append(("W", 0))
-                    done_w += 1
-        ev += [("W", 0)] * (m - done_w if schedule == "zb-h1" and rank else 0)
-    elif schedule == "interleaved-1f1b":
-        rounds = max(1, m // p)
-        per = m // rounds
-        total = m * v
-        warm = min((v - 1) * per + 2 * (p - 1 - rank), total)
-        for i in range(total + warm):
-            if i < total:
-                ev.append(("F", (i // per) % v))
-            if i >= warm:
-                ev.append(("B", v - 1 - (i - warm) // per % v))
-    else:
-        raise ValueError(f"unknown schedule {schedule!r}")
-    live, split, best, at, sent, since = [0] * v, 0, -1.0, ((0,) * v, 0, 0, 0), 0, 0
-    for kind, s in ev:
-        # backward passes so far that sent a gradient back (any but global stage 0); rank 0's
-        # first stage sends none, but one there means the gradients exist: count it once
-        if kind in ("B", "I"):
-            sent += 1 if (s * p + rank > 0 or sent == 0) else 0
-            since += 1 if s * p + rank > 0 else 0
-        if kind == "F":
-            live[s] += 1
-            since = 0
-        elif kind == "B":
-            live[s] -= 1
-        elif kind == "I":
-            live[s] -= 1
-            split += 1
-        elif kind == "W":
-            split -= 1
-        kept = min(sent, since + 1) if rank or v > 1 else 0
-        cost = sum(c * w for c, w in zip(live, weights)) + split * (weights[0] + w_split) + \
-            kept * w_sent
-        if cost >= best:
-            best, at = cost, (tuple(live), split, sent, kept)
-    return at
 
 
 @lru_cache(maxsize=65536)
@@ -239,6 +150,7 @@ def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = 
         raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
     if work.precision not in ("fp32", "bf16", "fp16"):
         raise ValueError(f"precision must be fp32, bf16 or fp16, got {work.precision!r}")
+    check_offload(plan, plan.dp * plan.cp)
     if plan.lora:  # a frozen base under LoRA adapters: finetune.py's model
         from .finetune import lora_memory
         return lora_memory(shape, plan, work, device)
@@ -301,6 +213,19 @@ def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = 
         k["comm_buffers"] = buckets
         grads_full = F32 * P
         grads_end = F32 * shard if zero >= 2 else grads_full
+        state_opt = k["optimizer"]
+        off = plan.offload if zero else "none"
+        unit3 = F32 * max(sum(_layer_tensors(shape, tp)), big)  # stage 3's gathered unit
+        if off != "none":  # offload.py: master, gradient shards and state on the host
+            host = host_state(F32 * shard, F32 * shard, k["optimizer"], F32 * -(-big // ns))
+            k["optimizer"] = 0.0
+            if off == "params":
+                k["parameters"] = rotary * layers
+            # the reduced gradient shards stay on the device until the end of backward (as
+            # without offload), then go to the host: offload_step copies every unit's in
+            # ZeroModel._finish, after the side band. Streaming each unit's as its reduce-scatter
+            # ends would save them (4 shard); the dry run traced them: gpt-7b-shaped ZeRO 2 dp 2
+            # 37.3 GB device, 25.6 predicted without them (bench plan_offload)
 
         # ---- forward/backward: held micro-batches x layers
         per_layer = F32 * hs if ckpt else saved
@@ -341,7 +266,7 @@ def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = 
         if pp > 1:  # received activations and gradients in flight (p2p buffers)
             k["comm_buffers"] += 2 * tok * F32 * hs
         if zero == 3:  # the gathered units of the forward (this one and the prefetched)
-            act += 2 * F32 * max(sum(_layer_tensors(shape, tp)), big)
+            act += 2 * unit3 + params_extra(plan, unit3, ns)
         # a compressor's buffers while a bucket is in flight: its payload, a fraction of the
         # bucket (measured in the dry run, gpt-small: int8 1 MB, PowerSGD 0-3 MB, top-k 0.02
         # MB of 4 MB buckets); ZeRO's are the packed unit of `end` below
@@ -365,7 +290,18 @@ def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = 
         if not grads_on and layers:
             g_end -= F32 * sum(_layer_tensors(shape, tp)) / (n if zero >= 2 else 1)
         end = (g_end, (tok * saved if ckpt else tok * per_layer) + t_block)
-        g, ac = max(start, end, key=sum)
+        mid = (0.0, 0.0)
+        if zero == 3 and not piped and layers:
+            # stage 3's units are layers, not 4 MB buckets: between two layers' backward the
+            # dry run holds a gathered unit and the next one's, and the packed gradients of
+            # the one before (a whole unit) in its reduce-scatter, the shards of those two not
+            # reduced yet, before the next layer's recompute starts (gpt-7b-shaped, seq 1024,
+            # recompute, dp 8: traced 14,455 MiB, every one of those and no layer's
+            # activations; 12.2% under it when this counted two 4 MB buckets; plan_offload)
+            # (where a layer is about a 4 MB bucket, `end` is the larger: 3 x 384 tp 2 int8)
+            mid = (grads_end + unit3 - (0 if grads_on else 2 * unit3 / ns),
+                   2 * unit3 + params_extra(plan, unit3, ns))
+        g, ac = max(start, end, mid, key=sum)
         static = sum(k.values())
         fwd = static + g + ac + comm_t
         # ---- optimizer step: full gradients (ZeRO: shards), AdamW's temporaries
@@ -373,6 +309,8 @@ def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = 
             opt_t = F32 * (P if not zero else shard)  # foreach: sqrt(exp_avg_sq) per group
         else:
             opt_t = 3 * F32 * (big if not zero else -(-big // n))
+        if off != "none":  # the step on the host: no AdamW temporaries here
+            opt_t = 0.0
         if zero in (1, 2):  # after the step, all-gather: two units in flight (seg + full),
             # at most the whole stage once (+ its segment): a 3 x 384 pp2 stage of 5.2 MB
             # traced 6.9 MB of temporaries, 10.3 predicted as two whole stages
@@ -382,11 +320,14 @@ def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = 
         # more), then the step on the shards. Both at once overcounted a pipeline's stage: 350M
         # pp2 zero 1 traced 36.6 MB, 47.5 predicted (gpt 3 x 384, seq 64)
         if zero == 1 or (zero and piped):
-            reduce_g = grads_full + F32 * shard
-            grads_opt, opt_t = (reduce_g, 0.0) if reduce_g > F32 * shard + opt_t else \
-                (F32 * shard, opt_t)
+            # (offload: each unit's reduced shard goes to the host as it is packed: one unit's
+            # on the device; gpt-7b-shaped ZeRO 1 dp 2 traced 49.5 GB, 49.2 predicted so)
+            reduce_g = grads_full + (F32 * min(BUCKET_MB * 2**20, P) / ns if off != "none"
+                                     else F32 * shard)
+            kept = 0.0 if off != "none" else F32 * shard  # offload: the shards on the host
+            grads_opt, opt_t = (reduce_g, 0.0) if reduce_g > kept + opt_t else (kept, opt_t)
         else:
-            grads_opt = grads_end
+            grads_opt = 0.0 if off != "none" else grads_end
         opt = static + grads_opt + opt_t
         if fwd >= opt:
             k["gradients"], k["activations"] = g, ac
@@ -400,9 +341,11 @@ def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = 
         row["where"], row["phase"] = f"pp stage {r}", phase
         # the model state once backward is over (ZeRO's formula): fp32 weights (+ the rotary
         # buffers), gradients, AdamW's two moments (+ a 4-byte step per tensor)
-        row["state"] = {"parameters": int(k["parameters"]), "gradients": int(grads_end),
-                        "optimizer": int(2 * F32 * (P if not zero else shard)
-                                         + F32 * len(tensors))}
+        row["state"] = {"parameters": int(k["parameters"]),
+                        "gradients": int(0 if off != "none" and zero >= 2 else grads_end),
+                        "optimizer": int(state_opt if off == "none" else 0)}
+        if off != "none":
+            add_host(row, host)
         rows.append(row)
     worst = max(rows, key=lambda x: x["peak_bytes"])
     return {**worst, "per_stage": [x["peak_bytes"] for x in rows]}

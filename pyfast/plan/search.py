@@ -18,6 +18,10 @@ each without and with --loss-chunks LOSS_CHUNKS (the LM head and fp32 loss on ch
 tokens: less memory, the head's forward again in backward). A chunked plan is kept only when
 the same plan unchunked does not fit: it is never faster, only smaller.
 
+When nothing fits, ZeRO's plans are scored again with host offload (--offload optimizer, and
+params under ZeRO 3: offload.py), each kept if its host bytes times a node's ranks fit
+cluster.host_ram_bytes (--host-ram), else rejected saying so.
+
 Each is scored by memory.predict_memory; one over the GPU's memory is rejected with the amount
 and where; the rest by timing.predict_time, ranked by time to the target loss (step_s x
 steps_factor: a lossy compressor's extra steps); plans within TIE_BAND of each other are a
@@ -49,6 +53,8 @@ MAX_STAGES, MAX_MICROBATCHES = 256, 8192  # pyfast.parallel.p2p's (tag layout)
 # peak is the same at 8 and 16 (bench/results/finetune_memory.txt): one chunk's logits are then
 # under a block's recompute
 LOSS_CHUNKS = 8
+# the offloads each ZeRO stage runs (pyfast.parallel.zero's offload=; offload.py)
+OFFLOAD_KINDS = {1: ("optimizer",), 2: ("optimizer",), 3: ("optimizer", "params")}
 
 
 # Plans whose times to the target are within this fraction of each other are a tie: the
@@ -115,6 +121,10 @@ class Result:
     mesh_problems: dict = field(default_factory=dict)  # (dp, cp, tp, pp) -> why not
     finetune: str = "full"       # the kind searched (full, lora, qlora)
     passed_over: list = field(default_factory=list)  # --finetune auto: (kind, its smallest)
+    offload: str = ""            # offload plans were scored: "auto" (nothing fit without),
+    # or the kind asked for
+    host_short: Scored | None = None  # of the plans that fit the GPUs but not --host-ram, the
+    # one needing the least host RAM
 
     @property
     def scored(self) -> int:
@@ -253,14 +263,18 @@ def _full_plans(shape: ModelShape, work: Workload, dp: int, cp: int, tp: int, pp
 def search(shape: ModelShape, work: Workload, cluster: Cluster, top: int = 10,
            cross_node: bool = False, rejected: int | None = None,
            distinct: bool = True, diloco: bool = False, finetune: str = "full",
-           lora_rank: int = DEFAULT_RANK, tie_band: float | None = None) -> Result:
+           lora_rank: int = DEFAULT_RANK, tie_band: float | None = None,
+           offload: str = "auto") -> Result:
     """Score every plan (module doc); the top `top` that fit (distinct: leaving out a plan that
     scores as one already listed, to 0.1%) and up to `rejected` (default top) rejected
     examples: per mesh and ZeRO stage with nothing that fits, its smallest plan. diloco: on
     several nodes, rank a DiLoCo candidate too (plan/diloco.py; `pyfast plan` asks for it).
     finetune: full, lora or qlora (finetune_variants; auto is cli.py's: one kind after the
     other), lora_rank the adapters' rank. tie_band: plans within it of the fastest are ranked
-    simplest first (prefer_simple; default TIE_BAND, 0 ranks by time alone)."""
+    simplest first (prefer_simple; default TIE_BAND, 0 ranks by time alone). offload "auto":
+    when no plan fits, ZeRO's plans again with --offload optimizer (and params under ZeRO 3),
+    kept if one node's ranks' host bytes fit cluster.host_ram_bytes (offload.py); "none":
+    never; "optimizer" / "params": only those offload plans (to compare)."""
     tie_band = TIE_BAND if tie_band is None else tie_band
     variants = finetune_variants(finetune, work, lora_rank)
     t0 = time.perf_counter()
@@ -270,29 +284,61 @@ def search(shape: ModelShape, work: Workload, cluster: Cluster, top: int = 10,
     # what the ranks run on: CPU ranks keep the math attention's softmax and single-tensor AdamW's
     # temporaries, GPUs flash attention and foreach AdamW (memory.py's DEVICES)
     device = "cpu" if cluster.gpu.name == "cpu" else "cuda"
+    groups = []
     for dp, cp, tp, pp in meshes(cluster.gpus):
         why = mesh_problem(shape, work, cluster, dp, cp, tp, pp, cross_node)
         if why:
             res.mesh_problems[(dp, cp, tp, pp)] = why
             continue
         node = cluster.gpus_per_node if cluster.gpus > cluster.gpus_per_node else 0
-        for group in mesh_plans(shape, work, dp, cp, tp, pp, variants, node):
-            for i, plan in enumerate(group):
-                mem = predict_memory(shape, plan, work, device)
-                res.memory_scored += 1
-                s = Scored(plan, mem)
-                if res.smallest is None or s.peak < res.smallest.peak:
-                    res.smallest = s
-                if s.peak > cap:
-                    k = (dp, cp, tp, pp, plan.zero, plan.shard_group, plan.base_dtype,
-                         plan.base_placement)
-                    if k not in oom or s.peak < oom[k].peak:
-                        oom[k] = s
-                    res.pruned += len(group) - i - 1
-                    break
-                s.time = predict_time(shape, plan, work, cluster)
-                res.time_scored += 1
-                fits.append(s)
+        groups += mesh_plans(shape, work, dp, cp, tp, pp, variants, node)
+    per_node = min(cluster.gpus, cluster.gpus_per_node)
+    host_over = {}
+
+    def score(group):
+        for i, plan in enumerate(group):
+            mem = predict_memory(shape, plan, work, device)
+            res.memory_scored += 1
+            s = Scored(plan, mem)
+            if res.smallest is None or s.peak < res.smallest.peak:
+                res.smallest = s
+            k = (plan.dp, plan.cp, plan.tp, plan.pp, plan.zero, plan.shard_group,
+                 plan.base_dtype, plan.base_placement, plan.offload)
+            if s.peak > cap:
+                if k not in oom or s.peak < oom[k].peak:
+                    oom[k] = s
+                res.pruned += len(group) - i - 1
+                break
+            host = mem.get("host_bytes", 0) * per_node
+            if host > cluster.host_ram_bytes:  # the same at every micro-batch size
+                s.reason = (f"host RAM: {per_node} ranks x {mem['host_bytes'] / GiB:.1f} GiB = "
+                            f"{host / GiB:.1f} GiB a node, over the "
+                            f"{cluster.host_ram_bytes / GiB:.1f} GiB of --host-ram")
+                host_over.setdefault(k, s)
+                if res.host_short is None or \
+                        mem["host_bytes"] < res.host_short.memory["host_bytes"]:
+                    res.host_short = s
+                res.pruned += len(group) - i - 1
+                break
+            s.time = predict_time(shape, plan, work, cluster)
+            res.time_scored += 1
+            fits.append(s)
+    if offload not in ("auto", "none", "optimizer", "params"):
+        raise ValueError(f"offload must be auto, none, optimizer or params, got {offload!r}")
+    if offload in ("auto", "none"):
+        for group in groups:
+            score(group)
+    # offload (offload.py) only when nothing fits without it (or asked for), and not on CPU
+    # ranks, whose "device" is the host's memory already
+    if offload in ("optimizer", "params") or (not fits and offload == "auto"):
+        if device == "cpu" and offload != "auto":
+            raise ValueError(f"--offload {offload} with --gpu cpu: its device is the host's "
+                             "memory already, offload gains nothing there")
+        res.offload = offload if device == "cuda" else ""
+        for group in groups if res.offload else ():
+            for kind in OFFLOAD_KINDS.get(group[0].zero, ()):
+                if offload in ("auto", kind):
+                    score([p.replace(offload=kind) for p in group])
     # one DiLoCo replica a node, for a slow inter-node link (full fine-tunes only)
     if diloco and cluster.nodes > 1 and finetune == "full":
         dl = candidate(shape, work, cluster, search, cross_node)
@@ -314,13 +360,16 @@ def search(shape: ModelShape, work: Workload, cluster: Cluster, top: int = 10,
         if len(res.plans) == top:
             break
     fitting_meshes = {(s.plan.dp, s.plan.cp, s.plan.tp, s.plan.pp, s.plan.zero,
-                       s.plan.shard_group, s.plan.base_dtype, s.plan.base_placement)
-                      for s in fits}
+                       s.plan.shard_group, s.plan.base_dtype, s.plan.base_placement,
+                       s.plan.offload) for s in fits}
     for k, s in oom.items():
-        if k in fitting_meshes:
+        if k in fitting_meshes or k in host_over:  # (the host is what rules it out)
             continue
         s.reason = (f"OOM by {(s.peak - cap) / GiB:.1f} GiB on {s.memory['where']} "
                     f"({s.peak / GiB:.1f} of {cap / GiB:.1f} GiB)")
+        s.time = predict_time(shape, s.plan, work, cluster)
+        res.rejected.append(s)
+    for s in host_over.values():
         s.time = predict_time(shape, s.plan, work, cluster)
         res.rejected.append(s)
     res.rejected.sort(key=Scored.key)

@@ -141,6 +141,11 @@ class Plan:
     # --loss-chunks K (pyfast.train.job.Job.chunked_loss): the LM head and the fp32 loss on K
     # checkpointed chunks of the tokens; 0: off. The job refuses it with tp or pp > 1
     loss_chunks: int = 0
+    # --offload optimizer|params (pyfast/plan/offload.py): ZeRO's master shards, gradient
+    # shards and optimizer state on the host (params, ZeRO 3: the parameter shards and a
+    # sharded frozen base too), --offload-prefetch units copied ahead; "none": all on the device
+    offload: str = "none"
+    prefetch: int = 1
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -188,6 +193,10 @@ class Plan:
                 f += ["--lora-dropout", f"{self.lora_dropout:g}"]
         if self.loss_chunks:
             f += ["--loss-chunks", str(self.loss_chunks)]
+        if self.offload != "none":
+            f += ["--offload", self.offload]
+            if self.prefetch != 1:
+                f += ["--offload-prefetch", str(self.prefetch)]
         return f
 
     @property

@@ -44,6 +44,8 @@ from .timing_zero import _zero, zero_key
 
 
 def predict_time(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster) -> dict:
+    if plan.offload != "none":  # the plan on the device, then the host's and PCIe's seconds
+        return _offloaded(shape, plan, work, cluster)
     first = _predict(shape, plan, work, cluster, None)
     if not Link(cluster, plan.ranks, 2).tbf:
         return first
@@ -272,3 +274,21 @@ def _dp_exposed(plan: Plan, gmods: list, mods: list, link: Link, cpu_link: Link,
 def n_of(mods: list) -> int:
     return sum(n for _, ps in mods for n, _ in ps)
 
+
+def _offloaded(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster) -> dict:
+    """An offload plan's time: offload.offload_time over the same plan without offload; the
+    host steps this rank's shard of the trainable parameters (a LoRA plan's adapters), and
+    params offload fetches a sharded base's stored bytes too."""
+    from .offload import offload_time
+    t = predict_time(shape, plan.replace(offload="none"), work, cluster)
+    ns = shard_group(plan)
+    if plan.lora:
+        from .finetune import base_bytes, head_weight_bytes
+        n_local = shape.adapter_params(plan.lora)
+        tb = 4 if work.precision == "fp32" else 2
+        base = base_bytes(shape, plan.base_dtype, tb, head=head_weight_bytes(work.precision)) \
+            / ns if plan.base_placement == "shard" and plan.offload == "params" else 0.0
+    else:
+        n_local, base = shape.params() / (plan.tp * plan.pp), 0.0
+    units = -(-shape.layers // plan.pp) + 2
+    return offload_time(shape, plan, work, cluster, t, n_local / ns, base, units, BWD_PER_FWD)
