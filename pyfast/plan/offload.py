@@ -16,7 +16,7 @@ parameters, `shard` its ZeRO shard, ceil-rounded per tensor):
   a LoRA base sharded (--base-placement shard) lives on the host in its stored format; the
   device keeps `prefetch + 1` gathered units (the running one and those fetched ahead) and the
   `prefetch` host shards copied ahead of their all-gather.
-The host's step adds torch AdamW's temporaries (HOST_ADAMW_TEMPS); one rank's host bytes times
+The host's step adds its AdamW's temporaries (HOST_ADAMW_TEMPS: none for pyfast.optim.AdamW); one rank's host bytes times
 the ranks of a node is what --host-ram must hold.
 
 Time (offload_time, on top of the plan's time without offload, whose device optimizer step it
@@ -40,11 +40,11 @@ F32 = 4
 # bytes a parameter a CPU AdamW streams: reads parameter, gradient and two moments (4 x 4 fp32),
 # writes parameter and moments (3 x 4): 28 (DeepSpeed's CPU Adam and pyfast.optim.AdamW alike)
 HOST_ADAMW_BYTES = 28
-# temporaries of the host step, in largest-shard-tensors: the job's AdamW on the host is torch's
-# until pyfast.optim.AdamW is built (pyfast.train.offload.optim_cls), whose single-tensor CPU
-# path keeps 3 at once (the dry run: gpt-7b-shaped ZeRO 2 dp 2, 384 MiB over the state, 3 x
-# the 4096 x 16384 fc's half); pyfast.optim.AdamW's in-place kernel keeps none (then 0 here)
-HOST_ADAMW_TEMPS = 3
+# temporaries of the host step, in largest-shard-tensors: the job's host AdamW is
+# pyfast.optim.AdamW (pyfast.train.offload.optim_cls), an in-place kernel that keeps none; torch's
+# single-tensor CPU AdamW kept 3 at once (the dry run: gpt-7b-shaped ZeRO 2 dp 2, 384 MiB over
+# the state, 3 x the 4096 x 16384 fc's half)
+HOST_ADAMW_TEMPS = 0
 
 
 def check(plan, n: int) -> None:
@@ -66,7 +66,7 @@ def check(plan, n: int) -> None:
 def host_state(master: float, gradients: float, optimizer: float, largest: float,
                base: float = 0.0) -> dict:
     """One rank's host bytes by kind at the step's peak; largest: the bytes of the largest
-    parameter shard, of which torch's single-tensor AdamW keeps HOST_ADAMW_TEMPS at once."""
+    parameter shard, of which the host AdamW keeps HOST_ADAMW_TEMPS at once."""
     return {"master": int(master), "gradients": int(gradients), "optimizer": int(optimizer),
             "base": int(base), "temporaries": int(HOST_ADAMW_TEMPS * largest)}
 
