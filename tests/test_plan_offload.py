@@ -52,6 +52,26 @@ def test_offload_plans_only_when_nothing_fits(capsys):
     assert all(p["offload"] in ("optimizer", "params") for p in json.loads(out)["plans"])
 
 
+def test_one_gpu_fits_an_8b_full_fine_tune_only_with_offload(capsys):
+    """ZeRO-Offload on one rank (a shard group of one): planned only with offload, where the
+    step's fp32 master, gradient and moments (16 bytes a parameter) move to the host; without
+    offload 8B does not fit one 80 GB GPU (fp32 parameters and gradients alone are 64 GB)."""
+    one = [a if a != "2" or B8[i - 1] != "--gpus" else "1" for i, a in enumerate(B8)]
+    rc, out, err = plan(one + ["--json", "--offload", "none"], capsys)
+    assert rc == 2 and "nothing fits" in err
+    # an a100-80gb's default host share (116 GiB) is short of 128 GB: said so, then given more
+    rc, out, err = plan(one + ["--json"], capsys)
+    assert rc == 2 and "not the host" in err and "--host-ram" in err
+    rc, out, err = plan(one + ["--json", "--host-ram", "256GB"], capsys)
+    assert rc == 0, err
+    plans = json.loads(out)["plans"]
+    assert plans and all(p["offload"] in ("optimizer", "params") and p["zero"] >= 1
+                         and (p["dp"], p["tp"], p["pp"]) == (1, 1, 1) for p in plans)
+    # every parameter's 16 bytes on the one rank's host (8e9 x 16 = 128 GB, + step counts)
+    assert all(abs(p["host_bytes_per_node"] / 128e9 - 1) < 0.02 for p in plans)
+    assert all(p["memory_bytes_per_rank"] <= 80 * 2**30 for p in plans)
+
+
 def test_70b_qlora_on_two_24gb_gpus_prints_a_plan_and_its_host_ram(capsys):
     rc, out, err = plan(Q70, capsys)
     assert rc == 0, err

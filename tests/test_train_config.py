@@ -154,6 +154,9 @@ def test_worker_args_reproduce_the_config():
                                                 "--offload-delay"]))
     assert (cfg.offload, cfg.offload_prefetch, cfg.offload_delay) == ("params", 2, True)
     assert from_args(parser().parse_args(worker_args(cfg))) == cfg
+    # one rank: ZeRO-Offload (a shard group of one), refused without --offload (above)
+    cfg = from_args(parser().parse_args(TINY + ["--zero", "2", "--offload", "optimizer"]))
+    assert (cfg.dp, cfg.zero, cfg.offload) == (1, 2, "optimizer")
 
 
 def test_metrics_log_resume_drops_records_after_the_checkpoint(tmp_path):

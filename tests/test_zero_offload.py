@@ -116,6 +116,26 @@ def _reference(world, delay):
     return dict(m.named_parameters())
 
 
+def _solo(rank, world):
+    """ZeRO-Offload on one rank (`pyfast train --nproc 1 --zero S --offload ...`): zero() over a
+    group of this rank alone, against plain torch AdamW on the same micro-batches in this process:
+    the names of the parameters that differ (bitwise: an average over one rank divides by 1, and
+    the host step runs torch's CPU AdamW on the same values, only stored in flat host shards)."""
+    import torch.distributed as dist
+    solo = [dist.new_group([r]) for r in range(world)][rank]  # collective: every rank makes all
+    out = {}
+    for stage, mode in ((2, "optimizer"), (3, "params")):
+        _, sd = _run(rank, stage, None, mode, False, group=solo, engine="python")
+        ref = _gpt()
+        opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
+        for s in range(STEPS):
+            _loss(ref, *_data(s, rank)).backward()
+            opt.step()
+            opt.zero_grad()
+        out[stage] = [n for n, p in ref.named_parameters() if not torch.equal(sd["model"][n], p)]
+    return out
+
+
 def _host_short(rank, world):
     """Rank 1 sees no free host memory, then rank 1's pinned allocation is refused (a CPU build
     of torch refuses pin_memory=True: Host.empty's own conversion runs): OffloadError on both
@@ -156,6 +176,8 @@ def test_offload_equals_no_offload_and_delay_reference(pool2):
             torch.testing.assert_close(sd[name], p.detach(), atol=1e-6, rtol=0,
                                        msg=lambda m: f"stage {stage} {name}: {m}")
         assert max((sd[n] - p).abs().max().item() for n, p in plain.items()) > 1e-3
+    for solo in pool2.run(_solo):
+        assert solo == {2: [], 3: []}, solo
     for short, pin in pool2.run(_host_short):
         assert short is not None and "GiB" in short and "host memory" in short, short
         assert pin is not None and "pinned host memory refused" in pin and "GiB" in pin, pin

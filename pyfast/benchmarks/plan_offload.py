@@ -40,6 +40,9 @@ PLANS = [
       "--global-batch", "16", "--offload", "optimizer"]),
     ("8B full, 1 x a100-80gb", ["--params", "8e9", "--gpus", "1", "--gpu", "a100-80gb",
                                 "--seq", "2048", "--global-batch", "16"]),
+    ("8B full, 1 x a100-80gb, --host-ram 256GB",
+     ["--params", "8e9", "--gpus", "1", "--gpu", "a100-80gb", "--seq", "2048",
+      "--global-batch", "16", "--host-ram", "256GB"]),
 ]
 
 

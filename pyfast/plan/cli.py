@@ -124,8 +124,6 @@ def nothing_fits(res: Result, shape: ModelShape, work: Workload, cl) -> str:
             + (f", a GPU with more memory (--gpu {', '.join(bigger)})" if bigger else "")
             + (", --finetune lora or qlora (adapters on a frozen base)"
                if s.plan.finetune == "full" and len(res.passed_over) < 2 else "")
-            + (" (offload cannot help one GPU: it offloads ZeRO's shards, dp x cp >= 2)"
-               if cl.gpus < 2 and cl.gpu.name != "cpu" else "")
             + ", or a shorter --seq / smaller --global-batch")
 
 

@@ -116,7 +116,7 @@ def lora_memory(shape: ModelShape, plan: Plan, work: Workload, device: str,
     from .activations import KINDS, _block_saved
     check(plan)
     n = plan.dp
-    zero = plan.zero if n > 1 else 0
+    zero = plan.zero if n > 1 or plan.offload != "none" else 0  # one rank: ZeRO-Offload
     shard = zero == 3 and plan.base_placement == "shard" and n > 1
     tb = F32 if work.precision == "fp32" else 2      # the training dtype's bytes
     rest = REST if rest is None else rest

@@ -156,7 +156,7 @@ def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = 
         return lora_memory(shape, plan, work, device)
     tp, pp, cp, dp, v = plan.tp, plan.pp, plan.cp, plan.dp, plan.virtual_stages
     n = dp * cp  # the gradient-averaging group (DataParallel or ZeRO's shards)
-    zero = plan.zero if n > 1 else 0
+    zero = plan.zero if n > 1 or plan.offload != "none" else 0  # one rank: ZeRO-Offload
     ns = shard_group(plan)  # the ranks ZeRO shards over: n, or a node's (hybrid sharding)
     comp, rcomp = (_comp(c) for c in hybrid_compressors(plan))
     bpe = F32 if work.precision == "fp32" else 2  # autocast: 16-bit matmul outputs

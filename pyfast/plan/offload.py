@@ -53,9 +53,9 @@ def check(plan, n: int) -> None:
         raise ValueError(f"--offload must be one of {', '.join(OFFLOADS)}, got {plan.offload!r}")
     if plan.offload == "none":
         return
-    if not plan.zero or n < 2:
+    if not plan.zero:
         raise ValueError(f"--offload {plan.offload} offloads ZeRO's shards: it needs --zero 1, 2 "
-                         f"or 3 on dp x cp > 1 (got zero {plan.zero} on {n} ranks)")
+                         f"or 3 (one rank or more; got zero {plan.zero} on {n} ranks)")
     if plan.offload == "params" and plan.zero != 3:
         raise ValueError(f"--offload params needs --zero 3 (parameter shards), got --zero "
                          f"{plan.zero}; --offload optimizer runs on stages 1-3")

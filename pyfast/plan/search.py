@@ -57,6 +57,13 @@ LOSS_CHUNKS = 8
 OFFLOAD_KINDS = {1: ("optimizer",), 2: ("optimizer",), 3: ("optimizer", "params")}
 
 
+def solo(plan) -> bool:
+    """ZeRO on one GPU (dp x cp x tp x pp = 1): planned with host offload only (ZeRO-Offload),
+    since without it the one rank holds every shard (no saving, the overhead). (The job also
+    runs ZeRO-Offload on dp x cp = 1 with tp / pp > 1; the planner does not enumerate those.)"""
+    return bool(plan.zero) and plan.dp * plan.cp * plan.tp * plan.pp == 1
+
+
 # Plans whose times to the target are within this fraction of each other are a tie: the
 # planner cannot tell them apart. Its error between two plans, measured on published GPU runs
 # (bench/results/plan_published.txt: the ratio of two runs of one table, same model and GPUs):
@@ -211,9 +218,10 @@ def _sizes_of(rows: int) -> list[int]:
 
 def _lora_plans(work: Workload, dp: int, lora: int, base: str):
     rows = work.global_batch // dp
-    zeros = (0, 1, 2, 3) if dp > 1 and work.precision != "fp16" else (0,)
+    # dp 1: ZeRO only for offload (solo(): a shard group of one rank gains nothing without it)
+    zeros = (0, 1, 2, 3) if work.precision != "fp16" else (0,)
     for zero in zeros:
-        for place in ("replicate", "shard") if zero == 3 else ("replicate",):
+        for place in ("replicate", "shard") if zero == 3 and dp > 1 else ("replicate",):
             for ac in (False, True):
                 for chunks in (0, LOSS_CHUNKS):
                     group = [Plan(dp, 1, 1, 1, zero, "none", b, rows // b, "1f1b", ac, "ring",
@@ -227,8 +235,8 @@ def _lora_plans(work: Workload, dp: int, lora: int, base: str):
 def _full_plans(shape: ModelShape, work: Workload, dp: int, cp: int, tp: int, pp: int,
                 node_group: int = 0):
     shard = dp * cp
-    # ZeRO on any mesh (fp16 too: ZeroGradScaler)
-    zeros = (0, 1, 2, 3) if shard > 1 else (0,)
+    # ZeRO on any mesh (fp16 too: ZeroGradScaler); on one GPU for offload only (solo())
+    zeros = (0, 1, 2, 3) if shard > 1 or tp * pp == 1 else (0,)
     if work.precision == "fp16":  # ZeroGradScaler refuses a hybrid model whose cross-node
         node_group = 0  # compressor keeps feedback memory: no hybrid plans under fp16
     if pp > 1:  # under a pipeline stage 2 is stage 1: both keep the stage's gradients whole
@@ -327,7 +335,8 @@ def search(shape: ModelShape, work: Workload, cluster: Cluster, top: int = 10,
         raise ValueError(f"offload must be auto, none, optimizer or params, got {offload!r}")
     if offload in ("auto", "none"):
         for group in groups:
-            score(group)
+            if not solo(group[0]):
+                score(group)
     # offload (offload.py) only when nothing fits without it (or asked for), and not on CPU
     # ranks, whose "device" is the host's memory already
     if offload in ("optimizer", "params") or (not fits and offload == "auto"):

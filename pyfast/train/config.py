@@ -558,9 +558,9 @@ def check_zero(cfg: TrainConfig) -> None:
                           "--error-feedback off, or no --compress")
     if cfg.zero not in (1, 2, 3):
         raise ConfigError(f"--zero must be 1, 2 or 3 (0: off), got {cfg.zero}")
-    if cfg.dp * cfg.cp == 1 and cfg.tp == cfg.pp == 1:
+    if cfg.dp * cfg.cp == 1 and cfg.tp == cfg.pp == 1 and cfg.offload == "none":
         raise ConfigError(f"--zero {cfg.zero} shards over the data-parallel ranks, but --dp is 1 "
-                          "(nothing to shard over)")
+                          "(nothing to shard over; with --offload, one rank is ZeRO-Offload)")
     # --dp 1 (x --cp 1) with --tp / --pp > 1 is allowed: a shard group of one rank per tp / pp
     # shard, so a ZeRO checkpoint of a larger dp resumes there (docs/zero.md)
     if cfg.zero == 3 and cfg.pp > 1 and cfg.schedule == "zb-h1":
