@@ -80,6 +80,32 @@ def _warn_fallback(device_type: str, why: str) -> None:
                   "reference. Set PYFAST_BACKEND to make this an error.", stacklevel=3)
 
 
+def resolve_cpu_op(device: torch.device, backend: str | None, op: str, key: str,
+                   source: str, devices: tuple = ("cpu",)) -> str:
+    """resolve() for an op with a C++ kernel only (registered as pyfast::`key` for CPU, from
+    csrc/`source`) and no Triton one: "cpp" where the kernel runs (devices: the tensor devices it
+    serves, "meta" for one with a fake), else the torch reference, with a warning when the
+    backend was auto; a backend asked for by name (argument or PYFAST_BACKEND) that cannot run
+    the op raises BackendUnavailable: no silent fallback."""
+    asked = (backend or os.environ.get("PYFAST_BACKEND") or "auto") != "auto"
+    b = resolve(device, backend)
+    missing = None
+    if b == "cpp" and device.type not in devices:
+        missing = f"{op} has a C++ kernel for cpu tensors only, not {device.type}"
+    elif b == "cpp" and not torch._C._dispatch_has_kernel_for_dispatch_key(f"pyfast::{key}",
+                                                                            "CPU"):
+        missing = (f"pyfast._C has no {op} kernel (built before csrc/{source}: run "
+                   "`make install`)")
+    elif b == "triton":
+        missing = f"{op} has no Triton kernel"
+    if missing and asked:
+        raise BackendUnavailable(f"backend {b!r} was asked for but cannot run {op}: {missing}")
+    if missing:
+        _warn_fallback(device.type, missing)
+        return "torch"
+    return b
+
+
 def resolve(device: torch.device, backend: str | None = None) -> str:
     """Name of the backend that runs an op on `device`."""
     name = backend or os.environ.get("PYFAST_BACKEND") or "auto"

@@ -12,11 +12,10 @@ automatic fallback; PYFAST_BACKEND=cpp or triton on them raises BackendUnavailab
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
-from pyfast.ops._backend import BackendUnavailable, _warn_fallback, resolve
+from pyfast.ops._backend import resolve_cpu_op
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -70,22 +69,7 @@ def _check(params, grads, exp_avgs, exp_avg_sqs) -> None:
 def _backend(device: torch.device, backend: str | None) -> str:
     """cpp on CPU (the kernel) and meta (its fake); the reference elsewhere: no Triton/CUDA
     kernel. A backend asked for by name that cannot run here raises."""
-    asked = (backend or os.environ.get("PYFAST_BACKEND") or "auto") != "auto"
-    b = resolve(device, backend)
-    missing = None
-    if b == "cpp" and device.type not in ("cpu", "meta"):
-        missing = f"adamw_ has a C++ kernel for cpu tensors only, not {device.type}"
-    elif b == "cpp" and not torch._C._dispatch_has_kernel_for_dispatch_key("pyfast::adamw_",
-                                                                            "CPU"):
-        missing = "pyfast._C has no adamw_ kernel (built before csrc/adamw.cpp: run `make install`)"
-    elif b == "triton":
-        missing = "adamw_ has no Triton kernel"
-    if missing and asked:
-        raise BackendUnavailable(f"backend {b!r} was asked for but cannot run adamw_: {missing}")
-    if missing:
-        _warn_fallback(device.type, missing)
-        return "torch"
-    return b
+    return resolve_cpu_op(device, backend, "adamw_", "adamw_", "adamw.cpp", ("cpu", "meta"))
 
 
 @torch.no_grad()

@@ -11,11 +11,10 @@ Decode: y = c * s in fp32 (a NaN scale decodes to NaN throughout), rounded once 
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
-from pyfast.ops._backend import BackendUnavailable, _warn_fallback, resolve
+from pyfast.ops._backend import resolve_cpu_op
 from pyfast.ops.quantize import absmax_scales, uniform_ref
 
 DEFAULT_BLOCK = 512
@@ -60,20 +59,8 @@ def decode_ref(codes: torch.Tensor, scales: torch.Tensor, n: int, block: int,
 def _backend(device: torch.device, backend: str | None) -> str:
     """cpp on CPU; the reference elsewhere (no Triton kernel). A backend asked for by name
     (argument or PYFAST_BACKEND) that has no ternary kernel raises: no silent fallback."""
-    asked = (backend or os.environ.get("PYFAST_BACKEND") or "auto") != "auto"
-    b = resolve(device, backend)
-    missing = None
-    if b == "cpp" and not torch._C._dispatch_has_kernel_for_dispatch_key(
-            "pyfast::ternary_encode", "CPU"):
-        missing = "pyfast._C has no ternary kernel (built before csrc/ternary.cpp: run `make install`)"
-    elif b == "triton":
-        missing = "ternary has no Triton kernel"
-    if missing and asked:
-        raise BackendUnavailable(f"backend {b!r} was asked for but cannot run ternary: {missing}")
-    if missing:
-        _warn_fallback(device.type, missing)
-        return "torch"
-    return b
+    return resolve_cpu_op(device, backend, "ternary", "ternary_encode", "ternary.cpp",
+                          ("cpu", "meta", "cuda"))
 
 
 def encode(x: torch.Tensor, block: int = DEFAULT_BLOCK, seed: int = 0,
