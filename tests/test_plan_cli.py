@@ -14,21 +14,12 @@ from pyfast.plan import cli, search as S, shapes
 from pyfast.plan.cluster import build
 from pyfast.plan.hardware import GPUS
 from pyfast.plan.spec import Plan, Workload
+from plan_utils import plan
 
 TINY = ["--model", "gpt-tiny", "--gpus", "2", "--gpus-per-node", "2", "--gpu", "cpu",
         "--seq", "64", "--global-batch", "4", "--precision", "fp32"]
 KEYS = ["dp", "cp", "tp", "pp", "zero", "shard_group", "compress", "micro_batch", "micro_batches", "schedule",
         "activation_checkpointing", "memory_bytes_per_rank", "step_s", "tokens_per_s", "command"]
-
-
-def plan(argv, capsys):
-    """(exit code, stdout, stderr) of `pyfast plan ARGV` in this process."""
-    try:
-        rc = cli.main(argv)
-    except SystemExit as e:  # argparse's own errors
-        rc = e.code
-    out = capsys.readouterr()
-    return rc, out.out, out.err
 
 
 def every_plan(shape, work, cluster, cross_node=False):

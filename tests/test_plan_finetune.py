@@ -6,26 +6,18 @@ import shlex
 
 import pytest
 
-from pyfast.plan import cli, finetune as FT, search as S, shapes
+from pyfast.plan import finetune as FT, search as S, shapes
 from pyfast.plan.cluster import build
 from pyfast.plan.memory import predict_memory
 from pyfast.plan.spec import Plan, Workload
 from pyfast.plan.timing import predict_time
+from plan_utils import plan
 
 L40S = ["--model", "llama-7b", "--gpus", "2", "--gpu", "l40s", "--seq", "2048",
         "--global-batch", "16"]
 B70 = ["--model", "llama-2-70b", "--gpus", "2", "--gpu", "rtx4090", "--seq", "2048",
        "--global-batch", "16"]
 GiB = 2**30
-
-
-def plan(argv, capsys):
-    try:
-        rc = cli.main(argv)
-    except SystemExit as e:  # argparse's own errors
-        rc = e.code
-    out = capsys.readouterr()
-    return rc, out.out, out.err
 
 
 # ---- the arithmetic against the code it models

@@ -7,27 +7,19 @@ import json
 
 import pytest
 
-from pyfast.plan import cli, offload as OF, shapes
+from pyfast.plan import offload as OF, shapes
 from pyfast.plan.cluster import build, load
 from pyfast.plan.hardware import GPUS, parse_size
 from pyfast.plan.memory import predict_memory
 from pyfast.plan.spec import Plan, Workload
 from pyfast.plan.timing import predict_time
+from plan_utils import plan
 
 GiB = 2**30
 Q70 = ["--model", "llama-70b", "--gpus", "2", "--gpu", "rtx4090", "--seq", "2048",
        "--global-batch", "16", "--finetune", "qlora"]
 B8 = ["--params", "8e9", "--gpus", "2", "--gpu", "a100-80gb", "--seq", "2048",
       "--global-batch", "16"]
-
-
-def plan(argv, capsys):
-    try:
-        rc = cli.main(argv)
-    except SystemExit as e:  # argparse's own errors
-        rc = e.code
-    out = capsys.readouterr()
-    return rc, out.out, out.err
 
 
 def test_offload_plans_only_when_nothing_fits(capsys):
