@@ -13,7 +13,7 @@ from pathlib import Path
 from .hardware import Cluster
 from .spec import ModelShape, Plan, Workload, gpt_model_flag
 from . import timing
-from .calibrate_link import REPEATS, _child
+from .calibrate_link import REPEATS, _child, _finish
 
 
 def _time(fn, repeats: int = REPEATS) -> float:
@@ -184,7 +184,7 @@ def cp_probe(path: str, model: str, seq: int, micro_batch: int, method: str,
                                                           requires_grad=True)))
     if dist.get_rank() == 0:
         Path(path).write_text(json.dumps(w.tolist()))
-    dist.destroy_process_group()
+    _finish()
 
 
 def measure_cp_blocks(shape: ModelShape, work: Workload, plans, timeout: float = 180) -> dict:

@@ -21,7 +21,7 @@ from pathlib import Path
 from .spec import ModelShape, Plan, Workload, gpt_model_flag
 from . import timing
 from .timing_zero import zero_key
-from .calibrate_link import PER_TENSOR, _child
+from .calibrate_link import PER_TENSOR, _child, _finish
 
 REPEATS = 9  # medians of 9 after 2 warm steps: one rank's step varied 11-22 ms (q10-q90) here
 # tp's block timed CHAIN times back to back, as the job's layers run (no barrier between them):
@@ -103,7 +103,7 @@ def tp_probe(path: str, model: str, vocab: int, seq: int, micro_batch: int,
                                              requires_grad=True))
     if dist.get_rank() == 0:
         Path(path).write_text(json.dumps(w))
-    dist.destroy_process_group()
+    _finish()
 
 
 def zero_probe(path: str, model: str, vocab: int, seq: int, micro_batch: int,
@@ -185,7 +185,7 @@ def zero_probe(path: str, model: str, vocab: int, seq: int, micro_batch: int,
         close()
     if dist.get_rank() == 0:
         Path(path).write_text(json.dumps(w))
-    dist.destroy_process_group()
+    _finish()
 
 
 def _probe(fn: str, args: str, world: int, timeout: float):

@@ -11,7 +11,7 @@ from pathlib import Path
 from .hardware import Cluster
 from .spec import ModelShape, Plan, Workload, gpt_model_flag
 from . import timing
-from .calibrate_link import _child
+from .calibrate_link import _child, _finish
 
 
 def job_probe(path: str, model: str, seq: int, batch: int, precision: str, steps: int = 8) -> None:
@@ -29,7 +29,7 @@ def job_probe(path: str, model: str, seq: int, batch: int, precision: str, steps
     ms = [job.train_step(i + 1)["step_ms"] for i in range(steps)]
     job.close()
     Path(path).write_text(json.dumps({"step_s": statistics.median(ms[3:]) / 1e3}))
-    dist.destroy_process_group()
+    _finish()
 
 
 def measure_job(shape: ModelShape, work: Workload, cluster: Cluster, micro_batch: int,

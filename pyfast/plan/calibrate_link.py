@@ -97,8 +97,7 @@ def link_probe(path: str, pause: bool, specs=()) -> None:
         Path(path).write_text(json.dumps({"fits": {k: list(v) for k, v in best.items()},
                                           "small_s": small, "wake_s": wake,
                                           "reduce": per_tensor}))
-    dist.barrier()
-    dist.destroy_process_group()
+    _finish()
 
 
 # compute before the wait: tp's half block .. a stage .. a whole step since the ranks last met
@@ -174,6 +173,16 @@ def measure_loopback_link(timeout: float = 120, specs=()) -> dict:
         path = os.path.join(d, "link.json")
         _child(probe_argv(path, False, specs), timeout, world=2)
         return json.loads(Path(path).read_text())
+
+
+def _finish() -> None:
+    """A probe rank's end: a barrier, then destroy_process_group. Without the barrier a rank
+    tore its gloo pairs down while its peer was still finishing the last collective, and both
+    ranks died of SIGABRT ("terminate called without an active exception", the tp probe in the
+    fresh-clone CI of 2026-11-29, once; 0 of 60 reruns here)."""
+    import torch.distributed as dist
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def _child(argv: list[str], timeout: float, world: int = 1) -> None:
