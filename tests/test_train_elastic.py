@@ -57,7 +57,8 @@ def _ef_after_load(rank, world, out):
     """Each rank's Job at --elastic for this world, loaded from out's latest checkpoint:
     (same, error-feedback elements and their squared norm, the warning)."""
     from pyfast.train import checkpoint as ck
-    from pyfast.train.elastic import describe_reset, plan
+    from pyfast.train.config import plan_world as plan
+    from pyfast.train.elastic import describe_reset
     from pyfast.train.job import Job
     cfg = plan(TrainConfig(model="gpt-tiny", dp=4, compress="int8", batch=8, seq=32, seed=1,
                            steps=2, elastic=True, out=str(out)), world)
@@ -96,7 +97,7 @@ def _cfg(**kw):
 
 
 def test_plan_keeps_tp_pp_cp_and_the_global_batch():
-    from pyfast.train.elastic import plan
+    from pyfast.train.config import plan_world as plan
     # the flags' micro-batch: 32 / (4 x 1 x 1) = 8 sequences; dp follows the world
     for world, dp, accum in ((4, 4, 1), (2, 2, 2), (1, 1, 4)):
         c = plan(_cfg(dp=4), world)
@@ -116,7 +117,7 @@ def test_plan_keeps_tp_pp_cp_and_the_global_batch():
     ({"dp": 2, "diloco": 2, "replicas": 2}, 4, "--elastic with --diloco"),
 ])
 def test_plan_refuses_with_the_numbers(kw, world, msg):
-    from pyfast.train.elastic import plan
+    from pyfast.train.config import plan_world as plan
     with pytest.raises(ConfigError) as e:
         plan(_cfg(**kw), world)
     assert msg in str(e.value), str(e.value)

@@ -252,6 +252,15 @@ def from_args(ns: argparse.Namespace) -> TrainConfig:
                           if k not in LAUNCH_FLAGS + DRY_FLAGS})
 
 
+def plan_world(cfg: TrainConfig, world: int) -> TrainConfig:
+    """cfg as it runs on `world` ranks: with --elastic, dp and grad_accum re-planned for the
+    world (pyfast.train.elastic.plan); ConfigError naming the numbers when it cannot be."""
+    planned = elastic.plan(cfg, world)
+    if isinstance(planned, str):
+        raise ConfigError(planned)
+    return planned
+
+
 def check(cfg: TrainConfig, world: int, model: bool = True) -> dict:
     """ConfigError naming the first problem: everything knowable from the flags alone
     (model=False: all but the model's own limits, which check_model tells). Returns the data's

@@ -237,8 +237,9 @@ def main(cfg: TrainConfig, ns) -> int:
         if ns.nnodes != 1 or ns.print_launch:
             raise ConfigError("--dry-run runs in this one process: no --nnodes / --print-launch")
         if cfg.elastic:  # the plan for --nproc ranks; no checkpoint is read (nothing is loaded)
-            from .elastic import describe, plan
-            asked, cfg = cfg, plan(cfg, world)
+            from .config import plan_world
+            from .elastic import describe
+            asked, cfg = cfg, plan_world(cfg, world)
             what = describe(cfg, None, flags=asked) or "the flags' mesh as given"
             print(f"pyfast train: --elastic on the dry run: planned for {world} ranks, {what}; "
                   "no checkpoint is read", file=sys.stderr)

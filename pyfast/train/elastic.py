@@ -48,43 +48,38 @@ def problem(cfg) -> str | None:
     return None
 
 
-def micro_batch(cfg) -> int:
-    """Sequences one forward pass of a rank reads, as the flags ask: --batch / (--dp x
-    --grad-accum x micro-batches); ConfigError (the flags' own numbers) if it is not whole."""
-    from .config import ConfigError
-    per = cfg.dp * cfg.grad_accum * cfg.m
-    if cfg.batch % per:
-        raise ConfigError(f"--batch {cfg.batch} is not divisible by dp {cfg.dp} x grad-accum "
-                          f"{cfg.grad_accum} x micro-batches {cfg.m} = {per} (the flags' "
-                          "micro-batch, which --elastic keeps)")
-    return cfg.batch // per
-
-
 def plan(cfg, world: int):
-    """cfg for a world of `world` ranks: unchanged without --elastic; with it dp = world / (tp x
-    pp x cp) and grad_accum = batch / (dp x micro-batches x micro_batch(cfg)). ConfigError with
-    the numbers when tp x pp x cp or dp x micro-batch no longer divide."""
+    """cfg for a world of `world` ranks, or what is wrong (a str, told with the numbers: config.
+    plan_world raises it as a ConfigError; this module imports nothing of config). Unchanged
+    without --elastic; with it dp = world / (tp x pp x cp) and grad_accum = batch /
+    (dp x micro-batches x micro-batch), the micro-batch the flags' --batch / (--dp x --grad-accum
+    x micro-batches)."""
     if not cfg.elastic:
         return cfg
-    from .config import ConfigError, check_degrees
-    check_degrees(cfg)
     why = problem(cfg)
     if why:
-        raise ConfigError(why)
-    fixed = cfg.tp * cfg.pp * cfg.cp
+        return why
+    bad = [f"--{k} {getattr(cfg, k)}" for k in ("dp", "tp", "pp", "cp", "grad_accum")
+           if getattr(cfg, k) < 1]
+    if bad:
+        return f"{', '.join(bad)}: must be >= 1"
+    fixed, per = cfg.tp * cfg.pp * cfg.cp, cfg.dp * cfg.grad_accum * cfg.m
     if world < 1 or world % fixed:
-        raise ConfigError(f"--elastic: a world of {world} ranks is not divisible by tp {cfg.tp} "
-                          f"x pp {cfg.pp} x cp {cfg.cp} = {fixed}, which a restart keeps (dp "
-                          f"would be {world} / {fixed} = {world / fixed:g}); restart with a "
-                          f"multiple of {fixed} ranks")
-    dp, mb = world // fixed, micro_batch(cfg)
+        return (f"--elastic: a world of {world} ranks is not divisible by tp {cfg.tp} x pp "
+                f"{cfg.pp} x cp {cfg.cp} = {fixed}, which a restart keeps (dp would be {world} / "
+                f"{fixed} = {world / fixed:g}); restart with a multiple of {fixed} ranks")
+    if cfg.batch % per:
+        return (f"--batch {cfg.batch} is not divisible by dp {cfg.dp} x grad-accum "
+                f"{cfg.grad_accum} x micro-batches {cfg.m} = {per} (the flags' micro-batch, "
+                "which --elastic keeps)")
+    dp, mb = world // fixed, cfg.batch // per
     per = dp * cfg.m * mb
     if cfg.batch % per:
-        raise ConfigError(f"--elastic: the global batch --batch {cfg.batch} is not divisible by "
-                          f"dp {dp} x micro-batches {cfg.m} x micro-batch {mb} = {per} at a world "
-                          f"of {world} ranks (micro-batch: --batch {cfg.batch} / (--dp {cfg.dp} x "
-                          f"--grad-accum {cfg.grad_accum} x micro-batches {cfg.m})); give the "
-                          "mesh flags of the largest world, or a --batch that divides")
+        return (f"--elastic: the global batch --batch {cfg.batch} is not divisible by dp {dp} x "
+                f"micro-batches {cfg.m} x micro-batch {mb} = {per} at a world of {world} ranks "
+                f"(micro-batch: --batch {cfg.batch} / (--dp {cfg.dp} x --grad-accum "
+                f"{cfg.grad_accum} x micro-batches {cfg.m})); give the mesh flags of the largest "
+                "world, or a --batch that divides")
     return dataclasses.replace(cfg, dp=dp, grad_accum=cfg.batch // per)
 
 

@@ -7,8 +7,8 @@ import os
 import shlex
 import sys
 
-from . import elastic
-from .config import ConfigError, TrainConfig, check, check_degrees, check_shard_group
+from .config import (ConfigError, TrainConfig, check, check_degrees, check_shard_group,
+                     plan_world)
 
 
 def worker_args(cfg: TrainConfig) -> list[str]:
@@ -55,7 +55,7 @@ def launch(cfg: TrainConfig, ns) -> int:
         world = nproc * ns.nnodes
         # --elastic: the ranks re-plan dp for the world they find (elastic.plan); the workers
         # get the flags as asked, so a torchrun restart at another size plans again from them
-        planned = elastic.plan(cfg, world)
+        planned = plan_world(cfg, world)
         if ns.nproc and world != planned.ranks:
             raise ConfigError(f"{cfg.mesh_flags()} = {ranks} ranks, "
                               f"but --nproc {nproc} x --nnodes {ns.nnodes} = {world}")

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint as ck, elastic, offload
-from .config import ConfigError, TrainConfig, check, check_data, resume_changes
+from .config import (ConfigError, TrainConfig, check, check_data, plan_world,
+                     resume_changes)
 from .job import Job, NonFiniteError
 from .metrics import MetricsLog, Progress, plot, read, summary
 from .sample import Sampler
@@ -79,7 +80,7 @@ def run(cfg: TrainConfig, device: torch.device, restarted: bool = False) -> None
     ConfigError / NonFiniteError are decided alike on every rank; anything else raised is this
     rank's alone (the others may sit in a collective)."""
     rank = dist.get_rank()
-    asked, cfg = cfg, elastic.plan(cfg, dist.get_world_size())  # --elastic: dp for this world
+    asked, cfg = cfg, plan_world(cfg, dist.get_world_size())  # --elastic: dp for this world
     # same flags, same answer on every rank; the model's limits are checked on the model
     # itself when the job builds it, before its first collective after the Mesh
     data = check(cfg, dist.get_world_size(), model=False)
