@@ -53,6 +53,25 @@ def test_elastic_4_to_2_to_4_follows_the_uninterrupted_run(tmp_path):
     assert meta["mesh"]["dp"] == 2 and meta["config"]["grad_accum"] == 2
 
 
+@pytest.mark.dist
+def test_elastic_zero2_4_to_2_reshards_the_flat_shards(tmp_path):
+    """--zero 2: the 4-rank run's step-2 checkpoint (flat shards of 4 ranks) continued on 2 ranks
+    equals the uninterrupted 4-rank run's steps 3-4 within the chain's 1e-5."""
+    import shutil
+
+    from test_train import pool_runs, records
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    flags = FLAGS[:-1] + ["4", "--zero", "2", "--steps", "4"]  # --lr-decay-steps 4
+    pool_runs({"ref": (ref, 4, flags)})
+    shutil.copytree(ref, run)
+    shutil.rmtree(run / "checkpoints" / "step-4")
+    pool_runs({"run": (run, 2, flags)})
+    want, got = records(ref), records(run)
+    assert got[2]["elastic"].startswith("elastic restart at step 2: world 4 -> 2, dp 4 -> 2")
+    rel = [abs(g["loss"] - w["loss"]) / w["loss"] for g, w in zip(got, want)]
+    assert [r["step"] for r in got] == [1, 2, 3, 4] and max(rel) < 1e-5, rel
+
+
 def _ef_after_load(rank, world, out):
     """Each rank's Job at --elastic for this world, loaded from out's latest checkpoint:
     (same, error-feedback elements and their squared norm, the warning)."""
