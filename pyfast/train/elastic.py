@@ -102,7 +102,7 @@ def describe(cfg, meta: dict | None, step: int = 0, flags=None) -> str | None:
                 f"{flags.dp} -> {cfg.dp}, grad accumulation {flags.grad_accum} -> "
                 f"{cfg.grad_accum} (global batch {cfg.batch})")
     saved = meta.get("config", {})
-    w0, dp0 = world_of({"cp": 1, **meta["mesh"]}), meta["mesh"]["dp"]
+    w0, dp0 = world_of(meta["mesh"]), meta["mesh"]["dp"]
     a0 = saved.get("grad_accum", cfg.grad_accum)
     if (w0, dp0, a0) == (world, cfg.dp, cfg.grad_accum):
         return f"elastic restart at step {step}: world {world} (unchanged)"

@@ -38,7 +38,7 @@ def check_resume(cfg: TrainConfig, restarted: bool, say=warn, data: dict | None 
     found = ck.latest(cfg.out, warn=quiet)
     if cfg.resume or restarted or cfg.elastic:
         if found is None:
-            if restarted or cfg.elastic:  # died before the first checkpoint: start again
+            if restarted or cfg.elastic:  # died before the first checkpoint / a first start
                 return None
             raise ConfigError(f"--resume: no complete checkpoint under {ck.root(cfg.out)}")
         meta = ck.read_meta(found[1])
