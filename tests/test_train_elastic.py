@@ -26,7 +26,7 @@ def _legs(out, steps, nproc):
 
 
 @pytest.mark.dist
-def test_elastic_4_to_2_to_4_follows_the_uninterrupted_run(tmp_path):
+def test_elastic_4_to_2_to_4_follows_the_uninterrupted_run(tmp_path, capsys):
     """Measured: the chain's losses equal the uninterrupted run's within 2.4e-8 relative (steps 1-4
     bit for bit, 5-6 by 2.4e-8): well inside the 1e-5 bound of the module docstring."""
     from test_train import pool_runs, records
@@ -51,6 +51,14 @@ def test_elastic_4_to_2_to_4_follows_the_uninterrupted_run(tmp_path):
     import json
     meta = json.loads((chain / "checkpoints" / "step-4" / "meta.json").read_text())
     assert meta["mesh"]["dp"] == 2 and meta["config"]["grad_accum"] == 2
+    # any other change is refused as --resume refuses it, before a rank starts
+    from pyfast.train import main
+    from test_train import BASE
+    capsys.readouterr()
+    assert main(BASE + ["--out", str(chain), *_legs(chain, 8, 2)[2], "--lr", "2e-3",
+                        "--nproc", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--lr: 0.001 in the checkpoint, 0.002 here" in err and "--dp:" not in err, err
 
 
 @pytest.mark.dist
