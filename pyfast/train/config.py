@@ -12,7 +12,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
-from . import offload
+from . import elastic, offload
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 # pyfast.parallel.context's METHODS and LAYOUTS, here so that parsing the flags imports no torch
@@ -97,6 +97,8 @@ class TrainConfig:
     base_dtype: str = "none"        # the frozen base's storage: none (as built), bf16, int8, nf4
     base_placement: str = "auto"    # --zero 3: auto, replicate (whole on every rank) or shard
     loss_chunks: int = 0            # K: the LM head and loss in K checkpointed chunks; 0: off
+    # elastic restarts (pyfast.train.elastic): dp and grad_accum re-planned for the world
+    elastic: bool = False
 
     @property
     def m(self) -> int:
@@ -225,6 +227,7 @@ def parser() -> argparse.ArgumentParser:
     add_diloco_flags(p, d)
     add_lora_flags(p, d)
     offload.add_flags(p, d)
+    elastic.add_flags(p, d)
     g = p.add_argument_group("dry run (pyfast.train.dryrun: no process is started)")
     g.add_argument("--dry-run", action="store_true", help="run one whole step of the job for a "
                    "world of --nproc ranks in this process, on memoryless (meta) tensors over "
@@ -247,6 +250,15 @@ DRY_FLAGS = ("dry_run", "dry_rank", "gpu", "json")
 def from_args(ns: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**{k: v for k, v in vars(ns).items()
                           if k not in LAUNCH_FLAGS + DRY_FLAGS})
+
+
+def plan_world(cfg: TrainConfig, world: int) -> TrainConfig:
+    """cfg as it runs on `world` ranks: with --elastic, dp and grad_accum re-planned for the
+    world (pyfast.train.elastic.plan); ConfigError naming the numbers when it cannot be."""
+    planned = elastic.plan(cfg, world)
+    if isinstance(planned, str):
+        raise ConfigError(planned)
+    return planned
 
 
 def check(cfg: TrainConfig, world: int, model: bool = True) -> dict:
@@ -293,6 +305,8 @@ def check(cfg: TrainConfig, world: int, model: bool = True) -> dict:
     check_zero(cfg)
     if offload.problem(cfg):
         raise ConfigError(offload.problem(cfg))
+    if elastic.problem(cfg):
+        raise ConfigError(elastic.problem(cfg))
     check_diloco(cfg)
     check_lora(cfg)
     data = check_data(cfg)
@@ -331,6 +345,8 @@ RESUME_FREE += ("zero_shard_group",)
 # offloaded state is saved as if it were on the device (tests/test_zero_offload.py); the delayed
 # update (--offload-delay) is another update rule: refused as an optimizer change is
 RESUME_FREE += ("offload", "offload_prefetch")
+# --elastic re-plans dp and grad_accum (both free above) and resumes: the run is the same
+RESUME_FREE += ("elastic",)
 
 
 def resume_changes(cfg: TrainConfig, record: dict, data: dict | None = None

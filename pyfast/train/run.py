@@ -11,8 +11,9 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from . import checkpoint as ck, offload
-from .config import ConfigError, TrainConfig, check, check_data, resume_changes
+from . import checkpoint as ck, elastic, offload
+from .config import (ConfigError, TrainConfig, check, check_data, plan_world,
+                     resume_changes)
 from .job import Job, NonFiniteError
 from .metrics import MetricsLog, Progress, plot, read, summary
 from .sample import Sampler
@@ -30,12 +31,14 @@ def check_resume(cfg: TrainConfig, restarted: bool, say=warn, data: dict | None 
     finds none, when its run differs from this one in anything but what may change
     (config.resume_changes: every difference named, with both values), or when a fresh run
     would mix with old ones. `say` (None: silent) gets each skipped checkpoint directory and
-    each allowed change; `data`: the data's fingerprint if known (else computed here)."""
+    each allowed change; `data`: the data's fingerprint if known (else computed here).
+    --elastic resumes like --resume when a checkpoint exists and starts fresh when none does;
+    the dp / grad-accum change it made itself is told by elastic.describe, not here."""
     quiet = say or (lambda msg: None)
     found = ck.latest(cfg.out, warn=quiet)
-    if cfg.resume or restarted:
+    if cfg.resume or restarted or cfg.elastic:
         if found is None:
-            if restarted:  # died before the first checkpoint: start again
+            if restarted or cfg.elastic:  # died before the first checkpoint / a first start
                 return None
             raise ConfigError(f"--resume: no complete checkpoint under {ck.root(cfg.out)}")
         meta = ck.read_meta(found[1])
@@ -52,6 +55,8 @@ def check_resume(cfg: TrainConfig, restarted: bool, say=warn, data: dict | None 
             raise ConfigError(f"--resume: {found[1]} was written by another run; "
                               + "; ".join(refused) + ". Only the mesh, the eval/checkpoint "
                               "cadence and (with --allow-change steps) --steps may change")
+        if cfg.elastic:  # elastic.plan's own change: its line says it
+            changed = [c for c in changed if not c.startswith(("--dp:", "--grad-accum:"))]
         for c in changed:
             quiet(f"--resume from {found[1]} with a changed flag: {c}")
         return found
@@ -75,18 +80,21 @@ def run(cfg: TrainConfig, device: torch.device, restarted: bool = False) -> None
     ConfigError / NonFiniteError are decided alike on every rank; anything else raised is this
     rank's alone (the others may sit in a collective)."""
     rank = dist.get_rank()
+    asked, cfg = cfg, plan_world(cfg, dist.get_world_size())  # --elastic: dp for this world
     # same flags, same answer on every rank; the model's limits are checked on the model
     # itself when the job builds it, before its first collective after the Mesh
     data = check(cfg, dist.get_world_size(), model=False)
     found = check_resume(cfg, restarted, say=warn if rank == 0 else None, data=data)
     job = Job(cfg, device, data)
     try:
-        start, note = 0, "fresh start"
+        start, note, same, meta = 0, "fresh start", True, None
         if found is not None:
             start, same = job.load(found[1])
+            meta = ck.read_meta(found[1])
             note = f"resumed from {found[1]}" + ("" if same else " (another mesh, compressor, "
                                                  "precision or --zero stage: per-rank RNG and "
                                                  "compression state not restored)")
+        restart = elastic.describe(cfg, meta, start, asked) if cfg.elastic else None
         if rank == 0:
             lora = (f", LoRA rank {cfg.lora}: {job.n_trainable / 1e6:.3f}M trainable"
                     if cfg.lora else "")
@@ -94,10 +102,12 @@ def run(cfg: TrainConfig, device: torch.device, restarted: bool = False) -> None
                   f"{job.mesh}, {cfg.precision}, compress {cfg.compress}; "
                   f"{job.corpus.source}; {note}", flush=True)
             print(describe_tensorboard(cfg.tensorboard, cfg.out), flush=True)
-            for line in (job.frozen_note, offload.describe(job) if job.zero else None):
+            for line in (job.frozen_note, offload.describe(job) if job.zero else None, restart):
                 if line:
                     print(f"pyfast train: {line}", flush=True)
-        _loop(cfg, job, start, device)
+            if cfg.elastic and meta is not None and elastic.describe_reset(cfg, meta, same):
+                warn(elastic.describe_reset(cfg, meta, same))
+        _loop(cfg, job, start, device, restart)
     except (ConfigError, NonFiniteError):
         job.close()
         raise
@@ -136,7 +146,9 @@ def main(cfg: TrainConfig) -> int:
     os._exit(code)
 
 
-def _loop(cfg: TrainConfig, job: Job, start: int, device) -> None:
+def _loop(cfg: TrainConfig, job: Job, start: int, device, restart: str | None = None) -> None:
+    """restart: what an elastic start changed (elastic.describe), kept in the first step's
+    record ("elastic"), whence the summary's row."""
     rank = dist.get_rank()
     log = MetricsLog(cfg.out, start) if rank == 0 else None
     bar = Progress(cfg.steps, start) if rank == 0 else None
@@ -146,6 +158,8 @@ def _loop(cfg: TrainConfig, job: Job, start: int, device) -> None:
     try:
         for step in range(start + 1, cfg.steps + 1):
             rec = job.train_step(step)
+            if restart is not None and step == start + 1:
+                rec["elastic"] = restart
             if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
                 rec["val_loss"] = job.evaluate()
                 if cfg.eval_outer:
