@@ -12,7 +12,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
-from . import offload
+from . import ckpt_async, offload
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 # pyfast.parallel.context's METHODS and LAYOUTS, here so that parsing the flags imports no torch
@@ -97,6 +97,8 @@ class TrainConfig:
     base_dtype: str = "none"        # the frozen base's storage: none (as built), bf16, int8, nf4
     base_placement: str = "auto"    # --zero 3: auto, replicate (whole on every rank) or shard
     loss_chunks: int = 0            # K: the LM head and loss in K checkpointed chunks; 0: off
+    # cheap checkpoints (pyfast.train.ckpt_async)
+    ckpt_async: bool = False        # DCP async_save in a background thread (at most one)
 
     @property
     def m(self) -> int:
@@ -225,6 +227,7 @@ def parser() -> argparse.ArgumentParser:
     add_diloco_flags(p, d)
     add_lora_flags(p, d)
     offload.add_flags(p, d)
+    ckpt_async.add_flags(p, d)
     g = p.add_argument_group("dry run (pyfast.train.dryrun: no process is started)")
     g.add_argument("--dry-run", action="store_true", help="run one whole step of the job for a "
                    "world of --nproc ranks in this process, on memoryless (meta) tensors over "
@@ -331,6 +334,8 @@ RESUME_FREE += ("zero_shard_group",)
 # offloaded state is saved as if it were on the device (tests/test_zero_offload.py); the delayed
 # update (--offload-delay) is another update rule: refused as an optimizer change is
 RESUME_FREE += ("offload", "offload_prefetch")
+# how a checkpoint is written changes nothing in it (tests/test_ckpt_async.py: bit-identical)
+RESUME_FREE += ("ckpt_async",)
 
 
 def resume_changes(cfg: TrainConfig, record: dict, data: dict | None = None

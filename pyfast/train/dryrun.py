@@ -237,6 +237,9 @@ def main(cfg: TrainConfig, ns) -> int:
         if ns.nnodes != 1 or ns.print_launch:
             raise ConfigError("--dry-run runs in this one process: no --nnodes / --print-launch")
         rows = dry_run(cfg, world, parse_ranks(ns.dry_rank, cfg), ns.gpu)
+        from .ckpt_async import dry_note
+        if dry_note(cfg):  # on stderr: --json's stdout stays one JSON object
+            print(f"pyfast train: note: {dry_note(cfg)}", file=sys.stderr)
     except ConfigError as e:
         print(f"pyfast train: error: {e}", file=sys.stderr)
         return 2
