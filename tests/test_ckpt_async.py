@@ -51,7 +51,7 @@ class _Gate:
                     raise OSError("injected: No space left on device")
                 return super().write_data(plan, planner)
 
-        def async_save(state, *, checkpoint_id, **kw):
+        def async_save(state, *, checkpoint_id, storage_writer=None, **kw):
             return real(state, storage_writer=Writer(checkpoint_id), **kw)
         self._real, dcp.async_save = real, async_save
         return self
