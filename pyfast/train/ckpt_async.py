@@ -22,11 +22,11 @@ collectives (plan gather, write results) run in the writer thread on a gloo grou
 (new_group(backend="gloo"): async_save needs a CPU backend, and NCCL's default group has none).
 At most one save is in flight: the previous write's staged copy is all the extra host memory.
 
-THREAD, not PROCESS (torch's AsyncCheckpointerType): measured on the 2-core VM (2 ranks,
-gpt-small-shaped state, bench/results/ckpt_executor.txt), the PROCESS executor's first save
-starts a process per rank that imports torch and joins a process group of its own, and every
-save hands the staged state over a pipe; THREAD shares the staged copy with no hand-over.
-A failure of the write thread is raised by its future and reaches every rank through poll().
+THREAD, not PROCESS (torch's AsyncCheckpointerType), measured side by side on the 2-core VM
+(2 ranks; bench/results/ckpt_executor.txt, ckpt_fresh_stager.txt): the process's background
+write took 1.21 vs 0.95 s and 1.14 vs 0.70 s, and it starts a process per rank that imports
+torch and joins a process group of its own. A failure of the write thread is raised by its
+future and reaches every rank through poll().
 """
 from __future__ import annotations
 
@@ -178,12 +178,13 @@ class Checkpointer:
 
 
 # The write thread's nice value. On the 2-core VM, where the two ranks' compute fills both cores
-# (gpt 8 x 512, 307 MB checkpoints every 5 steps, bench/results/ckpt_*): at nice 0 it added
-# 0.593x the blocking save's time to the steps it overlapped (it takes CPU from the compute);
-# at nice 19 1.781x, under load 22 from other tenants' nice-19 jobs: it was starved to a 3.8 s
-# write and the next save waited 592 ms for it. 10: the weight 110 of a nice-0 thread's 1024,
-# ahead of nice-19 work 7:1, so the write yields to the training's own threads (on a GPU
-# machine, those feeding the GPU) without waiting behind every background job.
+# (gpt 8 x 512, 307 MB checkpoints every 5 steps; bench/results/ckpt_normal_priority.txt,
+# ckpt_nice19.txt): at nice 0 the write added 0.593x the blocking save's time to the steps it
+# overlapped (it takes CPU from the compute); at nice 19 1.781x, starved behind other tenants'
+# nice-19 jobs (load 23): a 3.8 s write, and the next save waited 592 ms for it. 10: a weight
+# of 110 to a nice-0 thread's 1024 and ahead of nice-19 work 7:1, so the write yields to the
+# training's own threads (on a GPU machine, those feeding the GPU) without queueing behind
+# every background job; with it 0.690x / 0.708x (ckpt.txt, ckpt_b.txt, load 14-41).
 WRITER_NICE = 10
 
 
@@ -210,8 +211,9 @@ def _stager(device, executor: str):
     """DCP's DefaultStager, kept for the run: it caches a host copy per staged storage and
     copies into it at the next save (safe: at most one save is in flight, and the next one
     stages only after it finished). A fresh stager per save (async_save's default) allocates
-    and faults in the whole state every time: staging gpt-small's 131 MB took 92 ms a save
-    that way (bench/results/ckpt_executor.txt). Pinned host memory on CUDA (the device to
+    and faults in the whole state every time: 131 MB staged in 92 ms that way (1.4 GB/s,
+    bench/results/ckpt_fresh_stager.txt), 307 MB in 81-115 ms kept (2.7-3.8 GB/s,
+    ckpt_normal_priority.txt, ckpt.txt, ckpt_b.txt; other runs, other loads). Pinned host memory on CUDA (the device to
     host copy at full PCIe speed); shared memory for the process executor (no pickled copy)."""
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     return DefaultStager(StagingOptions(use_pinned_memory=device.type == "cuda",
