@@ -9,8 +9,9 @@ pool2) on gpt-tiny (LayerNorms and biases of odd sizes: the whole state, not a t
     step 2 then recomputes steps 3-4 byte for byte (json of the float) as the uninterrupted run;
   - staging: rank 1's write held back (a test-only writer waits on an Event) while the next
     step changes the parameters: the checkpoint holds the step it was taken at; nothing is
-    visible (no step-N) until every rank's write finished, though rank 0's had; keep_last deletes the older checkpoint only
-    once the newer is committed, never while it is in flight;
+    visible (no step-N) until every rank's write finished (rank 0 wrote its files at once);
+    keep_last deletes the older checkpoint only once the newer is committed, never while it
+    is in flight;
   - a failed write (test-only: the writer raises on rank 1 only) raises CheckpointError at the
     next step's poll on every rank, leaves no step-N, keeps the last complete checkpoint;
   - an error that every rank shares (NaN loss, NonFiniteError) while a save is in flight:

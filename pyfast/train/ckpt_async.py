@@ -93,9 +93,10 @@ class Checkpointer:
         tmp = ck.begin(out, step)
         state = job.state(full=True)
         writer = _low_priority_writer(tmp) if self.executor == "thread" else None
+        kind = AsyncCheckpointerType[self.executor.upper()]
         fut = dcp.async_save(state, checkpoint_id=str(tmp), storage_writer=writer,
-                             process_group=self.group,
-                             async_stager=self.stager, async_checkpointer_type=AsyncCheckpointerType[self.executor.upper()])
+                             process_group=self.group, async_stager=self.stager,
+                             async_checkpointer_type=kind)
         t2 = time.perf_counter()
         p = {"future": fut, "out": out, "step": step, "meta": job.meta(),
              "keep_last": keep_last, "started": t2, "written": None}
@@ -213,8 +214,9 @@ def _stager(device, executor: str):
     stages only after it finished). A fresh stager per save (async_save's default) allocates
     and faults in the whole state every time: 131 MB staged in 92 ms that way (1.4 GB/s,
     bench/results/ckpt_fresh_stager.txt), 307 MB in 81-115 ms kept (2.7-3.8 GB/s,
-    ckpt_normal_priority.txt, ckpt.txt, ckpt_b.txt; other runs, other loads). Pinned host memory on CUDA (the device to
-    host copy at full PCIe speed); shared memory for the process executor (no pickled copy)."""
+    ckpt_normal_priority.txt, ckpt.txt, ckpt_b.txt; other runs, other loads). Pinned host
+    memory on CUDA (the device to host copy at full PCIe speed); shared memory for the process
+    executor (no pickled copy)."""
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     return DefaultStager(StagingOptions(use_pinned_memory=device.type == "cuda",
                                         use_shared_memory=executor == "process",
