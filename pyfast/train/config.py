@@ -12,7 +12,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
-from . import elastic, offload
+from . import ckpt_async, elastic, offload
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 # pyfast.parallel.context's METHODS and LAYOUTS, here so that parsing the flags imports no torch
@@ -99,6 +99,8 @@ class TrainConfig:
     loss_chunks: int = 0            # K: the LM head and loss in K checkpointed chunks; 0: off
     # elastic restarts (pyfast.train.elastic): dp and grad_accum re-planned for the world
     elastic: bool = False
+    # cheap checkpoints (pyfast.train.ckpt_async)
+    ckpt_async: bool = False        # DCP async_save in a background thread (at most one)
 
     @property
     def m(self) -> int:
@@ -228,6 +230,7 @@ def parser() -> argparse.ArgumentParser:
     add_lora_flags(p, d)
     offload.add_flags(p, d)
     elastic.add_flags(p, d)
+    ckpt_async.add_flags(p, d)
     g = p.add_argument_group("dry run (pyfast.train.dryrun: no process is started)")
     g.add_argument("--dry-run", action="store_true", help="run one whole step of the job for a "
                    "world of --nproc ranks in this process, on memoryless (meta) tensors over "
@@ -347,6 +350,8 @@ RESUME_FREE += ("zero_shard_group",)
 RESUME_FREE += ("offload", "offload_prefetch")
 # --elastic re-plans dp and grad_accum (both free above) and resumes: the run is the same
 RESUME_FREE += ("elastic",)
+# how a checkpoint is written changes nothing in it (tests/test_ckpt_async.py: bit-identical)
+RESUME_FREE += ("ckpt_async",)
 
 
 def resume_changes(cfg: TrainConfig, record: dict, data: dict | None = None

@@ -244,6 +244,9 @@ def main(cfg: TrainConfig, ns) -> int:
             print(f"pyfast train: --elastic on the dry run: planned for {world} ranks, {what}; "
                   "no checkpoint is read", file=sys.stderr)
         rows = dry_run(cfg, world, parse_ranks(ns.dry_rank, cfg), ns.gpu)
+        from .ckpt_async import dry_note
+        if dry_note(cfg):  # on stderr: --json's stdout stays one JSON object
+            print(f"pyfast train: note: {dry_note(cfg)}", file=sys.stderr)
     except ConfigError as e:
         print(f"pyfast train: error: {e}", file=sys.stderr)
         return 2

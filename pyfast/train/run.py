@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint as ck, elastic, offload
+from .ckpt_async import CheckpointError, Checkpointer, summary_rows
 from .config import (ConfigError, TrainConfig, check, check_data, plan_world,
                      resume_changes)
 from .job import Job, NonFiniteError
@@ -108,7 +109,7 @@ def run(cfg: TrainConfig, device: torch.device, restarted: bool = False) -> None
             if cfg.elastic and meta is not None and elastic.describe_reset(cfg, meta, same):
                 warn(elastic.describe_reset(cfg, meta, same))
         _loop(cfg, job, start, device, restart)
-    except (ConfigError, NonFiniteError):
+    except (ConfigError, NonFiniteError, CheckpointError):
         job.close()
         raise
     job.close()  # not after another error: closing may wait on a peer that is gone
@@ -125,10 +126,10 @@ def main(cfg: TrainConfig) -> int:
     try:
         run(cfg, device, restarted)
         code = 0
-    except (ConfigError, NonFiniteError) as e:  # decided alike on every rank
+    except (ConfigError, NonFiniteError, CheckpointError) as e:  # decided alike on every rank
         if dist.get_rank() == 0:
             print(f"pyfast train: error: {e}", file=sys.stderr, flush=True)
-        code = 2 if isinstance(e, ConfigError) else 3
+        code = {ConfigError: 2, NonFiniteError: 3}.get(type(e), 4)
     except BaseException:  # this rank only: the others may sit in a collective. Leave now;
         # torchrun sees the exit and stops (or restarts) every rank within its monitor period
         traceback.print_exc()
@@ -155,11 +156,17 @@ def _loop(cfg: TrainConfig, job: Job, start: int, device, restart: str | None = 
     gpu = GPU(device)
     tb = TensorBoardLog(cfg.out, start) if rank == 0 and tb_on(cfg.tensorboard) else None
     sampler = Sampler(cfg) if cfg.sample_every else None
+    saver = Checkpointer(cfg.ckpt_async, device)
+    cost = {}  # what the last checkpoint cost its step: logged with the next step's record
     try:
         for step in range(start + 1, cfg.steps + 1):
             rec = job.train_step(step)
             if restart is not None and step == start + 1:
                 rec["elastic"] = restart
+            # --ckpt-async: commit the checkpoint in flight once every rank wrote it (or
+            # CheckpointError on every rank, if a write failed)
+            rec.update(cost, **saver.poll())
+            cost = {}
             if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
                 rec["val_loss"] = job.evaluate()
                 if cfg.eval_outer:
@@ -179,8 +186,16 @@ def _loop(cfg: TrainConfig, job: Job, start: int, device, restart: str | None = 
                 if tb is not None:
                     tb.write(rec)
             if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == cfg.steps:
-                job.save(cfg.out, step, keep_last=cfg.keep_last)
+                cost = saver.save(job, cfg.out, step, keep_last=cfg.keep_last)
+        saver.finish()  # the last checkpoint is complete before the job goes on to exit
+    except (ConfigError, NonFiniteError):  # every rank alike: the save in flight is finished
+        try:
+            saver.finish()
+        except CheckpointError as e:
+            warn(f"{e}")
+        raise
     finally:
+        saver.close()
         if rank == 0:
             bar.close()
             log.close()
@@ -194,6 +209,9 @@ def _loop(cfg: TrainConfig, job: Job, start: int, device, restart: str | None = 
             from rich.console import Console
             m = job.mesh
             rep = f"{m.replicas} replicas of " if m.replicas > 1 else ""
-            Console().print(summary(records, f"{cfg.model} on {rep}{m.dp}x{m.cp}x{m.tp}x{m.pp} "
-                                             "(dp x cp x tp x pp)"))
+            t = summary(records, f"{cfg.model} on {rep}{m.dp}x{m.cp}x{m.tp}x{m.pp} "
+                                 "(dp x cp x tp x pp)")
+            for k, v in summary_rows(saver.stats):  # what the checkpoints cost the steps
+                t.add_row(k, v)
+            Console().print(t)
         print(f"metrics: {log.path}\n{drawn}\ncheckpoints: {ck.root(cfg.out)}", flush=True)
