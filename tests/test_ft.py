@@ -44,8 +44,12 @@ def _flat(model) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
 
 
-def _memory(dp) -> dict:
-    return {k: v.clone() for k, v in dp.compressor.feedback.memory.items()}
+def _memory(dp, staged: bool = False) -> dict:
+    """The error-feedback memory (staged: what this step wrote, kept until torchft's verdict:
+    comm.guard); none for an exact compressor."""
+    fb = getattr(dp.compressor, "feedback", None)
+    mem = {} if fb is None else (fb._staged or {}) if staged else fb.memory
+    return {k: v.clone() for k, v in mem.items()}
 
 
 class _Job:
@@ -95,7 +99,8 @@ class _Job:
                 "optim": [_clone(o.state_dict()) for _, _, o, _ in self.parts],
                 "lr": [s.get_last_lr() for *_, s in self.parts],
                 "memory": [_memory(dp) for _, dp, _, _ in self.parts],
-                "compressor": [dp.compressor.inner.state_dict() for _, dp, _, _ in self.parts]}
+                "compressor": [getattr(dp.compressor, "inner", dp.compressor).state_dict()
+                               for _, dp, _, _ in self.parts]}
 
     def close(self) -> None:
         for _, dp, _, _ in self.parts:
@@ -151,9 +156,7 @@ def _replica(rank, world, port, addr, rid, steps, plan):
                 _loss(dp, *_batch(data_rank, step, 0))
             os._exit(3)  # mid-step: the peers' reductions of this step lose their partner
         job.backward(data_rank, step)
-        # the memory this step wrote (staged until torchft's verdict: comm.guard)
-        before = [{k: v.clone() for k, v in (dp.compressor.feedback._staged or {}).items()}
-                  for _, dp, _, _ in job.parts]
+        before = [_memory(dp, staged=True) for _, dp, _, _ in job.parts]
         if i == plan.get("report_at") and rid == "0":
             R.report(RuntimeError("injected failure"))
         ok = R.commit()
@@ -244,18 +247,18 @@ def _equal(a, b) -> bool:
 
 
 def test_two_rank_groups_sum_inside_then_compress_across():
-    """2 groups of 2 dp ranks (int8): an exact sum inside each group, int8 across the groups,
-    divided by 2 x 2. The reference is plain DataParallel over 2 ranks, rank g computing the
-    mean gradient of group g's two batches: what crosses the groups' link is the same sum,
-    halved, and halving is exact in fp32 (a power of two: int8's block scales halve, the codes
-    do not change), so both give the same bits; the error-feedback memory is the reference's
-    times 2 exactly."""
-    steps = 3
+    """2 groups of 2 dp ranks (int8, and none): an exact sum inside each group, the compressor
+    across the groups, divided by 2 x 2. The reference is plain DataParallel over 2 ranks, rank
+    g computing the mean gradient of group g's two batches: what crosses the groups' link is
+    the same sum, halved, and halving is exact in fp32 (a power of two: int8's block scales
+    halve, the codes do not change; none's buckets are pre-scaled by 1/2 there), so both give
+    the same bits; the error-feedback memory is the reference's times 2 exactly."""
+    steps, specs = 3, ("int8", "none")
     with RankPool(2) as pool:
-        ref = pool.run(_plain, steps, ("int8",), 2)
+        ref = pool.run(_plain, steps, specs, 2)
     with RankPool(2) as a, RankPool(2) as b, lighthouse(2) as addr:
         out = run_groups([a, b], _replica, [
-            (store_port(p), addr, str(g), steps, {"min_replicas": 2, "specs": ("int8",)})
+            (store_port(p), addr, str(g), steps, {"min_replicas": 2, "specs": specs})
             for g, p in enumerate((a, b))])
     for g in range(2):
         for r in range(2):
