@@ -339,6 +339,9 @@ def _bad_input(rank, world, port, addr, dead_port):
     R = Replicas(addr, "0", 2, quorum_timeout=3, progress_s=1, connect_timeout=5)
     case("native", lambda: DataParallel(_model(0), "int8", engine="native", replicas=R))
     case("auto", lambda: DataParallel(_model(0), "auto", replicas=R))
+    from pyfast.parallel import zero
+    for stage in (1, 3):
+        case(f"zero{stage}", lambda: zero(_model(0), torch.optim.AdamW, stage=stage, replicas=R))
     seen = []
     handler = logging.Handler()
     handler.emit = lambda rec: seen.append(rec.getMessage())
@@ -352,7 +355,8 @@ def _bad_input(rank, world, port, addr, dead_port):
 def test_bad_input_fails_fast_with_a_clear_error():
     """Lighthouse unreachable: FTError within ~5 s (check_reachable, not torchft's retries);
     min_replicas 2 with one group: FTError after quorum_timeout (3 s), the progress warning
-    logged meanwhile; engine='native' and compressor='auto' under torchft: FTError."""
+    logged meanwhile; engine='native' and compressor='auto' under torchft, ZeRO stages 1 and
+    3 under torchft: FTError."""
     import socket
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
@@ -365,6 +369,9 @@ def test_bad_input_fails_fast_with_a_clear_error():
     assert kind == "FTError" and "engine='python'" in msg, out["native"]
     kind, msg, _ = out["auto"]
     assert kind == "FTError" and "compressor='auto'" in msg, out["auto"]
+    for stage in (1, 3):
+        kind, msg, _ = out[f"zero{stage}"]
+        assert kind == "FTError" and f"stage {stage} asked" in msg, out[f"zero{stage}"]
     kind, msg, took = out["no quorum"]
     assert kind == "FTError" and "within 3 s" in msg and "2 replica" in msg, out["no quorum"]
     assert 2.5 < took < 30, took  # it waited for quorum_timeout, and no hang
