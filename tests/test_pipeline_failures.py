@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -145,9 +146,13 @@ def doomed(rank, world, victim, how, timeout):
                                     timeout=timeout)
     x, t = _batch(12)
     first, last = rank == 0, rank == world - 1
+    # "sleep": the victim waits on a group the pipeline never uses until every other rank has
+    # its error (a 2.5 x timeout sleep before: 7.5 s a run, and a bound that a loaded box
+    # could outlast), so it is silent for exactly as long as the others need
+    side = dist.new_group() if how == "sleep" else None
     pipe.step(x if first else None, t if last else None)  # a good step first
     if how == "sleep" and rank == victim:
-        time.sleep(2.5 * timeout)  # alive but silent: never calls step
+        dist.barrier(group=side)  # alive but silent: never calls step
         return "slept", 0.0
     t0 = time.perf_counter()
     try:
@@ -155,6 +160,9 @@ def doomed(rank, world, victim, how, timeout):
         return "no error", 0.0
     except PipelineError as e:
         return str(e), time.perf_counter() - t0
+    finally:
+        if side is not None:
+            dist.barrier(group=side)
 
 
 def test_killed_rank_mid_step():
