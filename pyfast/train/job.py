@@ -240,7 +240,9 @@ class Job:
             # back, so the skipped step leaves no NaN in it. Otherwise a NaN/Inf stops the run
             # before the update (train_step), so the 3% the check costs (benchmarks.md) is saved.
             finite = "skip" if cfg.precision == "fp16" else False
-            self.dp = DataParallel(module, compressor=cfg.compress, group=mesh.dp_cp_group,
+            # --ft: exact inside the group, --compress across the groups (ft_step.py)
+            self.dp = DataParallel(module, compressor="none" if cfg.ft else cfg.compress,
+                                   group=mesh.dp_cp_group,
                                    check_finite=finite, error_feedback=cfg.error_feedback == "on",
                                    **({"bucket_mb": cfg.bucket_mb} if cfg.bucket_mb else {}))
         self.net = self.dp or self.zero or module
@@ -282,6 +284,11 @@ class Job:
                                *self.data_slot)
         self.skips = 0
         self.carried = 0  # bytes written after the last step's count, counted in this one
+        # --ft: this group's torchft step (quorum, heal, cross-group average, commit)
+        self.ft = None
+        if cfg.ft:
+            from .ft_step import FTStep
+            self.ft = FTStep(self)
 
     @property
     def data_slot(self) -> tuple[int, int]:
@@ -396,6 +403,8 @@ class Job:
         return total, waited
 
     def train_step(self, step: int) -> dict:
+        if self.ft is not None:
+            return self.ft.train_step(step)
         cfg = self.cfg
         t0, w0 = clock(self.device), bytes_written()  # clock: on CUDA, after the queued work
         c0 = self._cross_bytes()
@@ -718,6 +727,8 @@ class Job:
         return meta["step"], same
 
     def close(self) -> None:
+        if self.ft is not None:
+            self.ft.close()
         if self.diloco is not None:
             self.diloco.close()
         if self.dp is not None:

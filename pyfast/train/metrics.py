@@ -134,6 +134,12 @@ def summary(records: list[dict], title: str):
             *([("of which across the shard groups (nodes)", f"{med('cross_node_bytes') / 1e6:.2f}")]
               if all("cross_node_bytes" in r for r in timed) else []),
             ("peak RSS MB (max rank)", f"{max(r.get('max_rss_mb', 0) for r in records):.0f}")]
+    ft = [r for r in records if "committed" in r]  # --ft (pyfast.train.ft_step)
+    if ft:
+        parts = [r["participants"] for r in ft]
+        rows += [("steps not committed (--ft)", str(sum(not r["committed"] for r in ft))),
+                 ("replica groups taking part (min..max)", f"{min(parts)}..{max(parts)}"),
+                 ("quorum ms (median)", f"{statistics.median(r['quorum_ms'] for r in ft):.1f}")]
     for k, v in rows:
         t.add_row(k, v)
     return t

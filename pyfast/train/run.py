@@ -94,7 +94,8 @@ def run(cfg: TrainConfig, device: torch.device, restarted: bool = False) -> None
                   f"{job.mesh}, {cfg.precision}, compress {cfg.compress}; "
                   f"{job.corpus.source}; {note}", flush=True)
             print(describe_tensorboard(cfg.tensorboard, cfg.out), flush=True)
-            for line in (job.frozen_note, offload.describe(job) if job.zero else None):
+            for line in (job.frozen_note, offload.describe(job) if job.zero else None,
+                         job.ft.describe() if job.ft is not None else None):
                 if line:
                     print(f"pyfast train: {line}", flush=True)
         _loop(cfg, job, start, device)
@@ -144,8 +145,14 @@ def _loop(cfg: TrainConfig, job: Job, start: int, device) -> None:
     tb = TensorBoardLog(cfg.out, start) if rank == 0 and tb_on(cfg.tensorboard) else None
     sampler = Sampler(cfg) if cfg.sample_every else None
     try:
-        for step in range(start + 1, cfg.steps + 1):
+        # --ft: a step that does not commit is attempted again (ft_step.FTStep.steps)
+        for step in job.ft.steps(start) if job.ft is not None else range(start + 1, cfg.steps + 1):
             rec = job.train_step(step)
+            step = rec["step"]
+            if not rec.get("committed", True):  # --ft: logged, nothing else (no eval, no save)
+                if rank == 0:
+                    log.write(rec)
+                continue
             if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
                 rec["val_loss"] = job.evaluate()
                 if cfg.eval_outer:

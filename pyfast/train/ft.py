@@ -1,0 +1,118 @@
+"""`pyfast train --ft --lighthouse HOST:PORT --replica-id N --min-replicas M [--ft-timeout S]`:
+this process group is one replica group of a torchft job (pyfast.parallel.ft.Replicas); the
+flags, their checks, and the job's torchft step (FTStep). User guide: docs/fault_tolerance.md.
+No torch import at module level (config.py parses flags without torch).
+
+The step, on every rank of every group (the adapter's protocol):
+
+    R.start()                          quorum; a group that is behind heals from a peer first
+    forward / backward of this group's micro-batches (DataParallel inside the group, exact)
+    the gradient averaged over the participating groups on R.group (--compress)
+    if R.commit(): clip, optimizer.step(), scheduler.step()      else nothing moves
+
+The global batch (torchft#302: integral global batches as replicas come and go). --batch B is
+cut into T = M x A micro-batches per dp rank (M = --min-replicas, A = --grad-accum) of
+u = B / (M x A x dp) sequences each. Step s's global batch is the data's batch s (the same
+sequences whatever the participants); with P groups taking part, the group at place q in the
+quorum runs micro-batches q, q + P, q + 2P, ... (floor(T / P) or one more: when T % P != 0 the
+first T % P groups run one extra), and every micro-batch's loss is weighted P / T, so the
+average over the P groups is exactly the mean over the T micro-batches: the batch and the
+gradient are the uninterrupted run's whatever P is. A group with no micro-batch (P > T) runs
+one at weight 0 (its reductions must still happen). The data position is the committed step,
+which a healing group receives with the rest.
+"""
+from __future__ import annotations
+
+import argparse
+from urllib.parse import urlparse
+
+
+def add_flags(p: argparse.ArgumentParser, d) -> None:
+    g = p.add_argument_group("per-step fault tolerance through torchft "
+                             "(docs/fault_tolerance.md; refused by --dry-run)")
+    g.add_argument("--ft", action="store_true", default=d.ft,
+                   help="this job is one replica group of a torchft run: every step a quorum "
+                        "of the live groups averages their gradients; a dead group is dropped, "
+                        "a restarted one heals from a peer")
+    g.add_argument("--lighthouse", default=d.lighthouse, metavar="HOST:PORT",
+                   help="--ft: a running torchft_lighthouse (torchft_lighthouse --min_replicas "
+                        "M --bind [::]:PORT)")
+    g.add_argument("--replica-id", type=int, default=d.replica_id, metavar="N",
+                   help="--ft: this group's id (a restarted group comes back under its id)")
+    g.add_argument("--min-replicas", type=int, default=d.min_replicas, metavar="M",
+                   help="--ft: the fewest groups a step commits with; the global batch is cut "
+                        "into M x --grad-accum micro-batches per dp rank")
+    g.add_argument("--ft-timeout", type=float, default=d.ft_timeout, metavar="S",
+                   help="--ft: seconds a peer group may stay silent in a collective or the "
+                        "commit vote before the step is abandoned and the group dropped")
+
+
+FT_FLAGS = ("lighthouse", "replica_id", "min_replicas", "ft_timeout")
+
+
+def problem(cfg) -> str | None:
+    """What is wrong with the --ft flags, told by flag; None if nothing (config.check raises it
+    as a ConfigError; this module imports nothing of config)."""
+    if not cfg.ft:
+        from .config import TrainConfig
+        d = TrainConfig()
+        given = [f"--{k.replace('_', '-')}" for k in FT_FLAGS if getattr(cfg, k) != getattr(d, k)]
+        return f"{', '.join(given)} without --ft: they configure it" if given else None
+    if not cfg.lighthouse:
+        return ("--ft needs --lighthouse HOST:PORT of a running torchft_lighthouse "
+                "(torchft_lighthouse --min_replicas M --bind [::]:29510)")
+    u = urlparse(cfg.lighthouse if "://" in cfg.lighthouse else f"http://{cfg.lighthouse}")
+    try:
+        ok = bool(u.hostname) and u.port is not None
+    except ValueError:
+        ok = False
+    if not ok:
+        return f"--lighthouse {cfg.lighthouse!r}: expected HOST:PORT (e.g. localhost:29510)"
+    if cfg.replica_id < 0:
+        return "--ft needs --replica-id N (N >= 0; each replica group its own)"
+    if cfg.min_replicas < 1:
+        return f"--min-replicas must be >= 1, got {cfg.min_replicas}"
+    if not cfg.ft_timeout > 0:
+        return f"--ft-timeout must be > 0 seconds, got {cfg.ft_timeout}"
+    why = {
+        "pp": (cfg.pp > 1, "--ft with --pp {pp}: the pipeline's gradient reduction (after its "
+               "schedule) is not routed through torchft's quorum group yet"),
+        "zero": (cfg.zero, "--ft with --zero {zero}: ZeRO's reduction across torchft's replica "
+                 "groups is not built yet; use DataParallel inside a group (no --zero)"),
+        "fp16": (cfg.precision == "fp16", "--ft with --precision fp16: the loss scale and its "
+                 "skips are not part of what a healing group receives; use bf16 or fp32"),
+        "diloco": (cfg.diloco, "--ft with --diloco {diloco}: the job's DiLoCo under torchft is not "
+                   "wired yet (pyfast.parallel.DiLoCo(replicas=R) is; docs/fault_tolerance.md)"),
+        "replicas": (cfg.replicas > 1, "--ft with --replicas {replicas}: under --ft every replica "
+                     "group is a `pyfast train` of its own (--replica-id); the replica dimension "
+                     "is torchft's"),
+    }
+    for bad, msg in why.values():
+        if bad:
+            return msg.format(pp=cfg.pp, zero=cfg.zero, replicas=cfg.replicas, diloco=cfg.diloco)
+    per = cfg.min_replicas * cfg.grad_accum * cfg.dp
+    if not cfg.diloco and cfg.batch % per:
+        return (f"--ft: --batch {cfg.batch} is not divisible by min-replicas {cfg.min_replicas} x "
+                f"grad-accum {cfg.grad_accum} x dp {cfg.dp} = {per} (the micro-batches a step "
+                "shares among the groups)")
+    return None
+
+
+def dry_problem(cfg) -> str | None:
+    """The dry run cannot host torchft: no lighthouse, no peers on torch's fake group."""
+    if cfg.ft:
+        return ("--dry-run with --ft: a dry run has no lighthouse and no peer groups (torch's "
+                "fake process group cannot carry torchft's quorum); drop --ft: the memory of a "
+                "replica group is that of this mesh (plus one gradient-sized buffer under --ft)")
+    return None
+
+
+def share(step_q: int, participants: int, total: int) -> tuple[list[int], float]:
+    """(the micro-batches j of [0, total) the group at place q of P runs, their loss weight):
+    j = q, q + P, ...; weight P / total (module docstring). No micro-batch (P > total): [0] at
+    weight 0."""
+    mine = list(range(step_q, total, participants))
+    if not mine:
+        return [0], 0.0
+    return mine, participants / total
+
