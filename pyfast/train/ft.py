@@ -98,6 +98,22 @@ def problem(cfg) -> str | None:
     return None
 
 
+def unreachable(cfg, timeout: float = 5.0) -> str | None:
+    """The launcher's check before torchrun starts (seconds, not torchft's retries deep in a
+    quorum): why nothing answers at --lighthouse, or None."""
+    import socket
+    if not cfg.ft:
+        return None
+    u = urlparse(cfg.lighthouse if "://" in cfg.lighthouse else f"http://{cfg.lighthouse}")
+    try:
+        socket.create_connection((u.hostname, u.port), timeout=timeout).close()
+    except OSError as e:
+        return (f"--lighthouse {cfg.lighthouse}: no torchft lighthouse answers there "
+                f"({e.__class__.__name__}: {e}); start it first: torchft_lighthouse "
+                f"--min_replicas {cfg.min_replicas} --bind [::]:{u.port}")
+    return None
+
+
 def dry_problem(cfg) -> str | None:
     """The dry run cannot host torchft: no lighthouse, no peers on torch's fake group."""
     if cfg.ft:
