@@ -71,6 +71,9 @@ class FiniteGuard:
         self.mode = check_mode(mode)
         self.compressors = compressors
         self._state: list | None = None
+        # True under torchft (pyfast.parallel.ft_reduce): every step is staged whatever the
+        # mode, and the verdict is torchft's commit, not this step's finiteness alone
+        self.hold = False
 
     def _memories(self):
         return [c.feedback for c in self.compressors() if c.feedback is not None]
@@ -79,7 +82,7 @@ class FiniteGuard:
         """A new step ("skip"): stage the feedback memories' updates (ErrorFeedback.begin_step:
         written beside the old ones, nothing copied) and snapshot the compressors' state."""
         self._state = None
-        if self.mode == "skip":
+        if self.mode == "skip" or self.hold:
             for fb in self._memories():
                 fb.begin_step()
             self._state = [(c, c.base.state_dict()) for c in self.compressors()]
@@ -129,7 +132,7 @@ class FiniteGuard:
         bucket i). Returns True if the step is skipped; `fill(i)` NaN-fills bucket i."""
         bad = [i for i, f in enumerate(flagged) if f]
         if not bad or self.mode is False:
-            if self.mode == "skip":
+            if self.mode == "skip" and not self.hold:
                 self.commit()
             return False
         if self.mode == "raise":

@@ -23,6 +23,7 @@ from pyfast.comm.buckets import (BUCKET_MB, ENGINES, Bucketer, broadcast_coalesc
 from pyfast.comm.failure import Breaker, new_group_like
 from pyfast.comm.guard import FiniteGuard
 from pyfast.comm.ready import ParamWatch, SideBand
+from pyfast.parallel import ft_reduce
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,8 @@ class DataParallel(nn.Module):
       (pyfast.comm.buckets), and top-k / PowerSGD reduce each parameter alone: a parameter's
       compression error never depends on its neighbours.
     - A failed collective (dead peer, timeout) raises CommError naming the operation; the
-      module is then broken and every later forward raises. `timeout=` (seconds or timedelta)
+      module is then broken and every later forward raises. Under torchft (`replicas`) it is
+      reported to torchft instead: the step commits nowhere and the module stays usable. `timeout=` (seconds or timedelta)
       runs the reductions on a private group with that timeout (collective, like
       dist.new_group); without it the group's own applies.
 
@@ -102,6 +104,15 @@ class DataParallel(nn.Module):
     before dist.destroy_process_group(): it joins the engine's thread and destroys its group
     (`del` is not enough: the gradient hooks on the wrapped module's parameters keep this object
     alive as long as the module lives).
+
+    replicas: a pyfast.parallel.ft.Replicas (torchft): `group` is then this replica group's
+    own dp group, and every bucket is averaged over the participating replica groups too (an
+    exact sum inside the group, then the compressor across groups; pyfast.parallel.ft_reduce),
+    divided by the participants of the step. Per step: replicas.start(), forward/backward,
+    `if replicas.commit(): optimizer.step()`. The error-feedback memory and compressor state
+    advance only when the step commits; a healing group receives the compressor state and
+    starts with an empty memory (ft_reduce says why). engine "python" only
+    ("auto" picks it; "native" and compressor="auto" raise FTError).
     """
 
     # Benchmark only (pyfast.benchmarks.dp_semantics): skip the DDP-semantics work (the side
@@ -112,7 +123,7 @@ class DataParallel(nn.Module):
     def __init__(self, module: nn.Module, compressor=None, bucket_mb: float | None = None,
                  group=None, error_feedback: bool = True, overlap: bool = True, check_finite="skip",
                  engine: str = "auto", broadcast_buffers: bool = True, timeout=None,
-                 gradient_as_bucket_view: bool = False):
+                 gradient_as_bucket_view: bool = False, replicas=None):
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("DataParallel needs torch.distributed initialized "
@@ -125,6 +136,8 @@ class DataParallel(nn.Module):
         self.broadcast_buffers = broadcast_buffers
         self.world = dist.get_world_size(group)
         self.auto = compressor == "auto"
+        if replicas is not None:
+            engine = ft_reduce.check(engine, self.auto)
         base = C.get("fp16" if self.auto else compressor)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         dev = named[0][1].device if named else None  # the error-feedback memory's, loads too
@@ -153,7 +166,9 @@ class DataParallel(nn.Module):
         # the bucket, as DDP's copy-in does, so the reduction sums and nothing divides after it
         # (a pass over every bucket: 2-3 ms of the engine thread's CPU a step on gpt-small).
         # x / W summed equals the sum / W bit for bit when W is a power of two (no underflow).
-        self._sum = not self.auto and self.compressor.algorithm == "native" and self.world > 1
+        # (not under torchft: the divisor is the step's participants, known after the quorum)
+        self._sum = (not self.auto and self.compressor.algorithm == "native" and self.world > 1
+                     and replicas is None)
         if self._sum:
             self.bucketer.scale = 1.0 / self.world
         # ... and each bucket goes straight to the backend, issued from backward's hook as DDP
@@ -175,6 +190,15 @@ class DataParallel(nn.Module):
         self._sync, self._closed = True, False
         self._wait = 0.0  # last_wait_s
         self._skipped = False  # None: the last reduction's verdict is read on demand
+        self._ft = None if replicas is None else ft_reduce.ReplicaReduce(
+            replicas, self._guard, self._comm,
+            (lambda: ft_reduce.without_memory(self.compression_state_dict()),
+             self.load_compression_state_dict))
+
+    @property
+    def _reducing(self):
+        """The group the buckets are reduced on: the quorum's under torchft."""
+        return self._comm if self._ft is None else self._ft.group
 
     def _compressors(self) -> list:
         if self._settled is not None:
@@ -233,6 +257,8 @@ class DataParallel(nn.Module):
         compressor="auto" measures)."""
         if c is None:
             c = self._pick(bucket)
+        if self._ft is not None:  # averaged over the replica groups too (parallel.ft_reduce)
+            return self._ft.reduce_async(bucket, c, c.per_tensor)
         if self._direct and op == "sum" and c.algorithm == "native":
             return sum_async(bucket.flat, self._comm, bucket.name)
         if self.engine_kind[bucket.index] == "native":
@@ -276,7 +302,9 @@ class DataParallel(nn.Module):
         if cuda:
             t0.record()
         try:
-            with self._breaker.guard("DataParallel gradient reduction"):
+            done = []
+            with (self._ft.reported() if self._ft is not None
+                  else self._breaker.guard("DataParallel gradient reduction")):
                 done = self._reduce_and_copy()
         finally:
             if cuda:
@@ -338,13 +366,14 @@ class DataParallel(nn.Module):
             return self.bucketer.finish(before=self._before_copy)
         # behind the buckets, where they went (a direct bucket and the engine's FIFO would
         # not be ordered on one group: sum_async)
-        side = band.reduce(None if self._direct else self._engine, self._comm, self._direct)
+        side = (self._ft.side_band(band) if self._ft is not None else
+                band.reduce(None if self._direct else self._engine, self._comm, self._direct))
         if self._through:  # no verdict to wait for: each bucket out once reduced (finish)
             return self._copy_early(band, side)
         try:
             side.wait()  # FIFO behind the buckets: they are done too
         finally:  # wait for every bucket even so: none may run on behind the caller's back
-            band.read(self._comm)
+            band.read(self._reducing)
             done = self.bucketer.finish(keep=lambda b, i: band.used(b.index, i),
                                         before=self._before_copy)
         return done
@@ -359,7 +388,7 @@ class DataParallel(nn.Module):
                 return True
             if not read:
                 side.wait()
-                band.read(self._comm)
+                band.read(self._reducing)
                 read.append(True)
             return band.used(b.index, i)
         try:
@@ -367,7 +396,7 @@ class DataParallel(nn.Module):
         finally:  # waited for even after a failure: nothing may run on behind the caller
             if not read:
                 side.wait()
-                band.read(self._comm)
+                band.read(self._reducing)
 
     def _before_copy(self, buckets) -> None:
         """Between the wait and the copy into .grad: the non-finite verdict of the step
