@@ -90,6 +90,9 @@ def problem(cfg) -> str | None:
     for bad, msg in why.values():
         if bad:
             return msg.format(pp=cfg.pp, zero=cfg.zero, replicas=cfg.replicas, diloco=cfg.diloco)
+    if cfg.compress == "auto":
+        return ("--ft with --compress auto: auto times and agrees on its pick across a fixed "
+                "group, which torchft reconfigures; name a compressor")
     per = cfg.min_replicas * cfg.grad_accum * cfg.dp
     if not cfg.diloco and cfg.batch % per:
         return (f"--ft: --batch {cfg.batch} is not divisible by min-replicas {cfg.min_replicas} x "

@@ -1,21 +1,20 @@
 """The job's step under --ft (flags, checks and the global-batch rule: ft.py): one torchft step
 of this replica group through pyfast.parallel.ft.Replicas.
 
-Inside the group the job is unchanged (DataParallel over dp x cp, exact: --compress is the
-cross-group reduction's, where the slow link is). Across the groups the gradient -- one flat
-fp32 buffer of this rank's trainable parameters, or tensor by tensor for a compressor that
-works per tensor (PowerSGD, top-k) -- is averaged over the participants on R.group with
---compress; each rank pairs with the same-ranked rank of every other group (its tp shard, its
-dp copy), so tp and cp need nothing more. The error-feedback memory of that reduction is
-snapshotted before it and put back when the step does not commit (R.on_commit).
+The job wraps its model in DataParallel(module, --compress, group=dp x cp, replicas=R) even
+with one rank a group: every gradient bucket is summed exactly inside the group and averaged
+with --compress over the participating groups on R.group while backward runs
+(pyfast.parallel.ft_reduce; each rank pairs with the same-ranked rank of every other group, so
+tp and cp shards need nothing more); its error-feedback memory and compressor state advance
+only when the step commits, and it registers its compression state for a healing group itself.
 
-What a healing group receives (R.register): the trainable parameters, the optimizer, the LR
-scheduler with the groups' lrs, the data position and the cross-group compressor's memory; torchft adds its own step count, which is the job's step.
+What a healing group receives besides (R.register here): the trainable parameters, the
+optimizer, the LR scheduler with the groups' lrs, the data position; torchft adds its own step
+count, which is the job's step.
 """
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 
 import torch
@@ -28,25 +27,22 @@ from . import ft as flags
 from .telemetry import bytes_written
 
 
+def replicas(cfg, device):
+    """This group's Replicas (a torchft Manager: quorum every step, heal, commit), built before
+    the job's DataParallel, which reduces through it."""
+    from pyfast.parallel.ft import Replicas, quiet_torchft
+    quiet_torchft()
+    return Replicas(cfg.lighthouse, cfg.replica_id, cfg.min_replicas, device=device,
+                    timeout=cfg.ft_timeout, quorum_timeout=cfg.timeout)
+
+
 class FTStep:
     def __init__(self, job):
-        import pyfast.compress as C
-        from pyfast.parallel.ft import Replicas, quiet_torchft
         cfg = self.cfg = job.cfg
-        self.job = job
-        quiet_torchft()
-        self.R = Replicas(cfg.lighthouse, cfg.replica_id, cfg.min_replicas, device=job.device,
-                          timeout=cfg.ft_timeout, quorum_timeout=cfg.timeout)
+        self.job, self.R = job, job.replicas
         self.total = cfg.min_replicas * cfg.grad_accum  # micro-batches per dp rank, all groups
         self.u = cfg.batch // (self.total * cfg.dp)     # sequences a micro-batch
-        self.comp = C.wrap(C.get(cfg.compress), cfg.error_feedback == "on", job.device)
-        self._feedback = isinstance(self.comp, C.WithFeedback)
-        n = sum(p.numel() for p in job.params)
-        self.flat = None if self.comp.per_tensor else \
-            torch.zeros(n, dtype=torch.float32, device=job.device)
-        self._saved = None
         self.failed = 0  # steps that did not commit
-        self.R.on_commit(self._keep, self._rollback)
         self._register()
 
     # ------------------------------------------------------------ what a healing group gets
@@ -55,9 +51,6 @@ class FTStep:
         R.register("model", lambda: {n: p.detach() for n, p in job.named}, self._load_model)
         R.register("optim", job.opt.state_dict, job.opt.load_state_dict)
         R.register("train", self._train_state, self._load_train)
-        if self._feedback:
-            R.register("ft_compress", self.comp.state_dict,
-                       lambda sd: self.comp.load_state_dict(sd, job.device))
 
     def _load_model(self, sd: dict) -> None:
         with torch.no_grad():
@@ -81,14 +74,6 @@ class FTStep:
         """After the job loaded a checkpoint of `step`: torchft's step count follows it (a
         peer further on still heals this group at the first quorum)."""
         self.R.manager.load_state_dict({"step": step, "batches_committed": step})
-
-    def _keep(self) -> None:
-        self._saved = None
-
-    def _rollback(self) -> None:
-        if self._saved is not None:
-            self.comp.load_state_dict(self._saved, self.job.device)
-            self._saved = None
 
     # ------------------------------------------------------------ the loop
     def steps(self, start: int):
@@ -129,7 +114,9 @@ class FTStep:
             job.scaling = False
         waited = job.dp.last_wait_s if job.dp is not None else 0.0
         tr = clock(job.device)
-        self._average()
+        for p in job.params:  # a parameter no micro-batch reached: a zero contribution
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
         grads = [p.grad for p in job.params]
         norms = torch.stack(torch._foreach_norm(grads)).double()
         sq = torch.where(job.counted, norms.square(), 0.0).sum()
@@ -142,8 +129,7 @@ class FTStep:
         R.average_(lossv, None, "ft.loss")  # the mean over the groups (exact, 4 bytes)
         waited += clock(job.device) - tr
         vals = job._read(vec)[:4]
-        loss, gnorm = float(lossv[0]) if job.device.type != "meta" else vals[0], \
-            math.sqrt(vals[1])
+        loss, gnorm = float(lossv[0]), math.sqrt(vals[1])
         tc = clock(job.device)
         committed = R.commit()  # every rank of every participating group votes
         waited += clock(job.device) - tc
@@ -168,34 +154,9 @@ class FTStep:
                 "participants": P, "committed": bool(committed),
                 "quorum_ms": 1e3 * R.quorum_s, "failed_commits": self.failed}
 
-    def _average(self) -> None:
-        """Every trainable gradient <- its mean over the participating groups (--compress)."""
-        job, R = self.job, self.R
-        for p in job.params:
-            if p.grad is None:  # unused in this group's micro-batches: a zero contribution
-                p.grad = torch.zeros_like(p)
-        if self._feedback:  # put back if the step does not commit (_rollback)
-            self._saved = copy.deepcopy(self.comp.state_dict())
-        if self.flat is None:
-            for n, p in job.named:
-                R.average_(p.grad, self.comp, f"ft.{n}")
-            return
-        flat, o = self.flat, 0
-        for p in job.params:
-            flat[o:o + p.numel()].copy_(p.grad.reshape(-1))
-            o += p.numel()
-        R.average_(flat, self.comp, "ft.grad")
-        o = 0
-        for p in job.params:
-            p.grad.copy_(flat[o:o + p.numel()].view_as(p.grad))
-            o += p.numel()
-
     def describe(self) -> str:
         c = self.cfg
         return (f"--ft: replica group {c.replica_id} of torchft's lighthouse {c.lighthouse} "
                 f"(min {c.min_replicas} groups); a step's batch: {self.total} micro-batches of "
                 f"{self.u} sequences a dp rank, shared among the participants; cross-group "
-                f"reduction {self.comp.spec}")
-
-    def close(self) -> None:
-        self.R.close()
+                f"reduction {c.compress} (exact inside the group)")

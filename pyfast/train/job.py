@@ -59,6 +59,7 @@ from pyfast.parallel.zero.frozen import decide as decide_frozen
 
 from . import checkpoint as ck
 from . import offload, outer
+from .ft_step import replicas as ft_replicas
 from .config import (ConfigError, TrainConfig, build_model, check_data, check_model,
                      check_shard_group, lora_options)
 from .telemetry import bytes_written
@@ -206,7 +207,7 @@ class Job:
         rest = [p for p in self.params if p.dim() < 2]
         groups = [{"params": decay, "weight_decay": cfg.weight_decay},
                   {"params": rest, "weight_decay": 0.0}]
-        self.dp = self.zero = None
+        self.dp = self.zero = self.replicas = None
         self.frozen_note = None  # --lora --zero 3: where the frozen base lives, and why
         if cfg.zero:  # config.check_zero; shards each tp / pp shard over its dp x cp ranks
             frozen = "replicate"
@@ -234,15 +235,17 @@ class Job:
                 every_rank=True,
                 error_feedback=cfg.error_feedback == "on",
                 **({"bucket_mb": cfg.bucket_mb} if cfg.bucket_mb else {}))
-        elif cfg.dp * cfg.cp > 1:
+        elif cfg.dp * cfg.cp > 1 or cfg.ft:
             # fp16: GradScaler overflows by design (gpt-tiny's first step at scale 2^16 already
             # does); "skip" sends an overflowing bucket as zeros and puts every feedback memory
             # back, so the skipped step leaves no NaN in it. Otherwise a NaN/Inf stops the run
             # before the update (train_step), so the 3% the check costs (benchmarks.md) is saved.
             finite = "skip" if cfg.precision == "fp16" else False
-            # --ft: exact inside the group, --compress across the groups (ft_step.py)
-            self.dp = DataParallel(module, compressor="none" if cfg.ft else cfg.compress,
-                                   group=mesh.dp_cp_group,
+            # --ft: torchft's replica groups too (exact inside the group, --compress across
+            # them: pyfast.parallel.ft_reduce), even with one rank a group
+            self.replicas = ft_replicas(cfg, device) if cfg.ft else None
+            self.dp = DataParallel(module, compressor=cfg.compress, group=mesh.dp_cp_group,
+                                   replicas=self.replicas,
                                    check_finite=finite, error_feedback=cfg.error_feedback == "on",
                                    **({"bucket_mb": cfg.bucket_mb} if cfg.bucket_mb else {}))
         self.net = self.dp or self.zero or module
@@ -727,11 +730,11 @@ class Job:
         return meta["step"], same
 
     def close(self) -> None:
-        if self.ft is not None:
-            self.ft.close()
         if self.diloco is not None:
             self.diloco.close()
         if self.dp is not None:
             self.dp.close()
         if self.zero is not None:
             self.zero.close()
+        if self.ft is not None:  # after the DataParallel that reduces through it
+            self.replicas.close()
