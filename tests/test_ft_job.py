@@ -129,3 +129,41 @@ def test_lighthouse_unreachable(tmp_path, capsys):
     assert code == 2 and time.monotonic() - t0 < 5
     err = capsys.readouterr().err
     assert f"--lighthouse 127.0.0.1:{port}: no torchft lighthouse answers" in err
+
+
+def test_diloco_job_under_ft_equals_replicas(tmp_path):
+    """`pyfast train --ft --diloco 2` with two groups == `--nproc 2 --replicas 2 --diloco 2`
+    (group N reads replica N's slice): the same replica-0 losses (one group's own inner
+    steps, bit for bit) and, after the last outer step, the same weights on both groups
+    (bitwise) and the reference's within 1e-5 (int8 outer gradients summed then divided
+    here, averaged in the reference: a rounding apart)."""
+    from torchft._torchft import LighthouseServer
+    lh = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=100)
+    addr = lh.address().replace("http://", "")
+    di = ["--diloco", "2", "--outer-compress", "int8", "--steps", "4"]
+    try:
+        ft = ["--ft", "--lighthouse", addr, "--min-replicas", "2"] + di
+        procs = [_train(COMMON + ft + ["--replica-id", str(g), "--out", str(tmp_path / f"g{g}")])
+                 for g in (0, 1)]
+        procs.append(_train(COMMON + di + ["--nproc", "2", "--replicas", "2",
+                                           "--out", str(tmp_path / "ref")]))
+        try:
+            outs = [p.communicate(timeout=600)[0] for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, 9)
+    finally:
+        lh.shutdown()
+    for p, o in zip(procs, outs):
+        assert p.returncode == 0, o[-3000:]
+    r0, ref = _losses(tmp_path / "g0"), _losses(tmp_path / "ref")
+    assert [r["loss"] for r in r0] == [r["loss"] for r in ref]
+    assert [(r["step"], r.get("participants"), r.get("outer_committed")) for r in r0] == \
+        [(1, None, None), (2, 2, True), (3, None, None), (4, 2, True)]
+    _, a = _final(tmp_path / "g0")
+    _, b = _final(tmp_path / "g1")
+    _, c = _final(tmp_path / "ref")
+    for k in (k for k in a if k.startswith("model.")):
+        assert torch.equal(a[k], b[k]), k
+        torch.testing.assert_close(a[k], c[k], rtol=1e-5, atol=1e-5)

@@ -20,6 +20,13 @@ average over the P groups is exactly the mean over the T micro-batches: the batc
 gradient are the uninterrupted run's whatever P is. A group with no micro-batch (P > T) runs
 one at weight 0 (its reductions must still happen). The data position is the committed step,
 which a healing group receives with the rest.
+
+With --diloco H (DiLoCo under torchft, pyfast.parallel.diloco_ft) the groups meet only at the
+outer steps: inner steps make no torchft call (DataParallel inside the group as without --ft),
+each outer step is one torchft step (quorum, heal, --outer-compress average over the
+participants, outer SGD only on commit). Group N reads slice N mod M of each global batch of
+--batch B (as replica N of --replicas M would); a group that heals takes the peer's inner step
+count, data position and LR schedule with its parameters.
 """
 from __future__ import annotations
 
@@ -81,20 +88,25 @@ def problem(cfg) -> str | None:
                  "groups is not built yet; use DataParallel inside a group (no --zero)"),
         "fp16": (cfg.precision == "fp16", "--ft with --precision fp16: the loss scale and its "
                  "skips are not part of what a healing group receives; use bf16 or fp32"),
-        "diloco": (cfg.diloco, "--ft with --diloco {diloco}: the job's DiLoCo under torchft is not "
-                   "wired yet (pyfast.parallel.DiLoCo(replicas=R) is; docs/fault_tolerance.md)"),
+        "delay": (cfg.diloco and cfg.diloco_delay, "--ft --diloco with --diloco-delay {delay}: "
+                  "each outer step is one torchft step on the caller's thread (delay 0)"),
+        "compress": (cfg.diloco and cfg.compress not in ("none", "") and cfg.dp * cfg.cp == 1,
+                     "--ft --diloco with --compress {compress}: --compress is DataParallel's "
+                     "inside a group (dp x cp = 1 here: nothing to reduce); the groups' outer "
+                     "reduction takes --outer-compress"),
         "replicas": (cfg.replicas > 1, "--ft with --replicas {replicas}: under --ft every replica "
                      "group is a `pyfast train` of its own (--replica-id); the replica dimension "
                      "is torchft's"),
     }
     for bad, msg in why.values():
         if bad:
-            return msg.format(pp=cfg.pp, zero=cfg.zero, replicas=cfg.replicas, diloco=cfg.diloco)
+            return msg.format(pp=cfg.pp, zero=cfg.zero, replicas=cfg.replicas,
+                              delay=cfg.diloco_delay, compress=cfg.compress)
     if cfg.compress == "auto":
         return ("--ft with --compress auto: auto times and agrees on its pick across a fixed "
                 "group, which torchft reconfigures; name a compressor")
     per = cfg.min_replicas * cfg.grad_accum * cfg.dp
-    if not cfg.diloco and cfg.batch % per:
+    if cfg.batch % per:
         return (f"--ft: --batch {cfg.batch} is not divisible by min-replicas {cfg.min_replicas} x "
                 f"grad-accum {cfg.grad_accum} x dp {cfg.dp} = {per} (the micro-batches a step "
                 "shares among the groups)")

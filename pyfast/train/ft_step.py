@@ -72,17 +72,37 @@ class FTStep:
 
     def loaded(self, step: int) -> None:
         """After the job loaded a checkpoint of `step`: torchft's step count follows it (a
-        peer further on still heals this group at the first quorum)."""
+        peer further on still heals this group at the first quorum). With --diloco torchft
+        counts outer steps: those due up to `step`."""
+        if self.cfg.diloco:
+            from pyfast.parallel.diloco import fragment_due
+            dl = self.job.diloco
+            step = sum(fragment_due(t, dl.H, dl.F) is not None for t in range(1, step + 1))
         self.R.manager.load_state_dict({"step": step, "batches_committed": step})
 
     # ------------------------------------------------------------ the loop
+    def _done(self) -> int:
+        """Steps done: torchft's committed count, or with --diloco DiLoCo's inner step count
+        (a heal at an outer step moves it to the peer's)."""
+        return self.job.diloco.step_count if self.cfg.diloco else self.R.step
+
     def steps(self, start: int):
-        """The steps this group attempts: the next one after torchft's committed count, until
-        --steps are committed (a step that does not commit is attempted again)."""
+        """The steps this group attempts: the next one after those done, until --steps are
+        (a step that does not commit is attempted again)."""
         if start:
             self.loaded(start)
-        while self.R.step < self.cfg.steps:
-            yield self.R.step + 1
+        while self._done() < self.cfg.steps:
+            yield self._done() + 1
+
+    def outer_record(self) -> dict:
+        """--diloco: the step's number after a possible heal, and the outer step's verdict."""
+        dl = self.job.diloco
+        rec = {"step": dl.step_count}
+        if dl.last_committed is not None:
+            rec.update(participants=dl.last_participants, outer_committed=dl.last_committed,
+                       quorum_ms=1e3 * self.R.quorum_s)
+            dl.last_participants = dl.last_committed = None
+        return rec
 
     def _micro(self, x: torch.Tensor, y: torch.Tensor, j: int):
         job, u = self.job, self.u
