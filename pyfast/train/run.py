@@ -6,6 +6,7 @@ import datetime
 import gc
 import os
 import sys
+import time
 import traceback
 
 import torch
@@ -151,7 +152,7 @@ def _loop(cfg: TrainConfig, job: Job, start: int, device) -> None:
             step = rec["step"]
             if not rec.get("committed", True):  # --ft: logged, nothing else (no eval, no save)
                 if rank == 0:
-                    log.write(rec)
+                    log.write({**rec, "time": time.time()})
                 continue
             if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
                 rec["val_loss"] = job.evaluate()
@@ -167,6 +168,7 @@ def _loop(cfg: TrainConfig, job: Job, start: int, device) -> None:
             if sampler is not None and (step % cfg.sample_every == 0 or step == cfg.steps):
                 rec["sample"] = sampler(job, step, bar.console if rank == 0 else None)
             if rank == 0:
+                rec["time"] = time.time()  # the step's end, unix seconds (recovery timings)
                 log.write(rec)
                 bar.update(rec)
                 if tb is not None:
