@@ -53,7 +53,10 @@ class _Proc:
     (the fault's SIGKILL line is the death's time)."""
 
     def __init__(self, cmd, env=None):
-        e = {**os.environ, **(env or {})}
+        # one thread a rank, as torchrun sets for more than one rank a node: G one-rank groups
+        # on this machine's cores would otherwise oversubscribe them (measured: gpt-small --ft
+        # 735 ms a step against plain dp's 431 with 2 threads a group; 460 vs 455 with one)
+        e = {"OMP_NUM_THREADS": "1", **os.environ, **(env or {})}
         e["PYTHONPATH"] = os.pathsep.join([FAULTS, e.get("PYTHONPATH", "")])
         self.p = subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   text=True, start_new_session=True)
@@ -128,9 +131,12 @@ def cost(common, groups, tmp, timeout) -> dict:
     plain = _Proc(_train(common + ["--nproc", str(groups), "--dp", str(groups), "--out",
                                    os.path.join(tmp, "cost_plain")]))
     _run_all([plain], timeout)
-    a, b = _median_ms(_records(os.path.join(tmp, "cost_ft0"))), \
-        _median_ms(_records(os.path.join(tmp, "cost_plain")))
-    return {"ft_step_ms": a, "plain_step_ms": b, "ratio": a / b}
+    fr, pr = _records(os.path.join(tmp, "cost_ft0")), _records(os.path.join(tmp, "cost_plain"))
+    a, b = _median_ms(fr), _median_ms(pr)
+    med = lambda rs, k: statistics.median(r[k] for r in rs[2:])  # noqa: E731
+    return {"ft_step_ms": a, "plain_step_ms": b, "ratio": a / b,
+            "ft_quorum_ms": med(fr, "quorum_ms"), "ft_exposed_comm_ms": med(fr, "exposed_comm_ms"),
+            "plain_exposed_comm_ms": med(pr, "exposed_comm_ms")}
 
 
 def recovery_ft(common, groups, kill_at, heartbeat_ms, tmp, timeout) -> dict:
