@@ -184,13 +184,13 @@ def recovery_torchrun(common, groups, kill_at, ckpt_every, tmp, timeout) -> dict
 
 
 def run(model, groups, batch, seq, steps, kill_at, ckpt_every, heartbeat_ms, repeats, link,
-        cost_steps=20, timeout=1200) -> dict:
+        cost_steps=20, timeout=1200, compress="none") -> dict:
     if link != "loopback":  # the whole scenario inside one shaped namespace
         args = [sys.executable, "-m", "pyfast.benchmarks.ft", "--inner", "--link", "loopback",
                 "--model", model, "--groups", str(groups), "--batch", str(batch), "--seq",
                 str(seq), "--steps", str(steps), "--kill-at", str(kill_at), "--ckpt-every",
                 str(ckpt_every), "--heartbeat-ms", str(heartbeat_ms), "--repeats", str(repeats),
-                "--cost-steps", str(cost_steps)]
+                "--cost-steps", str(cost_steps), "--compress", compress]
         r = netns.run(args, link=link, timeout=timeout * 3)
         if r.returncode:
             raise RuntimeError(f"on {link}: exit {r.returncode}\n{r.stdout[-3000:]}{r.stderr[-3000:]}")
@@ -198,7 +198,7 @@ def run(model, groups, batch, seq, steps, kill_at, ckpt_every, heartbeat_ms, rep
         res["link"] = link
         return res
     common = ["--model", model, "--batch", str(batch), "--seq", str(seq), "--steps",
-              str(steps), "--eval-batches", "1", "--lr", "3e-4"]
+              str(steps), "--eval-batches", "1", "--lr", "3e-4", "--compress", compress]
     rows = []
     with tempfile.TemporaryDirectory(prefix="pyfast-bench-ft-") as tmp:
         for i in range(repeats):
@@ -211,14 +211,16 @@ def run(model, groups, batch, seq, steps, kill_at, ckpt_every, heartbeat_ms, rep
                                                        timeout)})
     return {"benchmark": "ft", "machine": perf.machine(), "date": time.strftime("%Y-%m-%d %H:%M"),
             "link": link, "model": model, "groups": groups, "batch": batch, "seq": seq,
-            "steps": steps, "cost_steps": cost_steps, "kill_at": kill_at, "ckpt_every": ckpt_every,
+            "steps": steps, "cost_steps": cost_steps, "compress": compress,
+            "kill_at": kill_at, "ckpt_every": ckpt_every,
             "heartbeat_ms": heartbeat_ms, "load": os.getloadavg()[0], "rows": rows,
             "cost_ratio_median": statistics.median(r["ratio"] for r in rows)}
 
 
 def table(res) -> str:
     lines = [f"pyfast bench ft: {res['model']}, {res['groups']} groups of 1 rank, batch "
-             f"{res['batch']} x {res['seq']}, link {res['link']}, kill after step "
+             f"{res['batch']} x {res['seq']}, --compress {res.get('compress', 'none')}, link "
+             f"{res['link']}, kill after step "
              f"{res['kill_at']}, lighthouse heartbeat {res['heartbeat_ms']} ms, torchrun "
              f"--ckpt-every {res['ckpt_every']}; {res['machine']}; load {res['load']:.1f}"]
     for r in res["rows"]:
@@ -255,11 +257,13 @@ def main(argv=None) -> int:
     p.add_argument("--heartbeat-ms", type=int, default=1000)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--link", default="loopback")
+    p.add_argument("--compress", default="none", help="both runs' gradient compressor (--ft: "
+                   "across the groups; plain: over dp)")
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
     res = run(a.model, a.groups, a.batch, a.seq, a.steps, a.kill_at, a.ckpt_every,
-              a.heartbeat_ms, a.repeats, a.link, a.cost_steps)
+              a.heartbeat_ms, a.repeats, a.link, a.cost_steps, compress=a.compress)
     if a.inner:  # inside the namespace: the result for the outer process
         print(json.dumps(res))
         return 0
