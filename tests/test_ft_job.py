@@ -167,3 +167,10 @@ def test_diloco_job_under_ft_equals_replicas(tmp_path):
     for k in (k for k in a if k.startswith("model.")):
         assert torch.equal(a[k], b[k]), k
         torch.testing.assert_close(a[k], c[k], rtol=1e-5, atol=1e-5)
+
+
+def test_ft_flag_defaults_are_the_configs():
+    from pyfast.train import ft
+    from pyfast.train.config import TrainConfig
+    d = TrainConfig()
+    assert {k: getattr(d, k) for k in ft.DEFAULTS} == ft.DEFAULTS and d.ft is False

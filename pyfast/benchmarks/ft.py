@@ -4,17 +4,17 @@ replica groups of one rank against plain data parallelism over G ranks, on one l
   cost       the median step_ms (steps 3.., group 0 / rank 0) of `--ft` (G groups, min G) and
              of `--nproc G --dp G`, same model, batch, seed: run back to back, --repeats times
              alternating; the ratio of the medians per repeat.
-  recovery   torchft: G groups at --min-replicas 1, the last one SIGKILLed right after its step
-             K (tests/faults' PYFAST_FAULT, "step@K") and restarted by its own torchrun
-             (--max-restarts 1); the lighthouse drops a silent group after --heartbeat-ms.
-             death = when the fault's "SIGKILL" line reached this process (read live).
+  recovery   torchft: G groups at --min-replicas 1, the last one's rank SIGKILLed by this
+             process as soon as its metrics.jsonl holds step K (polled every 20 ms; death = the
+             kill) and restarted by its own torchrun (--max-restarts 1); the lighthouse drops a
+             silent group after --heartbeat-ms.
              Survivors: their step K+1 ended `survivor_s` after the death, `survivor_lost` =
              that time over a median step, minus the one step they would have taken anyway
              (target < 2), and how many of their steps did not commit. Restart: the restarted
              group's first committed step ended `restart_s` after the death (torchrun's
              restart, the imports, the model, the quorum and the heal from a peer).
              torchrun: `--nproc G --dp G --max-restarts 1 --ckpt-every C`, rank G-1 killed
-             after step K; every rank restarts from the checkpoint at C floor(K / C): the
+             once rank 0 logged step K; every rank restarts from the checkpoint at C floor(K / C): the
              steps lost are K - that, and `back_s` = when step K+1 ended after the restart,
              counted from the death (the time to get back to where the failure was).
 The link: "loopback", or a tc-shaped namespace ("1gbit": the whole scenario, lighthouse
@@ -36,8 +36,6 @@ import time
 from pyfast import netns, perf
 
 LIGHTHOUSE = os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse")
-FAULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "tests", "faults")
 
 
 def _port() -> int:
@@ -49,15 +47,13 @@ def _port() -> int:
 
 
 class _Proc:
-    """A `pyfast train` (or lighthouse) process whose output lines are timestamped as they come
-    (the fault's SIGKILL line is the death's time)."""
+    """A `pyfast train` (or lighthouse) process, its output kept."""
 
     def __init__(self, cmd, env=None):
         # one thread a rank, as torchrun sets for more than one rank a node: G one-rank groups
         # on this machine's cores would otherwise oversubscribe them (measured: gpt-small --ft
         # 735 ms a step against plain dp's 431 with 2 threads a group; 460 vs 455 with one)
         e = {"OMP_NUM_THREADS": "1", **os.environ, **(env or {})}
-        e["PYTHONPATH"] = os.pathsep.join([FAULTS, e.get("PYTHONPATH", "")])
         self.p = subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   text=True, start_new_session=True)
         self.lines: list[tuple[float, str]] = []
@@ -67,9 +63,6 @@ class _Proc:
     def _read(self):
         for line in self.p.stdout:
             self.lines.append((time.time(), line.rstrip()))
-
-    def when(self, text: str) -> float | None:
-        return next((t for t, line in self.lines if text in line), None)
 
     def wait(self, timeout: float) -> int:
         try:
@@ -87,6 +80,48 @@ class _Proc:
 
     def tail(self, n=30) -> str:
         return "\n".join(line for _, line in self.lines[-n:])
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            out += [int(c) for c in f.read().split()]
+    return out + [g for c in out for g in _children(c)]
+
+
+def _rank_pid(launcher: int, rank: int) -> int:
+    """The pid of torchrun's worker `rank` under `launcher` (its RANK in /proc/PID/environ)."""
+    for pid in _children(launcher):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        if env.get(b"RANK") == str(rank).encode() and b"TORCHELASTIC_RUN_ID" in env:
+            return pid
+    raise RuntimeError(f"no rank {rank} under pid {launcher}")
+
+
+class _Killer(threading.Thread):
+    """SIGKILL rank `rank` of the job launched as `proc` once `out`'s metrics.jsonl holds step
+    `step` (polled every 20 ms); `death` is when."""
+
+    def __init__(self, proc: _Proc, out: str, step: int, rank: int = 0):
+        super().__init__(daemon=True)
+        self.proc, self.out, self.step, self.rank, self.death = proc, out, step, rank, None
+        self.start()
+
+    def run(self):
+        while self.proc.p.poll() is None:
+            try:
+                if any(r["step"] >= self.step for r in _records(self.out)):
+                    os.kill(_rank_pid(self.proc.p.pid, self.rank), 9)
+                    self.death = time.time()
+                    return
+            except (OSError, ValueError):  # not written yet, or a line half written
+                pass
+            time.sleep(0.02)
 
 
 def _train(args):
@@ -146,13 +181,13 @@ def recovery_ft(common, groups, kill_at, heartbeat_ms, tmp, timeout) -> dict:
         procs = [_Proc(_train(common + ["--ft", "--lighthouse", addr, "--replica-id", str(g),
                                         "--min-replicas", "1", "--out",
                                         os.path.join(tmp, f"rec_ft{g}")]
-                              + (["--max-restarts", "1"] if g == last else [])),
-                       env={"PYFAST_FAULT": f"step@{kill_at}"} if g == last else None)
+                              + (["--max-restarts", "1"] if g == last else [])))
                  for g in range(groups)]
+        killer = _Killer(procs[last], os.path.join(tmp, f"rec_ft{last}"), kill_at)
         _run_all(procs, timeout)
     finally:
         lh.stop()
-    death = procs[last].when("SIGKILL")
+    death = killer.death
     surv = _records(os.path.join(tmp, "rec_ft0"))
     step = _median_ms(surv) / 1e3
     after = next(r for r in surv if r["step"] == kill_at + 1 and r["committed"])
@@ -171,10 +206,10 @@ def recovery_ft(common, groups, kill_at, heartbeat_ms, tmp, timeout) -> dict:
 def recovery_torchrun(common, groups, kill_at, ckpt_every, tmp, timeout) -> dict:
     out = os.path.join(tmp, "rec_plain")
     p = _Proc(_train(common + ["--nproc", str(groups), "--dp", str(groups), "--max-restarts",
-                               "1", "--ckpt-every", str(ckpt_every), "--out", out]),
-              env={"PYFAST_FAULT": f"step@{kill_at}:{groups - 1}"})
+                               "1", "--ckpt-every", str(ckpt_every), "--out", out]))
+    killer = _Killer(p, out, kill_at, rank=groups - 1)
     _run_all([p], timeout)
-    death = p.when("SIGKILL")
+    death = killer.death
     recs = [r for r in _records(out) if r["time"] > death]
     ck = ckpt_every * (kill_at // ckpt_every)
     again = next(r for r in recs if r["step"] == kill_at + 1)

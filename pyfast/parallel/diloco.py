@@ -308,6 +308,16 @@ class DiLoCo:
                 self._apply()
         return loss
 
+    def due(self, t: int) -> int | None:
+        """The fragment sent after inner step t, or None (fragment_due)."""
+        return fragment_due(t, self.H, self.F)
+
+    def _apply_reduced(self, f: int, t: int, flat: torch.Tensor, avg: torch.Tensor) -> None:
+        """Apply fragment f's averaged pseudo-gradient `avg` (this rank's slice) now: the
+        outer step of a reduction already done on the caller's thread (diloco_ft)."""
+        self._pending = _Pending(f, t, flat, Handle(lambda timeout: (avg, 0.0)))
+        self._apply()
+
     @property
     def in_flight(self) -> _Pending | None:
         """The fragment whose all-reduce has started and whose outer step is not applied yet."""

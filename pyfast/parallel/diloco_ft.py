@@ -82,12 +82,10 @@ def _feedback(dl) -> bool:
 def outer_step(dl) -> bool:
     """One torchft outer step of the fragment due now (DiLoCo.step calls it when one is due);
     whether it committed."""
-    from pyfast.parallel.diloco import _Pending, fragment_due
-    from pyfast.comm.collectives import Handle
     R = dl.ft
     R.start()  # may heal: step_count, global, momentum, local parameters from a peer
     t = dl.step_count
-    f = fragment_due(t, dl.H, dl.F)
+    f = dl.due(t)
     n = sum(dl.params[dl._index[m]].numel() for m in dl.fragments[f])
     flat = torch.empty(n, dtype=torch.float32, device=dl.device)
     with torch.no_grad():
@@ -117,7 +115,5 @@ def outer_step(dl) -> bool:
     ok = R.commit()
     dl.last_participants, dl.last_committed = R.participants, ok
     if ok:
-        done = Handle(lambda timeout: (mine, 0.0))
-        dl._pending = _Pending(f, t, flat, done)
-        dl._apply()
+        dl._apply_reduced(f, t, flat, mine)
     return ok

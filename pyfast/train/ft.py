@@ -54,16 +54,15 @@ def add_flags(p: argparse.ArgumentParser, d) -> None:
                         "commit vote before the step is abandoned and the group dropped")
 
 
-FT_FLAGS = ("lighthouse", "replica_id", "min_replicas", "ft_timeout")
+# TrainConfig's defaults of the flags that configure --ft (config.py's; a test checks them)
+DEFAULTS = {"lighthouse": "", "replica_id": -1, "min_replicas": 1, "ft_timeout": 30.0}
 
 
 def problem(cfg) -> str | None:
     """What is wrong with the --ft flags, told by flag; None if nothing (config.check raises it
     as a ConfigError; this module imports nothing of config)."""
     if not cfg.ft:
-        from .config import TrainConfig
-        d = TrainConfig()
-        given = [f"--{k.replace('_', '-')}" for k in FT_FLAGS if getattr(cfg, k) != getattr(d, k)]
+        given = [f"--{k.replace('_', '-')}" for k, v in DEFAULTS.items() if getattr(cfg, k) != v]
         return f"{', '.join(given)} without --ft: they configure it" if given else None
     if not cfg.lighthouse:
         return ("--ft needs --lighthouse HOST:PORT of a running torchft_lighthouse "
