@@ -190,15 +190,22 @@ def recovery_ft(common, groups, kill_at, heartbeat_ms, tmp, timeout) -> dict:
     death = killer.death
     surv = _records(os.path.join(tmp, "rec_ft0"))
     step = _median_ms(surv) / 1e3
-    after = next(r for r in surv if r["step"] == kill_at + 1 and r["committed"])
+    ok = [r for r in surv if r["committed"]]
+    before = [r for r in ok if r["time"] <= death][-1]  # the survivors' last step before it
+    after = next(r for r in ok if r["time"] > death and r["participants"] < groups)
+    between = sum(before["time"] < r["time"] <= after["time"] for r in ok)
     failed = sum(not r["committed"] for r in surv if r["time"] > death)
     back = [r for r in _records(os.path.join(tmp, f"rec_ft{last}")) if r["time"] > death
             and r["committed"]]
     healed = bool(back) and back[0]["step"] > kill_at + 1  # it rejoined a running quorum
+    after_step = after["step"]
     return {"death_to_survivor_step_s": after["time"] - death, "step_s": step,
-            "survivor_steps_lost": max(0.0, (after["time"] - death) / step - 1) + failed,
+            # the time from their last step before the death to their first without the dead
+            # group, over a median step, less the steps they committed in it (failed commits
+            # and the wait for the lighthouse to drop the group are what is left)
+            "survivor_steps_lost": (after["time"] - before["time"]) / step - between,
             "survivor_failed_commits": failed,
-            "participants_after": after["participants"],
+            "participants_after": after["participants"], "survivor_step_after": after_step,
             "restart_s": back[0]["time"] - death if back else None,
             "restart_first_step": back[0]["step"] if back else None, "healed": healed}
 
@@ -262,8 +269,9 @@ def table(res) -> str:
         f, t = r["ft"], r["torchrun"]
         lines.append(
             f"repeat {r['repeat']}: cost --ft {r['ft_step_ms']:.0f} ms vs plain dp "
-            f"{r['plain_step_ms']:.0f} ms a step = {r['ratio']:.3f}x | torchft: survivors' next "
-            f"step {f['death_to_survivor_step_s']:.2f} s after the death (step {f['step_s']:.2f} "
+            f"{r['plain_step_ms']:.0f} ms a step = {r['ratio']:.3f}x | torchft: survivors' first "
+            f"step without it (step {f['survivor_step_after']}) "
+            f"{f['death_to_survivor_step_s']:.2f} s after the death (step {f['step_s']:.2f} "
             f"s): {f['survivor_steps_lost']:.2f} steps lost, {f['survivor_failed_commits']} "
             f"failed commits, {f['participants_after']} group(s) then; restarted group's first "
             f"committed step {_s(f['restart_s'])} s after the death (step "
