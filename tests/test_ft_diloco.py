@@ -89,6 +89,7 @@ def _group(rank, world, port, addr, rid, role, coord_port):
             # int8 with error feedback on one participant: decode(encode(delta + memory))
             # is what the peers averaged; the reference takes the global step it applied
             alone = {"g0": g0, "m0": m0, "own": {n: g0[n] - local[n] for n in g0}}
+            coord.set("alone", "1")  # the test starts the restart only now
             # the restarted group is at its first outer step: the survivor's next one (one
             # inner step away) meets it there (the lighthouse waits join_timeout for it)
             coord.wait(["up"])
@@ -124,6 +125,9 @@ def test_diloco_group_dies_between_outer_steps_and_heals():
                 pool.submit(_group, store_port(pool), addr, rid, role, coord.port)
             dead = pools[1].wait(120, True)
             assert "RankError" in type(dead[0]).__name__ or isinstance(dead[0], Exception)
+            # the survivor took its outer step alone first (a restart up before it would join
+            # that step: its lighthouse waits join_timeout for a heartbeating group)
+            coord.wait(["alone"])
             pools[2].submit(_group, store_port(pools[2]), addr, "1", "rejoin", coord.port)
             back = pools[2].wait(180)[0]
             surv = pools[0].wait(180)[0]
