@@ -191,9 +191,11 @@ def recovery_ft(common, groups, kill_at, heartbeat_ms, tmp, timeout) -> dict:
     surv = _records(os.path.join(tmp, "rec_ft0"))
     step = _median_ms(surv) / 1e3
     ok = [r for r in surv if r["committed"]]
-    before = [r for r in ok if r["time"] <= death][-1]  # the survivors' last step before it
+    # the survivors' step K (the victim's last logged one: the kill follows it), their first
+    # step without the dead group, and the steps they committed from one to the other
+    before = next(r for r in ok if r["step"] == kill_at)
     after = next(r for r in ok if r["time"] > death and r["participants"] < groups)
-    between = sum(before["time"] < r["time"] <= after["time"] for r in ok)
+    between = after["step"] - before["step"]
     failed = sum(not r["committed"] for r in surv if r["time"] > death)
     back = [r for r in _records(os.path.join(tmp, f"rec_ft{last}")) if r["time"] > death
             and r["committed"]]
