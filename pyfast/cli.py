@@ -51,6 +51,8 @@ BENCHMARKS = {
                   "on a pretrained small Llama",
     "hsdp": "hybrid sharding on 2 emulated nodes (1 Gbit/s between): HSDP + int8 vs full ZeRO-2 "
             "vs DataParallel-bf16, step time and cross-node bytes",
+    "ckpt": "a checkpoint every K steps, blocking vs --ckpt-async (DCP async_save) vs none: "
+            "the step time each adds (target: async <= 10% of blocking's)",
     "report": "write docs/benchmarks.md from bench/results/ (no benchmark is run)",
 }
 

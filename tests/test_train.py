@@ -261,10 +261,16 @@ def test_resharded_resume_dp2xtp2_to_one_process(runs, tmp_path):
 
 @pytest.mark.dist
 def test_spot_recovery_after_a_killed_rank(runs, tmp_path):
+    """--ckpt-async (no extra job: the blocking path's kill is the crash test above): rank 1
+    dies after step 3, before the check that would commit step 2's checkpoint, so the restart
+    finds only .tmp-step-2 and starts again; the run still equals the uninterrupted one."""
     out = tmp_path / "spot"
-    p = ok(train(out, 2, ["--dp", "2", "--max-restarts", "1"], env={"PYFAST_FAULT": "step@3:1"}))
+    p = ok(train(out, 2, ["--dp", "2", "--max-restarts", "1", "--ckpt-async"],
+                 env={"PYFAST_FAULT": "step@3:1"}))
     assert "PYFAST_FAULT step@3:1: SIGKILL rank 1" in p.stderr  # rank 1 really died
+    assert "resumed from" not in p.stdout  # step 2's write was never committed
     assert losses(out) == losses(runs["dp2"])
+    assert sorted(os.listdir(out / "checkpoints")) == ["step-2", "step-3"]
 
 
 @pytest.mark.dist

@@ -63,9 +63,9 @@ class DataParallel(nn.Module):
       compression error never depends on its neighbours.
     - A failed collective (dead peer, timeout) raises CommError naming the operation; the
       module is then broken and every later forward raises. Under torchft (`replicas`) it is
-      reported to torchft instead: the step commits nowhere and the module stays usable. `timeout=` (seconds or timedelta)
-      runs the reductions on a private group with that timeout (collective, like
-      dist.new_group); without it the group's own applies.
+      reported to torchft instead: this group's step does not commit and the module stays
+      usable. `timeout=` (seconds or timedelta) runs the reductions on a private group with
+      that timeout (collective, like dist.new_group); without it the group's own applies.
 
     - gradient_as_bucket_view=True (DDP's flag, off by default as in DDP): an fp32 parameter's
       .grad is its piece of the bucket after a reduction: no copy out of the bucket, and none

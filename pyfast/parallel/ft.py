@@ -22,7 +22,10 @@ Per step, on every rank of every replica group:
   runs on it unchanged; a reconfiguration unregisters the old one.
 - A failed collective on `group` (a peer died mid-step: gloo says "Connection reset by peer"
   within ~30 ms, a silent peer after `timeout`) is reported to torchft (`report`), not raised:
-  the step does not commit anywhere, the next quorum drops the dead group.
+  the step does not commit in any group whose reduction failed, the next quorum drops the dead
+  group. torchft's commit is per replica group: a group that reports an error of its own while
+  the others' reductions succeed is the only one not to commit; it is then a step behind and
+  heals from a peer at the next quorum (tests/test_ft.py).
 - What a healing group receives is what was `register`ed (name -> state_dict / load_state_dict):
   torchft's checkpoint transport (HTTP) carries it at the quorum that admits the group.
 
@@ -228,7 +231,8 @@ class Replicas:
         return self.manager.current_step()
 
     def report(self, e: BaseException) -> None:
-        """A collective on `group` failed: the step will not commit (torchft's report_error)."""
+        """A collective on `group` failed: this group's step will not commit (torchft's
+        report_error; the other groups commit if their own reductions succeeded)."""
         self.errors.append(f"{e.__class__.__name__}: {e}")
         log.warning("replica group %s: step %d aborted: %s", self.replica_id, self.step, e)
         self.manager.report_error(e if isinstance(e, Exception) else RuntimeError(str(e)))

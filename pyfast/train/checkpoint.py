@@ -106,17 +106,37 @@ def save(state: dict, out, step: int, meta: dict, fault=None, keep_last: int = 0
     """Collective: write `state` with DCP, then commit it as out/checkpoints/step-N: meta.json
     written atomically and fsynced, the directory fsynced, renamed, and its parent fsynced (DCP
     fsyncs its own files). keep_last > 0: then delete all but the keep_last latest complete
-    checkpoints up to step N."""
-    r, rank = root(out), dist.get_rank()
-    tmp, final = r / f".tmp-step-{step}", r / f"step-{step}"
-    if rank == 0:
-        r.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a crash mid-write
-    dist.barrier()
+    checkpoints up to step N. --ckpt-async writes through ckpt_async.AsyncSaver instead, with
+    the same begin() and commit() around DCP's async_save."""
+    tmp = begin(out, step)
     dcp.save(state, checkpoint_id=str(tmp))
     if fault is not None:
         fault("ckpt", step)  # tests: die here, with the shards written but not committed
-    if rank == 0:
+    final = commit(out, step, meta, keep_last)
+    dist.barrier()
+    return final
+
+
+def begin(out, step: int) -> Path:
+    """Collective: out/checkpoints/.tmp-step-N, emptied of what a crash mid-write left there,
+    ready for every rank's shards once this returns."""
+    r = root(out)
+    tmp = r / f".tmp-step-{step}"
+    if dist.get_rank() == 0:
+        r.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a crash mid-write
+    dist.barrier()
+    return tmp
+
+
+def commit(out, step: int, meta: dict, keep_last: int = 0) -> Path:
+    """Rank 0 (the others return at once): make .tmp-step-N, whose shards every rank has
+    written, the complete step-N (meta.json, fsyncs, the rename), then rotate keep_last.
+    Not collective: the caller knows every rank's write finished (dcp.save returned on every
+    rank, or ckpt_async's agreement) and adds a barrier where others must see step-N."""
+    r = root(out)
+    tmp, final = r / f".tmp-step-{step}", r / f"step-{step}"
+    if dist.get_rank() == 0:
         atomic_write_text(tmp / "meta.json", json.dumps({**meta, "step": step}, indent=1))
         fsync_dir(tmp)
         if final.exists():  # a rerun of a step (resumed from an earlier checkpoint)
@@ -127,7 +147,6 @@ def save(state: dict, out, step: int, meta: dict, fault=None, keep_last: int = 0
             older = [d for s, d in complete(out) if s < step]
             for d in older[:max(0, len(older) - (keep_last - 1))]:
                 _remove(r, d)
-    dist.barrier()
     return final
 
 

@@ -12,7 +12,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
-from . import ft, offload
+from . import ckpt_async, elastic, ft, offload
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 # pyfast.parallel.context's METHODS and LAYOUTS, here so that parsing the flags imports no torch
@@ -97,6 +97,10 @@ class TrainConfig:
     base_dtype: str = "none"        # the frozen base's storage: none (as built), bf16, int8, nf4
     base_placement: str = "auto"    # --zero 3: auto, replicate (whole on every rank) or shard
     loss_chunks: int = 0            # K: the LM head and loss in K checkpointed chunks; 0: off
+    # elastic restarts (pyfast.train.elastic): dp and grad_accum re-planned for the world
+    elastic: bool = False
+    # cheap checkpoints (pyfast.train.ckpt_async)
+    ckpt_async: bool = False        # DCP async_save in a background thread (at most one)
     # per-step fault tolerance through torchft (pyfast.train.ft)
     ft: bool = False                # this job is one replica group of a torchft run
     lighthouse: str = ""            # HOST:PORT of torchft_lighthouse
@@ -231,6 +235,8 @@ def parser() -> argparse.ArgumentParser:
     add_diloco_flags(p, d)
     add_lora_flags(p, d)
     offload.add_flags(p, d)
+    elastic.add_flags(p, d)
+    ckpt_async.add_flags(p, d)
     ft.add_flags(p, d)
     g = p.add_argument_group("dry run (pyfast.train.dryrun: no process is started)")
     g.add_argument("--dry-run", action="store_true", help="run one whole step of the job for a "
@@ -254,6 +260,15 @@ DRY_FLAGS = ("dry_run", "dry_rank", "gpu", "json")
 def from_args(ns: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**{k: v for k, v in vars(ns).items()
                           if k not in LAUNCH_FLAGS + DRY_FLAGS})
+
+
+def plan_world(cfg: TrainConfig, world: int) -> TrainConfig:
+    """cfg as it runs on `world` ranks: with --elastic, dp and grad_accum re-planned for the
+    world (pyfast.train.elastic.plan); ConfigError naming the numbers when it cannot be."""
+    planned = elastic.plan(cfg, world)
+    if isinstance(planned, str):
+        raise ConfigError(planned)
+    return planned
 
 
 def check(cfg: TrainConfig, world: int, model: bool = True) -> dict:
@@ -300,6 +315,8 @@ def check(cfg: TrainConfig, world: int, model: bool = True) -> dict:
     check_zero(cfg)
     if offload.problem(cfg):
         raise ConfigError(offload.problem(cfg))
+    if elastic.problem(cfg):
+        raise ConfigError(elastic.problem(cfg))
     if ft.problem(cfg):  # --ft and its flags (pyfast.train.ft)
         raise ConfigError(ft.problem(cfg))
     check_diloco(cfg)
@@ -342,6 +359,10 @@ RESUME_FREE += ("zero_shard_group",)
 # offloaded state is saved as if it were on the device (tests/test_zero_offload.py); the delayed
 # update (--offload-delay) is another update rule: refused as an optimizer change is
 RESUME_FREE += ("offload", "offload_prefetch")
+# --elastic re-plans dp and grad_accum (both free above) and resumes: the run is the same
+RESUME_FREE += ("elastic",)
+# how a checkpoint is written changes nothing in it (tests/test_ckpt_async.py: bit-identical)
+RESUME_FREE += ("ckpt_async",)
 
 
 def resume_changes(cfg: TrainConfig, record: dict, data: dict | None = None

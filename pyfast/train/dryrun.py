@@ -239,7 +239,17 @@ def main(cfg: TrainConfig, ns) -> int:
         world = ns.nproc or cfg.ranks
         if ns.nnodes != 1 or ns.print_launch:
             raise ConfigError("--dry-run runs in this one process: no --nnodes / --print-launch")
+        if cfg.elastic:  # the plan for --nproc ranks; no checkpoint is read (nothing is loaded)
+            from .config import plan_world
+            from .elastic import describe
+            asked, cfg = cfg, plan_world(cfg, world)
+            what = describe(cfg, None, flags=asked) or "the flags' mesh as given"
+            print(f"pyfast train: --elastic on the dry run: planned for {world} ranks, {what}; "
+                  "no checkpoint is read", file=sys.stderr)
         rows = dry_run(cfg, world, parse_ranks(ns.dry_rank, cfg), ns.gpu)
+        from .ckpt_async import dry_note
+        if dry_note(cfg):  # on stderr: --json's stdout stays one JSON object
+            print(f"pyfast train: note: {dry_note(cfg)}", file=sys.stderr)
     except ConfigError as e:
         print(f"pyfast train: error: {e}", file=sys.stderr)
         return 2

@@ -7,7 +7,8 @@ import os
 import shlex
 import sys
 
-from .config import ConfigError, TrainConfig, check, check_degrees, check_shard_group
+from .config import (ConfigError, TrainConfig, check, check_degrees, check_shard_group,
+                     plan_world)
 
 
 def worker_args(cfg: TrainConfig) -> list[str]:
@@ -52,17 +53,20 @@ def launch(cfg: TrainConfig, ns) -> int:
         if nproc < 1:
             raise ConfigError(f"--nproc must be >= 1, got {nproc}")
         world = nproc * ns.nnodes
-        if ns.nproc and world != ranks:
+        # --elastic: the ranks re-plan dp for the world they find (elastic.plan); the workers
+        # get the flags as asked, so a torchrun restart at another size plans again from them
+        planned = plan_world(cfg, world)
+        if ns.nproc and world != planned.ranks:
             raise ConfigError(f"{cfg.mesh_flags()} = {ranks} ranks, "
                               f"but --nproc {nproc} x --nnodes {ns.nnodes} = {world}")
-        data = check(cfg, world)
-        check_shard_group(cfg, nproc)  # --zero-shard-group against the ranks of a node
+        data = check(planned, world)
+        check_shard_group(planned, nproc)  # --zero-shard-group against the ranks of a node
         from .ft import unreachable
         if not ns.print_launch and unreachable(cfg):  # --ft: before any process starts
             raise ConfigError(unreachable(cfg))
         from .run import check_resume
         if not ns.print_launch:
-            check_resume(cfg, restarted=False, data=data)
+            check_resume(planned, restarted=False, data=data)
     except ConfigError as e:
         print(f"pyfast train: error: {e}", file=sys.stderr)
         return 2

@@ -133,7 +133,9 @@ def summary(records: list[dict], title: str):
             sent_row(records, med),
             *([("of which across the shard groups (nodes)", f"{med('cross_node_bytes') / 1e6:.2f}")]
               if all("cross_node_bytes" in r for r in timed) else []),
-            ("peak RSS MB (max rank)", f"{max(r.get('max_rss_mb', 0) for r in records):.0f}")]
+            ("peak RSS MB (max rank)", f"{max(r.get('max_rss_mb', 0) for r in records):.0f}"),
+            # --elastic: each start that changed the mesh (pyfast.train.elastic.describe)
+            *(("elastic", r["elastic"]) for r in records if "elastic" in r)]
     ft = [r for r in records if "committed" in r]  # --ft (pyfast.train.ft_step)
     if ft:
         parts = [r["participants"] for r in ft]

@@ -12,8 +12,10 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from . import checkpoint as ck, offload
-from .config import ConfigError, TrainConfig, check, check_data, resume_changes
+from . import checkpoint as ck, elastic, offload
+from .ckpt_async import CheckpointError, Checkpointer, summary_rows
+from .config import (ConfigError, TrainConfig, check, check_data, plan_world,
+                     resume_changes)
 from .job import Job, NonFiniteError
 from .metrics import MetricsLog, Progress, plot, read, summary
 from .sample import Sampler
@@ -31,12 +33,14 @@ def check_resume(cfg: TrainConfig, restarted: bool, say=warn, data: dict | None 
     finds none, when its run differs from this one in anything but what may change
     (config.resume_changes: every difference named, with both values), or when a fresh run
     would mix with old ones. `say` (None: silent) gets each skipped checkpoint directory and
-    each allowed change; `data`: the data's fingerprint if known (else computed here)."""
+    each allowed change; `data`: the data's fingerprint if known (else computed here).
+    --elastic resumes like --resume when a checkpoint exists and starts fresh when none does;
+    the dp / grad-accum change it made itself is told by elastic.describe, not here."""
     quiet = say or (lambda msg: None)
     found = ck.latest(cfg.out, warn=quiet)
-    if cfg.resume or restarted:
+    if cfg.resume or restarted or cfg.elastic:
         if found is None:
-            if restarted:  # died before the first checkpoint: start again
+            if restarted or cfg.elastic:  # died before the first checkpoint / a first start
                 return None
             raise ConfigError(f"--resume: no complete checkpoint under {ck.root(cfg.out)}")
         meta = ck.read_meta(found[1])
@@ -53,6 +57,8 @@ def check_resume(cfg: TrainConfig, restarted: bool, say=warn, data: dict | None 
             raise ConfigError(f"--resume: {found[1]} was written by another run; "
                               + "; ".join(refused) + ". Only the mesh, the eval/checkpoint "
                               "cadence and (with --allow-change steps) --steps may change")
+        if cfg.elastic:  # elastic.plan's own change: its line says it
+            changed = [c for c in changed if not c.startswith(("--dp:", "--grad-accum:"))]
         for c in changed:
             quiet(f"--resume from {found[1]} with a changed flag: {c}")
         return found
@@ -76,18 +82,21 @@ def run(cfg: TrainConfig, device: torch.device, restarted: bool = False) -> None
     ConfigError / NonFiniteError are decided alike on every rank; anything else raised is this
     rank's alone (the others may sit in a collective)."""
     rank = dist.get_rank()
+    asked, cfg = cfg, plan_world(cfg, dist.get_world_size())  # --elastic: dp for this world
     # same flags, same answer on every rank; the model's limits are checked on the model
     # itself when the job builds it, before its first collective after the Mesh
     data = check(cfg, dist.get_world_size(), model=False)
     found = check_resume(cfg, restarted, say=warn if rank == 0 else None, data=data)
     job = Job(cfg, device, data)
     try:
-        start, note = 0, "fresh start"
+        start, note, same, meta = 0, "fresh start", True, None
         if found is not None:
             start, same = job.load(found[1])
+            meta = ck.read_meta(found[1])
             note = f"resumed from {found[1]}" + ("" if same else " (another mesh, compressor, "
                                                  "precision or --zero stage: per-rank RNG and "
                                                  "compression state not restored)")
+        restart = elastic.describe(cfg, meta, start, asked) if cfg.elastic else None
         if rank == 0:
             lora = (f", LoRA rank {cfg.lora}: {job.n_trainable / 1e6:.3f}M trainable"
                     if cfg.lora else "")
@@ -96,11 +105,13 @@ def run(cfg: TrainConfig, device: torch.device, restarted: bool = False) -> None
                   f"{job.corpus.source}; {note}", flush=True)
             print(describe_tensorboard(cfg.tensorboard, cfg.out), flush=True)
             for line in (job.frozen_note, offload.describe(job) if job.zero else None,
-                         job.ft.describe() if job.ft is not None else None):
+                         restart, job.ft.describe() if job.ft is not None else None):
                 if line:
                     print(f"pyfast train: {line}", flush=True)
-        _loop(cfg, job, start, device)
-    except (ConfigError, NonFiniteError):
+            if cfg.elastic and meta is not None and elastic.describe_reset(cfg, meta, same):
+                warn(elastic.describe_reset(cfg, meta, same))
+        _loop(cfg, job, start, device, restart)
+    except (ConfigError, NonFiniteError, CheckpointError):
         job.close()
         raise
     job.close()  # not after another error: closing may wait on a peer that is gone
@@ -117,10 +128,10 @@ def main(cfg: TrainConfig) -> int:
     try:
         run(cfg, device, restarted)
         code = 0
-    except (ConfigError, NonFiniteError) as e:  # decided alike on every rank
+    except (ConfigError, NonFiniteError, CheckpointError) as e:  # decided alike on every rank
         if dist.get_rank() == 0:
             print(f"pyfast train: error: {e}", file=sys.stderr, flush=True)
-        code = 2 if isinstance(e, ConfigError) else 3
+        code = {ConfigError: 2, NonFiniteError: 3}.get(type(e), 4)
     except BaseException:  # this rank only: the others may sit in a collective. Leave now;
         # torchrun sees the exit and stops (or restarts) every rank within its monitor period
         traceback.print_exc()
@@ -138,13 +149,17 @@ def main(cfg: TrainConfig) -> int:
     os._exit(code)
 
 
-def _loop(cfg: TrainConfig, job: Job, start: int, device) -> None:
+def _loop(cfg: TrainConfig, job: Job, start: int, device, restart: str | None = None) -> None:
+    """restart: what an elastic start changed (elastic.describe), kept in the first step's
+    record ("elastic"), whence the summary's row."""
     rank = dist.get_rank()
     log = MetricsLog(cfg.out, start) if rank == 0 else None
     bar = Progress(cfg.steps, start) if rank == 0 else None
     gpu = GPU(device)
     tb = TensorBoardLog(cfg.out, start) if rank == 0 and tb_on(cfg.tensorboard) else None
     sampler = Sampler(cfg) if cfg.sample_every else None
+    saver = Checkpointer(cfg.ckpt_async, device)
+    cost = {}  # what the last checkpoint cost its step: logged with the next step's record
     try:
         # --ft: a step that does not commit is attempted again (ft_step.FTStep.steps)
         for step in job.ft.steps(start) if job.ft is not None else range(start + 1, cfg.steps + 1):
@@ -154,6 +169,12 @@ def _loop(cfg: TrainConfig, job: Job, start: int, device) -> None:
                 if rank == 0:
                     log.write({**rec, "time": time.time()})
                 continue
+            if restart is not None and step == start + 1:
+                rec["elastic"] = restart
+            # --ckpt-async: commit the checkpoint in flight once every rank wrote it (or
+            # CheckpointError on every rank, if a write failed)
+            rec.update(cost, **saver.poll())
+            cost = {}
             if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
                 rec["val_loss"] = job.evaluate()
                 if cfg.eval_outer:
@@ -174,8 +195,16 @@ def _loop(cfg: TrainConfig, job: Job, start: int, device) -> None:
                 if tb is not None:
                     tb.write(rec)
             if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == cfg.steps:
-                job.save(cfg.out, step, keep_last=cfg.keep_last)
+                cost = saver.save(job, cfg.out, step, keep_last=cfg.keep_last)
+        saver.finish()  # the last checkpoint is complete before the job goes on to exit
+    except (ConfigError, NonFiniteError):  # every rank alike: the save in flight is finished
+        try:
+            saver.finish()
+        except CheckpointError as e:
+            warn(f"{e}")
+        raise
     finally:
+        saver.close()
         if rank == 0:
             bar.close()
             log.close()
@@ -189,6 +218,9 @@ def _loop(cfg: TrainConfig, job: Job, start: int, device) -> None:
             from rich.console import Console
             m = job.mesh
             rep = f"{m.replicas} replicas of " if m.replicas > 1 else ""
-            Console().print(summary(records, f"{cfg.model} on {rep}{m.dp}x{m.cp}x{m.tp}x{m.pp} "
-                                             "(dp x cp x tp x pp)"))
+            t = summary(records, f"{cfg.model} on {rep}{m.dp}x{m.cp}x{m.tp}x{m.pp} "
+                                 "(dp x cp x tp x pp)")
+            for k, v in summary_rows(saver.stats):  # what the checkpoints cost the steps
+                t.add_row(k, v)
+            Console().print(t)
         print(f"metrics: {log.path}\n{drawn}\ncheckpoints: {ck.root(cfg.out)}", flush=True)

@@ -52,7 +52,7 @@ from pyfast.comm.buckets import (BUCKET_MB, ENGINES, broadcast_state, check_para
                                  check_same_layout)
 from pyfast.comm.engine import NativeEngine, status as native_status
 
-from .hybrid import Replicas, check_replicas
+from .hybrid import Quorum, Replicas, check_replicas, check_torchft
 from .frozen import (MODES as FROZEN_MODES, check_frozen, frozen_named, frozen_units,
                      segment_bytes)
 from .layout import Layout, ParamShard, Unit, bucket_groups, shard_range, shard_size
@@ -121,7 +121,7 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
          group=None, bucket_mb: float | None = None, error_feedback: bool = True, units=None,
          engine: str = "auto", frozen: str = "replicate", tp_group=None, pp_group=None,
          replica_group=None, replica_compressor=None, every_rank: bool = False,
-         offload=None, prefetch: int = 1, delay: bool = False, **optim_kwargs):
+         offload=None, prefetch: int = 1, delay: bool = False, replicas=None, **optim_kwargs):
     """(model, opt): `module` wrapped for ZeRO stage 1, 2 or 3 over `group` (None: the default
     group), and a ZeroOptimizer running optim_cls(**optim_kwargs) on this rank's shards.
     optim_kwargs may hold params= (param groups, as optim_cls's first argument: lists of the
@@ -172,6 +172,12 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
     (checkpoint.py) then add a leading Replicate() mesh dimension and run over the default
     group, as they do on a tp / pp mesh.
 
+    replicas (a pyfast.parallel.ft.Replicas, torchft): hybrid sharding whose replica dimension
+    is torchft's quorum (hybrid.Quorum): sharded over `group` (this replica group's dp ranks),
+    each shard averaged over the participating replica groups through replica_compressor.
+    Stage 2 only, no offload, no replica_group (FTError otherwise). Per step: R.start(),
+    forward/backward, `if R.commit(): opt.step()`.
+
     offload, prefetch, delay (offload.py): None (everything on the device), "optimizer"
     (ZeRO-Offload: the fp32 master shards, their gradients and the optimizer state in host
     memory, the step on the host) or "params" (stage 3: no device shard; each unit's host
@@ -211,8 +217,11 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
     tp_sharded = tp_flags(named, tp_group)
     check_pipeline(module, stage)
     c = _grad_compressor(compressor, error_feedback, named[0][1].device)
-    check_replicas(group, replica_group, replica_compressor)
-    rc = None if replica_group is None else \
+    if replicas is not None:
+        check_torchft(stage, replica_group, offload)
+    else:
+        check_replicas(group, replica_group, replica_compressor)
+    rc = None if replica_group is None and replicas is None else \
         _grad_compressor(replica_compressor, error_feedback, named[0][1].device)
     kinds = _engine_kinds(engine, c, C.get(param_compressor), group,  # before any collective
                           named[0][1].device, every_rank)
@@ -223,10 +232,12 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
     # every block of either compressor codes one parameter's elements only (layout.py)
     pc = C.get(param_compressor)
     align = math.lcm(*(x.block if x.spec != "none" else 1 for x in (c, pc, rc) if x is not None))
-    replicas = None if replica_group is None else Replicas(replica_group, rc)
+    ft, replicas = replicas, None if replica_group is None else Replicas(replica_group, rc)
     if replicas is not None:  # the same layout and rank 0's state in every replica too
         check_same_layout(named, replica_group)
         broadcast_state(module, replica_group)
+    elif ft is not None:  # torchft: every group builds the model from the same seed
+        replicas = Quorum(ft, rc)
     check_same_layout(named, group)
     broadcast_state(module, group)
     off = None if offload is None else \
@@ -245,7 +256,7 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
         from .offload_step import check as check_host
         problem = check_host(layout, off, optim_cls,
                              segment_bytes(fgroups, world) if fhost else 0)
-        for g in ([replica_group] if replicas is not None else []) + [group]:
+        for g in ([replica_group] if replica_group is not None else []) + [group]:
             agree(None, problem, g, what="zero", device=named[0][1].device)
     funits = frozen_units(fgroups, fmods, world, rank, off.host if fhost else None)
     described = ([f"stage {stage}", f"compressor {c.spec}", f"param_compressor {param_compressor}"]
@@ -253,7 +264,7 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
                  + coords(tp_group, pp_group) + [f"offload {offload} {prefetch} {delay}"]
                  + layout.describe()
                  + [d for f in funits for d in f.describe()])
-    for g in ([replica_group] if replicas is not None else []) + [group]:
+    for g in ([replica_group] if replica_group is not None else []) + [group]:
         agree(described, None, g, what="zero", device=named[0][1].device,
               differ=_first_difference)
     if stage == 3:
@@ -262,6 +273,10 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
     else:
         model = ZeroModel(module, layout, stage, c, group, named, kinds, offload=off)
     model.replicas = replicas
+    if ft is not None and getattr(c, "feedback", None) is not None:
+        # the shard group's compressor memory too: kept by torchft's commit only
+        model.stage_feedback(True)
+        ft.on_commit(lambda: model.settle_feedback(True), lambda: model.settle_feedback(False))
     model.set_mesh(tp_group, pp_group, tp_sharded)
     opt = ZeroOptimizer(model, optim_cls, **optim_kwargs)
     return model, opt

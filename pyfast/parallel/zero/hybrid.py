@@ -28,13 +28,16 @@ cross-node bytes apart from its total (tests check the count against /proc/self/
 """
 from __future__ import annotations
 
+import contextlib
+import copy
+
 import torch
 import torch.distributed as dist
 
 from pyfast import _dist
 from pyfast.comm import all_reduce
 from pyfast.comm.buckets import broadcast_coalesced
-from pyfast.comm.collectives import Handle
+from pyfast.comm.collectives import Handle, NonFiniteGradient
 from pyfast.comm.cost import sent_bytes
 
 
@@ -109,3 +112,106 @@ def check_replicas(group, replica_group, replica_compressor) -> None:
     if set(shard) & set(reps) != {me}:
         raise ValueError(f"replica_group {reps} and group {shard} share ranks other than this "
                          f"one ({me}): a replica group holds one rank of each shard group")
+
+
+class Quorum(Replicas):
+    """Hybrid sharding's replica half under torchft (zero(..., replicas=R): a
+    pyfast.parallel.ft.Replicas): `group` (the shard group) is this replica group's dp ranks,
+    and each unit's reduced shard is averaged over the participating replica groups on R.group
+    (the quorum's group, reconfigured when a group dies or joins: rank r of every group holds
+    the same shard), through replica_compressor: summed, then divided by R.participants read at
+    that step (never a cached world). The error-feedback memory of the step is staged
+    (ErrorFeedback.begin_step at the step's first unit) and kept or dropped by R.commit();
+    a failed collective on R.group is reported to torchft (R.report), not raised: the model
+    stays usable and this group's step does not commit. The compressor's own state travels
+    to a healing group; its memory does not (pyfast.parallel.ft_reduce says why)."""
+
+    torchft = True
+
+    def __init__(self, ft, compressor):
+        self.ft, self.compressor = ft, compressor
+        self.bytes_sent = 0
+        self._sent: dict[tuple[int, int], int] = {}
+        self._open = False
+        fb = compressor.feedback
+        if fb is not None:
+            ft.on_commit(lambda: self._settle(fb.commit), lambda: self._settle(fb.rollback))
+        inner = getattr(compressor, "inner", compressor)
+        ft.register("zero.replica_compression", lambda: copy.deepcopy(inner.state_dict()),
+                    inner.load_state_dict)
+
+    def _settle(self, how) -> None:
+        how()
+        self._open = False
+
+    @property
+    def group(self):
+        return self.ft.group
+
+    @property
+    def world(self) -> int:
+        return self.ft.participants
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    def describe(self) -> list[str]:  # agreed inside the replica group only
+        return [f"replica_compressor {self.compressor.spec}", "replicas torchft"]
+
+    def _reduce(self, u, out, before) -> None:
+        if before is not None:
+            before.wait()
+        if not self.ft.participating:  # a spare: contributes nothing
+            out.zero_()
+        all_reduce(out, self.compressor, self.group, op="sum", name=f"{u.name}.r")
+        out.div_(self.ft.participants)
+
+    def launch(self, u, out: torch.Tensor, before, async_op: bool):
+        fb = self.compressor.feedback
+        if fb is not None and not self._open:  # the step's first unit: stage its updates
+            fb.begin_step()
+            self._open = True
+        key = (out.numel(), self.world)
+        if key not in self._sent:
+            self._sent[key] = sent_bytes(self.compressor, *key)
+        self.bytes_sent += self._sent[key]
+        if not async_op:
+            self._reduce(u, out, before)
+            return None
+        return Handle.on_worker(self._reduce, u, out, before)
+
+    def broadcast(self, tensors) -> None:
+        """Buffers: the quorum's rank 0's into every group; a failure is reported."""
+        with self.reported():
+            super().broadcast(tensors)
+
+    def mesh_ranks(self, table, device):
+        from pyfast.parallel.ft import FTError
+        raise FTError("a DCP checkpoint of zero(..., replicas=R) across replica groups: not "
+                      "supported (the quorum's ranks are not this job's); save per replica "
+                      "group, e.g. from group 0")
+
+    @contextlib.contextmanager
+    def reported(self):
+        """A failed reduction is torchft's to handle (ft_reduce.ReplicaReduce.reported)."""
+        try:
+            yield
+        except NonFiniteGradient:  # the caller's to see, as without torchft
+            raise
+        except Exception as e:  # noqa: BLE001 - whatever the backend raised for a dead peer
+            self.ft.report(e)
+
+
+def check_torchft(stage: int, replica_group, offload) -> None:
+    """zero(replicas=R)'s arguments, before any collective: FTError for what cannot run."""
+    from pyfast.parallel.ft import FTError
+    if replica_group is not None:
+        raise FTError("zero(replicas=R): the replica dimension is torchft's quorum; leave "
+                      "replica_group out (group is this replica group's shard group)")
+    if stage != 2:
+        raise FTError(f"zero(replicas=R) runs stage 2 (stage {stage} asked): stage 1 reduces "
+                      "inside opt.step(), after torchft's commit vote, and stage 3 under torchft "
+                      "is not built")
+    if offload is not None:
+        raise FTError(f"zero(replicas=R, offload={offload!r}): not built under torchft")

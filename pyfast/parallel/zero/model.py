@@ -248,6 +248,11 @@ class ZeroModel(nn.Module):
             fb.commit() if keep else fb.rollback()
             self._staged = False
 
+    def _guarded(self, what: str):
+        """A failure breaks the model; under torchft it is reported instead (hybrid.Quorum)."""
+        r = self.replicas
+        return r.reported() if getattr(r, "torchft", False) else self._breaker.guard(what)
+
     @property
     def _device(self):
         return self._params[0].device if self._params else None
@@ -256,7 +261,7 @@ class ZeroModel(nn.Module):
         """Wait for every launched reduce-scatter (all of them, even after one failed: one
         still running would interleave with the caller's next collective), agree on which
         parameters were used (side band), and add each reduced shard to its master's .grad."""
-        with self._breaker.guard("zero gradient reduce-scatter"):
+        with self._guarded("zero gradient reduce-scatter"):
             self._finish()
 
     def _finish(self) -> None:
@@ -291,7 +296,7 @@ class ZeroModel(nn.Module):
         self._dirty = False
         if self._ready is not None:
             self._ready.disarm()
-        with self._breaker.guard("zero gradient reduce-scatter"):  # stage 1's run here
+        with self._guarded("zero gradient reduce-scatter"):  # stage 1's run here
             for u in self.layout.units:
                 self._launch(u)
         self.finish()
