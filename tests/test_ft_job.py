@@ -106,6 +106,8 @@ def test_kill_restart_heal(tmp_path):
      "not divisible by min-replicas 3"),
     (["--ft", "--lighthouse", "localhost:9", "--replica-id", "0", "--dry-run"],
      "--dry-run with --ft"),
+    (["--ft", "--lighthouse", "localhost:9", "--replica-id", "0", "--elastic"],
+     "--ft with --elastic"),
 ])
 def test_bad_flags(args, want, capsys, tmp_path):
     from pyfast.train import main

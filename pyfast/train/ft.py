@@ -93,6 +93,9 @@ def problem(cfg) -> str | None:
                      "--ft --diloco with --compress {compress}: --compress is DataParallel's "
                      "inside a group (dp x cp = 1 here: nothing to reduce); the groups' outer "
                      "reduction takes --outer-compress"),
+        "elastic": (getattr(cfg, "elastic", False), "--ft with --elastic: a group that re-plans "
+                    "its dp at a restart is not combined with torchft's heal yet; restart a group "
+                    "at its own size (torchft drops and re-admits whole groups)"),
         "replicas": (cfg.replicas > 1, "--ft with --replicas {replicas}: under --ft every replica "
                      "group is a `pyfast train` of its own (--replica-id); the replica dimension "
                      "is torchft's"),
