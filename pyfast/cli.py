@@ -37,6 +37,8 @@ BENCHMARKS = {
                       "8B-405B on 8-512 H100, 64 A100): fitted constants, held-out errors",
     "data": "pyfast data prepare's MB/s (1 vs 2 workers, bytes and BPE), data vs compute per "
             "step, RSS vs corpus size",
+    "ft": "pyfast train --ft (torchft): recovery from a killed replica group vs torchrun's "
+          "restart from a checkpoint, and the per-step cost when nothing fails",
     "diloco": "DiLoCo / Streaming DiLoCo vs data parallelism on 100 Mbit/s and 1 Gbit/s links: "
               "time to loss, bytes, peak bandwidth, compute utilization",
     "lora": "LoRA vs a full fine-tune of a ~100M Llama on dp2: tokens/s, peak RSS, bytes, "

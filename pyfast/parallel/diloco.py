@@ -34,6 +34,7 @@ from pyfast.comm.collectives import Handle, check_backend
 from pyfast.comm.agree import exchange_device
 from pyfast.comm.dry import read
 from pyfast.comm.failure import new_group_like
+from pyfast.parallel import diloco_ft
 from pyfast.parallel.data import broadcast_coalesced, check_same_layout
 
 _INDEX = re.compile(r"^\d+$")
@@ -181,6 +182,10 @@ class DiLoCo:
     therefore gets a private copy (new_group_like, made here); a group passed in must carry
     nothing else while a fragment is in flight (Mesh.replica_group is a group of its own).
 
+    replicas: a pyfast.parallel.ft.Replicas (torchft): the replicas are then torchft's replica
+    groups (group=None, delay 0): each outer step is a torchft step with its quorum, heal and
+    commit (pyfast.parallel.diloco_ft; the caller registers its model and inner optimizer).
+
     inner_group: the ranks of this rank's replica holding the same parameters (DataParallel's
     or ZeRO-1/2's group; None: this rank alone). Each of its n ranks sends only its 1/n slice
     of every fragment to the same slice in the other replicas, and the averaged slices are
@@ -193,7 +198,7 @@ class DiLoCo:
                  outer_momentum: float = 0.9, nesterov: bool = True, fragments: int = 1,
                  delay: int = 0, alpha: float = 0.0, compressor="int4",
                  error_feedback: bool = True, group=None, offload: bool = False,
-                 inner_group=None):
+                 inner_group=None, replicas=None):
         self.H = _int("sync_every", sync_every, 1)
         self.F = _int("fragments", fragments, 1)
         self.delay = _int("delay", delay, 0)
@@ -235,9 +240,13 @@ class DiLoCo:
             raise ValueError(f"DiLoCo: parameters on several devices {sorted(map(str, devices))}")
         self.device = devices.pop()
         check_backend(self.device, group, "DiLoCo's outer all-reduce")  # CUDA needs NCCL
-        check_tiling(group, self.device)
+        self.ft = replicas  # torchft's replica groups (diloco_ft): no tiling, no broadcast
+        if replicas is not None:
+            diloco_ft.check(self, replicas, group, self.delay)
+        else:
+            check_tiling(group, self.device)
         self.model, self.inner_opt, self.group = model, inner_opt, group
-        self.replicas = dist.get_world_size(group)
+        self.replicas = dist.get_world_size(group) if replicas is None else None
         # the all-reduce's own group: a private copy of the default group behind a delay (the
         # class docstring); collective over the default group, as check_tiling
         default = group is None or group is dist.group.WORLD
@@ -245,8 +254,9 @@ class DiLoCo:
         self.inner_group = inner_group
         self.inner = 1 if inner_group is None else dist.get_world_size(inner_group)
         self._inner_rank = 0 if inner_group is None else dist.get_rank(inner_group)
-        check_same_layout(named, group)
-        broadcast_coalesced([p for _, p in named], group)
+        if replicas is None:  # under torchft every group builds from one seed (init_sync off)
+            check_same_layout(named, group)
+            broadcast_coalesced([p for _, p in named], group)
 
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
@@ -278,6 +288,8 @@ class DiLoCo:
         self.payload_bytes = 0 if self.compressor.algorithm in ("dense", "native") else None
         self._pending: _Pending | None = None
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="pyfast-diloco")
+        if replicas is not None:
+            diloco_ft.attach(self, replicas)
 
     # ------------------------------------------------------------------ the loop
     def step(self, closure=None):
@@ -288,11 +300,23 @@ class DiLoCo:
         if p is not None and p.sent_at + self.delay == t:
             self._apply()
         f = fragment_due(t, self.H, self.F)
-        if f is not None:
+        if f is not None and self.ft is not None:  # one torchft step (diloco_ft)
+            diloco_ft.outer_step(self)
+        elif f is not None:
             self._send(f, t)
             if self.delay == 0:
                 self._apply()
         return loss
+
+    def due(self, t: int) -> int | None:
+        """The fragment sent after inner step t, or None (fragment_due)."""
+        return fragment_due(t, self.H, self.F)
+
+    def _apply_reduced(self, f: int, t: int, flat: torch.Tensor, avg: torch.Tensor) -> None:
+        """Apply fragment f's averaged pseudo-gradient `avg` (this rank's slice) now: the
+        outer step of a reduction already done on the caller's thread (diloco_ft)."""
+        self._pending = _Pending(f, t, flat, Handle(lambda timeout: (avg, 0.0)))
+        self._apply()
 
     @property
     def in_flight(self) -> _Pending | None:

@@ -12,7 +12,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
-from . import ckpt_async, elastic, offload
+from . import ckpt_async, elastic, ft, offload
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 # pyfast.parallel.context's METHODS and LAYOUTS, here so that parsing the flags imports no torch
@@ -101,6 +101,12 @@ class TrainConfig:
     elastic: bool = False
     # cheap checkpoints (pyfast.train.ckpt_async)
     ckpt_async: bool = False        # DCP async_save in a background thread (at most one)
+    # per-step fault tolerance through torchft (pyfast.train.ft)
+    ft: bool = False                # this job is one replica group of a torchft run
+    lighthouse: str = ""            # HOST:PORT of torchft_lighthouse
+    replica_id: int = -1            # this group's id (required with --ft)
+    min_replicas: int = 1           # the fewest groups a step commits with
+    ft_timeout: float = 30.0        # seconds a silent peer group is waited for
 
     @property
     def m(self) -> int:
@@ -231,6 +237,7 @@ def parser() -> argparse.ArgumentParser:
     offload.add_flags(p, d)
     elastic.add_flags(p, d)
     ckpt_async.add_flags(p, d)
+    ft.add_flags(p, d)
     g = p.add_argument_group("dry run (pyfast.train.dryrun: no process is started)")
     g.add_argument("--dry-run", action="store_true", help="run one whole step of the job for a "
                    "world of --nproc ranks in this process, on memoryless (meta) tensors over "
@@ -294,7 +301,7 @@ def check(cfg: TrainConfig, world: int, model: bool = True) -> dict:
         raise ConfigError(f"--compress {cfg.compress!r}: {e}") from None
     if cfg.bucket_mb < 0:
         raise ConfigError(f"--bucket-mb must be > 0 (0: DataParallel's default), got {cfg.bucket_mb}")
-    if cfg.compress not in ("none", "") and cfg.dp * cfg.cp == 1:
+    if cfg.compress not in ("none", "") and cfg.dp * cfg.cp == 1 and not cfg.ft:
         raise ConfigError(f"--compress {cfg.compress} compresses the data-parallel gradient "
                           "reduction, but --dp is 1 (nothing to reduce)")
     unknown = {f.strip() for f in cfg.allow_change.split(",") if f.strip()} - \
@@ -310,6 +317,8 @@ def check(cfg: TrainConfig, world: int, model: bool = True) -> dict:
         raise ConfigError(offload.problem(cfg))
     if elastic.problem(cfg):
         raise ConfigError(elastic.problem(cfg))
+    if ft.problem(cfg):  # --ft and its flags (pyfast.train.ft)
+        raise ConfigError(ft.problem(cfg))
     check_diloco(cfg)
     check_lora(cfg)
     data = check_data(cfg)
@@ -335,6 +344,8 @@ RESUME_ALLOWABLE = ("steps",)
 RESUME_FREE += ("tensorboard", "sample_every", "prompt", "sample_tokens", "sample_top_k")
 # DiLoCo's global parameters and outer state are the same on every replica: --replicas may change
 RESUME_FREE += ("replicas",)
+# --ft: where the lighthouse is and how the groups meet change nothing a checkpoint holds
+RESUME_FREE += ("ft", "lighthouse", "replica_id", "min_replicas", "ft_timeout")
 # where a --zero 3 LoRA base lives changes no value (replicated and sharded bases run the same
 # bytes: tests/test_zero_frozen.py) and the checkpoints hold no frozen parameter either way
 RESUME_FREE += ("base_placement",)

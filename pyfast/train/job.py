@@ -59,6 +59,7 @@ from pyfast.parallel.zero.frozen import decide as decide_frozen
 
 from . import checkpoint as ck
 from . import offload, outer
+from .ft_step import replicas as ft_replicas
 from .config import (ConfigError, TrainConfig, build_model, check_data, check_model,
                      check_shard_group, lora_options)
 from .telemetry import bytes_written
@@ -206,8 +207,10 @@ class Job:
         rest = [p for p in self.params if p.dim() < 2]
         groups = [{"params": decay, "weight_decay": cfg.weight_decay},
                   {"params": rest, "weight_decay": 0.0}]
-        self.dp = self.zero = None
+        self.dp = self.zero = self.replicas = None
         self.frozen_note = None  # --lora --zero 3: where the frozen base lives, and why
+        if cfg.ft:  # --ft: this group's torchft Replicas, before what reduces through it
+            self.replicas = ft_replicas(cfg, device)
         if cfg.zero:  # config.check_zero; shards each tp / pp shard over its dp x cp ranks
             frozen = "replicate"
             if cfg.zero == 3 and cfg.lora:
@@ -234,13 +237,17 @@ class Job:
                 every_rank=True,
                 error_feedback=cfg.error_feedback == "on",
                 **({"bucket_mb": cfg.bucket_mb} if cfg.bucket_mb else {}))
-        elif cfg.dp * cfg.cp > 1:
+        elif cfg.dp * cfg.cp > 1 or (cfg.ft and not cfg.diloco):
             # fp16: GradScaler overflows by design (gpt-tiny's first step at scale 2^16 already
             # does); "skip" sends an overflowing bucket as zeros and puts every feedback memory
             # back, so the skipped step leaves no NaN in it. Otherwise a NaN/Inf stops the run
             # before the update (train_step), so the 3% the check costs (benchmarks.md) is saved.
             finite = "skip" if cfg.precision == "fp16" else False
+            # --ft: torchft's replica groups too (exact inside the group, --compress across
+            # them: pyfast.parallel.ft_reduce), even with one rank a group; not with --diloco
+            # (the groups meet at DiLoCo's outer steps only)
             self.dp = DataParallel(module, compressor=cfg.compress, group=mesh.dp_cp_group,
+                                   replicas=None if cfg.diloco else self.replicas,
                                    check_finite=finite, error_feedback=cfg.error_feedback == "on",
                                    **({"bucket_mb": cfg.bucket_mb} if cfg.bucket_mb else {}))
         self.net = self.dp or self.zero or module
@@ -270,7 +277,7 @@ class Job:
         # --diloco: the inner optimizer steps through DiLoCo over the replica group (outer.py)
         # (with --zero 1|2 DiLoCo sets the parameters zero's optimizer steps views of)
         self.diloco = outer.build(cfg, self.zero if self.zero is not None else module,
-                                  self.opt, mesh) if cfg.diloco else None
+                                  self.opt, mesh, self.replicas) if cfg.diloco else None
         self.outer = outer.Meter() if cfg.diloco else None
         # --replicas R > 1: the step's small all-reduce runs over this replica's own ranks, and
         # the replicas compare losses and NaN/Inf verdicts only where they meet (outer.Meeting)
@@ -282,10 +289,18 @@ class Job:
                                *self.data_slot)
         self.skips = 0
         self.carried = 0  # bytes written after the last step's count, counted in this one
+        # --ft: this group's torchft step (quorum, heal, cross-group average, commit)
+        self.ft = None
+        if cfg.ft:
+            from .ft_step import FTStep
+            self.ft = FTStep(self)
 
     @property
     def data_slot(self) -> tuple[int, int]:
         """(this rank's slice of a global batch, the number of slices): replica-major."""
+        if self.cfg.ft and self.cfg.diloco:  # group N reads slice N mod M (pyfast.train.ft)
+            m = self.cfg.min_replicas
+            return self.cfg.replica_id % m * self.cfg.dp + self.mesh.dp_rank, m * self.cfg.dp
         return self.mesh.replica_rank * self.cfg.dp + self.mesh.dp_rank, \
             self.cfg.replicas * self.cfg.dp
 
@@ -396,6 +411,8 @@ class Job:
         return total, waited
 
     def train_step(self, step: int) -> dict:
+        if self.ft is not None and not self.cfg.diloco:
+            return self.ft.train_step(step)
         cfg = self.cfg
         t0, w0 = clock(self.device), bytes_written()  # clock: on CUDA, after the queued work
         c0 = self._cross_bytes()
@@ -477,6 +494,8 @@ class Job:
             rec.update(self.outer.record())
         if self.meeting is not None:
             rec.update(self.meeting.record())
+        if self.ft is not None:  # --ft --diloco: the outer step's verdict; a heal moves the step
+            rec.update(self.ft.outer_record())
         return rec
 
     def _cross_bytes(self) -> int:
@@ -724,3 +743,5 @@ class Job:
             self.dp.close()
         if self.zero is not None:
             self.zero.close()
+        if self.ft is not None:  # after the DataParallel that reduces through it
+            self.replicas.close()

@@ -61,6 +61,9 @@ def launch(cfg: TrainConfig, ns) -> int:
                               f"but --nproc {nproc} x --nnodes {ns.nnodes} = {world}")
         data = check(planned, world)
         check_shard_group(planned, nproc)  # --zero-shard-group against the ranks of a node
+        from .ft import unreachable
+        if not ns.print_launch and unreachable(cfg):  # --ft: before any process starts
+            raise ConfigError(unreachable(cfg))
         from .run import check_resume
         if not ns.print_launch:
             check_resume(planned, restarted=False, data=data)

@@ -136,6 +136,12 @@ def summary(records: list[dict], title: str):
             ("peak RSS MB (max rank)", f"{max(r.get('max_rss_mb', 0) for r in records):.0f}"),
             # --elastic: each start that changed the mesh (pyfast.train.elastic.describe)
             *(("elastic", r["elastic"]) for r in records if "elastic" in r)]
+    ft = [r for r in records if "committed" in r]  # --ft (pyfast.train.ft_step)
+    if ft:
+        parts = [r["participants"] for r in ft]
+        rows += [("steps not committed (--ft)", str(sum(not r["committed"] for r in ft))),
+                 ("replica groups taking part (min..max)", f"{min(parts)}..{max(parts)}"),
+                 ("quorum ms (median)", f"{statistics.median(r['quorum_ms'] for r in ft):.1f}")]
     for k, v in rows:
         t.add_row(k, v)
     return t

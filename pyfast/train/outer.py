@@ -34,7 +34,7 @@ from .config import ConfigError
 from .telemetry import bytes_written
 
 
-def build(cfg, module, opt, mesh):
+def build(cfg, module, opt, mesh, replicas=None):
     """DiLoCo over mesh.replica_group with the job's flags; ConfigError for what only the
     model tells (more fragments than this rank's parameter tensors, ...). module: the rank's
     model, or its zero() wrapper (ZeRO-1/2: the optimizer steps views of its parameters).
@@ -49,8 +49,9 @@ def build(cfg, module, opt, mesh):
                       outer_momentum=cfg.outer_momentum, nesterov=cfg.outer_nesterov,
                       fragments=cfg.fragments, delay=cfg.diloco_delay, alpha=cfg.diloco_alpha,
                       compressor=cfg.outer_compress, error_feedback=cfg.error_feedback == "on",
-                      group=mesh.replica_group,
-                      inner_group=mesh.dp_cp_group if sliced else None)
+                      group=mesh.replica_group if replicas is None else None,
+                      inner_group=mesh.dp_cp_group if sliced else None,
+                      replicas=replicas)  # --ft: torchft's groups (pyfast.train.ft)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"--diloco {cfg.diloco}: {e}") from None
 

@@ -6,6 +6,7 @@ import datetime
 import gc
 import os
 import sys
+import time
 import traceback
 
 import torch
@@ -103,7 +104,8 @@ def run(cfg: TrainConfig, device: torch.device, restarted: bool = False) -> None
                   f"{job.mesh}, {cfg.precision}, compress {cfg.compress}; "
                   f"{job.corpus.source}; {note}", flush=True)
             print(describe_tensorboard(cfg.tensorboard, cfg.out), flush=True)
-            for line in (job.frozen_note, offload.describe(job) if job.zero else None, restart):
+            for line in (job.frozen_note, offload.describe(job) if job.zero else None,
+                         restart, job.ft.describe() if job.ft is not None else None):
                 if line:
                     print(f"pyfast train: {line}", flush=True)
             if cfg.elastic and meta is not None and elastic.describe_reset(cfg, meta, same):
@@ -159,8 +161,14 @@ def _loop(cfg: TrainConfig, job: Job, start: int, device, restart: str | None = 
     saver = Checkpointer(cfg.ckpt_async, device)
     cost = {}  # what the last checkpoint cost its step: logged with the next step's record
     try:
-        for step in range(start + 1, cfg.steps + 1):
+        # --ft: a step that does not commit is attempted again (ft_step.FTStep.steps)
+        for step in job.ft.steps(start) if job.ft is not None else range(start + 1, cfg.steps + 1):
             rec = job.train_step(step)
+            step = rec["step"]
+            if not rec.get("committed", True):  # --ft: logged, nothing else (no eval, no save)
+                if rank == 0:
+                    log.write({**rec, "time": time.time()})
+                continue
             if restart is not None and step == start + 1:
                 rec["elastic"] = restart
             # --ckpt-async: commit the checkpoint in flight once every rank wrote it (or
@@ -181,6 +189,7 @@ def _loop(cfg: TrainConfig, job: Job, start: int, device, restart: str | None = 
             if sampler is not None and (step % cfg.sample_every == 0 or step == cfg.steps):
                 rec["sample"] = sampler(job, step, bar.console if rank == 0 else None)
             if rank == 0:
+                rec["time"] = time.time()  # the step's end, unix seconds (recovery timings)
                 log.write(rec)
                 bar.update(rec)
                 if tb is not None:
