@@ -125,7 +125,8 @@ class Replicas:
     """
 
     def __init__(self, lighthouse: str, replica_id, min_replicas: int = 1, group=None,
-                 device: torch.device | str = "cpu", timeout: float = 30.0,
+                 device: torch.device | str = "cpu",  # cpu-literal: the job passes its device
+                 timeout: float = 30.0,
                  quorum_timeout: float = 120.0, connect_timeout: float = 10.0,
                  progress_s: float = 10.0):
         try:
