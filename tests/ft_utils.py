@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 
+import torch
 import torch.distributed as dist
 from dist_utils import RankPool
 
@@ -52,3 +53,14 @@ def run_groups(pools: list[RankPool], fn, args: list[tuple], timeout: float = 60
     for pool, a in zip(pools, args):
         pool.submit(fn, *a)
     return [pool.wait(timeout, expect_errors) for pool in pools]
+
+
+def equal(a, b) -> bool:
+    """Bitwise equality of nested states (tensors, dicts, lists): what a healed group must hold."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b))
+    return a == b

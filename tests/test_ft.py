@@ -17,7 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ft_utils import (coordination_store, group_env, lighthouse, run_groups, store_port)
+from ft_utils import (coordination_store, equal as _equal, group_env, lighthouse, run_groups,
+                      store_port)
 from dist_utils import RankError, RankPool
 
 V, T, B, LR, WD = 61, 16, 4, 1e-2, 0.1
@@ -234,16 +235,6 @@ def test_three_groups_equal_plain_dp_step_for_step_and_a_failed_commit_rolls_bac
     for g in (1, 2):
         for k in ("params", "optim", "lr"):
             assert _equal(res[g]["states"][-1][k], states[-1][k]), (g, k)
-
-
-def _equal(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 def test_two_rank_groups_sum_inside_then_compress_across():

@@ -16,7 +16,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from ft_utils import coordination_store, group_env, lighthouse, store_port
+from ft_utils import coordination_store, equal as _equal, group_env, lighthouse, store_port
 from dist_utils import RankPool
 
 V, T, B, H = 61, 16, 4, 2
@@ -103,16 +103,6 @@ def _group(rank, world, port, addr, rid, role, coord_port):
 def _clone(x):
     import copy
     return copy.deepcopy(x)
-
-
-def _equal(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 def test_diloco_group_dies_between_outer_steps_and_heals():

@@ -3,13 +3,11 @@ hybrid sharding over a fixed replica group, on gpt-tiny (tests/test_ft.py's mode
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from dist_utils import RankPool
-from ft_utils import group_env, lighthouse, run_groups, store_port
-from test_ft import LR, WD, _batch, _equal, _flat, _loss, _model, _replicas
-
-SHARDS, REPLICAS = [[0, 1], [2, 3]], [[0, 2], [1, 3]]
+from ft_utils import equal as _equal, group_env, lighthouse, run_groups, store_port
+from test_ft import LR, WD, _batch, _flat, _loss, _model, _replicas
+from test_zero_hybrid import _groups
 KW = dict(stage=2, compressor="int8", replica_compressor="int8", lr=LR, weight_decay=WD)
 
 
@@ -22,13 +20,7 @@ def _state(model, opt) -> dict:
 def _reference(rank, world, steps):
     """Hybrid ZeRO-2 over 4 ranks: shards {0,1} {2,3}, replicas {0,2} {1,3}."""
     from pyfast.parallel import zero
-    me, mine = dist.get_rank(), []
-    for rows in (SHARDS, REPLICAS):
-        got = None
-        for row in rows:
-            g = dist.new_group(row)
-            got = g if me in row else got
-        mine.append(got)
+    mine = _groups()
     model, opt = zero(_model(0), torch.optim.AdamW, group=mine[0], replica_group=mine[1], **KW)
     out = []
     for s in range(steps):
