@@ -90,15 +90,23 @@ def gpu_table(t: dict, path: str) -> Gpu:
     return replace(g, **kw)
 
 
-def load(path: str) -> dict:
-    """The cluster file as Cluster fields (and "gpu" a Gpu); ValueError naming the problem."""
+def read(path: str) -> dict:
+    """The cluster file parsed; ValueError naming it when it cannot be read or parsed."""
     try:
         with open(path, "rb") as f:
-            t = tomllib.load(f)
+            return tomllib.load(f)
     except OSError as e:
         raise ValueError(f"--cluster {path}: {e.strerror or e}") from None
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"--cluster {path}: not valid TOML ({e})") from None
+
+
+def load(path: str) -> dict:
+    """The cluster file as Cluster fields (and "gpu" a Gpu); ValueError naming the problem."""
+    t = read(path)
+    if "nodes" in t:
+        raise ValueError(f"--cluster {path} has [[nodes]] groups: a mixed cluster "
+                         "(cluster.build reads it)")
     bad = set(t) - TOP_KEYS
     if bad:
         raise ValueError(f"--cluster {path}: unknown keys {sorted(bad)}; known: "
@@ -129,10 +137,15 @@ def load(path: str) -> dict:
 
 def build(gpus: int | None = None, gpus_per_node: int | None = None, gpu_name: str | None = None,
           intra_bw: str | None = None, inter_bw: str | None = None,
-          cluster_file: str | None = None, host_ram: str | None = None) -> Cluster:
+          cluster_file: str | None = None, host_ram: str | None = None):
     """The Cluster of the flags over the file's values; defaults: h100, 8 GPUs a node (or all
     of them when fewer), the GPU's own intra-node link, 400 Gbit/s between nodes, the GPU's
-    usual host RAM a node (hardware.py)."""
+    usual host RAM a node (hardware.py). A file with [[nodes]] groups (nodes.py): a
+    MixedCluster, or the plain Cluster when every group has one GPU type and node size (its
+    plans and output are then the one-type planner's)."""
+    if cluster_file and "nodes" in read(cluster_file):
+        return build_nodes(cluster_file, gpus=gpus, gpus_per_node=gpus_per_node, gpu=gpu_name,
+                           intra_bw=intra_bw, host_ram=host_ram, inter_bw=inter_bw)
     f = load(cluster_file) if cluster_file else {}
     if host_ram is not None:
         f["host_ram"] = parse_size(host_ram)
@@ -157,3 +170,18 @@ def build(gpus: int | None = None, gpus_per_node: int | None = None, gpu_name: s
         f["inter_bps"] = _bw(inter_bw, "--inter-bw")
     f.setdefault("inter_bps", parse_bandwidth(DEFAULT_INTER))
     return Cluster(**f)  # its own check: gpus a multiple of gpus_per_node
+
+
+def build_nodes(path: str, inter_bw: str | None = None, **flags):
+    """A [[nodes]] file (nodes.load_nodes) with the flags that may go with it: the one-type
+    flags (flags: gpus, gpus_per_node, gpu, intra_bw, host_ram) refused by name, --inter-bw
+    the link between groups. One type throughout: the plain Cluster."""
+    from .nodes import load_nodes, refuse_flags
+    refuse_flags(path, **flags)
+    mc = load_nodes(read(path), path)
+    if inter_bw is not None:
+        mc = replace(mc, inter_bps=_bw(inter_bw, "--inter-bw"))
+    try:
+        return mc.homogeneous()
+    except ValueError:
+        return mc

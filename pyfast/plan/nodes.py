@@ -1,0 +1,214 @@
+"""A mixed cluster: `[[nodes]]` tables of a `pyfast plan --cluster FILE.toml`, each a group of
+nodes of one GPU type (pyfast/plan/mixed.py plans on it; docs/plan.md "Mixed clusters").
+
+    inter_bw = "100gbit"         # optional: the link between the groups, one way per GPU
+                                 # (default: the slowest group's NIC)
+    inter_latency_us = 10        # optional: between nodes (default hardware.INTER_LATENCY_S)
+
+    [[nodes]]                    # one table per group, in rank order (group 0's ranks first)
+    count = 2                    # nodes in the group (> 0)
+    gpus_per_node = 8            # (> 0)
+    gpu = "a100-80gb"            # a name of pyfast.plan.hardware.GPUS, or a [gpu]-style inline
+                                 # table: { base = "l40s", memory_gib = 44 } (cluster.gpu_table)
+    # optional, as at a one-type file's top level (default: the GPU's):
+    # name = "old"               # a label for the tables (default: the GPU's name)
+    # intra_bw = "32GB/s"        # one way per GPU inside a node
+    # inter_bw = "200gbit"       # this group's NIC, one way per GPU (default 400gbit)
+    # intra_latency_us = 5, inter_latency_us = 10, mfu = 0.45, host_ram = "1TB"
+
+A file with [[nodes]] takes no top-level gpus, gpus_per_node, gpu, intra_bw, ...: they are per
+group. Flags that say the same (--gpus, --gpus-per-node, --gpu, --intra-bw, --host-ram) are
+refused with such a file; --inter-bw sets the link between the groups.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from .hardware import INTER_LATENCY_S, Cluster, gpu, parse_bandwidth
+
+NODE_KEYS = {"count", "gpus_per_node", "gpu", "name", "intra_bw", "inter_bw", "intra_latency_us",
+             "inter_latency_us", "mfu", "host_ram"}
+# the keys a [[nodes]] file may have at its top level (the rest are per group)
+MIXED_TOP_KEYS = {"nodes", "inter_bw", "inter_latency_us"}
+# flags of `pyfast plan` that describe one GPU type: refused with a [[nodes]] file
+CONFLICTING_FLAGS = {"gpus": "--gpus", "gpus_per_node": "--gpus-per-node", "gpu": "--gpu",
+                     "intra_bw": "--intra-bw", "host_ram": "--host-ram"}
+
+
+@dataclass(frozen=True)
+class Group:
+    """`count` nodes of `gpus_per_node` GPUs of one type; `cluster` holds the type's GPU, its
+    links and efficiency as a one-type Cluster of this group alone."""
+    name: str
+    count: int
+    gpus_per_node: int
+    cluster: Cluster
+
+    @property
+    def gpus(self) -> int:
+        return self.count * self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class MixedCluster:
+    """Node groups of different GPU types in one job, ranks numbered group by group (the
+    order of the file's [[nodes]] tables); `inter_bps` the link between groups."""
+    groups: tuple[Group, ...]
+    inter_bps: float
+    inter_latency_s: float = INTER_LATENCY_S
+
+    def __post_init__(self):
+        if not self.groups:
+            raise ValueError("a mixed cluster needs at least one [[nodes]] group")
+
+    @property
+    def gpus(self) -> int:
+        return sum(g.gpus for g in self.groups)
+
+    @property
+    def nodes(self) -> int:
+        return sum(g.count for g in self.groups)
+
+    @property
+    def mixed(self) -> bool:
+        """More than one GPU type (groups of one type plan as one Cluster: homogeneous())."""
+        return len({(g.cluster.gpu, g.cluster.mfu) for g in self.groups}) > 1
+
+    def group_of(self, rank: int) -> int:
+        """The group index holding global rank `rank`."""
+        for i, g in enumerate(self.groups):
+            if rank < g.gpus:
+                return i
+            rank -= g.gpus
+        raise ValueError(f"rank {rank} is beyond the cluster's {self.gpus} GPUs")
+
+    def starts(self) -> list[int]:
+        """Each group's first global rank."""
+        out, r = [], 0
+        for g in self.groups:
+            out.append(r)
+            r += g.gpus
+        return out
+
+    def for_job(self, i: int) -> Cluster:
+        """Group i's type as the one-type Cluster the timing model prices a rank of it with:
+        its own GPUs, node size and intra-node link; between nodes the slower of its NIC and
+        the link between groups (a collective over the job's ranks runs at its slowest hop);
+        sized to hold every rank of the job, so that a group over more than a node crosses
+        nodes as it does here."""
+        c = self.groups[i].cluster
+        n = c.gpus_per_node
+        world = max(self.gpus, n)
+        between = min(c.inter_bps, self.inter_bps) if len(self.groups) > 1 else c.inter_bps
+        lat = max(c.inter_latency_s, self.inter_latency_s) if len(self.groups) > 1 \
+            else c.inter_latency_s
+        return replace(c, gpus=-(-world // n) * n, inter_bps=between, inter_latency_s=lat)
+
+    def homogeneous(self) -> Cluster:
+        """One type in every group, same node size: the plain Cluster (the one-type planner
+        and its output, unchanged)."""
+        c = self.groups[0].cluster
+        sizes = {g.gpus_per_node for g in self.groups}
+        if self.mixed or len(sizes) > 1:
+            raise ValueError("the cluster's groups differ in GPU type or node size: it is mixed")
+        return replace(c, gpus=self.gpus, inter_bps=min(self.inter_bps, c.inter_bps))
+
+    def label(self) -> str:
+        """'2 x 4 a100-80gb + 2 x 4 l40s' (nodes x GPUs a node, per group)."""
+        return " + ".join(f"{g.count} x {g.gpus_per_node} {g.name}" for g in self.groups)
+
+
+def _int(t: dict, key: str, where: str) -> int:
+    v = t[key]
+    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        raise ValueError(f"{where}: {key} must be an integer > 0, got {v!r}")
+    return v
+
+
+def load_nodes(t: dict, path: str) -> MixedCluster:
+    """The [[nodes]] tables of a parsed cluster file; ValueError naming the file, the table
+    (its index) and the key."""
+    from .cluster import DEFAULT_INTER, _bw, _positive, gpu_table
+    from .hardware import parse_size
+    top = f"--cluster {path}"
+    bad = set(t) - MIXED_TOP_KEYS
+    if bad:
+        raise ValueError(f"{top}: {sorted(bad)} at the top level of a file with [[nodes]]: "
+                         f"set them in each [[nodes]] table (top-level keys with [[nodes]]: "
+                         f"{sorted(MIXED_TOP_KEYS - {'nodes'})})")
+    tables = t["nodes"]
+    if not isinstance(tables, list) or not tables or \
+            not all(isinstance(x, dict) for x in tables):
+        raise ValueError(f"{top}: nodes must be one or more [[nodes]] tables, got {tables!r}")
+    groups = []
+    for i, n in enumerate(tables):
+        where = f"{top} [[nodes]] #{i + 1}"
+        unknown = set(n) - NODE_KEYS
+        if unknown:
+            raise ValueError(f"{where}: unknown keys {sorted(unknown)}; known: "
+                             f"{sorted(NODE_KEYS)}")
+        missing = {"count", "gpus_per_node", "gpu"} - set(n)
+        if missing:
+            raise ValueError(f"{where}: missing {', '.join(sorted(missing))} (each [[nodes]] "
+                             "table needs count, gpus_per_node and gpu)")
+        count, per = _int(n, "count", where), _int(n, "gpus_per_node", where)
+        g = n["gpu"]
+        try:
+            g = gpu_table(g, where) if isinstance(g, dict) else gpu(g)
+        except ValueError as e:
+            raise ValueError(f"{where}: gpu: {e}" if not str(e).startswith(where) else str(e)) \
+                from None
+        kw = {}
+        for k in ("intra_bw", "inter_bw"):
+            if k in n:
+                kw[k.replace("_bw", "_bps")] = _bw(n[k], f"{where}: {k}")
+        for k in ("intra_latency_us", "inter_latency_us"):
+            if k in n:
+                kw[k.replace("_us", "_s")] = _positive(n, k, where) * 1e-6
+        if "host_ram" in n:
+            kw["host_ram"] = parse_size(n["host_ram"], f"{where}: host_ram")
+        if "mfu" in n:
+            kw["mfu"] = _positive(n, "mfu", where)
+            if kw["mfu"] > 1:
+                raise ValueError(f"{where}: mfu is a fraction of peak (<= 1), got {kw['mfu']}")
+        elif g.mfu is not None:
+            kw["mfu"] = g.mfu
+        if g.attn_mfu is not None:
+            kw["attn_mfu"] = g.attn_mfu
+        kw.setdefault("intra_bps", g.intra_bps)
+        kw.setdefault("inter_bps", parse_bandwidth(DEFAULT_INTER))
+        name = str(n.get("name", g.name))
+        groups.append(Group(name, count, per, Cluster(count * per, per, g, **kw)))
+    between = _bw(t["inter_bw"], f"{top}: inter_bw") if "inter_bw" in t else \
+        min(g.cluster.inter_bps for g in groups)
+    lat = _positive(t, "inter_latency_us", top) * 1e-6 if "inter_latency_us" in t else \
+        max(g.cluster.inter_latency_s for g in groups)
+    return MixedCluster(tuple(groups), between, lat)
+
+
+def refuse_flags(path: str, **flags) -> None:
+    """ValueError naming the flags given that a [[nodes]] file sets per group."""
+    given = [CONFLICTING_FLAGS[k] for k, v in flags.items() if v is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)} with --cluster {path}: its [[nodes]] tables give "
+                         "each group's GPUs, GPU type, node link and host RAM; set them there "
+                         "(--inter-bw, the link between groups, is allowed)")
+
+
+def with_calibration(mc: MixedCluster, cal: dict, precision: str) -> MixedCluster:
+    """Every group priced with this machine's measured numbers `cal` (pyfast plan --measure),
+    its compute (and optimizer) scaled by the measured FLOP/s over the group's GPU's own
+    (flops_32 under fp32, else flops_16): a group whose [gpu] table says half this machine's
+    rate computes twice as long. How an emulated pair is planned (`pyfast bench plan_mixed`:
+    the probes' rate plain and throttled, written into the groups' [gpu] tables)."""
+    rate = cal.get("flops_s")
+    if not rate:
+        raise ValueError("--measure on a [[nodes]] cluster needs the probes' FLOP/s "
+                         "(calibration flops_s) to scale each group's compute by")
+    groups = []
+    for g in mc.groups:
+        c = g.cluster
+        peak = c.gpu.flops_32 if precision == "fp32" else c.gpu.flops_16
+        mine = dict(cal, compute_scale=cal.get("compute_scale", 1.0) * rate / peak)
+        groups.append(replace(g, cluster=replace(c, calibration=mine)))
+    return replace(mc, groups=tuple(groups))
