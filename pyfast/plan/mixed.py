@@ -235,10 +235,11 @@ def uneven_split(pr: _Pricer, plan: Plan) -> dict | None:
 def search_mixed(shape: ModelShape, work: Workload, mc: MixedCluster, top: int = 10,
                  cross_node: bool = False, finetune: str = "full",
                  lora_rank: int = DEFAULT_RANK, tie_band: float | None = None,
-                 rejected: int | None = None) -> MixedResult:
+                 rejected: int | None = None, distinct: bool = True) -> MixedResult:
     """search.search's plans (no offload, no hybrid sharding, no DiLoCo: one shard group of
     every rank) placed on `mc` (placement_problem), each priced even and, where replicas differ
-    in type, unevenly split (module doc); ranked by the better of the two."""
+    in type, unevenly split (module doc); ranked by the better of the two. distinct: leave
+    out a plan that scores as one listed (to 0.1%), as search.search."""
     tie_band = TIE_BAND if tie_band is None else tie_band
     t0 = time.perf_counter()
     variants = finetune_variants(finetune, work, lora_rank)
@@ -279,7 +280,7 @@ def search_mixed(shape: ModelShape, work: Workload, mc: MixedCluster, top: int =
     seen = set()
     for s in fits:  # the top N distinct (a plan scoring as one listed, to 0.1%, is a tie)
         k = (round(math.log(s.to_target_s) * 1000), round(math.log(max(s.peak, 1)) * 1000))
-        if k in seen:
+        if distinct and k in seen:
             continue
         seen.add(k)
         res.plans.append(s)
