@@ -53,9 +53,10 @@ def shape(seq: nn.Sequential) -> tuple[int, int]:
     return (big.in_features, big.out_features) if big is not None else (512, 512)
 
 
-def probe(seq: nn.Sequential, device: torch.device, budget_s: float = PROBE_S) -> float:
+def probe(seq: nn.Sequential, device: torch.device, budget_s: float | None = None) -> float:
     """Seconds one [PROBE_ROWS, in] x [in, out] matmul takes here (in, out: seq's largest
     Linear), forward and the two backward matmuls' worth, timed over budget_s seconds."""
+    budget_s = PROBE_S if budget_s is None else budget_s
     n_in, n_out = shape(seq)
     dtype = next((t.dtype for t in seq.parameters() if t.is_floating_point()), torch.float32)
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -75,7 +76,7 @@ def probe(seq: nn.Sequential, device: torch.device, budget_s: float = PROBE_S) -
 
 
 def measure(seq: nn.Sequential, group, rank: int, p: int, device: torch.device,
-            budget_s: float = PROBE_S) -> tuple[list[float], list[float]]:
+            budget_s: float | None = None) -> tuple[list[float], list[float]]:
     """(costs, seconds per probe matmul) of every rank of the group, the same on every rank:
     each rank probes, one all-reduce of a p-vector (this rank's slot filled) shares them."""
     mine = probe(seq, device, budget_s)
