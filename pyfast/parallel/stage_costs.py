@@ -1,0 +1,94 @@
+"""Speed-weighted pipeline stages (issue 36, mixed hardware): what each pp rank's stage costs.
+
+Pipeline.from_sequential(..., stage_costs=C) takes one float per rank of the pipeline's group,
+the relative seconds that rank takes for the same work (2.0 = half as fast), or "measure":
+every rank times the same matmul probe on its own device (probe), the ranks all-reduce their
+times, and costs = time / min(time). The all-reduce leaves the same numbers on every rank, so
+every rank derives the same partition (pyfast._partition.partition with costs). With v virtual
+stages stage s runs on rank s % p and costs cost[s % p] (per_stage).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pyfast._partition import check_costs
+from pyfast.comm.agree import exchange_device
+from pyfast.perf import clock
+
+# Probe: as long as five CFS periods (100 ms each): a CPU-capped rank (pyfast.hetero.throttle,
+# a quota per period) runs a burst shorter than its quota at full speed, so a 20 ms probe saw
+# a 0.5-CPU rank as fast as its peer. 0.5 s measured the capped rank 1.9-2.1x slower.
+PROBE_S = 0.5
+PROBE_ROWS = 256  # the probe's tokens per matmul: a micro-batch of gpt-small is 2 x 256
+
+
+def problem(stage_costs, balance, p: int, device: torch.device) -> str | None:
+    """What is wrong with stage_costs for a pipeline of p ranks whose layers are on `device`,
+    or None (no collective here: from_sequential's agreement raises it on every rank)."""
+    if stage_costs is None:
+        return None
+    if isinstance(stage_costs, str) and stage_costs == "measure":
+        if device.type == "meta":
+            return ("stage_costs='measure' times a probe on the device: meta tensors (a dry "
+                    "run) have no speed; give the costs or leave them out")
+        return None
+    if isinstance(stage_costs, str):
+        return f"stage_costs must be one float per pp rank or 'measure', got {stage_costs!r}"
+    if isinstance(balance, (list, tuple)):
+        return (f"stage_costs {list(stage_costs)} with balance={list(balance)}: a list of layer "
+                "counts is the cut itself; give stage_costs with balance='params' or 'time'")
+    try:
+        check_costs(stage_costs, p, "stage_costs")
+    except ValueError as e:
+        return f"{e} (one per pp rank: the pipeline's group has {p} ranks)"
+    return None
+
+
+def shape(seq: nn.Sequential) -> tuple[int, int]:
+    """(in, out) of the largest nn.Linear in seq (the probe's matmul), else (512, 512)."""
+    big = max((m for m in seq.modules() if isinstance(m, nn.Linear)),
+              key=lambda m: m.weight.numel(), default=None)
+    return (big.in_features, big.out_features) if big is not None else (512, 512)
+
+
+def probe(seq: nn.Sequential, device: torch.device, budget_s: float | None = None) -> float:
+    """Seconds one [PROBE_ROWS, in] x [in, out] matmul takes here (in, out: seq's largest
+    Linear), forward and the two backward matmuls' worth, timed over budget_s seconds."""
+    budget_s = PROBE_S if budget_s is None else budget_s
+    n_in, n_out = shape(seq)
+    dtype = next((t.dtype for t in seq.parameters() if t.is_floating_point()), torch.float32)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(PROBE_ROWS, n_in, generator=g, dtype=torch.float32).to(device, dtype)
+    w = torch.randn(n_in, n_out, generator=g, dtype=torch.float32).to(device, dtype)
+    for _ in range(2):  # warm-up: kernels chosen, caches filled
+        x @ w
+    count, t0 = 0, clock(device)
+    while True:
+        for _ in range(3):  # forward, and the input- and weight-gradient matmuls of backward
+            y = x @ w
+        count += 3
+        elapsed = clock(device) - t0
+        if elapsed >= budget_s:
+            del y
+            return elapsed / count
+
+
+def measure(seq: nn.Sequential, group, rank: int, p: int, device: torch.device,
+            budget_s: float | None = None) -> tuple[list[float], list[float]]:
+    """(costs, seconds per probe matmul) of every rank of the group, the same on every rank:
+    each rank probes, one all-reduce of a p-vector (this rank's slot filled) shares them."""
+    mine = probe(seq, device, budget_s)
+    t = torch.zeros(p, dtype=torch.float64, device=exchange_device(group, device))
+    t[rank] = mine
+    if p > 1:
+        dist.all_reduce(t, group=group)
+    secs = t.tolist()
+    fastest = min(secs)
+    return [s / fastest for s in secs], secs
+
+
+def per_stage(costs: list[float] | None, n_stages: int, p: int) -> list[float] | None:
+    """One cost per (virtual) stage: stage s runs on rank s % p."""
+    return None if costs is None else [float(costs[s % p]) for s in range(n_stages)]
