@@ -16,9 +16,8 @@ nodes the slowest link), and the step is the slowest replica's (the reduction wa
             largest remainder, each >= 1 unit and within what its GPU's memory holds, then
             moved one unit at a time from the slowest replica to the fastest while the
             predicted step drops: `pyfast train --batch-split n0,n1,...` (one per dp rank).
-Pipeline stages across types (pp > 1, each stage on one type): even, the slowest type's step
-(every stage priced as if on it); uneven stages (--pp-balance) need the job's weighted
-partition (pyfast._partition) and are planned where it takes costs (pp_balance()).
+Pipeline stages across types (pp > 1, each stage on one type): the job's cut even and
+weighted by each pp rank's speed (`pyfast train --pp-balance c0,c1,...`): mixed_pp.py.
 Memory is checked per type: each type's ranks at their own share must fit its GPU.
 """
 from __future__ import annotations
@@ -29,6 +28,7 @@ from dataclasses import dataclass, field
 
 from .finetune import DEFAULT_RANK
 from .memory import predict_memory
+from .mixed_pp import pipeline
 from .nodes import MixedCluster
 from .search import (TIE_BAND, finetune_variants, mesh_plans, mesh_problem, meshes,
                      prefer_simple, solo)
@@ -76,9 +76,11 @@ class MixedScored:
     def flags(self) -> list[str]:
         """The job flags the split adds: --batch-split n0,n1,... where uneven."""
         b = self.best
-        if b is self.uneven and b.get("split"):
-            return ["--batch-split", ",".join(map(str, b["split"]))]
-        return []
+        if b is not self.uneven:
+            return []
+        if b.get("pp_balance"):
+            return ["--pp-balance", ",".join(f"{c:g}" for c in b["pp_balance"])]
+        return ["--batch-split", ",".join(map(str, b["split"]))]
 
 
 @dataclass
@@ -118,18 +120,20 @@ def largest_remainder(weights: list[float], total: int, lo: list[int], hi: list[
                       ) -> list[int]:
     """`total` whole units split in proportion to `weights` (largest remainder: each gets the
     floor of its quota, the leftovers go to the largest fractions, ties to the first), each
-    within [lo, hi]: quotas over a bound are clamped and the rest shared again by weight."""
+    within [lo, hi]: quotas over a bound are clamped and the rest shared again by weight.
+    A floor met after a cap can overshoot: one unit at a time is then moved within bounds."""
     n = len(weights)
     if sum(lo) > total or sum(hi) < total:
         raise ValueError(f"{total} units do not fit between {lo} and {hi}")
     fixed: dict[int, int] = {}
-    while True:
-        free = [i for i in range(n) if i not in fixed]
+    while True:  # clamp the quotas over their cap first (the rest's quotas only drop), then
+        free = [i for i in range(n) if i not in fixed]  # those under their floor
         left = total - sum(fixed.values())
         w = sum(weights[i] for i in free)
-        quota = {i: left * weights[i] / w for i in free}
-        over = {i: (lo[i] if q < lo[i] else hi[i]) for i, q in quota.items()
-                if q < lo[i] or q > hi[i]}
+        quota = {i: left * weights[i] / w for i in free} if w > 0 else \
+            {i: left / len(free) for i in free}
+        over = {i: hi[i] for i, q in quota.items() if q > hi[i]} or \
+            {i: lo[i] for i, q in quota.items() if q < lo[i]}
         if not over:
             break
         fixed.update(over)
@@ -138,6 +142,12 @@ def largest_remainder(weights: list[float], total: int, lo: list[int], hi: list[
     for i in sorted(free, key=lambda i: (-(quota[i] - out[i]), i))[:rest]:
         out[i] += 1
     out.update(fixed)
+    while sum(out.values()) != total:  # a floor met after a cap (e.g. [5, 1] into 3 with caps
+        # [2, 3] and floors [1, 2]): give back or take one unit where the bounds allow it
+        d = 1 if sum(out.values()) < total else -1
+        i = next(i for i in sorted(range(n), key=lambda i: -weights[i] * d)
+                 if lo[i] <= out[i] + d <= hi[i])
+        out[i] += d
     return [out[i] for i in range(n)]
 
 
@@ -259,6 +269,16 @@ def search_mixed(shape: ModelShape, work: Workload, mc: MixedCluster, top: int =
             for plan in group:  # micro-batch ascending: the first that does not fit ends it
                 res.scored += 1
                 even = [plan.micro_batch * plan.micro_batches] * dp
+                if pp > 1:  # each type holds its own stages (mixed_pp)
+                    e, u = pipeline(pr, plan)
+                    if e["memory"] is None:
+                        s = MixedScored(plan, dict(e, memory={"?": 0}),
+                                        reason="OOM: a pipeline stage does not fit its GPU "
+                                        "type's memory")
+                        oom.setdefault((dp, cp, tp, pp, plan.zero, plan.base_dtype), s)
+                        break
+                    fits.append(MixedScored(plan, e, u))
+                    continue
                 over = [i for i in types if not pr.fits(i, plan)]
                 if over:
                     i = over[0]

@@ -60,7 +60,7 @@ def row(s: MixedScored, shape, work, mc: MixedCluster, rejected: bool = False) -
     d.update(memory_bytes_per_rank=b["memory"], step_s=b["step_s"],
              tokens_per_s=b["tokens_per_s"], batch_split=b["split"],
              uneven=b is s.uneven, even=part(s.even), uneven_split=part(s.uneven),
-             gain=s.gain)
+             gain=s.gain, pp_balance=b.get("pp_balance"), stage_layers=b.get("layers"))
     d["command"] = None if rejected else (commands(s, shape, work, mc) or [None])[0]
     if rejected:
         d["reason"] = s.reason
