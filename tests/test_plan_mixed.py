@@ -243,3 +243,14 @@ def test_json_and_text_carry_the_split(two_nodes_plans):
     pp = next(r for r in d["plans"] if r["uneven"] and r["pp"] == 2)
     assert pp["pp_balance"] == [1.0, 2.0] and "--pp-balance 1,2" in pp["command"]
     assert "even step s" in text and "sets the pace" in text and "pyfast train" in text
+
+
+def test_bench_throttle_hook_parses_and_refuses_bad_values():
+    """PYFAST_THROTTLE (benchmarks only): parsed per rank; no cap is set here (the rank given
+    is not this one: capping the test process would slow the suite)."""
+    from pyfast.train.run import bench_throttle
+    assert bench_throttle("", rank=0) is None
+    assert bench_throttle("1:0.5", rank=0) is None and bench_throttle("2:0.5,3:1", rank=0) is None
+    for bad in ("1", "a:0.5", "1:half", "1:0.5,2"):
+        with pytest.raises(ValueError, match="RANK:SHARE"):
+            bench_throttle(bad, rank=0)

@@ -15,7 +15,8 @@ nodes the slowest link), and the step is the slowest replica's (the reduction wa
             in units of the plan's micro-batches (each rank's share splits into them), by
             largest remainder, each >= 1 unit and within what its GPU's memory holds, then
             moved one unit at a time from the slowest replica to the fastest while the
-            predicted step drops: `pyfast train --batch-split n0,n1,...` (one per dp rank).
+            predicted step drops: `pyfast train --batch-split n0,n1,...` (one per dp rank;
+            not with cp > 1, which the job refuses with a split: those plans stay even).
 Pipeline stages across types (pp > 1, each stage on one type): the job's cut even and
 weighted by each pp rank's speed (`pyfast train --pp-balance c0,c1,...`): mixed_pp.py.
 Memory is checked per type: each type's ranks at their own share must fit its GPU.
@@ -197,7 +198,7 @@ def uneven_split(pr: _Pricer, plan: Plan) -> dict | None:
     doc), or None (one type, or no split beats or fits beside the even one)."""
     kinds = replica_types(pr.mc, plan)
     types = sorted(set(kinds))
-    if len(types) < 2:
+    if len(types) < 2 or plan.cp > 1:  # the job's --batch-split refuses --cp > 1 (untested)
         return None
     m, units = plan.micro_batches, plan.micro_batch * plan.dp  # units of m samples
     rate = {i: plan.micro_batch / max(pr.time(i, plan)["compute_s"], 1e-30) for i in types}
