@@ -237,3 +237,89 @@ def test_bad_samples_raise_on_every_rank(pool2):
             assert r[engine + " after"]
         assert "samples must be an int" in r["2.5"] and "float 2.5" in r["2.5"]
         assert "got True" in r["True"] and "str '3'" in r["'3'"]
+
+
+def _rank_grads(split, step=0):
+    """One process: each rank's weighted gradient n_r * W / N * grad(mean loss of its rows),
+    what it puts into the reduction (for the coding bounds of zero's lossy reduce-scatter)."""
+    m, world, total = _model(), len(split), sum(split)
+    x, y = _batch(total, step)
+    out = []
+    for r in range(world):
+        m.zero_grad()
+        _loss(m, x[_rows(split, r)], y[_rows(split, r)]).backward()
+        out.append({k: p.grad * (split[r] * world / total) for k, p in m.named_parameters()})
+    return out
+
+
+def _train_zero(rank, split, steps, stage, compressor=None, hybrid=False):
+    """zero(samples=n): step 0's master gradient shards ({name: (start, shard)}) and the full
+    parameters after `steps` steps."""
+    from pyfast.parallel import zero
+    groups = {}
+    if hybrid:
+        from test_zero_hybrid import _groups
+        groups = dict(zip(("group", "replica_group"), _groups()))
+    model, opt = zero(_model(), torch.optim.AdamW, stage=stage, compressor=compressor, lr=LR,
+                      weight_decay=WD, samples=split[rank], **groups)
+    names = {id(p): k for k, p in model.module.named_parameters()}
+    shards = None
+    for s in range(steps):
+        x, y = (t[_rows(split, rank)] for t in _batch(sum(split), s))
+        _loss(model, x, y).backward()
+        opt.reduce_gradients()  # stage 1 reduces here
+        if shards is None:
+            shards = {}
+            for p in model._params:
+                u, i = model.layout.of(p)
+                sh = u.shards[i]
+                shards[names[id(p)]] = (sh.start, model.master(p).grad.clone())
+        opt.step()
+        opt.zero_grad()
+    if model.stage == 3:
+        model.gather_all()
+    params = {k: v.detach().clone() for k, v in model.module.named_parameters()}
+    model.close()
+    return dict(shards=shards, params=params)
+
+
+ZERO_CASES = {"z2-none": (2, None), "z2-int8": (2, "int8"), "z1-none": (1, None),
+              "z3-none": (3, None)}
+
+
+def _zero_cases(rank, world, split, names, hybrid=False):
+    return {name: _train_zero(rank, split, STEPS if ZERO_CASES[name][1] is None else 1,
+                              *ZERO_CASES[name], hybrid=hybrid) for name in names}
+
+
+def _check_zero(results, split, names):
+    grad0, ref, gmin = _reference(split)
+    pre = _rank_grads(split)
+    world = len(split)
+    for name in names:
+        for r, res in enumerate(results):
+            for k, (start, got) in res[name]["shards"].items():
+                want = grad0[k].reshape(-1)[start:start + got.numel()]
+                if ZERO_CASES[name][1] is None:
+                    torch.testing.assert_close(got, want, rtol=PRE_RTOL, atol=PRE_ATOL,
+                                               msg=lambda m: f"{name} rank {r} {k}: {m}")
+                else:  # int8's bound (module docstring), per shard
+                    bound = sum(p[k].abs().max() for p in pre) / (127 * world)
+                    err = float((got - want).abs().max())
+                    assert err <= bound * 1.001 + 1e-7, (name, r, k, err, float(bound))
+        if ZERO_CASES[name][1] is None:
+            for k, v in results[0][name]["params"].items():
+                _close(v, ref[k], gmin[k], f"{name} {k} after {STEPS} steps vs one process")
+                for r in range(1, world):
+                    assert torch.equal(v, results[r][name]["params"][k]), (name, r, k)
+
+
+def test_zero_uneven_batches_give_the_concatenated_gradient(pool2):
+    names = list(ZERO_CASES)
+    _check_zero(pool2.run(_zero_cases, [3, 1], names), [3, 1], names)
+
+
+def test_zero_hybrid_uneven_batches(pool4):
+    """Hybrid sharding (shard groups {0,1} {2,3}, replicas {0,2} {1,3}): the weight spans both."""
+    split, names = [4, 1, 2, 1], ["z2-none"]
+    _check_zero(pool4.run(_zero_cases, split, names, hybrid=True), split, names)
