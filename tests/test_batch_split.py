@@ -323,3 +323,55 @@ def test_zero_hybrid_uneven_batches(pool4):
     """Hybrid sharding (shard groups {0,1} {2,3}, replicas {0,2} {1,3}): the weight spans both."""
     split, names = [4, 1, 2, 1], ["z2-none"]
     _check_zero(pool4.run(_zero_cases, split, names, hybrid=True), split, names)
+
+
+# the job's parameters after 3 steps against the even split's (lr 1e-3 after a 1-step warm-up):
+# the same gradient reduced another way, so test_zero's AdamW argument (module docstring):
+# 1.73e-6 seen at most (DataParallel and --zero 2), 6x below; a rank's gradient weighted 1/2
+# instead of 3/4 moves the first step's update by ~lr = 1e-3. Logged losses: 7e-8 relative seen.
+PARAM_TOL = 1e-5
+JOB = dict(model="gpt-tiny", dp=2, steps=3, batch=4, seq=32, seed=1, tensorboard="off",
+           warmup=1)
+
+
+def _job_run(rank, world, flags: dict):
+    """The job's steps (pyfast.train.job.Job.train_step, as `pyfast train` runs them) on this
+    rank: each step's record, the parameters after them and the first batch's rows."""
+    from pyfast.train.config import TrainConfig, check
+    from pyfast.train.job import Job
+    cfg = TrainConfig(**{**JOB, **flags})
+    check(cfg, world)
+    job = Job(cfg, torch.device("cpu"))  # cpu-literal: the test's ranks
+    x, _ = job.batches.next()
+    job.batches.position = 0
+    recs = [job.train_step(s) for s in range(cfg.steps)]
+    params = {k: p.detach().clone() for k, p in job.model.named_parameters()}
+    val = job.evaluate()
+    (job.dp or job.zero).close()
+    return dict(recs=recs, params=params, rows=x, val=val)
+
+
+def test_job_batch_split_equals_the_even_split(pool2):
+    """--batch-split 3,1 against the even split of the same global batches (2 ranks, gpt-tiny,
+    3 steps, int8 and --zero 2 too): the same rows in the same order, the same logged loss (the
+    global batch's mean, to fp32 rounding: 1e-6 relative), `batch_split` in each record, the
+    parameters within test_zero's AdamW bound (here against a run whose gradient is the same
+    mean reduced another way), and the validation loss of the same rows."""
+    runs = {name: pool2.run(_job_run, flags) for name, flags in (
+        ("even", {}), ("split", {"batch_split": "3,1"}),
+        ("zero-split", {"zero": 2, "batch_split": "3,1"}))}
+    even, split = runs["even"], runs["split"]
+    rows = torch.cat([r["rows"] for r in even])
+    assert [len(r["rows"]) for r in split] == [3, 1]
+    assert torch.equal(torch.cat([r["rows"] for r in split]), rows)  # the same data order
+    for name in ("split", "zero-split"):
+        for s in range(JOB["steps"]):
+            rec, ref = runs[name][0]["recs"][s], even[0]["recs"][s]
+            assert rec["batch_split"] == [3, 1] and "batch_split" not in ref
+            assert abs(rec["loss"] - ref["loss"]) <= 1e-6 * ref["loss"], (name, s, rec, ref)
+            assert rec["tokens_per_s"] > 0
+        assert abs(runs[name][0]["val"] - even[0]["val"]) <= 1e-6 * even[0]["val"]
+        for k, v in runs[name][0]["params"].items():
+            err = float((v - even[0]["params"][k]).abs().max())
+            assert err <= PARAM_TOL, (name, k, err)
+            assert torch.equal(v, runs[name][1]["params"][k]), (name, k)  # replicas bit-equal
