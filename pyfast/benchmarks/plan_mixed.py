@@ -3,8 +3,10 @@
 (pyfast.hetero.throttle, through the job's bench-only PYFAST_THROTTLE), rank 0 a whole one.
 
 1. Calibrate with the planner's own probes (pyfast.plan.calibrate.measure: compute at the local
-   shapes, the loopback link, DataParallel's wait, the job's own cost), then the compute probe
-   again inside throttle(SHARE): the two FLOP/s rates are the two "GPU types".
+   shapes, the loopback link, DataParallel's wait, the job's own cost), then a block's forward
+   and backward sustained for 3 s in two processes at once, one inside throttle(SHARE): their
+   ratio makes the two "GPU types" (FLOP/s), the uncapped one over one process alone the
+   compute scale (what two ranks at once cost each other here; refit's compute_scale).
 2. Write a 2-group cluster TOML ([[nodes]]: one node of one rank each, [gpu] tables based on
    "cpu" with the two rates) and plan on it (nodes.with_calibration: each group priced with the
    plain calibration, its compute scaled by the measured rate over its own): the dp2 plan's
@@ -28,7 +30,7 @@ import time
 import pyfast
 from pyfast import perf
 
-MODEL, SEQ, BATCH, SHARE = "gpt-small", 64, 12, 0.5
+MODEL, SEQ, BATCH, SHARE = "gpt-small", 64, 16, 0.5
 STEPS, WARMUP, REPEATS = 12, 3, 2
 SUSTAIN_S = 3.0  # seconds of the sustained probe, plain and throttled (30 CFS periods)
 PLAN = dict(dp=2, zero=0, compress="none", micro_batches=1)  # the plan compared
@@ -64,10 +66,42 @@ def sustained_s(shape, work, micro_batch: int, seconds: float = SUSTAIN_S) -> fl
     return (time.perf_counter() - t0) / n
 
 
+def _pair_child(shape, work, micro_batch: int, share, q) -> None:
+    """One of the two processes of pair_sustained: this process at `share` CPU (None: not
+    capped), then its sustained block seconds put on `q`."""
+    if share is not None:
+        from pyfast.hetero import throttle
+        with throttle(share):
+            q.put((share, sustained_s(shape, work, micro_batch)))
+    else:
+        q.put((share, sustained_s(shape, work, micro_batch)))
+
+
+def pair_sustained(shape, work, micro_batch: int, share: float) -> tuple[float, float]:
+    """(the uncapped, the capped process's sustained block seconds) with both running at once,
+    as the job's two ranks do: what each gets of this machine's 2 cores beside the other (and
+    beside other work) is in it, which one process alone does not see (batch 12: alone 2.16:1,
+    the job's even step 1.5x its uncapped one)."""
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    ps = [ctx.Process(target=_pair_child, args=(shape, work, micro_batch, s, q))
+          for s in (None, share)]
+    for p in ps:
+        p.start()
+    got = dict(q.get(timeout=120) for _ in ps)
+    for p in ps:
+        p.join(timeout=30)
+    return got[None], got[share]
+
+
 def calibrate_pair(shape, work, share: float, sizes) -> tuple[dict, float, float]:
-    """(the plain calibration, with compute at every micro-batch in `sizes`; the throttled
-    rank's FLOP/s: the plain probe's rate over the sustained slowdown; that slowdown)."""
-    from pyfast.hetero import throttle
+    """(the plain calibration, with compute at every micro-batch in `sizes` and the pair's
+    compute scale; the capped rank's FLOP/s; the pair's slowdown). The probes (calibrate.
+    measure) time one process at a time; the two ranks of the job run at once, one capped:
+    pair_sustained times that, and its uncapped process over one process alone is the
+    compute scale (refit's compute_scale: what the ranks cost each other here), its capped
+    over its uncapped the slowdown of the slow type."""
     from pyfast.plan import calibrate, hardware
     from pyfast.plan.spec import Plan
     base = hardware.Cluster(2, 1, hardware.gpu("cpu"), 1.0, 1.0)
@@ -77,10 +111,11 @@ def calibrate_pair(shape, work, share: float, sizes) -> tuple[dict, float, float
     cal = dict(cl.calibration)
     more = calibrate.measure_compute(shape, work, plans)
     cal["compute"] = {**more["compute"], **cal["compute"]}
-    plain = sustained_s(shape, work, BATCH // 2)
-    with throttle(share):
-        slow = sustained_s(shape, work, BATCH // 2)
-    return cal, cal["flops_s"] * plain / slow, slow / plain
+    alone = sustained_s(shape, work, BATCH // 2)
+    fast, slow = pair_sustained(shape, work, BATCH // 2, share)
+    cal["compute_scale"] = fast / alone
+    cal["pair_sustained_s"] = {"alone": alone, "fast": fast, "slow": slow}
+    return cal, cal["flops_s"] * fast / slow, slow / fast
 
 
 def predict(path: str, cal: dict, shape, work) -> dict:
@@ -88,7 +123,8 @@ def predict(path: str, cal: dict, shape, work) -> dict:
     from pyfast.plan import cluster
     from pyfast.plan.mixed import search_mixed
     from pyfast.plan.nodes import with_calibration
-    mc = with_calibration(cluster.build(cluster_file=path), cal, work.precision)
+    mc = with_calibration(cluster.build(cluster_file=path), cal, work.precision,
+                          work.global_batch)
     res = search_mixed(shape, work, mc, top=10 ** 6, distinct=False)
     pick = [s for s in res.plans if all(getattr(s.plan, k) == v for k, v in PLAN.items())
             and not s.plan.activation_checkpointing]
@@ -157,7 +193,7 @@ def run(share: float = SHARE, repeats: int = REPEATS) -> dict:
             "pyfast": pyfast.__version__, "model": MODEL, "seq": SEQ, "batch": BATCH,
             "steps": STEPS, "warmup": WARMUP, "share": share, "repeats": repeats,
             "flops_fast": cal["flops_s"], "flops_slow": slow,
-            "speed_ratio": slowdown, "toml": text, "prediction": pred,
+            "speed_ratio": slowdown, "toml": text, "prediction": pred, "calibration": cal,
             "rows": rows, "gain_predicted": pred["even_s"] / pred["uneven_s"]
             if pred["uneven_s"] else None,
             "gain_measured": meas["even"] / meas["uneven"],

@@ -119,7 +119,7 @@ def mixed_inputs(ns, shape: ModelShape, work: Workload, mc: MixedCluster) -> Mix
         from .calibrate import measure
         from .nodes import with_calibration
         here = measure(shape, work, mc.for_job(0), link=ns.measure)
-        mc = with_calibration(mc, here.calibration, work.precision)
+        mc = with_calibration(mc, here.calibration, work.precision, work.global_batch)
     return mc
 
 
