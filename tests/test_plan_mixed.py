@@ -9,7 +9,8 @@ import pytest
 
 from pyfast.plan import cluster as C
 from pyfast.plan import cli, shapes
-from pyfast.plan.mixed import (MixedScored, _prediction, _Pricer, largest_remainder, placement_problem,
+from pyfast.plan.mixed import (MixedScored, _prediction, _Pricer, largest_remainder,
+                               placement_problem,
                                search_mixed, uneven_split)
 from pyfast.plan.mixed_pp import pipeline
 from pyfast.plan.nodes import MixedCluster
@@ -18,8 +19,10 @@ from pyfast.plan.spec import Plan, Workload
 # two GPUs that differ only in FLOP/s (2:1): memory-bandwidth terms made negligible (hbm 1e18),
 # the same efficiency, so a sample's compute is FLOPs / rate on each and by hand the split is
 # in the ratio of the rates
-FAST = '{ name = "fast", memory_gib = 80, flops_16 = 200e12, flops_32 = 20e12, hbm_bps = 1e18, intra_bw = "300GB/s" }'
-SLOW = '{ name = "slow", memory_gib = 24, flops_16 = 100e12, flops_32 = 10e12, hbm_bps = 1e18, intra_bw = "300GB/s" }'
+FAST = ('{ name = "fast", memory_gib = 80, flops_16 = 200e12, flops_32 = 20e12, '
+        'hbm_bps = 1e18, intra_bw = "300GB/s" }')
+SLOW = ('{ name = "slow", memory_gib = 24, flops_16 = 100e12, flops_32 = 10e12, '
+        'hbm_bps = 1e18, intra_bw = "300GB/s" }')
 
 
 WORK = Workload(256, 16, "bf16")

@@ -189,7 +189,8 @@ def run(share: float = SHARE, repeats: int = REPEATS) -> dict:
                      "error": p / meas[k] - 1 if p else None,
                      "runs": [r["step_s"] for r in runs[k]],
                      "q10_q90": [[r["q10_s"], r["q90_s"]] for r in runs[k]]})
-    return {"machine": perf.machine(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+    return {"machine": perf.machine(),
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "pyfast": pyfast.__version__, "model": MODEL, "seq": SEQ, "batch": BATCH,
             "steps": STEPS, "warmup": WARMUP, "share": share, "repeats": repeats,
             "flops_fast": cal["flops_s"], "flops_slow": slow,
