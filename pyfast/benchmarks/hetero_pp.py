@@ -89,7 +89,7 @@ def _worker() -> None:
     netns.finish_group()
 
 
-def run(model: str = MODEL, seq: int = 128, batch: int = 16, m: int = 8, steps: int = 8,
+def run(model: str = MODEL, seq: int = 128, batch: int = 16, m: int = 8, steps: int = 12,
         warmup: int = 2, share: float = SHARE, timeout: float = 1800) -> dict:
     from pyfast import hetero
     why = hetero.available()
@@ -160,7 +160,7 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--micro-batches", type=int, default=8)
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", default="", help="write OUT.json and OUT.txt")
     a = p.parse_args(argv)
