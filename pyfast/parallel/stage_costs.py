@@ -20,8 +20,10 @@ from pyfast.perf import clock
 from . import schedules
 
 # Probe: as long as five CFS periods (100 ms each): a CPU-capped rank (pyfast.hetero.throttle,
-# a quota per period) runs a burst shorter than its quota at full speed, so a 20 ms probe saw
-# a 0.5-CPU rank as fast as its peer. 0.5 s measured the capped rank 1.9-2.1x slower.
+# a quota per period) runs a burst shorter than its quota at full speed. A process capped at
+# 0.5 CPU against itself uncapped, 5 repeats each (Intel Xeon, 2 cores, loaded; the
+# throttled/free truth 2.03): 20 ms probes read 0.98-1.38x, 0.1 s 1.06-2.04x, 0.5 s 1.84-1.92x,
+# 1 s 1.96-2.16x. 0.5 s: within 10% for half a second of the job's start.
 PROBE_S = 0.5
 PROBE_ROWS = 256  # the probe's tokens per matmul: a micro-batch of gpt-small is 2 x 256
 
