@@ -202,3 +202,11 @@ def test_job_flag_matches_one_process(tmp_path_factory):
     assert rel(losses(runs["pp2-balance"]), losses(runs["1proc"])) < 1e-5
     for r in records(runs["pp2-balance"]):
         assert len(r["pp_idle"]) == 2 and all(0 <= f < 1 for f in r["pp_idle"]), r
+
+
+def test_trace_idle_fractions_by_hand():
+    from pyfast.parallel.trace import idle_fractions
+    # rank 0: 1 s forward, 3 s waiting, 1 s backward (span 5 s); rank 1: no wait; rank 2: none
+    rank0 = [("forward", "F0", 10.0, 11.0), ("idle", "B0", 11.0, 14.0), ("backward", "B0", 14.0, 15.0)]
+    rank1 = [("forward", "F0", 11.0, 12.0), ("send", "F0", 12.0, 12.5)]
+    assert idle_fractions([rank0, rank1, []]) == [0.6, 0.0, 0.0]

@@ -74,6 +74,16 @@ def _worker() -> None:
             rec = job.train_step(i)
             log[name]["times"].append(perf.clock() - t0)
             log[name]["idle"].append(rec.get("pp_idle"))
+    if j["trace"]:  # one traced step of the even and the auto cut: the bubble, drawn
+        from pyfast.parallel import save_trace
+        for name in ("even", "auto"):
+            job = jobs[name]
+            job.opt.zero_grad(set_to_none=True)
+            x, y = job.shard(*job.batches.next())
+            dist.barrier()
+            job.pipe.step(x, y, trace=True)  # x used on the first stage, y on the last
+            save_trace(f"{j['trace']}_{name}.json",
+                       title=f"--pp-balance {name}, rank 1 capped at {j['share']} CPU")
     for job in jobs.values():
         job.close()
     jobs = None
@@ -90,14 +100,18 @@ def _worker() -> None:
 
 
 def run(model: str = MODEL, seq: int = 128, batch: int = 16, m: int = 8, steps: int = 12,
-        warmup: int = 2, share: float = SHARE, timeout: float = 1800) -> dict:
+        warmup: int = 2, share: float = SHARE, timeout: float = 1800,
+        trace: str = "") -> dict:
+    """trace: a path prefix: PREFIX_even.json/.png and PREFIX_auto.json/.png, one traced step
+    of each after the timed ones (pyfast.parallel.save_trace)."""
     from pyfast import hetero
     why = hetero.available()
     if why:
         raise hetero.HeteroUnavailable(why)
     load0 = os.getloadavg()[0]
     j = {"configs": CONFIGS, "model": model, "seq": seq, "batch": batch, "m": m,
-         "steps": steps, "warmup": warmup, "share": share, "timeout": timeout}
+         "steps": steps, "warmup": warmup, "share": share, "timeout": timeout,
+         "trace": os.path.abspath(trace) if trace else ""}
     with tempfile.TemporaryDirectory() as d:
         j["out"] = os.path.join(d, "r.json")
         netns.run_ranks(["-c", "from pyfast.benchmarks.hetero_pp import _worker; _worker()"],
@@ -163,8 +177,11 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", default="", help="write OUT.json and OUT.txt")
+    p.add_argument("--trace", default="", metavar="PREFIX",
+                   help="also one traced step of the even and the auto cut: PREFIX_even.json/"
+                        ".png, PREFIX_auto.json/.png")
     a = p.parse_args(argv)
-    result = run(a.model, a.seq, a.batch, a.micro_batches, a.steps, a.warmup)
+    result = run(a.model, a.seq, a.batch, a.micro_batches, a.steps, a.warmup, trace=a.trace)
     return perf.finish(result, table, a.out)
 
 
