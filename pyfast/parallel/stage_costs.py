@@ -51,7 +51,7 @@ def problem(stage_costs, stage_memory, balance, p: int, device: torch.device) ->
     if isinstance(stage_costs, str):
         return f"stage_costs must be one float per pp rank or 'measure', got {stage_costs!r}"
     if isinstance(balance, (list, tuple)):
-        return (f"stage_costs {list(stage_costs)} with balance={list(balance)}: a list of layer "
+        return (f"stage_costs {stage_costs!r} with balance={list(balance)}: a list of layer "
                 "counts is the cut itself; give stage_costs with balance='params' or 'time'")
     try:
         check_costs(stage_costs, p, "stage_costs")
@@ -69,7 +69,7 @@ def shape(seq: nn.Sequential) -> tuple[int, int]:
 
 def probe(seq: nn.Sequential, device: torch.device, budget_s: float | None = None) -> float:
     """Seconds one [PROBE_ROWS, in] x [in, out] matmul takes here (in, out: seq's largest
-    Linear), forward and the two backward matmuls' worth, timed over budget_s seconds."""
+    Linear; its dtype), the mean over as many as run in budget_s seconds (PROBE_S)."""
     budget_s = PROBE_S if budget_s is None else budget_s
     n_in, n_out = shape(seq)
     dtype = next((t.dtype for t in seq.parameters() if t.is_floating_point()), torch.float32)
@@ -80,7 +80,7 @@ def probe(seq: nn.Sequential, device: torch.device, budget_s: float | None = Non
         x @ w
     count, t0 = 0, clock(device)
     while True:
-        for _ in range(3):  # forward, and the input- and weight-gradient matmuls of backward
+        for _ in range(3):  # a forward's and a backward's matmuls between clock readings
             y = x @ w
         count += 3
         elapsed = clock(device) - t0
