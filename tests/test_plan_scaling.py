@@ -155,6 +155,7 @@ def test_plans_gain_a_cost(capsys):
     (["--scaling", "8,12"], "[12] span several nodes but are not a multiple of "
                             "--gpus-per-node 8"),
     (["--scaling", "2,4", "--gpus", "4"], "leave out --gpus"),
+    (["--scaling", "2,4", "--verify"], "--verify with --scaling"),
     (["--gpus", "2", "--price", "0"], "--price is dollars per GPU-hour, a number > 0; got 0.0"),
     (["--gpus", "2", "--price", "nan"], "got nan"),
     (["--gpus", "2", "--price", "2", "--spot", "1"], "--spot is the fraction off the price"),

@@ -83,6 +83,9 @@ def print_cost(ns, plans, work, cl, console) -> None:
 def _counts(ns) -> list[int]:
     if ns.gpus is not None:
         raise ValueError(f"--scaling {ns.scaling} gives the GPU counts: leave out --gpus")
+    if ns.verify:
+        raise ValueError("--verify with --scaling: dry-run one count's plans with --gpus N "
+                         "--verify")
     from .cluster import load
     f = load(ns.cluster) if ns.cluster else {}
     # a count above one node must fill whole nodes (build's default: 8 GPUs a node)
