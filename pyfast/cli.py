@@ -20,6 +20,8 @@ BENCHMARKS = {
              "against the memory roof",
     "epilogue": "a fused C++ bias+GELU epilogue vs torch's GEMM + GELU on CPU",
     "pipeline": "pipeline schedules vs torch.distributed.pipelining",
+    "hetero_pp": "speed-weighted pipeline stages (--pp-balance) vs the even cut, one rank "
+                 "capped at half a CPU: throughput and each stage's bubble",
     "train": "the training job's tokens/s per mesh vs one process and torch-native",
     "zero": "ZeRO stages 1/2/3 vs torch DDP, ZeroRedundancyOptimizer and FSDP2: step, memory",
     "cp": "context parallelism (ring, Ulysses) vs one process: causal attention, memory",

@@ -12,7 +12,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
-from . import ckpt_async, elastic, ft, offload
+from . import ckpt_async, elastic, ft, offload, pp_balance
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 # pyfast.parallel.context's METHODS and LAYOUTS, here so that parsing the flags imports no torch
@@ -107,6 +107,8 @@ class TrainConfig:
     replica_id: int = -1            # this group's id (required with --ft)
     min_replicas: int = 1           # the fewest groups a step commits with
     ft_timeout: float = 30.0        # seconds a silent peer group is waited for
+    # speed-weighted pipeline stages (pyfast.train.pp_balance)
+    pp_balance: str = "even"        # even, auto (a probe at start) or C0,C1,... per pp rank
 
     @property
     def m(self) -> int:
@@ -238,6 +240,7 @@ def parser() -> argparse.ArgumentParser:
     elastic.add_flags(p, d)
     ckpt_async.add_flags(p, d)
     ft.add_flags(p, d)
+    pp_balance.add_flags(p, d)
     g = p.add_argument_group("dry run (pyfast.train.dryrun: no process is started)")
     g.add_argument("--dry-run", action="store_true", help="run one whole step of the job for a "
                    "world of --nproc ranks in this process, on memoryless (meta) tensors over "
@@ -319,6 +322,8 @@ def check(cfg: TrainConfig, world: int, model: bool = True) -> dict:
         raise ConfigError(elastic.problem(cfg))
     if ft.problem(cfg):  # --ft and its flags (pyfast.train.ft)
         raise ConfigError(ft.problem(cfg))
+    if pp_balance.problem(cfg):  # --pp-balance (pyfast.train.pp_balance)
+        raise ConfigError(pp_balance.problem(cfg))
     check_diloco(cfg)
     check_lora(cfg)
     data = check_data(cfg)
@@ -363,6 +368,8 @@ RESUME_FREE += ("offload", "offload_prefetch")
 RESUME_FREE += ("elastic",)
 # how a checkpoint is written changes nothing in it (tests/test_ckpt_async.py: bit-identical)
 RESUME_FREE += ("ckpt_async",)
+# --pp-balance moves layers between stages as --pp does (the checkpoints hold them by FQN)
+RESUME_FREE += ("pp_balance",)
 
 
 def resume_changes(cfg: TrainConfig, record: dict, data: dict | None = None

@@ -12,7 +12,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from . import checkpoint as ck, elastic, offload
+from . import checkpoint as ck, elastic, offload, pp_balance
 from .ckpt_async import CheckpointError, Checkpointer, summary_rows
 from .config import (ConfigError, TrainConfig, check, check_data, plan_world,
                      resume_changes)
@@ -105,7 +105,8 @@ def run(cfg: TrainConfig, device: torch.device, restarted: bool = False) -> None
                   f"{job.corpus.source}; {note}", flush=True)
             print(describe_tensorboard(cfg.tensorboard, cfg.out), flush=True)
             for line in (job.frozen_note, offload.describe(job) if job.zero else None,
-                         restart, job.ft.describe() if job.ft is not None else None):
+                         restart, job.ft.describe() if job.ft is not None else None,
+                         pp_balance.describe(job)):
                 if line:
                     print(f"pyfast train: {line}", flush=True)
             if cfg.elastic and meta is not None and elastic.describe_reset(cfg, meta, same):
@@ -221,6 +222,8 @@ def _loop(cfg: TrainConfig, job: Job, start: int, device, restart: str | None = 
             t = summary(records, f"{cfg.model} on {rep}{m.dp}x{m.cp}x{m.tp}x{m.pp} "
                                  "(dp x cp x tp x pp)")
             for k, v in summary_rows(saver.stats):  # what the checkpoints cost the steps
+                t.add_row(k, v)
+            for k, v in pp_balance.summary_rows(job, records):  # stages and their bubble
                 t.add_row(k, v)
             Console().print(t)
         print(f"metrics: {log.path}\n{drawn}\ncheckpoints: {ck.root(cfg.out)}", flush=True)
