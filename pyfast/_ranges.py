@@ -13,9 +13,9 @@ per-step split (compute, exposed communication, codec, bubble, data).
 
 Costs: with no profiler running, a range is one check of torch's own flag
 (torch.autograd.profiler._is_profiler_enabled, set by torch.profiler.profile, emit_nvtx and
-the legacy profiler alike) and returns a shared no-op: 0.11 us a `with span(...)` block and
-0.09 us a `ranged` call on this 2-core EPYC (bench/results/profile_overhead.txt). Under a
-profiler it is a record_function (a few us). NVTX: on when NVTX_INJECTION64_PATH is set (Nsight
+the legacy profiler alike) and returns a shared no-op: 0.17 us a `with span(...)` block and
+0.12 us a `ranged` call on the 2-core Intel Xeon VM, loaded (bench/results/profile_overhead.txt:
+17 ranges a gpt-small dp2 step, 3 us of a 1 s step). Under a profiler it is a record_function. NVTX: on when NVTX_INJECTION64_PATH is set (Nsight
 Systems sets it for the process it profiles: without a tool attached NVTX calls do nothing) or
 PYFAST_NVTX=1, and CUDA is available; nvtx.range_push/pop then also run with no torch profiler.
 
