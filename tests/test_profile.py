@@ -57,14 +57,16 @@ def _x(name, ts, dur, tid=1, cat="user_annotation"):
 
 def test_the_split_of_a_hand_made_trace():
     """Step [0, 100) us: data [0, 10); an operator [5, 90); comm [20, 60) holding codec
-    [30, 40); on another thread comm [50, 120) (overlapped: background, clipped to the step).
-    Precedence data > codec > bubble > comm > compute: data 10, codec 10, comm 40 - 10 = 30,
-    compute [10, 20) + [60, 90) = 40, other 100 - 90 = 10."""
+    [30, 40); gloo's annotation of a receive posted at 0 and done at 100 (in flight, not
+    waited on: no part); on another thread comm [50, 120) (overlapped: background, clipped to
+    the step). Precedence data > codec > bubble > comm > compute: data 10, codec 10, comm
+    40 - 10 = 30, compute [10, 20) + [60, 90) = 40, other 100 - 90 = 10."""
     trace = {"traceEvents": [
         _x("pyfast.train.step#7", 0, 100), _x("pyfast.data.next", 0, 10),
         _x("aten::mm", 5, 85, cat="cpu_op"), _x("pyfast.dp.wait", 20, 40),
         _x("pyfast::quantize", 30, 10, cat="cpu_op"),
-        _x("pyfast.comm.all_reduce", 50, 70, tid=2), _x("ProfilerStep#7", -5, 110)]}
+        _x("pyfast.comm.all_reduce", 50, 70, tid=2), _x("ProfilerStep#7", -5, 110),
+        _x("gloo:recv", 0, 100)]}
     (s,) = S.split(trace)
     want = {"data": 10, "codec": 10, "bubble": 0, "comm": 30, "compute": 40, "other": 10}
     assert s["step"] == 7 and s["step_s"] == pytest.approx(100e-6)
