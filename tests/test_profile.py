@@ -156,6 +156,10 @@ def test_bad_profile_windows_are_refused_naming_them():
     msg = refused("5:13")
     assert "END 13 is beyond --steps 10" in msg and "at most 11" in msg
     check(TrainConfig(model="gpt-tiny", seq=32, steps=10, profile="10:11"), 1)  # the last step
+    from pyfast.train.config import from_args, parser
+    from pyfast.train.launch import worker_args
+    cfg = from_args(parser().parse_args(["--steps", "5", "--profile", "2:4"]))
+    assert from_args(parser().parse_args(worker_args(cfg))) == cfg  # what torchrun's ranks get
     from pyfast.train.dryrun import check_dry
     with pytest.raises(ConfigError, match="--dry-run with --profile 1:2"):
         check_dry(TrainConfig(model="gpt-tiny", seq=32, profile="1:2"), 1, [0], None)
