@@ -51,6 +51,20 @@ def test_a_range_is_a_shared_noop_outside_a_profiler_and_named_inside_one():
     assert {"pyfast.comm.main", "pyfast.codec.test", "pyfast.comm.worker"} <= set(names)
 
 
+def test_nvtx_asked_for_without_cuda_turns_itself_off(monkeypatch):
+    """PYFAST_NVTX=1 (or Nsight's NVTX_INJECTION64_PATH) on a machine without CUDA: the first
+    range finds no CUDA and NVTX is off from then on (with CUDA it pushes nvtx ranges: not run
+    here)."""
+    from pyfast import _ranges
+    monkeypatch.setattr(_ranges, "_NVTX_ASKED", True)
+    monkeypatch.setattr(_ranges, "_nvtx", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with span("pyfast.comm.x"):
+        pass
+    assert not _ranges._NVTX_ASKED and not _ranges.active()
+    assert span("pyfast.comm.y") is span("pyfast.comm.z")
+
+
 def _x(name, ts, dur, tid=1, cat="user_annotation"):
     return {"ph": "X", "name": name, "ts": ts, "dur": dur, "tid": tid, "pid": 7, "cat": cat}
 
