@@ -12,6 +12,9 @@
   process (median of 7 loops of 200,000);
 - ranges per step: one more launch with --profile counts the pyfast.* ranges every thread of
   rank 0 opened in a step; count x cost is the ranges' expected share of the step.
+
+`--hetero 0.5 --out bench/results/profile_hetero`: instead, the --profile split of a mixed
+pair (rank 1 capped at half a core): what the fast rank's exposed communication looks like.
 """
 from __future__ import annotations
 
@@ -95,6 +98,48 @@ def ranges_per_step(root: str, steps: int, model: str = MODEL) -> dict:
     return {"ranges": n / (steps - 2), "steps": steps - 2}
 
 
+def _throttled_rank(rank: int, port: int, argv: list, share: float) -> None:
+    """One rank of `pyfast train ARGV` (pyfast.train.run.main: it exits the process), rank 1
+    capped at `share` CPUs (pyfast.hetero.throttle, held until the process exits)."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    import torch
+    torch.set_num_threads(1)
+    from pyfast.hetero import throttle
+    from pyfast.train.config import from_args, parser
+    from pyfast.train.run import main
+    held = throttle(share) if rank == 1 else None
+    if held is not None:
+        held.__enter__()  # kept referenced: a collected generator context would lift the cap
+    main(from_args(parser().parse_args(argv)))
+
+
+def hetero(share: float = 0.5, steps: int = 5) -> dict:
+    """The split of a mixed pair: gpt-small dp2, seq 128, rank 1 at `share` CPUs, steps 3..END
+    profiled; each rank's mean split (seconds)."""
+    import multiprocessing as mp
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out:
+        argv = ["--model", MODEL, "--dp", "2", "--batch", "8", "--seq", "128", "--steps",
+                str(steps), "--profile", f"3:{steps + 1}", "--out", out, "--tensorboard", "off",
+                "--eval-batches", "1"]
+        ctx = mp.get_context("spawn")
+        ps = [ctx.Process(target=_throttled_rank, args=(r, port, argv, share)) for r in (0, 1)]
+        for p in ps:
+            p.start()
+        for p in ps:
+            p.join(600)
+        if any(p.exitcode != 0 for p in ps):
+            raise RuntimeError(f"the throttled pair failed: exit codes {[p.exitcode for p in ps]}")
+        with open(os.path.join(out, "profile", "split.json")) as f:
+            split = json.load(f)
+    return {"share": share, "steps": split["window"],
+            "ranks": [{"rank": r["rank"], **r["mean"]} for r in split["ranks"]]}
+
+
 def run(pairs: int = 3, steps: int = 6, model: str = MODEL) -> dict:
     rows = []
     with tempfile.TemporaryDirectory() as root:
@@ -135,6 +180,17 @@ def table(result: dict):
     return t
 
 
+def hetero_table(result: dict):
+    from pyfast.train.profile_split import PARTS
+    t = perf.rich_table(f"--profile split of gpt-small dp2, rank 1 capped at {result['share']} "
+                        f"CPUs, steps {result['steps'][0]}..{result['steps'][1] - 1} (mean ms, %)",
+                        result, ("rank", "step ms", *PARTS))
+    for r in result["ranks"]:
+        t.add_row(str(r["rank"]), f"{1e3 * r['step_s']:.0f}",
+                  *(f"{1e3 * r[p + '_s']:.0f} ({r[p + '_pct']:.0f}%)" for p in PARTS))
+    return t
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="pyfast bench profile_overhead", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -142,7 +198,13 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--model", default=MODEL, help="the job's --model (a smoke test: gpt-tiny)")
     p.add_argument("--out", default="")
+    p.add_argument("--hetero", type=float, default=0.0, metavar="SHARE",
+                   help="instead: the --profile split of a gpt-small dp2 pair whose rank 1 is "
+                        "capped at SHARE CPUs (pyfast.hetero.throttle; root)")
     a = p.parse_args(argv)
+    if a.hetero:
+        return perf.finish({"machine": perf.machine(), "date": datetime.date.today().isoformat(),
+                            **hetero(a.hetero)}, hetero_table, a.out)
     if a.steps < 3:
         p.error(f"--steps must be >= 3 (the first 2 are dropped), got {a.steps}")
     return perf.finish(run(a.pairs, a.steps, a.model), table, a.out)
