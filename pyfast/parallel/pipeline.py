@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pyfast._ranges import ranged
 from . import schedules
 from pyfast.comm.agree import agree, rank_by_rank
 from pyfast.comm.dry import fake_group, read
@@ -398,6 +399,7 @@ class Pipeline(nn.Module):
             self._rec.release(key)
 
     # -- actions -------------------------------------------------------------------------------
+    @ranged("pyfast.pipe.F")
     def _f(self, a):
         """State kept for the backward: (handle, xs, y, loss). xs are the inputs whose gradient
         is wanted (the previous stage's outputs that require grad; x's micro-batch when
@@ -474,6 +476,7 @@ class Pipeline(nn.Module):
             torch.autograd.backward([o for o, _ in live], [g for _, g in live])
         return None, [t.grad for t in xs]
 
+    @ranged("pyfast.pipe.B")
     def _b(self, a):
         s, mb = a.stage, a.mb
         handle, xs, y, loss = self._state.pop((s, mb))
@@ -488,6 +491,7 @@ class Pipeline(nn.Module):
         self._mark("idle", a, t0, t1)
         self._mark("backward", a, t1, now())
 
+    @ranged("pyfast.pipe.I")
     def _i(self, a):
         s, mb = a.stage, a.mb
         handle, xs, y, loss = self._state[(s, mb)]
@@ -506,6 +510,7 @@ class Pipeline(nn.Module):
         elif xs and plan is not None and gin[0] is not None:  # split: x's chunk has no .grad yet
             xs[0].grad = gin[0] if xs[0].grad is None else xs[0].grad + gin[0]
 
+    @ranged("pyfast.pipe.W")
     def _w(self, a):
         t0 = now()
         plan = self._state.pop((a.stage, a.mb))
