@@ -122,7 +122,8 @@ class Pipeline(nn.Module):
         elif balance == "time" and not isinstance(example, torch.Tensor):
             problem = (f"balance='time' needs example= (a batch like step's x) on every rank; "
                        f"rank {rank} has none")
-        device = next((t.device for t in seq.parameters()), torch.device("cpu"))
+        # a stage list without parameters probes (stage_costs="measure") on the host
+        device = next((t.device for t in seq.parameters()), torch.device("cpu"))  # cpu-literal: above
         problem = problem or stage_costs_problem(stage_costs, stage_memory, balance, p, device)
         td = as_timedelta(timeout)  # TypeError/ValueError before any collective
         spec = list(balance) if isinstance(balance, (list, tuple)) else balance
