@@ -423,6 +423,10 @@ def test_batches_split_keeps_the_global_batches():
         assert [len(g[0]) for g in got] == [1, 3, 1]
         assert torch.equal(torch.cat([g[0] for g in got]), x)
         assert torch.equal(torch.cat([g[1] for g in got]), y)
+    for b in parts:  # a new split from the next global batch on (a re-balanced run)
+        b.resplit([2, 1, 2])
+    x, _ = whole.next()
+    assert torch.equal(torch.cat([b.next()[0] for b in parts]), x)
     for bad in ([2, 2, 2], [5, 0, 0], [4, 1]):
         with pytest.raises(ValueError, match="split .* must give each of dp_size 3 ranks"):
             Batches(tokens, 5, 33, seed=3, dp_rank=0, dp_size=3, split=bad)
