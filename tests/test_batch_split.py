@@ -229,6 +229,13 @@ def _bad_samples(rank, world):
     except ValueError as e:
         out["zero"] = str(e)
     model.close()
+    from pyfast.parallel.ft import FTError
+    for make in (lambda: DataParallel(_model(), replicas=object(), samples=1),
+                 lambda: zero(_model(), torch.optim.AdamW, replicas=object(), samples=1)):
+        try:  # refused before any collective or use of the replicas
+            make()
+        except FTError as e:
+            out.setdefault("ft", []).append(str(e))
     for bad in (2.5, True, "3"):
         try:
             dp.samples = bad
@@ -243,6 +250,8 @@ def test_bad_samples_raise_on_every_rank(pool2):
             assert "samples must be >= 1 on every rank; got [3, 0] (rank(s) 1: 0)" in r[engine]
             assert r[engine + " after"]
         assert "zero: samples must be >= 1 on every rank; got [3, 0]" in r["zero"]
+        assert len(r["ft"]) == 2 and all("samples=...): not supported under torchft" in m
+                                         for m in r["ft"])
         assert "samples must be an int" in r["2.5"] and "float 2.5" in r["2.5"]
         assert "got True" in r["True"] and "str '3'" in r["'3'"]
 
