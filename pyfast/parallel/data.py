@@ -24,12 +24,14 @@ from pyfast.comm.buckets import (BUCKET_MB, ENGINES, Bucketer, broadcast_coalesc
 from pyfast.comm.failure import Breaker, new_group_like
 from pyfast.comm.guard import FiniteGuard
 from pyfast.comm.ready import ParamWatch, SideBand
+from pyfast.comm.weights import SampleWeights
 from pyfast.parallel import ft_reduce
+from pyfast.parallel.samples import Samples, refuse_torchft
 
 log = logging.getLogger(__name__)
 
 
-class DataParallel(nn.Module):
+class DataParallel(Samples, nn.Module):
     """DistributedDataParallel's job with a compressor, and DDP's semantics:
 
     - A parameter no rank produced a gradient for this step keeps `.grad is None` (DDP with
@@ -114,6 +116,17 @@ class DataParallel(nn.Module):
     advance only when the step commits; a healing group receives the compressor state and
     starts with an empty memory (ft_reduce says why). engine "python" only
     ("auto" picks it; "native" and compressor="auto" raise FTError).
+
+    samples (an int, or per step `model.samples = n` before the forward): this rank's samples
+    this step, for ranks with different batch sizes (docs/hetero.md). Each rank's loss stays
+    a mean over its own n samples; its gradient is weighted n / sum(n) in the reduction, so
+    the result is the gradient of the concatenated batch, with every compressor, engine and
+    error feedback (whose memory then holds weighted residuals: pyfast.comm.weights). sum(n)
+    travels in one all-reduce of W floats started at the forward that arms the reduction (or
+    in reduce_gradients()); a rank with n < 1 makes every rank raise ValueError after the
+    step's reductions. None (the default): the plain mean, bit-identical to no weighting.
+    None or an int on every rank alike (it decides a collective). Not under torchft
+    (FTError: the divisor there is the step's participants, known after the quorum).
     """
 
     # Benchmark only (pyfast.benchmarks.dp_semantics): skip the DDP-semantics work (the side
@@ -124,7 +137,7 @@ class DataParallel(nn.Module):
     def __init__(self, module: nn.Module, compressor=None, bucket_mb: float | None = None,
                  group=None, error_feedback: bool = True, overlap: bool = True, check_finite="skip",
                  engine: str = "auto", broadcast_buffers: bool = True, timeout=None,
-                 gradient_as_bucket_view: bool = False, replicas=None):
+                 gradient_as_bucket_view: bool = False, replicas=None, samples=None):
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("DataParallel needs torch.distributed initialized "
@@ -139,6 +152,7 @@ class DataParallel(nn.Module):
         self.auto = compressor == "auto"
         if replicas is not None:
             engine = ft_reduce.check(engine, self.auto)
+            refuse_torchft("DataParallel", samples)
         base = C.get("fp16" if self.auto else compressor)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         dev = named[0][1].device if named else None  # the error-feedback memory's, loads too
@@ -195,6 +209,21 @@ class DataParallel(nn.Module):
             replicas, self._guard, self._comm,
             (lambda: ft_reduce.without_memory(self.compression_state_dict()),
              self.load_compression_state_dict))
+        self._weights = SampleWeights("DataParallel", self.world, dist.get_rank(group), dev)
+        self.bucketer.weight = self._weight
+        self.samples = samples  # pyfast.parallel.samples
+
+    def _torchft(self) -> bool:
+        return self._ft is not None
+
+    def _issue(self, vec):
+        """Sum the samples vector over the group on the path the buckets take (after them in
+        every FIFO, so the ranks pair their collectives alike)."""
+        if self._direct:
+            return sum_async(vec, self._comm, "samples")
+        if self._engine is not None:
+            return self._engine.all_reduce(vec, None, op="sum", name="samples")
+        return all_reduce(vec, None, self._comm, op="sum", async_op=True, name="samples")
 
     @property
     def _reducing(self):
@@ -277,6 +306,8 @@ class DataParallel(nn.Module):
         thread and destroy its process group. Call it before dist.destroy_process_group.
         Idempotent; the wrapped module is left as it is (usable without DataParallel)."""
         self._closed = True
+        with contextlib.suppress(BaseException):  # a samples vector still in flight
+            self._weights.drop()
         for b in self.bucketer.buckets:
             if b.handle is not None:
                 with contextlib.suppress(BaseException):  # already raised, or will not matter
@@ -316,6 +347,7 @@ class DataParallel(nn.Module):
                 self._wait = (t0, t1)
             else:
                 self._wait = time.perf_counter() - t0
+        self._weights.check(self._comm)  # a rank with n < 1: raised on every rank
         if self.selector is not None and len(done) == len(self.bucketer.buckets) \
                 and not self.selector.fixed:
             self.selector.after_step([b.extra["seconds"] for b in done],
@@ -345,6 +377,7 @@ class DataParallel(nn.Module):
         self.bucketer = Bucketer(self._named, default_bucket_mb("none"), self._launch,
                                  enabled=self.overlap, views=old.views)
         self.bucketer.scale, self._sum = 1.0 / self.world, True
+        self.bucketer.weight = self._weight
         self._direct = True
         self._through = self._guard.passes_through()
         buckets = self.bucketer.buckets
@@ -434,6 +467,7 @@ class DataParallel(nn.Module):
         self._check_usable()
         if self._regroup == "next":
             self._rebucket()
+        self._weights.start(self._issue)
         self.bucketer.arm(self._finish)
         self.bucketer.flush()
 
@@ -464,6 +498,7 @@ class DataParallel(nn.Module):
                 self._sync_buffers()
             if self._regroup == "next":
                 self._rebucket()
+            self._weights.start(self._issue)
             self.bucketer.arm(self._finish)
         else:
             self.bucketer.disarm()

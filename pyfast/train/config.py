@@ -12,7 +12,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
-from . import ckpt_async, elastic, ft, offload, pp_balance, profile
+from . import batch_split, ckpt_async, elastic, ft, offload, pp_balance, profile
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 # pyfast.parallel.context's METHODS and LAYOUTS, here so that parsing the flags imports no torch
@@ -111,6 +111,8 @@ class TrainConfig:
     pp_balance: str = "even"        # even, auto (a probe at start) or C0,C1,... per pp rank
     # where a step goes (pyfast.train.profile)
     profile: str = ""               # START:END: torch.profiler over steps START..END-1; "": off
+    # mixed hardware: samples per dp rank (pyfast.train.batch_split)
+    batch_split: str = ""           # "N,N,...": rank r's rows of each global batch; "": even
 
     @property
     def m(self) -> int:
@@ -244,6 +246,7 @@ def parser() -> argparse.ArgumentParser:
     ft.add_flags(p, d)
     pp_balance.add_flags(p, d)
     profile.add_flags(p, d)
+    batch_split.add_flags(p, d)
     g = p.add_argument_group("dry run (pyfast.train.dryrun: no process is started)")
     g.add_argument("--dry-run", action="store_true", help="run one whole step of the job for a "
                    "world of --nproc ranks in this process, on memoryless (meta) tensors over "
@@ -290,8 +293,10 @@ def check(cfg: TrainConfig, world: int, model: bool = True) -> dict:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
     if cfg.ranks != world:
         raise ConfigError(f"{cfg.mesh_flags()} = {cfg.ranks} ranks, but the world size is {world}")
+    if batch_split.problem(cfg):  # --batch-split: its own rule for --batch (pyfast.train.batch_split)
+        raise ConfigError(batch_split.problem(cfg))
     per = cfg.replicas * cfg.dp * cfg.grad_accum * cfg.m
-    if cfg.batch % per:
+    if cfg.batch % per and not cfg.batch_split:
         rep = f"replicas {cfg.replicas} x " if cfg.replicas > 1 else ""
         raise ConfigError(f"--batch {cfg.batch} is not divisible by {rep}dp {cfg.dp} x "
                           f"grad-accum {cfg.grad_accum} x micro-batches {cfg.m} = {per}")
@@ -371,6 +376,8 @@ RESUME_FREE += ("profile",)
 # offloaded state is saved as if it were on the device (tests/test_zero_offload.py); the delayed
 # update (--offload-delay) is another update rule: refused as an optimizer change is
 RESUME_FREE += ("offload", "offload_prefetch")
+# --batch-split changes which rank takes which rows of the same global batches, not the update
+RESUME_FREE += ("batch_split",)
 # --elastic re-plans dp and grad_accum (both free above) and resumes: the run is the same
 RESUME_FREE += ("elastic",)
 # how a checkpoint is written changes nothing in it (tests/test_ckpt_async.py: bit-identical)
