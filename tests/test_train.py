@@ -120,51 +120,54 @@ def _pool(n: int):
     return _POOLS[n]
 
 
-def pool_runs(jobs: dict, base=BASE) -> None:
-    """{name: (out, nproc, flags)}: `pyfast train BASE --out OUT FLAGS` as torchrun's ranks
-    run it (pyfast.train.run.run), but on ranks started once (dist_utils' forked RankPool, one
-    per rank count, kept for the session) and a job of each rank count at a time, side by side.
-    A CLI launch spent ~8 s of CPU on torchrun and a torch import a rank before the job's
-    first step; the launch itself stays tested where it is the point (the crash, restart,
-    two-node and NaN tests below call train(); test_train_safety a --resume's). Raises what
-    a rank raised, with its traceback.
-    base=(): flags that are the whole command line."""
+def _output(log: str, nproc: int, key: str, tail: int = 0) -> str:
+    """The ranks' stdout ("out") or stderr ("err") of a pool job, in rank order (as a launch's
+    merged output): _job_logged's files LOG.RANK.KEY."""
+    parts = [open(f"{log}.{r}.{key}").read() for r in range(nproc)
+             if os.path.exists(f"{log}.{r}.{key}")]
+    return "".join(x[-tail:] if tail else x for x in parts)
+
+
+def pool_runs(jobs: dict, base=BASE) -> dict:
+    """{name: (out, nproc, flags)} -> {name: CompletedProcess}: `pyfast train BASE --out OUT
+    FLAGS` as torchrun's ranks run it (pyfast.train.run.run), but on ranks started once
+    (dist_utils' forked RankPool, one per rank count, kept for the session) and a job of each
+    rank count at a time, side by side; each job's stdout and stderr are its ranks' (in rank
+    order, as a launch merges them; exit code 0). A CLI launch spent ~8 s of CPU on torchrun
+    and a torch import a rank before the job's first step; the launch itself stays tested
+    where it is the point (the crash, restart, two-node and NaN tests below call train();
+    test_train_safety a --resume's). Raises what a rank raised, with its traceback and the
+    job's output. base=(): flags that are the whole command line."""
     queues: dict = {}
     for name, (out, nproc, flags) in jobs.items():
-        queues.setdefault(nproc, []).append([*base, "--out", str(out), *flags])
+        queues.setdefault(nproc, []).append((name, [*base, "--out", str(out), *flags],
+                                             f"{out}.log"))  # beside the run directory
+    done = {}
     while any(queues.values()):
-        batch = [(_pool(n), q.pop(0)) for n, q in queues.items() if q]
-        for pool, argv in batch:
-            pool.submit(_job, argv)
+        batch = [(n, _pool(n), q.pop(0)) for n, q in queues.items() if q]
+        for n, pool, (name, argv, log) in batch:
+            pool.submit(_job_logged, argv, log)
         errors = []
-        for pool, argv in batch:
+        for n, pool, (name, argv, log) in batch:
             try:
                 pool.wait(TIMEOUT * 2)  # as train_many waits for a launch
             except (RuntimeError, TimeoutError) as e:
                 pool.close()  # its ranks may be out of step: the next job gets fresh ones
-                errors.append(f"pyfast train {' '.join(argv)}:\n{e}")
+                errors.append(f"pyfast train {' '.join(argv)}:\n{e}\nstdout:\n"
+                              f"{_output(log, n, 'out', 3000)}\nstderr:\n"
+                              f"{_output(log, n, 'err', 3000)}")
+                continue
+            done[name] = subprocess.CompletedProcess(argv, 0, _output(log, n, "out"),
+                                                     _output(log, n, "err"))
         assert not errors, "\n".join(errors)
+    return done
 
 
-def pool_train(out, nproc, flags, base=BASE, pool=None) -> subprocess.CompletedProcess:
-    """train() for a job whose launch is not the point (a --resume, a reshard): the same job on
-    the session's forked ranks (pool_runs), its ranks' stdout and stderr returned as a launch's
-    are (every rank's, in rank order; exit code 0). A rank that raised raises here, with its
-    traceback and output. Saves the launch's ~6 CPU s (torchrun's agent, a torch and job import
-    a rank) of the ~8 s a gpt-tiny --resume took. pool: a RankPool of nproc ranks (default:
-    the session's)."""
-    argv = [*base, "--out", str(out), *flags]
-    pool = pool or _pool(nproc)
-    log = f"{out}.log"  # beside the run directory, which the job creates
-    try:
-        pool.run(_job_logged, argv, log, timeout=TIMEOUT * 2)
-    except (RuntimeError, TimeoutError) as e:
-        pool.close()  # its ranks may be out of step: the next job gets fresh ones
-        texts = [open(f"{log}.{r}.{k}").read()[-3000:] for r in range(nproc) for k in
-                 ("out", "err") if os.path.exists(f"{log}.{r}.{k}")]
-        raise AssertionError(f"pyfast train {' '.join(argv)}:\n{e}\n" + "\n".join(texts)) from None
-    text = [[open(f"{log}.{r}.{k}").read() for r in range(nproc)] for k in ("out", "err")]
-    return subprocess.CompletedProcess(argv, 0, "".join(text[0]), "".join(text[1]))
+def pool_train(out, nproc, flags, base=BASE) -> subprocess.CompletedProcess:
+    """train() for a job whose launch is not the point (a --resume, a reshard): pool_runs of
+    this one job. Saves the launch's ~6 CPU s (torchrun's agent, a torch and job import a
+    rank) of the ~8 s a gpt-tiny --resume took."""
+    return pool_runs({"job": (out, nproc, flags)}, base)["job"]
 
 
 _SHARED: dict = {}  # (nproc, flags) -> the run directory of that job, for this test session
