@@ -123,11 +123,15 @@ def uneven_against_dense(rank, world):
     ref_loss.backward()
     want = dict(ref.named_parameters())
     stage_costs.PROBE_S = 0.05  # the probe's length only sets its precision; a test needs none
+    nbytes = [sum(t.numel() * t.element_size() for t in (*m.parameters(), *m.buffers()))
+              for m in ref]
     for name, kw in {"1f1b costs 1,3": dict(schedule="1f1b", stage_costs=[1, 3]),
+                     # rank 0's budget fits embed + 2 blocks: the cut 4,2 the costs want no more
+                     "1f1b costs 1,3, memory": dict(schedule="1f1b", stage_costs=[1, 3],
+                                                    stage_memory=[sum(nbytes[:3]), 1e12]),
                      "gpipe costs 3,1": dict(schedule="gpipe", stage_costs=[3.0, 1.0]),
                      "1f1b measure": dict(schedule="1f1b", stage_costs="measure")}.items():
-        pipe = Pipeline.from_sequential(gpt(), 3, kw["schedule"], _loss,
-                                        stage_costs=kw["stage_costs"])
+        pipe = Pipeline.from_sequential(gpt(), 3, kw.pop("schedule"), _loss, **kw)
         loss = pipe.step(x if rank == 0 else None, t if rank == 1 else None)
         worst = 0.0 if loss is None else abs(loss.item() - ref_loss.item()) / ref_loss.item()
         for stage in pipe.stages.values():
@@ -140,7 +144,9 @@ def uneven_against_dense(rank, world):
                      "zero": dict(stage_costs=[1.0, 0.0]),
                      "nan": dict(stage_costs=[float("nan"), 1.0]),
                      "list": dict(stage_costs=[1, 2], balance=[3, 3]),
-                     "word": dict(stage_costs="fast")}.items():
+                     "word": dict(stage_costs="fast"),
+                     "memory length": dict(stage_memory=[1e9]),
+                     "memory fits nowhere": dict(stage_memory=[1e5, 1e5])}.items():
         try:
             Pipeline.from_sequential(gpt(), 2, "1f1b", _loss, **kw)
             out[name] = "no error"
@@ -157,7 +163,8 @@ def test_uneven_stages_equal_the_dense_model_and_bad_costs_fail_everywhere(pool2
         # model sums 6 rows at once: a few ulps of the largest gradient (measured <= 6.9e-7
         # relative to it); 5e-6 leaves room for another BLAS blocking, none for a wrong cut
         assert got["1f1b costs 1,3"][0] == [4, 2] and got["gpipe costs 3,1"][0] == [2, 4], got
-        for name in ("1f1b costs 1,3", "gpipe costs 3,1", "1f1b measure"):
+        assert got["1f1b costs 1,3, memory"][0] == [3, 3], got
+        for name in ("1f1b costs 1,3", "gpipe costs 3,1", "1f1b measure", "1f1b costs 1,3, memory"):
             assert got[name][1] < 5e-6, (rank, name, got[name])
         counts, _, costs = got["1f1b measure"]
         assert sum(counts) == 6 and min(costs) == 1.0 and len(costs) == 2, got
@@ -165,7 +172,10 @@ def test_uneven_stages_equal_the_dense_model_and_bad_costs_fail_everywhere(pool2
         for name, msg in {"length": "has 1 entries for 2 stages.*2 ranks",
                           "zero": "finite and > 0", "nan": "finite and > 0",
                           "list": "a list of layer counts is the cut itself",
-                          "word": "one float per pp rank or 'measure'"}.items():
+                          "word": "one float per pp rank or 'measure'",
+                          "memory length": "stage_memory has 1 entries for 2 stages.*byte budget",
+                          "memory fits nowhere": "no cut of the 6 layers .* fits the capacities"
+                          }.items():
             assert re.search(msg, got[name]), (rank, name, got[name])
         assert got["nan"] == res[0]["nan"]  # the same error on both ranks, not "disagree"
 
@@ -192,3 +202,11 @@ def test_job_flag_matches_one_process(tmp_path_factory):
     assert rel(losses(runs["pp2-balance"]), losses(runs["1proc"])) < 1e-5
     for r in records(runs["pp2-balance"]):
         assert len(r["pp_idle"]) == 2 and all(0 <= f < 1 for f in r["pp_idle"]), r
+
+
+def test_trace_idle_fractions_by_hand():
+    from pyfast.parallel.trace import idle_fractions
+    # rank 0: 1 s forward, 3 s waiting, 1 s backward (span 5 s); rank 1: no wait; rank 2: none
+    rank0 = [("forward", "F0", 10.0, 11.0), ("idle", "B0", 11.0, 14.0), ("backward", "B0", 14.0, 15.0)]
+    rank1 = [("forward", "F0", 11.0, 12.0), ("send", "F0", 12.0, 12.5)]
+    assert idle_fractions([rank0, rank1, []]) == [0.6, 0.0, 0.0]

@@ -13,20 +13,34 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pyfast._partition import check_costs
+from pyfast._partition import check_costs, partition
 from pyfast.comm.agree import exchange_device
 from pyfast.perf import clock
 
+from . import schedules
+
 # Probe: as long as five CFS periods (100 ms each): a CPU-capped rank (pyfast.hetero.throttle,
-# a quota per period) runs a burst shorter than its quota at full speed, so a 20 ms probe saw
-# a 0.5-CPU rank as fast as its peer. 0.5 s measured the capped rank 1.9-2.1x slower.
+# a quota per period) runs a burst shorter than its quota at full speed. A process capped at
+# 0.5 CPU against itself uncapped, 5 repeats each (Intel Xeon, 2 cores, loaded; the
+# throttled/free truth 2.03): 20 ms probes read 0.98-1.38x, 0.1 s 1.06-2.04x, 0.5 s 1.84-1.92x,
+# 1 s 1.96-2.16x. 0.5 s: within 10% for half a second of the job's start.
 PROBE_S = 0.5
 PROBE_ROWS = 256  # the probe's tokens per matmul: a micro-batch of gpt-small is 2 x 256
 
 
-def problem(stage_costs, balance, p: int, device: torch.device) -> str | None:
-    """What is wrong with stage_costs for a pipeline of p ranks whose layers are on `device`,
-    or None (no collective here: from_sequential's agreement raises it on every rank)."""
+def problem(stage_costs, stage_memory, balance, p: int, device: torch.device) -> str | None:
+    """What is wrong with stage_costs / stage_memory for a pipeline of p ranks whose layers
+    are on `device`, or None (no collective here: from_sequential's agreement raises it on
+    every rank)."""
+    if stage_memory is not None:
+        if isinstance(balance, (list, tuple)):
+            return (f"stage_memory with balance={list(balance)}: a list of layer counts is the "
+                    "cut itself; give stage_memory with balance='params' or 'time'")
+        try:
+            check_costs(stage_memory, p, "stage_memory")
+        except ValueError as e:
+            return (f"{str(e).replace('relative seconds per unit of work', 'bytes')} (one byte "
+                    f"budget per pp rank: the pipeline's group has {p} ranks)")
     if stage_costs is None:
         return None
     if isinstance(stage_costs, str) and stage_costs == "measure":
@@ -37,7 +51,7 @@ def problem(stage_costs, balance, p: int, device: torch.device) -> str | None:
     if isinstance(stage_costs, str):
         return f"stage_costs must be one float per pp rank or 'measure', got {stage_costs!r}"
     if isinstance(balance, (list, tuple)):
-        return (f"stage_costs {list(stage_costs)} with balance={list(balance)}: a list of layer "
+        return (f"stage_costs {stage_costs!r} with balance={list(balance)}: a list of layer "
                 "counts is the cut itself; give stage_costs with balance='params' or 'time'")
     try:
         check_costs(stage_costs, p, "stage_costs")
@@ -55,18 +69,18 @@ def shape(seq: nn.Sequential) -> tuple[int, int]:
 
 def probe(seq: nn.Sequential, device: torch.device, budget_s: float | None = None) -> float:
     """Seconds one [PROBE_ROWS, in] x [in, out] matmul takes here (in, out: seq's largest
-    Linear), forward and the two backward matmuls' worth, timed over budget_s seconds."""
+    Linear; its dtype), the mean over as many as run in budget_s seconds (PROBE_S)."""
     budget_s = PROBE_S if budget_s is None else budget_s
     n_in, n_out = shape(seq)
     dtype = next((t.dtype for t in seq.parameters() if t.is_floating_point()), torch.float32)
-    g = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(PROBE_ROWS, n_in, generator=g, dtype=torch.float32).to(device, dtype)
-    w = torch.randn(n_in, n_out, generator=g, dtype=torch.float32).to(device, dtype)
+    # made on the device itself: only the time of the product matters, not its values
+    x = torch.randn(PROBE_ROWS, n_in, device=device, dtype=torch.float32).to(dtype)
+    w = torch.randn(n_in, n_out, device=device, dtype=torch.float32).to(dtype)
     for _ in range(2):  # warm-up: kernels chosen, caches filled
         x @ w
     count, t0 = 0, clock(device)
     while True:
-        for _ in range(3):  # forward, and the input- and weight-gradient matmuls of backward
+        for _ in range(3):  # a forward's and a backward's matmuls between clock readings
             y = x @ w
         count += 3
         elapsed = clock(device) - t0
@@ -92,3 +106,27 @@ def measure(seq: nn.Sequential, group, rank: int, p: int, device: torch.device,
 def per_stage(costs: list[float] | None, n_stages: int, p: int) -> list[float] | None:
     """One cost per (virtual) stage: stage s runs on rank s % p."""
     return None if costs is None else [float(costs[s % p]) for s in range(n_stages)]
+
+
+def cut(seq: nn.Sequential, n: int, p: int, balance, stage_costs, stage_memory, example,
+        m: int, group, rank: int, device: torch.device):
+    """(layer counts of the n stages, the costs per rank or None, each rank's probe seconds or
+    None): the layers weighed by balance ("params", "time") and cut by partition with the
+    ranks' costs (measured here for "measure": collective) and byte budgets; a list of layer
+    counts as given."""
+    probe_s = None
+    if isinstance(balance, (list, tuple)):
+        return list(balance), None, None
+    if isinstance(stage_costs, str):  # "measure" (problem() refused any other word)
+        stage_costs, probe_s = measure(seq, group, rank, p, device)
+    if balance == "params":
+        weights = [sum(t.numel() for t in layer.parameters()) for layer in seq]
+    else:
+        weights = schedules.layer_times(seq, example[: max(1, len(example) // m)], group)
+    memory = capacity = None
+    if stage_memory is not None:  # a rank's v stages share its budget: budget / v each
+        memory = [sum(t.numel() * t.element_size() for t in (*layer.parameters(),
+                                                             *layer.buffers())) for layer in seq]
+        capacity = [float(stage_memory[s % p]) * p / n for s in range(n)]
+    counts = partition(weights, n, per_stage(stage_costs, n, p), memory, capacity)
+    return counts, stage_costs, probe_s

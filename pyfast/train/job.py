@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from pyfast import models
+from pyfast._ranges import span
 from pyfast.comm.dry import read
 from pyfast.data import Batches, load_corpus
 from pyfast.errors import NonFiniteError  # defined below train/ (outer.py raises it too)
@@ -489,7 +490,8 @@ class Job:
             elif self.diloco is not None:
                 waited += self.outer.step(self)  # the inner step, + the outer one when due
             else:
-                self.opt.step()
+                with span("pyfast.optim.step"):
+                    self.opt.step()
         lr = self.opt.param_groups[0]["lr"]
         self.sched.step()
         step_s = clock(self.device) - t0

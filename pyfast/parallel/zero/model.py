@@ -54,17 +54,19 @@ import torch
 from torch import nn
 
 import pyfast.compress as C
+from pyfast._ranges import ranged
 from pyfast.comm import all_gather, all_reduce, reduce_scatter
 from pyfast.comm.collectives import Handle, all_finite
 from pyfast.comm.buckets import broadcast_coalesced
 from pyfast.comm.failure import Breaker
 from pyfast.comm.ready import Readiness, SideBand, check_unchanged, wait_then_raise
-from pyfast.comm.weights import SampleWeights, check_samples
+from pyfast.comm.weights import SampleWeights
+from pyfast.parallel.samples import Samples
 
 from .meshes import is_pipeline
 
 
-class ZeroModel(nn.Module):
+class ZeroModel(Samples, nn.Module):
     """The module handed back by pyfast.parallel.zero(): forward runs the wrapped module;
     state_dict() keys carry DDP's "module." prefix (as DataParallel's). no_sync() accumulates
     gradients locally (full .grad) until the next synced backward, as DDP's."""
@@ -142,22 +144,10 @@ class ZeroModel(nn.Module):
         if r is not None and not getattr(r, "torchft", False):
             self._weights = SampleWeights("zero", self.world * r.world,
                                           r.rank * self.world + self.rank, self._device)
-        self.samples = samples
+        self.samples = samples  # pyfast.parallel.samples
 
-    @property
-    def samples(self):
-        """This rank's samples this step, or None: the plain mean (module docstring)."""
-        return self._weights.n
-
-    @samples.setter
-    def samples(self, n) -> None:
-        n = check_samples(n, "zero")
-        if n is not None and getattr(self.replicas, "torchft", False):
-            from pyfast.parallel.ft import FTError
-            raise FTError("zero(replicas=...): samples= is not supported under torchft (the "
-                          "average's divisor is the step's participants); give every rank the "
-                          "same batch")
-        self._weights.n = n
+    def _torchft(self) -> bool:
+        return getattr(self.replicas, "torchft", False)
 
     def _issue(self, vec):
         """Sum the samples vector on the reduce-scatters' path, then across the replicas."""
@@ -227,6 +217,7 @@ class ZeroModel(nn.Module):
         self._dirty = False
         self.finish()
 
+    @ranged("pyfast.zero.reduce")
     def _launch(self, u) -> None:
         """Start unit u's reduce-scatter (its gradients packed now unless they already are)."""
         buf = u.extra.pop("packed", None)
@@ -255,7 +246,7 @@ class ZeroModel(nn.Module):
                 u.copy_in(buf, i, p.grad)
                 p.grad = None
             if self._weights.active:  # n * W / N (module docstring)
-                buf.mul_(self._weights.weight())
+                buf.mul_(self._weight(None))
         if self._staging:
             self._guard(u, buf)
         return buf
@@ -310,6 +301,7 @@ class ZeroModel(nn.Module):
     def _device(self):
         return self._params[0].device if self._params else None
 
+    @ranged("pyfast.zero.wait")
     def finish(self) -> None:
         """Wait for every launched reduce-scatter (all of them, even after one failed: one
         still running would interleave with the caller's next collective), agree on which
@@ -358,6 +350,7 @@ class ZeroModel(nn.Module):
         self.finish()
 
     # ------------------------------------------------------------------ step's other half
+    @ranged("pyfast.zero.gather")
     def gather_params(self) -> None:
         """Stages 1/2: every rank's updated master shards into every rank's parameters, one
         exact all-gather per unit: bit-identical replicas (every rank copies the same bytes)."""
