@@ -33,6 +33,8 @@ BENCHMARKS = {
     "plan_offload": "the planner's host offload: the 70B QLoRA on 2 x 24 GB and an 8B full "
                     "fine-tune (device and host bytes), and device vs host against the dry run",
     "plan_time": "the planner's step-time model vs measured pyfast train runs on 3 links",
+    "plan_mixed": "the planner on a mixed pair (one rank throttled to half a CPU): predicted vs "
+                  "measured step, even and split by speed (--batch-split)",
     "scaling": "measured scaling efficiency of pyfast train at 1, 2, 4 ranks (loopback, 1 Gbit/s) "
                "beside the planner's prediction calibrated here",
     "plan_large": "the planner's 70B / 405B plans on 64 / 512 H100: tokens/s, MFU, memory, "

@@ -12,6 +12,7 @@ from . import cluster as clusters
 from . import shapes
 from .hardware import GPUS
 from .memory import predict_memory
+from .nodes import MixedCluster
 from .finetune import DEFAULT_RANK, FINETUNES
 from .render import (command, describe, finetune_label, lost, model_flag, notes,  # noqa: F401
                      size, why, zero_cell)
@@ -29,7 +30,8 @@ def parser() -> argparse.ArgumentParser:
         epilog=shapes.PARAMS_RULE + ". Cluster file keys: gpus, gpus_per_node, gpu (a name) or "
         "a [gpu] table (base, memory_gib, flops_16, flops_32, hbm or hbm_bps, intra_bw), "
         "intra_bw, inter_bw, intra_latency_us, inter_latency_us, mfu, price, spot_discount (also "
-        "in [gpu]) (docs/plan.md).")
+        "in [gpu]); or [[nodes]] tables of several GPU types (count, gpus_per_node, gpu, links: "
+        "a mixed cluster) (docs/plan.md).")
     g = p.add_argument_group("model (one of --model, --params; the rest override its fields)")
     g.add_argument("--model", help=f"a preset ({', '.join(shapes.PRESETS)}) or hf:DIR (a "
                    "Hugging Face config.json)")
@@ -44,7 +46,9 @@ def parser() -> argparse.ArgumentParser:
                    "the GPU's NVLink/PCIe)")
     g.add_argument("--inter-bw", help=f"one way per GPU between nodes, e.g. 400gbit, 10gbit "
                    f"(default {clusters.DEFAULT_INTER})")
-    g.add_argument("--cluster", metavar="FILE.toml", help="the cluster as a TOML file")
+    g.add_argument("--cluster", metavar="FILE.toml", help="the cluster as a TOML file; with "
+                   "[[nodes]] tables, node groups of several GPU types: plans split the batch "
+                   "by speed (--batch-split) and show the even split beside it")
     g.add_argument("--host-ram", metavar="SIZE", help="host RAM per node, e.g. 256GB, 2TB "
                    "(default: the GPU type's usual host, pyfast/plan/hardware.py)")
     g.add_argument("--allow-cross-node-tp", action="store_true",
@@ -93,6 +97,8 @@ def inputs(ns) -> tuple[ModelShape, Workload, object]:
     work = Workload(ns.seq, ns.global_batch, ns.precision)
     cl = clusters.build(ns.gpus, ns.gpus_per_node, ns.gpu, ns.intra_bw, ns.inter_bw, ns.cluster,
                         ns.host_ram)
+    if isinstance(cl, MixedCluster):
+        return shape, work, mixed_inputs(ns, shape, work, cl)
     if ns.measure:
         from .calibrate import measure
         cl = measure(shape, work, cl, link=ns.measure)
@@ -100,6 +106,44 @@ def inputs(ns) -> tuple[ModelShape, Workload, object]:
         from .calibrate import refit
         cl = refit(cl, ns.calibrate)
     return shape, work, cl
+
+
+def mixed_inputs(ns, shape: ModelShape, work: Workload, mc: MixedCluster) -> MixedCluster:
+    """A [[nodes]] cluster's options: --measure times this machine once and prices each group
+    at its [gpu] table's FLOP/s against the measured rate (nodes.with_calibration); what the
+    mixed planner does not plan is refused by name."""
+    for flag, on in (("--calibrate", ns.calibrate), ("--verify", ns.verify),
+                     ("--offload " + ns.offload, ns.offload != "auto"),
+                     ("--finetune auto", ns.finetune == "auto"),
+                     ("--scaling", getattr(ns, "scaling", None)),
+                     ("--price / --spot / --tokens", any(getattr(ns, k, None) is not None
+                                                        for k in ("price", "spot", "tokens")))):
+        if on:
+            raise ValueError(f"{flag} with a mixed cluster ({mc.label()}): not planned on "
+                             "several GPU types yet (docs/plan.md \"Mixed clusters\")")
+    if ns.measure:
+        from .calibrate import measure
+        from .nodes import with_calibration
+        here = measure(shape, work, mc.for_job(0), link=ns.measure)
+        mc = with_calibration(mc, here.calibration, work.precision, work.global_batch)
+    return mc
+
+
+def mixed_main(ns, shape: ModelShape, work: Workload, mc: MixedCluster) -> int:
+    from .mixed import search_mixed
+    from .render_mixed import as_json, render
+    res = search_mixed(shape, work, mc, ns.top, ns.allow_cross_node_tp, finetune=ns.finetune,
+                       lora_rank=ns.lora_rank or DEFAULT_RANK)
+    if not res.plans:
+        why = list(dict.fromkeys(res.mesh_problems.values()))[:4]
+        raise ValueError(f"no plan fits {mc.label()}: " + ("; ".join(
+            s.reason for s in res.rejected[:3]) or "; ".join(why)))
+    from rich.console import Console
+    if ns.json:
+        print(json.dumps(as_json(res, shape, work, mc)))
+    else:
+        render(res, shape, work, mc, Console(width=200))
+    return 0
 
 
 def nothing_fits(res: Result, shape: ModelShape, work: Workload, cl) -> str:
@@ -226,6 +270,8 @@ def main(argv=None) -> int:
     try:
         cli_scale.check_cost(ns)
         shape, work, cl = inputs(ns)
+        if isinstance(cl, MixedCluster):
+            return mixed_main(ns, shape, work, cl)
         cli_scale.check_cost(ns, cl)
         res = plan_finetune(shape, work, cl, ns)
         if not res.plans:

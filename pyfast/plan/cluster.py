@@ -1,4 +1,6 @@
 """The cluster `pyfast plan` sizes for, from flags or a TOML file (flags override the file).
+A file with [[nodes]] tables is a mixed cluster of several GPU types instead (nodes.py has its
+format; load_nodes below reads it).
 
 A cluster file (every key optional but gpus and a gpu):
 
@@ -31,7 +33,15 @@ from dataclasses import replace
 
 from . import cost
 from .hardware import GPUS, Cluster, Gpu, gpu, parse_bandwidth, parse_size
+from .nodes import Group, MixedCluster
 
+NODE_KEYS = {"count", "gpus_per_node", "gpu", "name", "intra_bw", "inter_bw", "intra_latency_us",
+             "inter_latency_us", "mfu", "host_ram"}
+# the keys a [[nodes]] file may have at its top level (the rest are per group)
+MIXED_TOP_KEYS = {"nodes", "inter_bw", "inter_latency_us"}
+# flags of `pyfast plan` that describe one GPU type: refused with a [[nodes]] file
+CONFLICTING_FLAGS = {"gpus": "--gpus", "gpus_per_node": "--gpus-per-node", "gpu": "--gpu",
+                     "intra_bw": "--intra-bw", "host_ram": "--host-ram"}
 DEFAULT_INTER = "400gbit"  # InfiniBand NDR per GPU (a DGX H100's 8 x 400 Gbit/s ConnectX-7)
 TOP_KEYS = {"gpus", "gpus_per_node", "gpu", "intra_bw", "inter_bw", "intra_latency_us",
             "inter_latency_us", "mfu", "host_ram", *cost.PRICE_KEYS}
@@ -95,15 +105,24 @@ def gpu_table(t: dict, path: str) -> Gpu:
     return replace(g, **kw)
 
 
-def load(path: str) -> dict:
-    """The cluster file as Cluster fields (and "gpu" a Gpu); ValueError naming the problem."""
+def read(path: str) -> dict:
+    """The cluster file parsed; ValueError naming it when it cannot be read or parsed."""
     try:
         with open(path, "rb") as f:
-            t = tomllib.load(f)
+            return tomllib.load(f)
     except OSError as e:
         raise ValueError(f"--cluster {path}: {e.strerror or e}") from None
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"--cluster {path}: not valid TOML ({e})") from None
+
+
+def load(path: str) -> dict:
+    """The cluster file as Cluster fields (and "gpu" a Gpu); ValueError naming the problem."""
+    t = read(path)
+    if "nodes" in t:
+        raise ValueError(f"--cluster {path} has [[nodes]] groups (a mixed cluster): this "
+                         "path plans one GPU type (--scaling is not planned on mixed clusters "
+                         "yet)")
     bad = set(t) - TOP_KEYS
     if bad:
         raise ValueError(f"--cluster {path}: unknown keys {sorted(bad)}; known: "
@@ -135,10 +154,15 @@ def load(path: str) -> dict:
 
 def build(gpus: int | None = None, gpus_per_node: int | None = None, gpu_name: str | None = None,
           intra_bw: str | None = None, inter_bw: str | None = None,
-          cluster_file: str | None = None, host_ram: str | None = None) -> Cluster:
+          cluster_file: str | None = None, host_ram: str | None = None):
     """The Cluster of the flags over the file's values; defaults: h100, 8 GPUs a node (or all
     of them when fewer), the GPU's own intra-node link, 400 Gbit/s between nodes, the GPU's
-    usual host RAM a node (hardware.py)."""
+    usual host RAM a node (hardware.py). A file with [[nodes]] groups (nodes.py): a
+    MixedCluster, or the plain Cluster when every group has one GPU type and node size (its
+    plans and output are then the one-type planner's)."""
+    if cluster_file and "nodes" in read(cluster_file):
+        return build_nodes(cluster_file, gpus=gpus, gpus_per_node=gpus_per_node, gpu=gpu_name,
+                           intra_bw=intra_bw, host_ram=host_ram, inter_bw=inter_bw)
     f = load(cluster_file) if cluster_file else {}
     if host_ram is not None:
         f["host_ram"] = parse_size(host_ram)
@@ -163,3 +187,93 @@ def build(gpus: int | None = None, gpus_per_node: int | None = None, gpu_name: s
         f["inter_bps"] = _bw(inter_bw, "--inter-bw")
     f.setdefault("inter_bps", parse_bandwidth(DEFAULT_INTER))
     return Cluster(**f)  # its own check: gpus a multiple of gpus_per_node
+
+
+def build_nodes(path: str, inter_bw: str | None = None, **flags):
+    """A [[nodes]] file (nodes.load_nodes) with the flags that may go with it: the one-type
+    flags (flags: gpus, gpus_per_node, gpu, intra_bw, host_ram) refused by name, --inter-bw
+    the link between groups. One type throughout: the plain Cluster."""
+    refuse_flags(path, **flags)
+    mc = load_nodes(read(path), path)
+    if inter_bw is not None:
+        mc = replace(mc, inter_bps=_bw(inter_bw, "--inter-bw"))
+    try:
+        return mc.homogeneous()
+    except ValueError:
+        return mc
+
+
+# ---- [[nodes]]: a mixed cluster (nodes.py)
+def _int(t: dict, key: str, where: str) -> int:
+    v = t[key]
+    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        raise ValueError(f"{where}: {key} must be an integer > 0, got {v!r}")
+    return v
+
+
+def load_nodes(t: dict, path: str) -> MixedCluster:
+    """The [[nodes]] tables of a parsed cluster file; ValueError naming the file, the table
+    (its index) and the key."""
+    top = f"--cluster {path}"
+    bad = set(t) - MIXED_TOP_KEYS
+    if bad:
+        raise ValueError(f"{top}: {sorted(bad)} at the top level of a file with [[nodes]]: "
+                         f"set them in each [[nodes]] table (top-level keys with [[nodes]]: "
+                         f"{sorted(MIXED_TOP_KEYS - {'nodes'})})")
+    tables = t["nodes"]
+    if not isinstance(tables, list) or not tables or \
+            not all(isinstance(x, dict) for x in tables):
+        raise ValueError(f"{top}: nodes must be one or more [[nodes]] tables, got {tables!r}")
+    groups = []
+    for i, n in enumerate(tables):
+        where = f"{top} [[nodes]] #{i + 1}"
+        unknown = set(n) - NODE_KEYS
+        if unknown:
+            raise ValueError(f"{where}: unknown keys {sorted(unknown)}; known: "
+                             f"{sorted(NODE_KEYS)}")
+        missing = {"count", "gpus_per_node", "gpu"} - set(n)
+        if missing:
+            raise ValueError(f"{where}: missing {', '.join(sorted(missing))} (each [[nodes]] "
+                             "table needs count, gpus_per_node and gpu)")
+        count, per = _int(n, "count", where), _int(n, "gpus_per_node", where)
+        g = n["gpu"]
+        try:
+            g = gpu_table(g, where) if isinstance(g, dict) else gpu(g)
+        except ValueError as e:
+            raise ValueError(f"{where}: gpu: {e}" if not str(e).startswith(where) else str(e)) \
+                from None
+        kw = {}
+        for k in ("intra_bw", "inter_bw"):
+            if k in n:
+                kw[k.replace("_bw", "_bps")] = _bw(n[k], f"{where}: {k}")
+        for k in ("intra_latency_us", "inter_latency_us"):
+            if k in n:
+                kw[k.replace("_us", "_s")] = _positive(n, k, where) * 1e-6
+        if "host_ram" in n:
+            kw["host_ram"] = parse_size(n["host_ram"], f"{where}: host_ram")
+        if "mfu" in n:
+            kw["mfu"] = _positive(n, "mfu", where)
+            if kw["mfu"] > 1:
+                raise ValueError(f"{where}: mfu is a fraction of peak (<= 1), got {kw['mfu']}")
+        elif g.mfu is not None:
+            kw["mfu"] = g.mfu
+        if g.attn_mfu is not None:
+            kw["attn_mfu"] = g.attn_mfu
+        kw.setdefault("intra_bps", g.intra_bps)
+        kw.setdefault("inter_bps", parse_bandwidth(DEFAULT_INTER))
+        name = str(n.get("name", g.name))
+        groups.append(Group(name, count, per, Cluster(count * per, per, g, **kw)))
+    between = _bw(t["inter_bw"], f"{top}: inter_bw") if "inter_bw" in t else \
+        min(g.cluster.inter_bps for g in groups)
+    lat = _positive(t, "inter_latency_us", top) * 1e-6 if "inter_latency_us" in t else \
+        max(g.cluster.inter_latency_s for g in groups)
+    return MixedCluster(tuple(groups), between, lat)
+
+
+def refuse_flags(path: str, **flags) -> None:
+    """ValueError naming the flags given that a [[nodes]] file sets per group."""
+    given = [CONFLICTING_FLAGS[k] for k, v in flags.items() if v is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)} with --cluster {path}: its [[nodes]] tables give "
+                         "each group's GPUs, GPU type, node link and host RAM; set them there "
+                         "(--inter-bw, the link between groups, is allowed)")

@@ -119,7 +119,45 @@ def run(cfg: TrainConfig, device: torch.device, restarted: bool = False) -> None
     job.close()  # not after another error: closing may wait on a peer that is gone
 
 
+def bench_throttle(env: str | None = None, rank: int | None = None) -> float | None:
+    """Benchmarks only (`pyfast bench plan_mixed`), not a feature: PYFAST_THROTTLE="R:SHARE[,
+    R:SHARE...]" caps global rank R's process at SHARE CPUs (pyfast.hetero.throttle) for the
+    rest of its life: an emulated slower GPU beside full-speed peers. Returns the share set
+    on this rank (None: none); ValueError for a malformed value, HeteroUnavailable where
+    caps cannot be set (never a silent full-speed run)."""
+    env = os.environ.get("PYFAST_THROTTLE", "") if env is None else env
+    if not env:
+        return None
+    rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+    share = None
+    for item in env.split(","):
+        r, sep, v = item.partition(":")
+        try:
+            if not sep:
+                raise ValueError
+            r, v = int(r), float(v)
+        except ValueError:
+            raise ValueError(f"PYFAST_THROTTLE={env!r}: RANK:SHARE[,RANK:SHARE...], e.g. "
+                             "1:0.5 (rank 1 at half a CPU)") from None
+        if r == rank:
+            share = v
+    if share is not None:
+        from pyfast.hetero import throttle
+        # held until the process exits: the context manager is kept referenced, since a
+        # bare throttle(share).__enter__() is collected at once and its generator's finally
+        # lifts the cap (seen: the job ran 1:0.1 as fast as unthrottled, 490 vs 489 ms)
+        import atexit
+        _HELD.append(throttle(share))
+        _HELD[-1].__enter__()
+        atexit.register(_HELD[-1].__exit__, None, None, None)  # lifted before teardown
+    return share
+
+
+_HELD: list = []  # bench_throttle's caps, alive as long as the process
+
+
 def main(cfg: TrainConfig) -> int:
+    bench_throttle()
     device = _device()
     # device_id binds NCCL's communicator to this rank's GPU: without it every barrier warned
     # "using the device under current context" (seen on the lent H200)
