@@ -175,6 +175,9 @@ class Bucketer:
             raise ValueError(f"align must be >= 1, got {align}")
         self.launch_fn, self.align, self.views = launch, align, views
         self.scale: float | None = None  # gradients multiplied by it on their way in
+        # weight(scale) -> the factor actually used (a rank's sample weight times scale:
+        # comm.weights); None: scale as it is
+        self.weight = None
         self.buckets: list[Bucket] = []
         first = min(FIRST_BUCKET_MB if first_mb is None else first_mb, bucket_mb)
         members: list = []
@@ -245,6 +248,8 @@ class Bucketer:
             if unused:
                 torch._foreach_zero_(unused)
             scale = self.scale if b.scale is None else b.scale
+            if self.weight is not None:
+                scale = self.weight(scale)
             if scale is None:
                 if dst:
                     torch._foreach_copy_(dst, src)
@@ -253,7 +258,7 @@ class Bucketer:
         self.launch_fn(b)
 
     @staticmethod
-    def _scaled_copy(dst, src, inplace, scale: float) -> None:
+    def _scaled_copy(dst, src, inplace, scale) -> None:
         """dst = src * scale in one pass (DDP's copy-in divides the same way): torch has no
         foreach op with an output, so one call a parameter (~3 us each) to save the pass over
         the bucket that a division after the reduction costs (43 MB on gpt-small)."""

@@ -23,6 +23,7 @@ from pyfast.comm.buckets import (BUCKET_MB, ENGINES, Bucketer, broadcast_coalesc
 from pyfast.comm.failure import Breaker, new_group_like
 from pyfast.comm.guard import FiniteGuard
 from pyfast.comm.ready import ParamWatch, SideBand
+from pyfast.comm.weights import SampleWeights, check_samples
 from pyfast.parallel import ft_reduce
 
 log = logging.getLogger(__name__)
@@ -113,6 +114,17 @@ class DataParallel(nn.Module):
     advance only when the step commits; a healing group receives the compressor state and
     starts with an empty memory (ft_reduce says why). engine "python" only
     ("auto" picks it; "native" and compressor="auto" raise FTError).
+
+    samples (an int, or per step `model.samples = n` before the forward): this rank's samples
+    this step, for ranks with different batch sizes (docs/hetero.md). Each rank's loss stays
+    a mean over its own n samples; its gradient is weighted n / sum(n) in the reduction, so
+    the result is the gradient of the concatenated batch, with every compressor, engine and
+    error feedback (whose memory then holds weighted residuals: pyfast.comm.weights). sum(n)
+    travels in one all-reduce of W floats started at the forward that arms the reduction (or
+    in reduce_gradients()); a rank with n < 1 makes every rank raise ValueError after the
+    step's reductions. None (the default): the plain mean, bit-identical to no weighting.
+    None or an int on every rank alike (it decides a collective). Not under torchft
+    (FTError: the divisor there is the step's participants, known after the quorum).
     """
 
     # Benchmark only (pyfast.benchmarks.dp_semantics): skip the DDP-semantics work (the side
@@ -123,7 +135,7 @@ class DataParallel(nn.Module):
     def __init__(self, module: nn.Module, compressor=None, bucket_mb: float | None = None,
                  group=None, error_feedback: bool = True, overlap: bool = True, check_finite="skip",
                  engine: str = "auto", broadcast_buffers: bool = True, timeout=None,
-                 gradient_as_bucket_view: bool = False, replicas=None):
+                 gradient_as_bucket_view: bool = False, replicas=None, samples=None):
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("DataParallel needs torch.distributed initialized "
@@ -138,6 +150,9 @@ class DataParallel(nn.Module):
         self.auto = compressor == "auto"
         if replicas is not None:
             engine = ft_reduce.check(engine, self.auto)
+            if check_samples(samples, "DataParallel") is not None:
+                raise ft_reduce.FTError("DataParallel(replicas=..., samples=...): not supported "
+                                        "under torchft (see the samples setter)")
         base = C.get("fp16" if self.auto else compressor)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         dev = named[0][1].device if named else None  # the error-feedback memory's, loads too
@@ -194,6 +209,36 @@ class DataParallel(nn.Module):
             replicas, self._guard, self._comm,
             (lambda: ft_reduce.without_memory(self.compression_state_dict()),
              self.load_compression_state_dict))
+        self._weights = SampleWeights("DataParallel", self.world, dist.get_rank(group), dev)
+        self.bucketer.weight = self._weight
+        self.samples = samples
+
+    @property
+    def samples(self):
+        """This rank's samples this step, or None (class docstring)."""
+        return self._weights.n
+
+    @samples.setter
+    def samples(self, n) -> None:
+        n = check_samples(n, "DataParallel")
+        if n is not None and self._ft is not None:
+            raise ft_reduce.FTError("DataParallel(replicas=...): samples= is not supported under "
+                                    "torchft (the average's divisor is the step's participants, "
+                                    "known after the quorum); give every rank the same batch")
+        self._weights.n = n
+
+    def _weight(self, scale):
+        """The bucketer's copy-in factor: scale, times this rank's weight if weighted."""
+        return self._weights.weight(scale) if self._weights.active else scale
+
+    def _issue(self, vec):
+        """Sum the samples vector over the group on the path the buckets take (after them in
+        every FIFO, so the ranks pair their collectives alike)."""
+        if self._direct:
+            return sum_async(vec, self._comm, "samples")
+        if self._engine is not None:
+            return self._engine.all_reduce(vec, None, op="sum", name="samples")
+        return all_reduce(vec, None, self._comm, op="sum", async_op=True, name="samples")
 
     @property
     def _reducing(self):
@@ -275,6 +320,8 @@ class DataParallel(nn.Module):
         thread and destroy its process group. Call it before dist.destroy_process_group.
         Idempotent; the wrapped module is left as it is (usable without DataParallel)."""
         self._closed = True
+        with contextlib.suppress(BaseException):  # a samples vector still in flight
+            self._weights.drop()
         for b in self.bucketer.buckets:
             if b.handle is not None:
                 with contextlib.suppress(BaseException):  # already raised, or will not matter
@@ -313,6 +360,7 @@ class DataParallel(nn.Module):
                 self._wait = (t0, t1)
             else:
                 self._wait = time.perf_counter() - t0
+        self._weights.check(self._comm)  # a rank with n < 1: raised on every rank
         if self.selector is not None and len(done) == len(self.bucketer.buckets) \
                 and not self.selector.fixed:
             self.selector.after_step([b.extra["seconds"] for b in done],
@@ -342,6 +390,7 @@ class DataParallel(nn.Module):
         self.bucketer = Bucketer(self._named, default_bucket_mb("none"), self._launch,
                                  enabled=self.overlap, views=old.views)
         self.bucketer.scale, self._sum = 1.0 / self.world, True
+        self.bucketer.weight = self._weight
         self._direct = True
         self._through = self._guard.passes_through()
         buckets = self.bucketer.buckets
@@ -431,6 +480,7 @@ class DataParallel(nn.Module):
         self._check_usable()
         if self._regroup == "next":
             self._rebucket()
+        self._weights.start(self._issue)
         self.bucketer.arm(self._finish)
         self.bucketer.flush()
 
@@ -461,6 +511,7 @@ class DataParallel(nn.Module):
                 self._sync_buffers()
             if self._regroup == "next":
                 self._rebucket()
+            self._weights.start(self._issue)
             self.bucketer.arm(self._finish)
         else:
             self.bucketer.disarm()

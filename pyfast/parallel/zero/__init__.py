@@ -51,6 +51,7 @@ from pyfast.comm.agree import agree
 from pyfast.comm.buckets import (BUCKET_MB, ENGINES, broadcast_state, check_params,
                                  check_same_layout)
 from pyfast.comm.engine import NativeEngine, status as native_status
+from pyfast.comm.weights import check_samples
 
 from .hybrid import Quorum, Replicas, check_replicas, check_torchft
 from .frozen import (MODES as FROZEN_MODES, check_frozen, frozen_named, frozen_units,
@@ -121,7 +122,8 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
          group=None, bucket_mb: float | None = None, error_feedback: bool = True, units=None,
          engine: str = "auto", frozen: str = "replicate", tp_group=None, pp_group=None,
          replica_group=None, replica_compressor=None, every_rank: bool = False,
-         offload=None, prefetch: int = 1, delay: bool = False, replicas=None, **optim_kwargs):
+         offload=None, prefetch: int = 1, delay: bool = False, replicas=None, samples=None,
+         **optim_kwargs):
     """(model, opt): `module` wrapped for ZeRO stage 1, 2 or 3 over `group` (None: the default
     group), and a ZeroOptimizer running optim_cls(**optim_kwargs) on this rank's shards.
     optim_kwargs may hold params= (param groups, as optim_cls's first argument: lists of the
@@ -178,6 +180,13 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
     Stage 2 only, no offload, no replica_group (FTError otherwise). Per step: R.start(),
     forward/backward, `if R.commit(): opt.step()`.
 
+    samples: this rank's samples this step (an int; per step `model.samples = n` before the
+    forward), for ranks with different batch sizes: each unit's gradients are weighted
+    n / sum(n) in the reduce-scatter (and across the replicas under hybrid sharding), so the
+    master shards get the gradient of the concatenated batch (model.py; docs/hetero.md).
+    Shards stay even: only the batch is uneven. None: the plain mean. Not with replicas=
+    (torchft: FTError).
+
     offload, prefetch, delay (offload.py): None (everything on the device), "optimizer"
     (ZeRO-Offload: the fp32 master shards, their gradients and the optimizer state in host
     memory, the step on the host) or "params" (stage 3: no device shard; each unit's host
@@ -188,6 +197,7 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
     if not dist.is_initialized():
         raise RuntimeError("zero needs torch.distributed initialized "
                            "(torchrun + dist.init_process_group)")
+    check_samples(samples, "zero")  # a TypeError here, before any collective
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
     check_optimizer(optim_cls)
@@ -219,6 +229,10 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
     c = _grad_compressor(compressor, error_feedback, named[0][1].device)
     if replicas is not None:
         check_torchft(stage, replica_group, offload)
+        if check_samples(samples, "zero") is not None:
+            from pyfast.parallel.ft import FTError
+            raise FTError("zero(replicas=..., samples=...): not supported under torchft (the "
+                          "average's divisor is the step's participants)")
     else:
         check_replicas(group, replica_group, replica_compressor)
     rc = None if replica_group is None and replicas is None else \
@@ -273,6 +287,7 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
     else:
         model = ZeroModel(module, layout, stage, c, group, named, kinds, offload=off)
     model.replicas = replicas
+    model.init_samples(samples)
     if ft is not None and getattr(c, "feedback", None) is not None:
         # the shard group's compressor memory too: kept by torchft's commit only
         model.stage_feedback(True)

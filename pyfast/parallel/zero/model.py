@@ -29,6 +29,15 @@ comm.all_gather on comm's Python FIFO worker over `group`. Both are bitwise equa
 same decode order, the error-feedback memory under the same names: u.name + ".i"), so the
 engine never changes a result or a checkpoint; `engine_kind` says which runs each collective.
 
+Sample weights (zero(samples=n), `model.samples = n`): ranks with different batch sizes, each
+loss a mean over its own n samples; each unit's packed gradients are multiplied by n * W / N
+(W: the ranks averaged over, shard group x replica group under hybrid sharding; N: the sum of
+n over them, from one W-float all-reduce started at the forward, on the reduce-scatters' path
+and then across the replicas) before the reduce-scatter, which stays an average: the master
+shards get the gradient of the concatenated batch (pyfast.comm.weights; a rank with n < 1
+raises ValueError on every rank after the step's reductions). Shards stay even (every rank
+holds 1/W of every unit): only the batch is uneven. Not under torchft (FTError).
+
 Buffers: at every forward with autograd on (outside no_sync), group rank 0's buffers are
 broadcast to the others first, as DDP's broadcast_buffers=True and DataParallel.
 
@@ -45,11 +54,12 @@ import torch
 from torch import nn
 
 import pyfast.compress as C
-from pyfast.comm import all_gather, reduce_scatter
-from pyfast.comm.collectives import all_finite
+from pyfast.comm import all_gather, all_reduce, reduce_scatter
+from pyfast.comm.collectives import Handle, all_finite
 from pyfast.comm.buckets import broadcast_coalesced
 from pyfast.comm.failure import Breaker
 from pyfast.comm.ready import Readiness, SideBand, check_unchanged, wait_then_raise
+from pyfast.comm.weights import SampleWeights, check_samples
 
 from .meshes import is_pipeline
 
@@ -91,6 +101,7 @@ class ZeroModel(nn.Module):
             for u in layout.units if offload is None else []:
                 self.masters.append([self._master(p, sh) for p, sh in zip(u.params, u.shards)])
         self.replicas = None  # hybrid sharding (hybrid.Replicas), set by zero()
+        self._weights = SampleWeights("zero", self.world, self.rank, self._device)
         self._breaker = Breaker("this zero model")
         self.set_mesh(None, None, [False] * len(named))
         self._sync = True
@@ -123,6 +134,45 @@ class ZeroModel(nn.Module):
         flags = {id(p): bool(f) for p, f in zip(self._params, tp_sharded)}
         self.tp_sharded = [[flags[id(p)] for p in u.params] for u in self.layout.units]
 
+    # ------------------------------------------------------------------ samples (comm.weights)
+    def init_samples(self, samples) -> None:
+        """zero(samples=): the weights over every rank the gradient is averaged over (the
+        replicas too, once zero() has set them)."""
+        r = self.replicas
+        if r is not None and not getattr(r, "torchft", False):
+            self._weights = SampleWeights("zero", self.world * r.world,
+                                          r.rank * self.world + self.rank, self._device)
+        self.samples = samples
+
+    @property
+    def samples(self):
+        """This rank's samples this step, or None: the plain mean (module docstring)."""
+        return self._weights.n
+
+    @samples.setter
+    def samples(self, n) -> None:
+        n = check_samples(n, "zero")
+        if n is not None and getattr(self.replicas, "torchft", False):
+            from pyfast.parallel.ft import FTError
+            raise FTError("zero(replicas=...): samples= is not supported under torchft (the "
+                          "average's divisor is the step's participants); give every rank the "
+                          "same batch")
+        self._weights.n = n
+
+    def _issue(self, vec):
+        """Sum the samples vector on the reduce-scatters' path, then across the replicas."""
+        if self.engine_kind["reduce_scatter"] == "native":
+            h = self._engine.all_reduce(vec, None, op="sum", name="samples")
+        else:
+            h = all_reduce(vec, None, self.group, op="sum", async_op=True, name="samples")
+        if self.replicas is None:
+            return h
+
+        def across():
+            h.wait()
+            all_reduce(vec, None, self.replicas.group, op="sum")
+        return Handle.on_worker(across)
+
     def master(self, p: torch.Tensor) -> torch.Tensor:
         u, i = self.layout.of(p)
         return self.masters[u.index][i]
@@ -146,6 +196,7 @@ class ZeroModel(nn.Module):
                 if self.replicas is not None:
                     self.replicas.broadcast(bufs)
                 broadcast_coalesced(bufs, self.group)
+            self._weights.start(self._issue)
             if self._ready is not None:
                 self._ready.arm()
         elif self._ready is not None:
@@ -203,6 +254,8 @@ class ZeroModel(nn.Module):
             for i, p in enumerate(u.params):
                 u.copy_in(buf, i, p.grad)
                 p.grad = None
+            if self._weights.active:  # n * W / N (module docstring)
+                buf.mul_(self._weights.weight())
         if self._staging:
             self._guard(u, buf)
         return buf
@@ -263,6 +316,7 @@ class ZeroModel(nn.Module):
         parameters were used (side band), and add each reduced shard to its master's .grad."""
         with self._guarded("zero gradient reduce-scatter"):
             self._finish()
+        self._weights.check(self.group)  # a rank with n < 1: raised on every rank
 
     def _finish(self) -> None:
         inflight, self._inflight = self._inflight, []
@@ -296,6 +350,8 @@ class ZeroModel(nn.Module):
         self._dirty = False
         if self._ready is not None:
             self._ready.disarm()
+        if not self._weights.active:  # no forward started it (a Pipeline, no_sync)
+            self._weights.start(self._issue)
         with self._guarded("zero gradient reduce-scatter"):  # stage 1's run here
             for u in self.layout.units:
                 self._launch(u)
@@ -365,6 +421,8 @@ class ZeroModel(nn.Module):
         self._hooks = []
         if self._ready is not None:
             self._ready.close()
+        with contextlib.suppress(BaseException):  # a samples vector still in flight
+            self._weights.drop()
         pending = [h for _, _, h in self._inflight if h is not None]
         pending += [h for h, _ in getattr(self, "_gathering", {}).values()]
         for h in pending:
