@@ -216,3 +216,77 @@ class Balancer:
             return None
         self.split, self.skip = new, SETTLE
         return new
+
+
+# ---------------------------------------------------------------- the job's side (Job calls these)
+def build(job) -> Balancer | None:
+    """The job's Balancer under --batch-split auto (None otherwise, and on the dry run's meta
+    tensors, which take no time: dry_note). Starts from job.split (the even split, or the one
+    a checkpoint restores through restore())."""
+    from .batch_split import AUTO, parse, unit
+    cfg = job.cfg
+    if parse(cfg.batch_split) != AUTO or job.device.type == "meta":
+        return None
+    return Balancer(job.split, cfg.batch, unit(cfg), job.mesh.dp_rank, cfg.batch_split_every,
+                    job.device)
+
+
+def apply(job, split: list[int]) -> None:
+    """Install `split` from the next step on: the job's split (the logged loss's weights, the
+    record, validation), this rank's samples= on its reducer, and its rows of each global
+    batch: a new Batches at the same position (the data order is the split's no matter)."""
+    from pyfast.data import Batches
+    cfg = job.cfg
+    job.split = list(split)
+    reducer = job.dp if job.dp is not None else job.zero
+    if reducer is not None:
+        reducer.samples = split[job.mesh.dp_rank]
+    at = job.batches.state_dict()
+    job.batches = Batches(job.corpus.train, cfg.batch, cfg.seq, cfg.seed, *job.data_slot,
+                          split=job.split)
+    job.batches.load_state_dict(at)
+    if job.balancer is not None:
+        job.balancer.split, job.balancer.window, job.balancer.skip = list(split), [], SETTLE
+
+
+def after_step(job, step: int, rec: dict) -> None:
+    """Every rank, after each step's record is made (it logs the split that step ran): the
+    rebalance when due (a collective every --batch-split-every steps)."""
+    if job.balancer is None:
+        return
+    new = job.balancer.step(step)
+    if step % job.balancer.every == 0:  # what the rebalance saw, and the split it chose
+        rec["rebalance"] = {"secs_per_sample": job.balancer.last["secs_per_sample"],
+                            "next": job.balancer.last["new"]}
+    if new is not None:
+        apply(job, new)
+
+
+def restore(job, saved) -> str | None:
+    """A resumed run's split: the checkpoint's (`saved`, its "train" record's batch_split)
+    where it fits this run (--batch-split auto, the same dp size, --batch and unit), else the
+    even split kept. Returns the line that says which (None: not auto)."""
+    if job.balancer is None:
+        return None
+    b = job.balancer
+    if saved is None:
+        return "--batch-split auto: the checkpoint holds no split; starting from the even split"
+    try:
+        if len(saved) != len(b.split):
+            raise ValueError(f"{len(saved)} dp ranks in the checkpoint, {len(b.split)} here")
+        check_split(saved, b.batch, b.unit)
+    except ValueError as e:
+        return f"--batch-split auto: the checkpoint's split {list(saved)} does not fit ({e}); " \
+               f"starting again from the even split {b.split}"
+    apply(job, saved)
+    return f"--batch-split auto: continuing with the checkpoint's split {list(saved)}"
+
+
+def dry_note(cfg) -> str | None:
+    """The dry run's line: auto runs the even split there (meta tensors take no time)."""
+    from .batch_split import AUTO, parse
+    if parse(cfg.batch_split) != AUTO:
+        return None
+    return ("--batch-split auto runs the even split on the dry run (meta tensors take no time to "
+            "measure); a rank's peak grows with its share: size the largest share you expect "
+            "with --batch-split N,N,...")

@@ -105,7 +105,8 @@ def run(cfg: TrainConfig, device: torch.device, restarted: bool = False) -> None
                   f"{job.corpus.source}; {note}", flush=True)
             print(describe_tensorboard(cfg.tensorboard, cfg.out), flush=True)
             for line in (job.frozen_note, offload.describe(job) if job.zero else None,
-                         restart, job.ft.describe() if job.ft is not None else None):
+                         restart, job.ft.describe() if job.ft is not None else None,
+                         job.split_note):
                 if line:
                     print(f"pyfast train: {line}", flush=True)
             if cfg.elastic and meta is not None and elastic.describe_reset(cfg, meta, same):
