@@ -276,15 +276,21 @@ def _epoch_seed(seed: int, epoch: int) -> int:
 
 class Batches:
     """Global batch k of epoch e = k // (sequences // batch) is rows perm_e[i*batch:(i+1)*batch],
-    i = k % (sequences // batch); dp rank r takes its contiguous batch // dp_size of them."""
+    i = k % (sequences // batch); dp rank r takes its contiguous batch // dp_size of them, or
+    with split (n_0, ..., n_{dp_size-1}, summing to batch: pyfast train --batch-split) the
+    contiguous rows [n_0 + ... + n_{r-1}, + n_r): the same global batches in the same order."""
 
     def __init__(self, tokens: np.ndarray, batch: int, seq: int, seed: int, dp_rank: int = 0,
-                 dp_size: int = 1, shuffle: bool = True):
+                 dp_size: int = 1, shuffle: bool = True, split=None):
         if batch < 1 or seq < 1:
             raise ValueError(f"batch ({batch}) and seq ({seq}) must be at least 1")
         if dp_size < 1 or not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} is not in [0, dp_size {dp_size})")
-        if batch % dp_size:
+        if split is not None and (len(split) != dp_size or sum(split) != batch
+                                  or min(split) < 1):
+            raise ValueError(f"split {list(split)} must give each of dp_size {dp_size} ranks "
+                             f">= 1 row and sum to the global batch {batch}")
+        if split is None and batch % dp_size:
             raise ValueError(f"global batch {batch} does not divide over dp_size {dp_size}")
         self.sequences = max(len(tokens) - 1, 0) // seq
         if self.sequences < batch:
@@ -292,8 +298,9 @@ class Batches:
                              f"sequences, fewer than one global batch of {batch}")
         self.tokens, self.batch, self.seq, self.seed = tokens, batch, seq, seed
         self.shuffle = shuffle
-        self.local = batch // dp_size
-        self.first = dp_rank * self.local  # this rank's first row within a global batch
+        self.local = batch // dp_size if split is None else split[dp_rank]
+        # this rank's first row within a global batch
+        self.first = dp_rank * self.local if split is None else sum(split[:dp_rank])
         self.per_epoch = self.sequences // batch  # the last sequences % batch wait for next epoch
         self.position = 0
         self._epoch, self._perm = -1, np.arange(0)

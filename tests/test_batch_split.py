@@ -222,6 +222,13 @@ def _bad_samples(rank, world):
         _loss(dp, x[:2], y[:2]).backward()  # usable again
         out[engine + " after"] = bool(torch.isfinite(dp.module[0].tok.weight.grad).all())
         dp.close()
+    from pyfast.parallel import zero
+    model, opt = zero(_model(), torch.optim.AdamW, stage=2, samples=[3, 0][rank])
+    try:
+        _loss(model, x[:2], y[:2]).backward()
+    except ValueError as e:
+        out["zero"] = str(e)
+    model.close()
     for bad in (2.5, True, "3"):
         try:
             dp.samples = bad
@@ -235,6 +242,7 @@ def test_bad_samples_raise_on_every_rank(pool2):
         for engine in ("native", "python"):
             assert "samples must be >= 1 on every rank; got [3, 0] (rank(s) 1: 0)" in r[engine]
             assert r[engine + " after"]
+        assert "zero: samples must be >= 1 on every rank; got [3, 0]" in r["zero"]
         assert "samples must be an int" in r["2.5"] and "float 2.5" in r["2.5"]
         assert "got True" in r["True"] and "str '3'" in r["'3'"]
 
@@ -323,3 +331,137 @@ def test_zero_hybrid_uneven_batches(pool4):
     """Hybrid sharding (shard groups {0,1} {2,3}, replicas {0,2} {1,3}): the weight spans both."""
     split, names = [4, 1, 2, 1], ["z2-none"]
     _check_zero(pool4.run(_zero_cases, split, names, hybrid=True), split, names)
+
+
+# the job's parameters after 3 steps against the even split's (lr 1e-3 after a 1-step warm-up):
+# the same gradient reduced another way, so test_zero's AdamW argument (module docstring):
+# 1.73e-6 seen at most (DataParallel and --zero 2), 6x below; a rank's gradient weighted 1/2
+# instead of 3/4 moves the first step's update by ~lr = 1e-3. Logged losses: 7e-8 relative seen.
+PARAM_TOL = 1e-5
+JOB = dict(model="gpt-tiny", dp=2, steps=3, batch=4, seq=32, seed=1, tensorboard="off",
+           warmup=1)
+
+
+def _job_run(rank, world, flags: dict):
+    """The job's steps (pyfast.train.job.Job.train_step, as `pyfast train` runs them) on this
+    rank: each step's record, the parameters after them and the first batch's rows."""
+    from pyfast.train.config import TrainConfig, check
+    from pyfast.train.job import Job
+    cfg = TrainConfig(**{**JOB, **flags})
+    check(cfg, world)
+    job = Job(cfg, torch.device("cpu"))  # cpu-literal: the test's ranks
+    x, _ = job.batches.next()
+    job.batches.position = 0
+    recs = [job.train_step(s) for s in range(cfg.steps)]
+    params = {k: p.detach().clone() for k, p in job.model.named_parameters()}
+    val = job.evaluate()
+    (job.dp or job.zero).close()
+    return dict(recs=recs, params=params, rows=x, val=val)
+
+
+def test_job_batch_split_equals_the_even_split(pool2):
+    """--batch-split 3,1 against the even split of the same global batches (2 ranks, gpt-tiny,
+    3 steps, int8 and --zero 2 too): the same rows in the same order, the same logged loss (the
+    global batch's mean, to fp32 rounding: 1e-6 relative), `batch_split` in each record, the
+    parameters within test_zero's AdamW bound (here against a run whose gradient is the same
+    mean reduced another way), and the validation loss of the same rows."""
+    runs = {name: pool2.run(_job_run, flags) for name, flags in (
+        ("even", {}), ("split", {"batch_split": "3,1"}),
+        ("zero-split", {"zero": 2, "batch_split": "3,1"}))}
+    even, split = runs["even"], runs["split"]
+    rows = torch.cat([r["rows"] for r in even])
+    assert [len(r["rows"]) for r in split] == [3, 1]
+    assert torch.equal(torch.cat([r["rows"] for r in split]), rows)  # the same data order
+    for name in ("split", "zero-split"):
+        for s in range(JOB["steps"]):
+            rec, ref = runs[name][0]["recs"][s], even[0]["recs"][s]
+            assert rec["batch_split"] == [3, 1] and "batch_split" not in ref
+            assert abs(rec["loss"] - ref["loss"]) <= 1e-6 * ref["loss"], (name, s, rec, ref)
+            assert rec["tokens_per_s"] > 0
+        assert abs(runs[name][0]["val"] - even[0]["val"]) <= 1e-6 * even[0]["val"]
+        for k, v in runs[name][0]["params"].items():
+            err = float((v - even[0]["params"][k]).abs().max())
+            assert err <= PARAM_TOL, (name, k, err)
+            assert torch.equal(v, runs[name][1]["params"][k]), (name, k)  # replicas bit-equal
+
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(batch_split="3,2"), "--batch-split 3,2 sums to 5, but --batch is 4"),
+    (dict(batch_split="4"), "--batch-split 4: 1 number(s) for --dp 2"),
+    (dict(batch_split="4,0"), "every dp rank needs at least one sample (rank 1: 0)"),
+    (dict(batch_split="5,-1"), "(rank 1: -1)"),
+    (dict(batch_split="3,x"), "--batch-split '3,x': comma-separated integers"),
+    (dict(batch_split="3,1", grad_accum=2), "= 2 equal pieces, so every number must be a "
+     "multiple of 2; not: rank 0: 3, rank 1: 1"),
+    (dict(batch_split="6,2", batch=8, micro_batches=4), "--micro-batches 4 = 4 equal pieces"),
+    (dict(batch_split="3,1", pp=2, dp=1), "--batch-split 3,1 with --pp"),
+    (dict(batch_split="3,1", cp=2), "with --cp"),
+    (dict(batch_split="3,1", diloco=4, replicas=2, batch=8), "with --diloco"),
+    (dict(batch_split="auto"), "--batch-split auto (measure each rank's speed"),
+])
+def test_bad_batch_split_flags(flags, message):
+    from pyfast.train.config import ConfigError, TrainConfig, check
+    cfg = TrainConfig(**{**JOB, **flags})
+    with pytest.raises(ConfigError) as e:
+        check(cfg, cfg.ranks, model=False)
+    assert message in str(e.value)
+
+
+def test_batches_split_keeps_the_global_batches():
+    """Batches(split=): rank r's rows are the contiguous slice of the even run's global batch,
+    across an epoch boundary too; a split that does not fit raises naming it."""
+    import numpy as np
+
+    from pyfast.data import Batches
+    tokens = np.arange(33 * 12 + 1, dtype=np.uint16)  # 12 sequences: 2 global batches of 5
+    whole = Batches(tokens, 5, 33, seed=3)
+    parts = [Batches(tokens, 5, 33, seed=3, dp_rank=r, dp_size=3, split=[1, 3, 1])
+             for r in range(3)]
+    for _ in range(5):  # past the end of the first epoch
+        x, y = whole.next()
+        got = [b.next() for b in parts]
+        assert [len(g[0]) for g in got] == [1, 3, 1]
+        assert torch.equal(torch.cat([g[0] for g in got]), x)
+        assert torch.equal(torch.cat([g[1] for g in got]), y)
+    for bad in ([2, 2, 2], [5, 0, 0], [4, 1]):
+        with pytest.raises(ValueError, match="split .* must give each of dp_size 3 ranks"):
+            Batches(tokens, 5, 33, seed=3, dp_rank=0, dp_size=3, split=bad)
+
+
+def test_dry_run_runs_the_split():
+    """The dry run (meta tensors, fake group) runs --batch-split: rank 0's 3 rows hold more
+    activations than rank 1's one."""
+    from pyfast.train.config import TrainConfig
+    from pyfast.train.dryrun import dry_run
+    rows = dry_run(TrainConfig(model="gpt-tiny", dp=2, batch=4, seq=32, batch_split="3,1"), 2,
+                   [0, 1])
+    assert rows[0]["peak_bytes"] > rows[1]["peak_bytes"] > 0
+
+
+def _even(rank, world):
+    """The even split given as samples=2 on both ranks against samples=None: the weight is
+    exactly 1 (n * W / N = 2 * 2 / 4; n / N = 1/2 for the summed buckets, what None scales by),
+    so the parameters are bit-identical, and None sends no samples vector at all."""
+    from pyfast.parallel import DataParallel
+    out = {}
+    for comp, engine in (("none", "native"), ("int8", "native"), ("int8", "python")):
+        for samples in (None, 2):
+            dp = DataParallel(_model(), compressor=comp, engine=engine, samples=samples)
+            opt = torch.optim.AdamW(dp.parameters(), lr=LR)
+            for s in range(2):
+                x, y = (t[2 * rank:2 * rank + 2] for t in _batch(4, s))
+                _loss(dp, x, y).backward()
+                if samples is None:
+                    assert not dp._weights.active and dp._weights._vec is None
+                opt.step()
+                opt.zero_grad()
+            dp.close()
+            out[(comp, engine, samples)] = [p.detach().clone() for p in dp.parameters()]
+    return out
+
+
+def test_even_samples_are_bit_identical_to_none(pool2):
+    for r in pool2.run(_even):
+        for comp, engine in (("none", "native"), ("int8", "native"), ("int8", "python")):
+            a, b = r[(comp, engine, None)], r[(comp, engine, 2)]
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), (comp, engine)

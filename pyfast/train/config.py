@@ -12,7 +12,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
-from . import ckpt_async, elastic, ft, offload
+from . import batch_split, ckpt_async, elastic, ft, offload
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 # pyfast.parallel.context's METHODS and LAYOUTS, here so that parsing the flags imports no torch
@@ -107,6 +107,8 @@ class TrainConfig:
     replica_id: int = -1            # this group's id (required with --ft)
     min_replicas: int = 1           # the fewest groups a step commits with
     ft_timeout: float = 30.0        # seconds a silent peer group is waited for
+    # mixed hardware: samples per dp rank (pyfast.train.batch_split)
+    batch_split: str = ""           # "N,N,...": rank r's rows of each global batch; "": even
 
     @property
     def m(self) -> int:
@@ -238,6 +240,7 @@ def parser() -> argparse.ArgumentParser:
     elastic.add_flags(p, d)
     ckpt_async.add_flags(p, d)
     ft.add_flags(p, d)
+    batch_split.add_flags(p, d)
     g = p.add_argument_group("dry run (pyfast.train.dryrun: no process is started)")
     g.add_argument("--dry-run", action="store_true", help="run one whole step of the job for a "
                    "world of --nproc ranks in this process, on memoryless (meta) tensors over "
@@ -284,8 +287,10 @@ def check(cfg: TrainConfig, world: int, model: bool = True) -> dict:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
     if cfg.ranks != world:
         raise ConfigError(f"{cfg.mesh_flags()} = {cfg.ranks} ranks, but the world size is {world}")
+    if batch_split.problem(cfg):  # --batch-split: its own rule for --batch (pyfast.train.batch_split)
+        raise ConfigError(batch_split.problem(cfg))
     per = cfg.replicas * cfg.dp * cfg.grad_accum * cfg.m
-    if cfg.batch % per:
+    if cfg.batch % per and not cfg.batch_split:
         rep = f"replicas {cfg.replicas} x " if cfg.replicas > 1 else ""
         raise ConfigError(f"--batch {cfg.batch} is not divisible by {rep}dp {cfg.dp} x "
                           f"grad-accum {cfg.grad_accum} x micro-batches {cfg.m} = {per}")
@@ -359,6 +364,8 @@ RESUME_FREE += ("zero_shard_group",)
 # offloaded state is saved as if it were on the device (tests/test_zero_offload.py); the delayed
 # update (--offload-delay) is another update rule: refused as an optimizer change is
 RESUME_FREE += ("offload", "offload_prefetch")
+# --batch-split changes which rank takes which rows of the same global batches, not the update
+RESUME_FREE += ("batch_split",)
 # --elastic re-plans dp and grad_accum (both free above) and resumes: the run is the same
 RESUME_FREE += ("elastic",)
 # how a checkpoint is written changes nothing in it (tests/test_ckpt_async.py: bit-identical)

@@ -58,7 +58,7 @@ from pyfast.parallel.zero import zero
 from pyfast.parallel.zero.frozen import decide as decide_frozen
 
 from . import checkpoint as ck
-from . import offload, outer, rebalance
+from . import batch_split, offload, outer, rebalance
 from .ft_step import replicas as ft_replicas
 from .config import (ConfigError, TrainConfig, build_model, check_data, check_model,
                      check_shard_group, lora_options)
@@ -208,6 +208,9 @@ class Job:
         groups = [{"params": decay, "weight_decay": cfg.weight_decay},
                   {"params": rest, "weight_decay": 0.0}]
         self.dp = self.zero = self.replicas = None
+        # --batch-split: this dp rank's rows of each global batch, its gradient weighted by them
+        self.split = batch_split.split_of(cfg)
+        samples = batch_split.samples(self.split, mesh.dp_rank)
         self.frozen_note = None  # --lora --zero 3: where the frozen base lives, and why
         if cfg.ft:  # --ft: this group's torchft Replicas, before what reduces through it
             self.replicas = ft_replicas(cfg, device)
@@ -234,7 +237,7 @@ class Job:
                 # every rank builds its zero() here, so the native engine's private group (made
                 # over the default group) may serve a subgroup too: HSDP int8 at 1 Gbit/s 697 ms a
                 # step with it, 759-820 with the Python worker (bench/results/hsdp_*)
-                every_rank=True,
+                every_rank=True, samples=samples,
                 error_feedback=cfg.error_feedback == "on",
                 **({"bucket_mb": cfg.bucket_mb} if cfg.bucket_mb else {}))
         elif cfg.dp * cfg.cp > 1 or (cfg.ft and not cfg.diloco):
@@ -249,6 +252,7 @@ class Job:
             self.dp = DataParallel(module, compressor=cfg.compress, group=mesh.dp_cp_group,
                                    replicas=None if cfg.diloco else self.replicas,
                                    check_finite=finite, error_feedback=cfg.error_feedback == "on",
+                                   samples=samples,
                                    **({"bucket_mb": cfg.bucket_mb} if cfg.bucket_mb else {}))
         self.net = self.dp or self.zero or module
         # the global gradient norm counts each element once: tp-replicated tensors (LayerNorm,
@@ -286,7 +290,7 @@ class Job:
         # replicas x dp ranks partition each global batch as dp ranks alone do (one replica:
         # exactly the dp slices), so a run at --replicas R sees the tokens of --dp R x dp
         self.batches = Batches(self.corpus.train, cfg.batch, cfg.seq, cfg.seed,
-                               *self.data_slot)
+                               *self.data_slot, split=self.split)
         # --batch-split auto: measure, all-gather every K steps, re-split (pyfast.train.rebalance)
         self.balancer, self.split_note = rebalance.build(self), None
         self.skips = 0
@@ -445,7 +449,9 @@ class Job:
             sq = torch.where(self.counted[have], norms.square(), 0.0).sum()
             bad = (~torch.isfinite(norms).all()).double()  # on the device: no host read
         # the logged loss: the mean of the batch's (R > 1: this replica's slice's) losses
-        contrib = local / scale / (cfg.dp * cfg.cp) if self.owns_loss else self.scalar(0.0)
+        contrib = batch_split.mean_of(local / scale, self.split, self.mesh.dp_rank,
+                                      cfg.dp * cfg.cp, cfg.batch) \
+            if self.owns_loss else self.scalar(0.0)
         w1 = bytes_written()  # what is written after this (--diloco: outer.Meter.settle)
         sent, self.carried = w1 - w0 + self.carried, 0
         tc = clock(self.device)
@@ -490,7 +496,7 @@ class Job:
         rec = {"step": step, "loss": loss, "lr": lr, "grad_norm": gnorm,
                "tokens_per_s": cfg.batch * cfg.seq / step_s, "step_ms": 1e3 * step_s,
                "compute_ms": 1e3 * (step_s - waited), "exposed_comm_ms": 1e3 * waited,
-               "bytes_sent": int(vals[3])}
+               "bytes_sent": int(vals[3]), **batch_split.record(self.split)}
         if self.shard_size is not None:  # hybrid sharding: the cross-group (node) share of them
             rec["cross_node_bytes"] = int(vals[4])
         if self.scaler is not None:
@@ -577,7 +583,7 @@ class Job:
         if n < 1:  # the validation split holds less than one global batch (same on every rank)
             return math.nan
         val = Batches(self.corpus.val, cfg.batch, cfg.seq, cfg.seed, *self.data_slot,
-                      shuffle=False)
+                      shuffle=False, split=self.split)
         old, self.mult = self.mult, 1.0
         total, count = self.scalar(0.0), 0
         was = self.model.training  # validation in eval mode (no dropout), the mode kept after
@@ -598,7 +604,8 @@ class Job:
             self.mult = old
             self.model.train(was)
         ways = cfg.replicas * cfg.dp * cfg.cp  # the mean over replicas of each one's loss
-        v = total / count / ways if self.owns_loss else self.scalar(0.0)
+        v = batch_split.mean_of(total / count, self.split, self.mesh.dp_rank, ways, cfg.batch) \
+            if self.owns_loss else self.scalar(0.0)
         dist.all_reduce(v)
         return float(v)
 
