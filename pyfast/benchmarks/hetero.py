@@ -208,7 +208,7 @@ def targets(rows: list[dict]) -> list[dict]:
 
 
 def run(model: str = "gpt-small", seq: int = 256, batch: int = 12, steps: int = 6,
-        warmup: int = 4, every: int = 2, fixed=FIXED, share: float = SHARE) -> dict:
+        warmup: int = 6, every: int = 3, fixed=FIXED, share: float = SHARE) -> dict:
     configs = {"even": {"dp": 2}, "auto": {"dp": 2, "batch_split": "auto",
                                            "batch_split_every": every}}
     configs.update({f"fixed:{f}": {"dp": 2, "batch_split": f} for f in fixed})
@@ -265,9 +265,11 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=12, help="global batch (sequences)")
     p.add_argument("--steps", type=int, default=6, help="timed steps")
-    p.add_argument("--warmup", type=int, default=4, help="untimed steps first (auto "
-                   "rebalances in them)")
-    p.add_argument("--every", type=int, default=2, help="auto's --batch-split-every")
+    p.add_argument("--warmup", type=int, default=6, help="untimed steps first (auto "
+                   "rebalances in them: at steps 3 and 6 by default)")
+    p.add_argument("--every", type=int, default=3, help="auto's --batch-split-every (3: "
+                   "windows of 2 and 3 measured steps inside the warm-up; the job's default "
+                   "10 would need a 20-step warm-up here)")
     p.add_argument("--fixed", default=",".join(f.replace(",", ":") for f in FIXED),
                    help="fixed splits to try, A:B[,A:B...] (the best is the best fixed split)")
     p.add_argument("--share", type=float, default=SHARE, help="rank 1's CPU cap")

@@ -638,7 +638,7 @@ class Job:
             model, optim = self._dense_state()
         train = {"sched": self.sched.state_dict(), "data": self.batches.state_dict(),
                  "lrs": [g["lr"] for g in self.opt.param_groups], "skips": self.skips,
-                 "batch_split": getattr(self, "split", None),  # --batch-split's, in force
+                 "batch_split": self.split,  # --batch-split's, in force
                  "scaler": self.scaler.state_dict() if self.scaler is not None else None}
         state = {"model": model, "optim": optim, "train": ck.blob(train)}
         if self.diloco is not None:

@@ -47,8 +47,9 @@ MAX_MOVE = 0.25
 # neighbouring splits predict the same time, so without a margin noise would move one unit
 # back and forth every window.
 HYSTERESIS = 0.05
-# the first step after a start or a change of split is not measured: it allocates and
-# first-touches buffers at the new sizes
+# the run's first step is not measured: it allocates and first-touches every buffer (gpt-small,
+# bench/results/hetero_batch_first.json: step 1 took 2.1-3.1 s, later ones 1.7-2.5); the
+# first step after a change of split was not slower (2.06 s), so it is measured
 SETTLE = 1
 
 
@@ -214,7 +215,7 @@ class Balancer:
         self.last = {"step": step, "secs_per_sample": secs, "old": self.split, "new": new}
         if new == self.split:
             return None
-        self.split, self.skip = new, SETTLE
+        self.split = new
         return new
 
 
@@ -246,7 +247,7 @@ def apply(job, split: list[int]) -> None:
                           split=job.split)
     job.batches.load_state_dict(at)
     if job.balancer is not None:
-        job.balancer.split, job.balancer.window, job.balancer.skip = list(split), [], SETTLE
+        job.balancer.split, job.balancer.window = list(split), []  # measured at the new sizes
 
 
 def after_step(job, step: int, rec: dict) -> None:
@@ -265,19 +266,24 @@ def after_step(job, step: int, rec: dict) -> None:
 def restore(job, saved) -> str | None:
     """A resumed run's split: the checkpoint's (`saved`, its "train" record's batch_split)
     where it fits this run (--batch-split auto, the same dp size, --batch and unit), else the
-    even split kept. Returns the line that says which (None: not auto)."""
+    even split. Returns the line that says which (None: not auto)."""
     if job.balancer is None:
         return None
     b = job.balancer
+    start = even(b.batch, len(b.split), b.unit)
+    why = None
     if saved is None:
-        return "--batch-split auto: the checkpoint holds no split; starting from the even split"
-    try:
-        if len(saved) != len(b.split):
-            raise ValueError(f"{len(saved)} dp ranks in the checkpoint, {len(b.split)} here")
-        check_split(saved, b.batch, b.unit)
-    except ValueError as e:
-        return f"--batch-split auto: the checkpoint's split {list(saved)} does not fit ({e}); " \
-               f"starting again from the even split {b.split}"
+        why = "the checkpoint holds no split"
+    elif len(saved) != len(start):
+        why = f"its split {list(saved)} is for {len(saved)} dp ranks, this run has {len(start)}"
+    else:
+        try:
+            check_split(saved, b.batch, b.unit)
+        except ValueError as e:
+            why = f"its split does not fit: {e}"
+    if why is not None:
+        apply(job, start)
+        return f"--batch-split auto: {why}; starting again from the even split {start}"
     apply(job, saved)
     return f"--batch-split auto: continuing with the checkpoint's split {list(saved)}"
 
