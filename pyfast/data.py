@@ -286,10 +286,6 @@ class Batches:
             raise ValueError(f"batch ({batch}) and seq ({seq}) must be at least 1")
         if dp_size < 1 or not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} is not in [0, dp_size {dp_size})")
-        if split is not None and (len(split) != dp_size or sum(split) != batch
-                                  or min(split) < 1):
-            raise ValueError(f"split {list(split)} must give each of dp_size {dp_size} ranks "
-                             f">= 1 row and sum to the global batch {batch}")
         if split is None and batch % dp_size:
             raise ValueError(f"global batch {batch} does not divide over dp_size {dp_size}")
         self.sequences = max(len(tokens) - 1, 0) // seq
@@ -298,13 +294,25 @@ class Batches:
                              f"sequences, fewer than one global batch of {batch}")
         self.tokens, self.batch, self.seq, self.seed = tokens, batch, seq, seed
         self.shuffle = shuffle
-        self.local = batch // dp_size if split is None else split[dp_rank]
-        # this rank's first row within a global batch
-        self.first = dp_rank * self.local if split is None else sum(split[:dp_rank])
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.resplit(split)
         self.per_epoch = self.sequences // batch  # the last sequences % batch wait for next epoch
         self.position = 0
         self._epoch, self._perm = -1, np.arange(0)
         self._offsets = np.arange(seq + 1)
+
+    def resplit(self, split=None) -> None:
+        """This rank's rows of every later global batch: the even split (None) or `split`
+        (one count per dp rank, each >= 1, summing to the global batch); ValueError otherwise.
+        The global batches themselves do not change."""
+        if split is not None and (len(split) != self.dp_size or sum(split) != self.batch
+                                  or min(split) < 1):
+            raise ValueError(f"split {list(split)} must give each of dp_size {self.dp_size} "
+                             f"ranks >= 1 row and sum to the global batch {self.batch}")
+        r = self.dp_rank
+        self.local = self.batch // self.dp_size if split is None else split[r]
+        # this rank's first row within a global batch
+        self.first = r * self.local if split is None else sum(split[:r])
 
     def _order(self, epoch: int) -> np.ndarray:
         if epoch != self._epoch:

@@ -229,6 +229,13 @@ def _bad_samples(rank, world):
     except ValueError as e:
         out["zero"] = str(e)
     model.close()
+    from pyfast.parallel.ft import FTError
+    for make in (lambda: DataParallel(_model(), replicas=object(), samples=1),
+                 lambda: zero(_model(), torch.optim.AdamW, replicas=object(), samples=1)):
+        try:  # refused before any collective or use of the replicas
+            make()
+        except FTError as e:
+            out.setdefault("ft", []).append(str(e))
     for bad in (2.5, True, "3"):
         try:
             dp.samples = bad
@@ -243,6 +250,8 @@ def test_bad_samples_raise_on_every_rank(pool2):
             assert "samples must be >= 1 on every rank; got [3, 0] (rank(s) 1: 0)" in r[engine]
             assert r[engine + " after"]
         assert "zero: samples must be >= 1 on every rank; got [3, 0]" in r["zero"]
+        assert len(r["ft"]) == 2 and all("samples=...): not supported under torchft" in m
+                                         for m in r["ft"])
         assert "samples must be an int" in r["2.5"] and "float 2.5" in r["2.5"]
         assert "got True" in r["True"] and "str '3'" in r["'3'"]
 
@@ -424,6 +433,10 @@ def test_batches_split_keeps_the_global_batches():
         assert [len(g[0]) for g in got] == [1, 3, 1]
         assert torch.equal(torch.cat([g[0] for g in got]), x)
         assert torch.equal(torch.cat([g[1] for g in got]), y)
+    for b in parts:  # a new split from the next global batch on (a re-balanced run)
+        b.resplit([2, 1, 2])
+    x, _ = whole.next()
+    assert torch.equal(torch.cat([b.next()[0] for b in parts]), x)
     for bad in ([2, 2, 2], [5, 0, 0], [4, 1]):
         with pytest.raises(ValueError, match="split .* must give each of dp_size 3 ranks"):
             Batches(tokens, 5, 33, seed=3, dp_rank=0, dp_size=3, split=bad)

@@ -23,13 +23,14 @@ from pyfast.comm.buckets import (BUCKET_MB, ENGINES, Bucketer, broadcast_coalesc
 from pyfast.comm.failure import Breaker, new_group_like
 from pyfast.comm.guard import FiniteGuard
 from pyfast.comm.ready import ParamWatch, SideBand
-from pyfast.comm.weights import SampleWeights, check_samples
+from pyfast.comm.weights import SampleWeights
 from pyfast.parallel import ft_reduce
+from pyfast.parallel.samples import Samples, refuse_torchft
 
 log = logging.getLogger(__name__)
 
 
-class DataParallel(nn.Module):
+class DataParallel(Samples, nn.Module):
     """DistributedDataParallel's job with a compressor, and DDP's semantics:
 
     - A parameter no rank produced a gradient for this step keeps `.grad is None` (DDP with
@@ -150,9 +151,7 @@ class DataParallel(nn.Module):
         self.auto = compressor == "auto"
         if replicas is not None:
             engine = ft_reduce.check(engine, self.auto)
-            if check_samples(samples, "DataParallel") is not None:
-                raise ft_reduce.FTError("DataParallel(replicas=..., samples=...): not supported "
-                                        "under torchft (see the samples setter)")
+            refuse_torchft("DataParallel", samples)
         base = C.get("fp16" if self.auto else compressor)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         dev = named[0][1].device if named else None  # the error-feedback memory's, loads too
@@ -211,25 +210,10 @@ class DataParallel(nn.Module):
              self.load_compression_state_dict))
         self._weights = SampleWeights("DataParallel", self.world, dist.get_rank(group), dev)
         self.bucketer.weight = self._weight
-        self.samples = samples
+        self.samples = samples  # pyfast.parallel.samples
 
-    @property
-    def samples(self):
-        """This rank's samples this step, or None (class docstring)."""
-        return self._weights.n
-
-    @samples.setter
-    def samples(self, n) -> None:
-        n = check_samples(n, "DataParallel")
-        if n is not None and self._ft is not None:
-            raise ft_reduce.FTError("DataParallel(replicas=...): samples= is not supported under "
-                                    "torchft (the average's divisor is the step's participants, "
-                                    "known after the quorum); give every rank the same batch")
-        self._weights.n = n
-
-    def _weight(self, scale):
-        """The bucketer's copy-in factor: scale, times this rank's weight if weighted."""
-        return self._weights.weight(scale) if self._weights.active else scale
+    def _torchft(self) -> bool:
+        return self._ft is not None
 
     def _issue(self, vec):
         """Sum the samples vector over the group on the path the buckets take (after them in

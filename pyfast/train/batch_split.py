@@ -148,3 +148,12 @@ def mean_of(total, split, dp_rank: int, ways: int, batch: int):
 def record(split) -> dict:
     """metrics.jsonl's field: the split in force this step ({} for the even split)."""
     return {} if split is None else {"batch_split": list(split)}
+
+
+def describe(split, batch: int) -> str | None:
+    """The run's start line for an uneven split (None for the even split)."""
+    if split is None:
+        return None
+    return (f"batch split {','.join(map(str, split))}: dp rank r takes n_r of each global "
+            f"batch of {batch}, its gradient weighted n_r / {batch} (sample-weighted data "
+            "parallel)")

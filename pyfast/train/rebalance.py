@@ -235,17 +235,12 @@ def build(job) -> Balancer | None:
 def apply(job, split: list[int]) -> None:
     """Install `split` from the next step on: the job's split (the logged loss's weights, the
     record, validation), this rank's samples= on its reducer, and its rows of each global
-    batch: a new Batches at the same position (the data order is the split's no matter)."""
-    from pyfast.data import Batches
-    cfg = job.cfg
+    batch (Batches.resplit: the same global batches, from the next one on)."""
     job.split = list(split)
     reducer = job.dp if job.dp is not None else job.zero
     if reducer is not None:
         reducer.samples = split[job.mesh.dp_rank]
-    at = job.batches.state_dict()
-    job.batches = Batches(job.corpus.train, cfg.batch, cfg.seq, cfg.seed, *job.data_slot,
-                          split=job.split)
-    job.batches.load_state_dict(at)
+    job.batches.resplit(job.split)
     if job.balancer is not None:
         job.balancer.split, job.balancer.window = list(split), []  # measured at the new sizes
 

@@ -12,7 +12,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from . import checkpoint as ck, elastic, offload
+from . import batch_split, checkpoint as ck, elastic, offload
 from .ckpt_async import CheckpointError, Checkpointer, summary_rows
 from .config import (ConfigError, TrainConfig, check, check_data, plan_world,
                      resume_changes)
@@ -106,7 +106,7 @@ def run(cfg: TrainConfig, device: torch.device, restarted: bool = False) -> None
             print(describe_tensorboard(cfg.tensorboard, cfg.out), flush=True)
             for line in (job.frozen_note, offload.describe(job) if job.zero else None,
                          restart, job.ft.describe() if job.ft is not None else None,
-                         job.split_note):
+                         batch_split.describe(job.split, cfg.batch), job.split_note):
                 if line:
                     print(f"pyfast train: {line}", flush=True)
             if cfg.elastic and meta is not None and elastic.describe_reset(cfg, meta, same):

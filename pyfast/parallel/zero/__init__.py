@@ -52,6 +52,7 @@ from pyfast.comm.buckets import (BUCKET_MB, ENGINES, broadcast_state, check_para
                                  check_same_layout)
 from pyfast.comm.engine import NativeEngine, status as native_status
 from pyfast.comm.weights import check_samples
+from pyfast.parallel.samples import refuse_torchft
 
 from .hybrid import Quorum, Replicas, check_replicas, check_torchft
 from .frozen import (MODES as FROZEN_MODES, check_frozen, frozen_named, frozen_units,
@@ -229,10 +230,7 @@ def zero(module: nn.Module, optim_cls, stage: int = 2, compressor=None, param_co
     c = _grad_compressor(compressor, error_feedback, named[0][1].device)
     if replicas is not None:
         check_torchft(stage, replica_group, offload)
-        if check_samples(samples, "zero") is not None:
-            from pyfast.parallel.ft import FTError
-            raise FTError("zero(replicas=..., samples=...): not supported under torchft (the "
-                          "average's divisor is the step's participants)")
+        refuse_torchft("zero", samples)
     else:
         check_replicas(group, replica_group, replica_compressor)
     rc = None if replica_group is None and replicas is None else \

@@ -59,12 +59,13 @@ from pyfast.comm.collectives import Handle, all_finite
 from pyfast.comm.buckets import broadcast_coalesced
 from pyfast.comm.failure import Breaker
 from pyfast.comm.ready import Readiness, SideBand, check_unchanged, wait_then_raise
-from pyfast.comm.weights import SampleWeights, check_samples
+from pyfast.comm.weights import SampleWeights
+from pyfast.parallel.samples import Samples
 
 from .meshes import is_pipeline
 
 
-class ZeroModel(nn.Module):
+class ZeroModel(Samples, nn.Module):
     """The module handed back by pyfast.parallel.zero(): forward runs the wrapped module;
     state_dict() keys carry DDP's "module." prefix (as DataParallel's). no_sync() accumulates
     gradients locally (full .grad) until the next synced backward, as DDP's."""
@@ -142,22 +143,10 @@ class ZeroModel(nn.Module):
         if r is not None and not getattr(r, "torchft", False):
             self._weights = SampleWeights("zero", self.world * r.world,
                                           r.rank * self.world + self.rank, self._device)
-        self.samples = samples
+        self.samples = samples  # pyfast.parallel.samples
 
-    @property
-    def samples(self):
-        """This rank's samples this step, or None: the plain mean (module docstring)."""
-        return self._weights.n
-
-    @samples.setter
-    def samples(self, n) -> None:
-        n = check_samples(n, "zero")
-        if n is not None and getattr(self.replicas, "torchft", False):
-            from pyfast.parallel.ft import FTError
-            raise FTError("zero(replicas=...): samples= is not supported under torchft (the "
-                          "average's divisor is the step's participants); give every rank the "
-                          "same batch")
-        self._weights.n = n
+    def _torchft(self) -> bool:
+        return getattr(self.replicas, "torchft", False)
 
     def _issue(self, vec):
         """Sum the samples vector on the reduce-scatters' path, then across the replicas."""
@@ -255,7 +244,7 @@ class ZeroModel(nn.Module):
                 u.copy_in(buf, i, p.grad)
                 p.grad = None
             if self._weights.active:  # n * W / N (module docstring)
-                buf.mul_(self._weights.weight())
+                buf.mul_(self._weight(None))
         if self._staging:
             self._guard(u, buf)
         return buf
