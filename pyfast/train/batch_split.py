@@ -18,13 +18,15 @@ re-plans --dp): ConfigError naming the flag. `auto` starts from the even split (
 remainder goes to the first ranks) and re-balances by measured speed every --batch-split-every
 steps (pyfast.train.rebalance); the same flags are refused with it. The dry run runs the split
 (rank r's rows, the weighted reduction on the fake group); with auto, the even split and a
-note (rebalance.dry_note).
+note (dry_note).
 
 No torch import at module level: config.py parses the flags without torch.
 """
 from __future__ import annotations
 
 import argparse
+
+from .rebalance import Balancer, even
 
 AUTO = "auto"
 
@@ -129,7 +131,6 @@ def split_of(cfg) -> list[int] | None:
     even split in units), or None: the even split (the plain mean)."""
     s = parse(cfg.batch_split)
     if s == AUTO:
-        from .rebalance import even
         return even(cfg.batch, cfg.dp, unit(cfg))
     return s if isinstance(s, list) else None
 
@@ -157,3 +158,24 @@ def describe(split, batch: int) -> str | None:
     return (f"batch split {','.join(map(str, split))}: dp rank r takes n_r of each global "
             f"batch of {batch}, its gradient weighted n_r / {batch} (sample-weighted data "
             "parallel)")
+
+
+# --batch-split auto: the job's Balancer (pyfast.train.rebalance) and the dry run's note
+def balancer(job):
+    """The job's rebalance.Balancer under --batch-split auto (None otherwise, and on the dry run's meta
+    tensors, which take no time: dry_note). Starts from job.split (the even split, or the one
+    a checkpoint restores through restore())."""
+    cfg = job.cfg
+    if parse(cfg.batch_split) != AUTO or job.device.type == "meta":
+        return None
+    return Balancer(job.split, cfg.batch, unit(cfg), job.mesh.dp_rank, cfg.batch_split_every,
+                    job.device)
+
+
+def dry_note(cfg) -> str | None:
+    """The dry run's line: auto runs the even split there (meta tensors take no time)."""
+    if parse(cfg.batch_split) != AUTO:
+        return None
+    return ("--batch-split auto runs the even split on the dry run (meta tensors take no time to "
+            "measure); a rank's peak grows with its share: size the largest share you expect "
+            "with --batch-split N,N,...")

@@ -250,7 +250,7 @@ def main(cfg: TrainConfig, ns) -> int:
         from .ckpt_async import dry_note
         if dry_note(cfg):  # on stderr: --json's stdout stays one JSON object
             print(f"pyfast train: note: {dry_note(cfg)}", file=sys.stderr)
-        from .rebalance import dry_note as split_note
+        from .batch_split import dry_note as split_note
         if split_note(cfg):  # --batch-split auto: the even split, no measurement
             print(f"pyfast train: note: {split_note(cfg)}", file=sys.stderr)
     except ConfigError as e:

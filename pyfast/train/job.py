@@ -292,7 +292,7 @@ class Job:
         self.batches = Batches(self.corpus.train, cfg.batch, cfg.seq, cfg.seed,
                                *self.data_slot, split=self.split)
         # --batch-split auto: measure, all-gather every K steps, re-split (pyfast.train.rebalance)
-        self.balancer, self.split_note = rebalance.build(self), None
+        self.balancer, self.split_note = batch_split.balancer(self), None
         self.skips = 0
         self.carried = 0  # bytes written after the last step's count, counted in this one
         # --ft: this group's torchft step (quorum, heal, cross-group average, commit)

@@ -42,10 +42,12 @@ EVERY = 10
 # the next window, measured at the new sizes (per-sample time is not exactly linear in the
 # batch), corrects it.
 MAX_MOVE = 0.25
-# Move only for a predicted gain above 5%: step-to-step medians of the same split differed by
-# up to ~3% on this 2-core box (other jobs niced beside it), and near a rounding boundary two
-# neighbouring splits predict the same time, so without a margin noise would move one unit
-# back and forth every window.
+# Move only for a predicted gain above 5%: at a rounding boundary two neighbouring splits predict
+# the same time (8,4 and 7,5 at 1.6:1), and a window's noise would otherwise move one unit back
+# and forth; a unit of a 12-sample batch moves the prediction by 8-17%, so 5% still lets auto
+# take every single-unit step that matters. Load noise is the window's (EVERY) job: medians of
+# 3-step windows of one fixed split varied 2-26% on this 2-core box at load 19-34
+# (bench/results/hetero_batch*.json), single steps up to 56%.
 HYSTERESIS = 0.05
 # the run's first step is not measured: it allocates and first-touches every buffer (gpt-small,
 # bench/results/hetero_batch_first.json: step 1 took 2.1-3.1 s, later ones 1.7-2.5); the
@@ -220,18 +222,6 @@ class Balancer:
 
 
 # ---------------------------------------------------------------- the job's side (Job calls these)
-def build(job) -> Balancer | None:
-    """The job's Balancer under --batch-split auto (None otherwise, and on the dry run's meta
-    tensors, which take no time: dry_note). Starts from job.split (the even split, or the one
-    a checkpoint restores through restore())."""
-    from .batch_split import AUTO, parse, unit
-    cfg = job.cfg
-    if parse(cfg.batch_split) != AUTO or job.device.type == "meta":
-        return None
-    return Balancer(job.split, cfg.batch, unit(cfg), job.mesh.dp_rank, cfg.batch_split_every,
-                    job.device)
-
-
 def apply(job, split: list[int]) -> None:
     """Install `split` from the next step on: the job's split (the logged loss's weights, the
     record, validation), this rank's samples= on its reducer, and its rows of each global
@@ -281,13 +271,3 @@ def restore(job, saved) -> str | None:
         return f"--batch-split auto: {why}; starting again from the even split {start}"
     apply(job, saved)
     return f"--batch-split auto: continuing with the checkpoint's split {list(saved)}"
-
-
-def dry_note(cfg) -> str | None:
-    """The dry run's line: auto runs the even split there (meta tensors take no time)."""
-    from .batch_split import AUTO, parse
-    if parse(cfg.batch_split) != AUTO:
-        return None
-    return ("--batch-split auto runs the even split on the dry run (meta tensors take no time to "
-            "measure); a rank's peak grows with its share: size the largest share you expect "
-            "with --batch-split N,N,...")
