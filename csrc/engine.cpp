@@ -14,6 +14,7 @@
 // misaligned slices instead (compress/base.py aligned()). At most 7 bytes per message.
 #include "engine.h"
 
+#include <ATen/record_function.h>
 #include <c10/core/GradMode.h>
 #include <pthread.h>
 
@@ -355,6 +356,13 @@ void Engine::loop() {
 }
 
 void Engine::run(Job& j) {
+  // the job on the engine's thread, a range of pyfast._ranges' naming (its Python call, on the
+  // caller's thread, is pyfast.comm.native.*)
+  RECORD_FUNCTION(j.algo == Algo::Gather ? "pyfast.comm.engine.all_gather"
+                  : j.algo == Algo::ReduceScatter || j.algo == Algo::BackendReduceScatter
+                      ? "pyfast.comm.engine.reduce_scatter"
+                      : "pyfast.comm.engine.all_reduce",
+                  std::vector<c10::IValue>());
   if (j.algo == Algo::Native) {
     std::vector<at::Tensor> ts{j.t};
     pg_->allreduce(ts)->wait();

@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/record_function.h>
 
 #include "format.h"
 
@@ -80,6 +81,8 @@ struct Codec {
   // left as it was (check_finite="skip" keeps both and swaps on commit: pyfast/comm/guard.py).
   void compress(const at::Tensor& x, const at::Tensor& ef, at::Tensor ef_out,
                 const at::Tensor& dst) const {
+    // the ranges of pyfast._ranges (pyfast.<area>.<what>): a flag test with no profiler on
+    RECORD_FUNCTION("pyfast.codec.compress", std::vector<c10::IValue>());
     const at::Tensor r = ef.defined() ? at::add(x, ef) : x;
     if (ef.defined() && !ef_out.defined()) ef_out = ef;
     if (cast()) {
@@ -96,6 +99,7 @@ struct Codec {
       at::sub_out(ef_out, r, dequantize_op().call(codes, sc, x.numel(), name, block, at::kFloat));
   }
   void decode_add(const at::Tensor& buf, const at::Tensor& out) const {  // out += decode(buf)
+    RECORD_FUNCTION("pyfast.codec.decode", std::vector<c10::IValue>());
     if (cast()) {
       out.add_(buf.view(wire_dtype()).to(at::kFloat));
       return;
@@ -104,6 +108,7 @@ struct Codec {
     accumulate_op().call(out, codes, sc, name, block);
   }
   void decode(const at::Tensor& buf, const at::Tensor& out) const {  // out = decode(buf)
+    RECORD_FUNCTION("pyfast.codec.decode", std::vector<c10::IValue>());
     if (cast()) {
       out.copy_(buf.view(wire_dtype()));  // widening is exact
       return;

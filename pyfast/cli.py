@@ -20,6 +20,8 @@ BENCHMARKS = {
              "against the memory roof",
     "epilogue": "a fused C++ bias+GELU epilogue vs torch's GEMM + GELU on CPU",
     "pipeline": "pipeline schedules vs torch.distributed.pipelining",
+    "hetero_pp": "speed-weighted pipeline stages (--pp-balance) vs the even cut, one rank "
+                 "capped at half a CPU: throughput and each stage's bubble",
     "train": "the training job's tokens/s per mesh vs one process and torch-native",
     "zero": "ZeRO stages 1/2/3 vs torch DDP, ZeroRedundancyOptimizer and FSDP2: step, memory",
     "cp": "context parallelism (ring, Ulysses) vs one process: causal attention, memory",
@@ -31,6 +33,8 @@ BENCHMARKS = {
     "plan_offload": "the planner's host offload: the 70B QLoRA on 2 x 24 GB and an 8B full "
                     "fine-tune (device and host bytes), and device vs host against the dry run",
     "plan_time": "the planner's step-time model vs measured pyfast train runs on 3 links",
+    "scaling": "measured scaling efficiency of pyfast train at 1, 2, 4 ranks (loopback, 1 Gbit/s) "
+               "beside the planner's prediction calibrated here",
     "plan_large": "the planner's 70B / 405B plans on 64 / 512 H100: tokens/s, MFU, memory, "
                   "commands (ZeRO on any mesh, hybrid sharding)",
     "plan_published": "the planner's GPU tokens/s and memory vs published runs (torchtitan "
@@ -55,6 +59,8 @@ BENCHMARKS = {
             "the step time each adds (target: async <= 10% of blocking's)",
     "hetero": "two ranks at a 2:1 speed (one capped at half a CPU): --batch-split auto vs the "
               "even split, the best fixed split and the fast rank alone, samples/s",
+    "profile_overhead": "what pyfast's named profiler ranges cost a gpt-small dp2 step when "
+                        "no profiler runs: with vs without them, side by side",
     "report": "write docs/benchmarks.md from bench/results/ (no benchmark is run)",
 }
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pyfast._ranges import ranged
 from pyfast.tokens import read_manifest, split_tokens, tokenizer_id
 
 VAL_PERCENT = 2  # files (or tail tokens) held out for validation
@@ -324,6 +325,7 @@ class Batches:
             self._epoch = epoch
         return self._perm
 
+    @ranged("pyfast.data.next")
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         epoch, i = divmod(self.position, self.per_epoch)
         start = i * self.batch + self.first

@@ -3,7 +3,7 @@ run at different speeds (a 2:1 pair: the slow rank capped at half a core beside 
 with a whole one).
 
     with throttle(0.5): ...            # this process (every thread) at most 0.5 CPU
-    throttle(0.5).__enter__()          # in a rank entry point: held until the process exits
+    hold(0.5)                          # in a rank entry point: held until the process exits
     available() -> "" or why not       # root and a cgroup cpu controller (v1 or v2)
 
 The cap is a CFS bandwidth quota: `share` x the period (100 ms) of CPU time per period, over
@@ -95,6 +95,19 @@ def throttle(share: float, pid: int | None = None):
             (root / "cgroup.procs").write_text(str(pid))
         with contextlib.suppress(OSError):
             d.rmdir()
+
+
+_held: list = []  # hold()'s context managers: one collected would lift its cap (its finally)
+
+
+def hold(share: float) -> pathlib.Path:
+    """throttle(share) for the rest of this process's life (a rank's entry point). A bare
+    `throttle(share).__enter__()` is not that: once the object is collected its generator's
+    finally lifts the cap."""
+    cm = throttle(share)
+    group = cm.__enter__()
+    _held.append(cm)
+    return group
 
 
 def throttled_usage(group: pathlib.Path) -> tuple[int, int]:

@@ -1,6 +1,13 @@
+"""The `pyfast` command: `python -m pyfast` itself (info, a bad subcommand) in a subprocess;
+the benchmark's arguments through the same main() in this process (a subprocess cost ~3 s of
+torch import each)."""
 import json
 import subprocess
 import sys
+
+import pytest
+
+from pyfast.cli import main
 
 
 def run(*args):
@@ -20,19 +27,23 @@ def test_info_lists_versions_backends_and_gpus():
             assert ":" in line.split(" no ", 1)[1], f"an unavailable backend must say why: {line}"
 
 
-def test_bench_compress_small(tmp_path):
+def test_bench_compress_small(tmp_path, capsys):
     out = tmp_path / "c"
-    r = run("bench", "compress", "--numel", "20000", "--specs", "int8,topk:0.01",
-            "--repeats", "2", "--out", str(out))
-    assert r.returncode == 0, r.stderr
+    code = main(["bench", "compress", "--numel", "20000", "--specs", "int8,topk:0.01",
+                 "--repeats", "2", "--out", str(out)])
+    r = capsys.readouterr()
+    assert code == 0, r.err
     res = json.loads((tmp_path / "c.json").read_text())
     rows = [x for x in res["rows"] if "wire_ratio" in x]
     assert {x["spec"] for x in rows} == {"int8", "topk:0.01"}
     int8 = next(x for x in rows if x["spec"] == "int8")
     assert 3.9 < int8["wire_ratio"] < 4.0 and int8["rel_error"] < 0.02
-    assert "int8" in r.stdout
+    assert "int8" in r.out
 
 
-def test_bad_cli_arguments():
-    assert run("bench", "compress", "--numel", "0").returncode == 2
-    assert run("nonsense").returncode == 2
+def test_bad_cli_arguments(capsys):
+    with pytest.raises(SystemExit) as e:  # argparse's error: exit 2, the problem on stderr
+        main(["bench", "compress", "--numel", "0"])
+    assert e.value.code == 2 and "--numel must be >= 1" in capsys.readouterr().err
+    r = run("nonsense")
+    assert r.returncode == 2 and "invalid choice: 'nonsense'" in r.stderr, r.stderr

@@ -3,6 +3,11 @@ server, in this process): two replica groups of one rank each, one SIGKILLed mid
 restarted by its torchrun (--max-restarts 1), which resumes its checkpoint, heals from the
 survivor and finishes with bit-identical parameters and optimizer state; the run's losses equal
 an uninterrupted single-process run of the same global batch. Bad input through the CLI.
+
+The killed group is a real launch (torchrun's restart is the point); the survivor, the
+references and the DiLoCo groups run the job (pyfast.train.run.run) on forked ranks of their
+own (test_train.pool_train, tests/ft_utils' pattern): a launch costs ~6 CPU s of torchrun and
+imports before the job's first step, the file's two tests made six.
 """
 import json
 import os
@@ -12,6 +17,9 @@ import time
 
 import pytest
 import torch
+from dist_utils import RankPool
+from ft_utils import group_env, store_port
+from test_train import _job_logged, pool_train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMON = ["--model", "gpt-tiny", "--steps", "4", "--batch", "4", "--seq", "16",
@@ -23,6 +31,18 @@ def _train(args, env=None, **kw):
     return subprocess.Popen([sys.executable, "-m", "pyfast", "train", *args], cwd=ROOT, env=e,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, **kw)
+
+
+def _group(rank, world, argv, port):
+    """A replica group's job on a RankPool of its own (ft_utils: torchft's stores in the
+    pool's, as under torchrun's MASTER_ADDR / MASTER_PORT); its output in OUT.log.RANK.*."""
+    group_env(port)
+    out = argv[argv.index("--out") + 1]
+    _job_logged(rank, world, argv, f"{out}.log")
+
+
+def _submit(pool, argv):
+    pool.submit(_group, argv, store_port(pool))
 
 
 def _final(out):
@@ -58,24 +78,23 @@ def test_kill_restart_heal(tmp_path):
     try:
         ft = ["--ft", "--lighthouse", addr, "--min-replicas", "2", "--ckpt-every", "1"]
         t0 = time.monotonic()
-        g0 = _train(COMMON + ft + ["--replica-id", "0", "--out", str(tmp_path / "g0")])
-        g1 = _train(COMMON + ft + ["--replica-id", "1", "--out", str(tmp_path / "g1"),
-                                   "--max-restarts", "1"], env={"PYFAST_FAULT": "step@2"})
-        ref = _train(COMMON + ["--grad-accum", "2", "--out", str(tmp_path / "ref"),
-                               "--ckpt-every", "1"])
-        procs = (g0, g1, ref)
-        try:
-            outs = [p.communicate(timeout=600)[0] for p in procs]
-        finally:  # a hang must not outlive the test (nor its lighthouse)
-            for p in procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, 9)
+        with RankPool(1, pg_timeout=600) as survivor:
+            _submit(survivor, COMMON + ft + ["--replica-id", "0", "--out", str(tmp_path / "g0")])
+            g1 = _train(COMMON + ft + ["--replica-id", "1", "--out", str(tmp_path / "g1"),
+                                       "--max-restarts", "1"], env={"PYFAST_FAULT": "step@2"})
+            try:
+                pool_train(tmp_path / "ref", 1, ["--grad-accum", "2", "--ckpt-every", "1"],
+                           base=COMMON)
+                out1 = g1.communicate(timeout=600)[0]
+                survivor.wait(600)
+            finally:  # a hang must not outlive the test (nor its lighthouse)
+                if g1.poll() is None:
+                    os.killpg(g1.pid, 9)
         took = time.monotonic() - t0
     finally:
         lh.shutdown()
-    for p, o in zip((g0, g1, ref), outs):
-        assert p.returncode == 0, o[-3000:]
-    assert "PYFAST_FAULT step@2: SIGKILL" in outs[1], outs[1][-2000:]
+    assert g1.returncode == 0, out1[-3000:]
+    assert "PYFAST_FAULT step@2: SIGKILL" in out1, out1[-2000:]
     ck0, a = _final(tmp_path / "g0")
     ck1, b = _final(tmp_path / "g1")
     assert ck0 == ck1 == "step-4"
@@ -145,20 +164,15 @@ def test_diloco_job_under_ft_equals_replicas(tmp_path):
     di = ["--diloco", "2", "--outer-compress", "int8", "--steps", "4"]
     try:
         ft = ["--ft", "--lighthouse", addr, "--min-replicas", "2"] + di
-        procs = [_train(COMMON + ft + ["--replica-id", str(g), "--out", str(tmp_path / f"g{g}")])
-                 for g in (0, 1)]
-        procs.append(_train(COMMON + di + ["--nproc", "2", "--replicas", "2",
-                                           "--out", str(tmp_path / "ref")]))
-        try:
-            outs = [p.communicate(timeout=600)[0] for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, 9)
+        with RankPool(1, pg_timeout=600) as a, RankPool(1, pg_timeout=600) as b:
+            for g, pool in enumerate((a, b)):
+                _submit(pool, COMMON + ft + ["--replica-id", str(g),
+                                             "--out", str(tmp_path / f"g{g}")])
+            pool_train(tmp_path / "ref", 2, di + ["--replicas", "2"], base=COMMON)
+            a.wait(600)
+            b.wait(600)
     finally:
         lh.shutdown()
-    for p, o in zip(procs, outs):
-        assert p.returncode == 0, o[-3000:]
     r0, ref = _losses(tmp_path / "g0"), _losses(tmp_path / "ref")
     assert [r["loss"] for r in r0] == [r["loss"] for r in ref]
     assert [(r["step"], r.get("participants"), r.get("outer_committed")) for r in r0] == \

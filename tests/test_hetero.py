@@ -32,3 +32,13 @@ def test_bad_share():
     with pytest.raises(ValueError, match="share must be > 0"):
         with hetero.throttle(0):
             pass
+
+
+def test_hold_outlives_its_caller():
+    import gc
+    group = hetero.hold(0.9)
+    gc.collect()  # a bare throttle(...).__enter__() would be collected here and lift the cap
+    assert group.name in _cgroup_line()
+    cm = hetero._held.pop()
+    cm.__exit__(None, None, None)
+    assert group.name not in _cgroup_line()

@@ -15,7 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "pyfast"
 
 LAYERS = [  # (layer, the modules in it: a name covers its submodules), bottom to top
     ("base", ["pyfast", "pyfast._dist", "pyfast._io", "pyfast._partition", "pyfast._patterns",
-              "pyfast._sequence", "pyfast.errors", "pyfast.perf", "pyfast.netns",
+              "pyfast._ranges", "pyfast._sequence", "pyfast.errors", "pyfast.perf", "pyfast.netns",
               "pyfast.netns_nodes", "pyfast.hetero"]),
     ("kernels, csrc", ["pyfast.kernels", "pyfast._C"]),
     ("ops", ["pyfast.ops"]),

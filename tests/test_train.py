@@ -85,6 +85,29 @@ def _job(rank, world, argv):
     run(from_args(parser().parse_args(argv)), torch.device("cpu"))
 
 
+def _job_logged(rank, world, argv, log):
+    """_job with this rank's stdout and stderr (its fds 1 and 2, as a torchrun rank's: print,
+    rich and C++ alike) in the files LOG.RANK.out and LOG.RANK.err; the rank's own put back
+    after (the pool's ranks run many jobs)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    try:
+        with open(f"{log}.{rank}.out", "w") as out, open(f"{log}.{rank}.err", "w") as err:
+            os.dup2(out.fileno(), 1)
+            os.dup2(err.fileno(), 2)
+            try:
+                _job(rank, world, argv)
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in saved:
+            os.close(fd)
+
+
 _POOLS: dict = {}  # rank count -> its RankPool, kept for the session: one start, many jobs
 
 
@@ -97,29 +120,54 @@ def _pool(n: int):
     return _POOLS[n]
 
 
-def pool_runs(jobs: dict, base=BASE) -> None:
-    """{name: (out, nproc, flags)}: `pyfast train BASE --out OUT FLAGS` as torchrun's ranks
-    run it (pyfast.train.run.run), but on ranks started once (dist_utils' forked RankPool, one
-    per rank count, kept for the session) and a job of each rank count at a time, side by side.
-    A CLI launch spent ~8 s of CPU on torchrun and a torch import a rank before the job's
-    first step; the launch itself stays tested where it is the point (the resume, restart,
-    two-node and NaN tests below call train()). Raises what a rank raised, with its traceback.
-    base=(): flags that are the whole command line."""
+def _output(log: str, nproc: int, key: str, tail: int = 0) -> str:
+    """The ranks' stdout ("out") or stderr ("err") of a pool job, in rank order (as a launch's
+    merged output): _job_logged's files LOG.RANK.KEY."""
+    parts = [open(f"{log}.{r}.{key}").read() for r in range(nproc)
+             if os.path.exists(f"{log}.{r}.{key}")]
+    return "".join(x[-tail:] if tail else x for x in parts)
+
+
+def pool_runs(jobs: dict, base=BASE) -> dict:
+    """{name: (out, nproc, flags)} -> {name: CompletedProcess}: `pyfast train BASE --out OUT
+    FLAGS` as torchrun's ranks run it (pyfast.train.run.run), but on ranks started once
+    (dist_utils' forked RankPool, one per rank count, kept for the session) and a job of each
+    rank count at a time, side by side; each job's stdout and stderr are its ranks' (in rank
+    order, as a launch merges them; exit code 0). A CLI launch spent ~8 s of CPU on torchrun
+    and a torch import a rank before the job's first step; the launch itself stays tested
+    where it is the point (the crash, restart, two-node and NaN tests below call train();
+    test_train_safety a --resume's). Raises what a rank raised, with its traceback and the
+    job's output. base=(): flags that are the whole command line."""
     queues: dict = {}
     for name, (out, nproc, flags) in jobs.items():
-        queues.setdefault(nproc, []).append([*base, "--out", str(out), *flags])
+        queues.setdefault(nproc, []).append((name, [*base, "--out", str(out), *flags],
+                                             f"{out}.log"))  # beside the run directory
+    done = {}
     while any(queues.values()):
-        batch = [(_pool(n), q.pop(0)) for n, q in queues.items() if q]
-        for pool, argv in batch:
-            pool.submit(_job, argv)
+        batch = [(n, _pool(n), q.pop(0)) for n, q in queues.items() if q]
+        for n, pool, (name, argv, log) in batch:
+            pool.submit(_job_logged, argv, log)
         errors = []
-        for pool, argv in batch:
+        for n, pool, (name, argv, log) in batch:
             try:
                 pool.wait(TIMEOUT * 2)  # as train_many waits for a launch
             except (RuntimeError, TimeoutError) as e:
                 pool.close()  # its ranks may be out of step: the next job gets fresh ones
-                errors.append(f"pyfast train {' '.join(argv)}:\n{e}")
+                errors.append(f"pyfast train {' '.join(argv)}:\n{e}\nstdout:\n"
+                              f"{_output(log, n, 'out', 3000)}\nstderr:\n"
+                              f"{_output(log, n, 'err', 3000)}")
+                continue
+            done[name] = subprocess.CompletedProcess(argv, 0, _output(log, n, "out"),
+                                                     _output(log, n, "err"))
         assert not errors, "\n".join(errors)
+    return done
+
+
+def pool_train(out, nproc, flags, base=BASE) -> subprocess.CompletedProcess:
+    """train() for a job whose launch is not the point (a --resume, a reshard): pool_runs of
+    this one job. Saves the launch's ~6 CPU s (torchrun's agent, a torch and job import a
+    rank) of the ~8 s a gpt-tiny --resume took."""
+    return pool_runs({"job": (out, nproc, flags)}, base)["job"]
 
 
 _SHARED: dict = {}  # (nproc, flags) -> the run directory of that job, for this test session
@@ -224,7 +272,9 @@ def test_resume_is_bit_exact_with_int8_error_feedback_and_survives_a_crash_mid_c
     ckpts = sorted(os.listdir(crash / "checkpoints"))
     assert ckpts == [".tmp-step-4", "step-2"], ckpts
     assert len(records(crash)) == 4  # every finished step was logged before the kill
-    assert "resumed from" in ok(train(crash, 2, flags + ["--resume"])).stdout
+    # the resume: the job on forked ranks (its launch: test_spot_recovery's restart and
+    # test_train_safety's --resume)
+    assert "resumed from" in pool_train(crash, 2, flags + ["--resume"]).stdout
     got = [json.dumps(r["loss"]) for r in records(crash)]
     assert got == want  # byte for byte, steps 3-4 recomputed from step-2's state
 
@@ -241,7 +291,7 @@ def test_zero_resume_is_bit_exact(runs, tmp_path, name):
         if d != "step-2":
             shutil.rmtree(src / "checkpoints" / d)
     flags = {**FP32, **OTHER}[name][1]
-    p = ok(train(src, 2, flags + ["--resume"]))
+    p = pool_train(src, 2, flags + ["--resume"])
     assert "resumed from" in p.stdout and "another mesh" not in p.stdout
     got, want = ([json.dumps(r["loss"]) for r in records(d)] for d in (src, runs[name]))
     assert got == want
@@ -252,7 +302,7 @@ def test_resharded_resume_dp2xtp2_to_one_process(runs, tmp_path):
     src = tmp_path / "resharded"
     shutil.copytree(runs["dp2xtp2"], src)
     shutil.rmtree(src / "checkpoints" / "step-3")
-    p = ok(train(src, 0, ["--resume"]))  # no --nproc: the mesh's size, 1
+    p = pool_train(src, 1, ["--resume"])  # the mesh's size, 1
     assert "another mesh" in p.stdout
     got, ref = losses(src), losses(runs["1proc"])
     assert got[:2] == losses(runs["dp2xtp2"])[:2]  # the kept records

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from pyfast import _dist
+from pyfast._ranges import ranged
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import pyfast.compress as C
@@ -94,10 +95,12 @@ def _chunks(n: int, parts: int, align: int) -> list[tuple[int, int]]:
     return [(min(n, i * per), min(n, (i + 1) * per)) for i in range(parts)]
 
 
+@ranged("pyfast.codec.compress")
 def _bytes(c: C.Compressor, x: torch.Tensor, name: str) -> torch.Tensor:
     return c.to_wire(c.compress(x, name))
 
 
+@ranged("pyfast.codec.decode")
 def _decode_add(c: C.Compressor, buf: torch.Tensor, out: torch.Tensor, dtype) -> None:
     c.decode_add(c.from_wire(buf, out.shape, dtype), out)  # fused or sparse where it can be
 
@@ -249,6 +252,7 @@ def algorithm_for(c: C.Compressor, numel: int, world: int, algo: str | None = No
     return algo
 
 
+@ranged("pyfast.comm.all_reduce")
 def _reduce(t: torch.Tensor, c, group, op: str, name: str, algo: str | None) -> torch.Tensor:
     world, _ = _world(group)
     algo = algorithm_for(c, t.numel(), world, algo)
@@ -330,6 +334,7 @@ class Handle:
         self._out: tuple | None = None
         self._error: BaseException | None = None
 
+    @ranged("pyfast.comm.wait")
     def wait(self, timeout: float | None = None):
         if self._error is not None:
             raise self._error
@@ -413,6 +418,7 @@ def all_reduce(t: torch.Tensor, compressor=None, group=None, op: str = "sum",
     return Handle.on_worker(_reduce, t, c, group, op, name, algorithm)
 
 
+@ranged("pyfast.comm.all_reduce")
 def sum_async(t: torch.Tensor, group=None, name: str = "") -> Handle:
     """Sum t (fp32, contiguous: the backend's own all-reduce, nothing encoded) over the group in
     place, issued to the backend now from the caller's thread, as DDP's reducer issues its

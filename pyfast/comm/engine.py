@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 import pyfast.compress as C
+from pyfast._ranges import ranged
 from pyfast.comm import pipelined
 from pyfast.comm.failure import naming, new_group_like
 from pyfast.comm.collectives import (OPS, Handle, _chunks, algorithm_for, check_backend,
@@ -160,6 +161,7 @@ class NativeEngine:
         return _job_handle(self._engine, self._engine.submit_reduce_scatter(out, x, op == "avg"), out,
                       what)
 
+    @ranged("pyfast.comm.native.reduce_scatter")
     def reduce_scatter(self, out: torch.Tensor, t: torch.Tensor, compressor=None,
                        op: str = "sum", name: str = "") -> Handle:
         """Queue pyfast.comm.reduce_scatter(out, t, compressor, op=op, name=name) on the engine,
@@ -182,6 +184,7 @@ class NativeEngine:
             y, x, op == "avg", kind, c.align, ef, "backend" if kind == "none" else "rank-order")
         return _job_handle(self._engine, job, out, what)
 
+    @ranged("pyfast.comm.native.all_gather")
     def all_gather(self, out: torch.Tensor, t: torch.Tensor, compressor=None,
                    name: str = "") -> Handle:
         """Queue pyfast.comm.all_gather(out, t, compressor, name=name) on the engine, bit for bit:
@@ -222,6 +225,7 @@ class NativeEngine:
                 f"(contiguous: {t.is_contiguous()})")
         return t.view(-1)
 
+    @ranged("pyfast.comm.native.all_reduce")
     def all_reduce(self, t: torch.Tensor, compressor=None, op: str = "sum", name: str = "",
                    algorithm: str | None = None) -> Handle:
         """Queue the reduction of t (contiguous float32, CPU or CUDA) in place; same meaning of the

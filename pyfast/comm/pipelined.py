@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from pyfast import _dist
+from pyfast._ranges import span
 from pyfast.comm.dry import read
 from pyfast.errors import NonFiniteGradient
 
@@ -88,7 +89,8 @@ def _sparse_parts_into(x, c, group, name, out, helpers):
     ef = c.feedback._buffer(x, name) if c.feedback is not None else None
     flag, part = 0, None
     try:
-        sizes, part = c.base.compress_parts(x, bounds, name, ef)
+        with span("pyfast.codec.compress"):  # the threshold pass; part(i) selects below
+            sizes, part = c.base.compress_parts(x, bounds, name, ef)
     except NonFiniteGradient:  # tell every rank before anyone raises
         sizes, flag = [0] * len(bounds), 1
     mine = [flag, *sizes]
@@ -110,7 +112,8 @@ def _sparse_parts_into(x, c, group, name, out, helpers):
     for i, (a, b) in enumerate(bounds):
         got = [row[1 + i] for row in rows]
         pad = -(-max(got) // 8) * 8  # rows 8-byte aligned: typed views without a copy
-        buf = part(i)
+        with span("pyfast.codec.compress"):
+            buf = part(i)
         padded = buf.new_zeros(pad)
         padded[:buf.numel()] = buf
         recv = buf.new_empty(world, pad)
@@ -163,7 +166,8 @@ def two_phase_into(x, c, group, name, out, helpers):
         for (p, q), buf in zip(pieces, got.view(world, full)):
             if q > p:
                 nb = c.wire_bytes(q - p)
-                out[a + p:a + q].copy_(c.decompress(c.from_wire(buf[:nb], (q - p,), x.dtype)))
+                with span("pyfast.codec.decode"):
+                    out[a + p:a + q].copy_(c.decompress(c.from_wire(buf[:nb], (q - p,), x.dtype)))
 
     for j, (a, b) in enumerate(bounds):
         a2a(j, a, b)

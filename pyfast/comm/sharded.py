@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from pyfast._ranges import ranged, span
 from pyfast import _dist
 
 import pyfast.compress as C
@@ -63,6 +64,7 @@ def _agree(what: str, name: str, t, out, want, why: str, group) -> None:
           differ=lambda descs: "tensors differ across ranks: " + rank_by_rank(descs))
 
 
+@ranged("pyfast.codec.compress")
 def _compress_checked(c, parts, names):
     """Payloads, and 1 instead if a sparse compressor refused NaN/Inf (then every rank must
     hear of it before anyone raises, as in collectives._gather_checked)."""
@@ -105,9 +107,11 @@ def _sparse_rs(parts, names, c, group, name, acc):
     acc.zero_()
     meta = ps[rank].meta  # randomk: every rank derived this same seed for chunk `rank`
     for buf in recv.split(sizes):
-        acc += c.decompress(c.from_wire(buf, acc.shape, parts[0].dtype, meta)).to(torch.float32)
+        with span("pyfast.codec.decode"):
+            acc += c.decompress(c.from_wire(buf, acc.shape, parts[0].dtype, meta)).float()
 
 
+@ranged("pyfast.comm.reduce_scatter")
 def _reduce_scatter(out, t, c, group, op, name):
     world, _ = _world(group)
     n = t.numel()
@@ -137,6 +141,7 @@ def _reduce_scatter(out, t, c, group, op, name):
     return out
 
 
+@ranged("pyfast.comm.all_gather")
 def _all_gather(out, t, c, group, name):
     world, _ = _world(group)
     n = t.numel()
@@ -160,7 +165,8 @@ def _all_gather(out, t, c, group, name):
         _dist.all_gather_single(recv, buf, group=group)
         bufs, meta = recv.split(buf.numel()), {}
     for r, buf in enumerate(bufs):
-        flat[r * n:(r + 1) * n] = c.decompress(c.from_wire(buf, (n,), t.dtype, meta))
+        with span("pyfast.codec.decode"):
+            flat[r * n:(r + 1) * n] = c.decompress(c.from_wire(buf, (n,), t.dtype, meta))
     return out
 
 

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 import pyfast.compress as C
+from pyfast._ranges import ranged
 from pyfast.comm import all_reduce
 from pyfast.comm.engine import NativeEngine, status as native_status
 from pyfast.comm.collectives import all_finite, all_reduce_pieces, sum_async
@@ -261,6 +262,7 @@ class DataParallel(Samples, nn.Module):
         return native
 
     # ------------------------------------------------------------------ reduction
+    @ranged("pyfast.dp.launch")
     def _launch(self, bucket) -> None:
         """Called by the bucketer when a bucket's gradients are all ready (in bucket order)."""
         if bucket.index == 0:
@@ -321,6 +323,7 @@ class DataParallel(Samples, nn.Module):
                 dist.destroy_process_group(self._comm)
             self._comm = self.group
 
+    @ranged("pyfast.dp.wait")
     def _finish(self) -> None:
         # exposed communication: what the training thread spent waiting for the buckets (and
         # copying them back) after backward's last gradient. On CUDA, two events on the stream

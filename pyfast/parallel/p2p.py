@@ -32,6 +32,7 @@ import struct
 import torch
 import torch.distributed as dist
 
+from pyfast._ranges import ranged
 from pyfast.comm.dry import fake_group, moved_nothing, read
 from pyfast.comm.failure import CommError, naming
 from .schedules import B, F, I, simulate
@@ -484,6 +485,7 @@ class Link:
         return [s for s in self.meta[1] if s[2]]
 
     # -- activations, stage -> stage + 1 ---------------------------------------------------
+    @ranged("pyfast.pipe.send")
     def send_act(self, mb: int, y):
         is_tuple, ts = as_tensors(y, f"stage {self.stage}'s output")
         meta = spec_of(is_tuple, ts)
@@ -502,12 +504,14 @@ class Link:
         else:
             self.peer.send(self, pack(ts, self.meta[1], self.device), ACT, mb)
 
+    @ranged("pyfast.pipe.recv")
     def post_act(self, mb: int):
         """Post the receive (and the peer's earlier ones) as far as their sizes are known;
         never blocks (a receive is posted a few actions ahead)."""
         if not self.local:
             self.peer.post(self.peer.at[(ACT, self.stage, mb)], block=False)
 
+    @ranged("pyfast.pipe.wait")
     def take_act(self, mb: int) -> list[torch.Tensor]:
         if self.local:
             return self.mailbox.pop(mb)
@@ -517,6 +521,7 @@ class Link:
         return unpack(buf, self.meta[1])
 
     # -- gradients, stage + 1 -> stage -----------------------------------------------------
+    @ranged("pyfast.pipe.send")
     def send_grad(self, mb: int, gs: list):
         """gs: one gradient (or None: the output did not reach the input) per activation
         tensor that requires grad, in order."""
@@ -532,11 +537,13 @@ class Link:
             self.opened_b = True
         self.peer.send(self, pack(gs, specs, self.device), GRAD, mb)
 
+    @ranged("pyfast.pipe.recv")
     def post_grad(self, mb: int):
         """As post_act (the gradient's size is known once this step's output was sent)."""
         if not self.local:
             self.peer.post(self.peer.at[(GRAD, self.stage, mb)], block=False)
 
+    @ranged("pyfast.pipe.wait")
     def take_grad(self, mb: int) -> list[torch.Tensor]:
         if self.local:
             return self.mailbox.pop(("g", mb))

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pyfast._ranges import ranged
 from . import schedules
 from pyfast.comm.agree import agree, rank_by_rank
 from pyfast.comm.dry import fake_group, read
@@ -33,6 +34,7 @@ from pyfast.perf import clock
 from .outcome import Flags
 from .p2p import (MAX_MICROBATCHES, MAX_STAGES, Link, Peer, PipelineCommError, PipelineError,
                   as_tensors, pair_orders)
+from .stage_costs import cut, problem as stage_costs_problem
 from .trace import Recorder
 from .zero_bubble import input_grad, weight_grad
 
@@ -58,7 +60,8 @@ class Pipeline(nn.Module):
     def from_sequential(cls, seq: nn.Sequential, n_microbatches: int, schedule: str = "1f1b",
                         loss_fn=None, group=None, balance="params", virtual_stages: int = 1,
                         example: torch.Tensor | None = None,
-                        split_backward: bool | None = None, timeout=None) -> Pipeline:
+                        split_backward: bool | None = None, timeout=None,
+                        stage_costs=None, stage_memory=None) -> Pipeline:
         """Split `seq` into world_size * virtual_stages contiguous stages; stage s goes to rank
         s % world_size. balance: "params" (equal parameter counts), "time" (equal measured
         forward+backward time on `example`, a batch like step's x), or a list of layer counts.
@@ -71,7 +74,16 @@ class Pipeline(nn.Module):
         for dist.new_group). None: the group's own timeout. With more than one rank the
         Pipeline always makes one more group, for each step's outcome flags (outcome.py), by
         the same kind of collective over the default group: from_sequential is collective
-        whatever the timeout."""
+        whatever the timeout.
+        stage_costs (mixed hardware, stage_costs.py): one float per rank, the relative seconds
+        that rank takes for the same work (2.0 = half as fast), or "measure" (each rank times
+        a 0.5 s matmul probe of the model's largest Linear; collective): the cut then
+        minimises the slowest stage's cost x weight (weights from balance "params" or
+        "time"; refused with a list of layer counts). self.stage_costs keeps them.
+        stage_memory: one byte budget per rank for the parameters and buffers of its stages
+        (with v virtual stages, budget / v for each): no cut gives a rank more; ValueError on
+        every rank if none fits. Gradients and optimizer state scale with the parameters:
+        pass the budget / (1 + the states' multiple), e.g. / 4 for fp32 AdamW."""
         global _built
         if not isinstance(seq, nn.Sequential):
             raise TypeError(f"Pipeline.from_sequential needs an nn.Sequential, "
@@ -110,13 +122,21 @@ class Pipeline(nn.Module):
         elif balance == "time" and not isinstance(example, torch.Tensor):
             problem = (f"balance='time' needs example= (a batch like step's x) on every rank; "
                        f"rank {rank} has none")
+        # a stage list without parameters probes (stage_costs="measure") on the host
+        device = next((t.device for t in seq.parameters()), torch.device("cpu"))  # cpu-literal: above
+        problem = problem or stage_costs_problem(stage_costs, stage_memory, balance, p, device)
         td = as_timedelta(timeout)  # TypeError/ValueError before any collective
         spec = list(balance) if isinstance(balance, (list, tuple)) else balance
         # a check that one rank skipped would leave the others waiting on it
-        agree((schedule, m, v, spec, len(seq), td and td.total_seconds(), _built),
+        # (the costs as text: a NaN, refused above, is unequal to itself and would read as
+        # ranks that disagree)
+        agree((schedule, m, v, spec, len(seq), td and td.total_seconds(), _built,
+               repr(stage_costs), repr(stage_memory)),
               ValueError(problem) if problem else None, group,
               differ=lambda seen: "ranks disagree on the pipeline (schedule, n_microbatches, "
-              "virtual_stages, balance, layers, timeout, pipelines built): " + rank_by_rank(seen))
+              "virtual_stages, balance, layers, timeout, pipelines built, stage_costs, "
+              "stage_memory): "
+              + rank_by_rank(seen))
         if td is not None and p > 1:
             group = new_group_like(group, td)
         # the step's outcome travels on a group of its own: after a failed step the pipeline's
@@ -125,14 +145,8 @@ class Pipeline(nn.Module):
         # (torch's fake backend of a dry run moves nothing: no streams to keep apart there)
         flags = None if p == 1 else group if fake_group(group) else \
             new_group_like(group, td)
-        if balance == "params":
-            counts = schedules.partition(
-                [sum(t.numel() for t in layer.parameters()) for layer in seq], n)
-        elif balance == "time":
-            counts = schedules.partition(
-                schedules.layer_times(seq, example[: max(1, len(example) // m)], group), n)
-        else:
-            counts = list(balance)
+        counts, stage_costs, probe_s = cut(seq, n, p, balance, stage_costs, stage_memory,
+                                           example, m, group, rank, device)
         bounds = [sum(counts[:s]) for s in range(n + 1)]
         mine = {s: range(bounds[s], bounds[s + 1]) for s in range(rank, n, p)}
         kept = {i for r in mine.values() for i in r}
@@ -148,8 +162,12 @@ class Pipeline(nn.Module):
             if i not in kept:
                 layer.to(device="meta")
         _built += 1
-        return cls(stages, bounds, m, schedule, loss_fn, group, rank, p, compute, _built,
+        pipe = cls(stages, bounds, m, schedule, loss_fn, group, rank, p, compute, _built,
                    split_backward, flags)
+        # per rank (None: even speeds); probe_s: each rank's seconds per probe matmul
+        pipe.stage_costs = None if stage_costs is None else [float(c) for c in stage_costs]
+        pipe.probe_s = probe_s
+        return pipe
 
     def __init__(self, stages, bounds, m, schedule, loss_fn, group, rank, p, compute, uid,
                  split_backward=None, flag_group=None):
@@ -382,6 +400,7 @@ class Pipeline(nn.Module):
             self._rec.release(key)
 
     # -- actions -------------------------------------------------------------------------------
+    @ranged("pyfast.pipe.F")
     def _f(self, a):
         """State kept for the backward: (handle, xs, y, loss). xs are the inputs whose gradient
         is wanted (the previous stage's outputs that require grad; x's micro-batch when
@@ -458,6 +477,7 @@ class Pipeline(nn.Module):
             torch.autograd.backward([o for o, _ in live], [g for _, g in live])
         return None, [t.grad for t in xs]
 
+    @ranged("pyfast.pipe.B")
     def _b(self, a):
         s, mb = a.stage, a.mb
         handle, xs, y, loss = self._state.pop((s, mb))
@@ -472,6 +492,7 @@ class Pipeline(nn.Module):
         self._mark("idle", a, t0, t1)
         self._mark("backward", a, t1, now())
 
+    @ranged("pyfast.pipe.I")
     def _i(self, a):
         s, mb = a.stage, a.mb
         handle, xs, y, loss = self._state[(s, mb)]
@@ -490,6 +511,7 @@ class Pipeline(nn.Module):
         elif xs and plan is not None and gin[0] is not None:  # split: x's chunk has no .grad yet
             xs[0].grad = gin[0] if xs[0].grad is None else xs[0].grad + gin[0]
 
+    @ranged("pyfast.pipe.W")
     def _w(self, a):
         t0 = now()
         plan = self._state.pop((a.stage, a.mb))

@@ -39,6 +39,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from pyfast._ranges import ranged
 from pyfast.comm.failure import CommError, naming
 from pyfast.ops.attention import block_attention, block_attention_backward, default_scale
 
@@ -130,6 +131,7 @@ class _Ring:
         self.pending: list = []  # sends of this step
         self.older: list = []    # sends of the step before: waited one step later
 
+    @ranged("pyfast.cp.exchange")
     def exchange(self, sends, recvs) -> list:
         """One batch of transfers: `sends` [(tensor, tag)] to the next rank, `recvs` into
         buffers from the previous one; the receives' works, in order. Every rank sends and
@@ -186,6 +188,7 @@ class _Ring:
         self.poll()
         settle(self.group)  # a rank whose arguments changed alone never joins (cp_agree)
 
+    @ranged("pyfast.cp.wait")
     def wait(self, *works):
         t0 = time.perf_counter()
         for w in works:

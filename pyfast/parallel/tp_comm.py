@@ -26,6 +26,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from pyfast._ranges import ranged
 from pyfast import _dist
 from torch.autograd import Function
 
@@ -68,6 +69,7 @@ def _check_divisible(x: torch.Tensor, dim: int, world: int, what: str) -> int:
     return dim
 
 
+@ranged("pyfast.tp.all_reduce")
 def _all_reduce(x: torch.Tensor, group, guard=None, op="all-reduce") -> torch.Tensor:
     # a fresh contiguous buffer: autograd may hand us an expanded or shared gradient
     out = x.clone(memory_format=torch.contiguous_format)
@@ -85,6 +87,7 @@ def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return x.chunk(world, dim)[rank].contiguous()
 
 
+@ranged("pyfast.tp.all_gather")
 def _gather(x: torch.Tensor, dim: int, group, guard=None, op="all-gather") -> torch.Tensor:
     world, _ = tp_world(group)
     if world == 1:
@@ -99,6 +102,7 @@ def _gather(x: torch.Tensor, dim: int, group, guard=None, op="all-gather") -> to
     return torch.cat(out.chunk(world, 0), dim=dim)
 
 
+@ranged("pyfast.tp.reduce_scatter")
 def _reduce_scatter(x: torch.Tensor, dim: int, group, guard=None,
                     op="reduce-scatter") -> torch.Tensor:
     world, _ = tp_world(group)

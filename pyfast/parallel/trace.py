@@ -59,6 +59,17 @@ class Recorder:
         self.peak_activation_bytes = max(self.peak_activation_bytes, self.live)
 
 
+def idle_fractions(per_rank: list[list[tuple]]) -> list[float]:
+    """Each rank's bubble in a traced step: its seconds waiting on a peer ("idle" events) over
+    its span (first event's start to last event's end); 0 for a rank with no events."""
+    out = []
+    for evs in per_rank:
+        span = max((e[3] for e in evs), default=0.0) - min((e[2] for e in evs), default=0.0)
+        idle = sum(e[3] - e[2] for e in evs if e[0] == "idle")
+        out.append(idle / span if span > 0 else 0.0)
+    return out
+
+
 def chrome_events(per_rank: list[list[tuple]]) -> list[dict]:
     t0 = min((e[2] for evs in per_rank for e in evs), default=0.0)
     out = []
@@ -84,7 +95,8 @@ def plot(per_rank: list[list[tuple]], path: str, title: str = "") -> None:
                            edgecolor="white" if kind != "idle" else "none", linewidth=0.3)
             if kind != "idle" and w > 0.02 * span * 1e3:  # label only boxes wide enough to read
                 ax.text(x + w / 2, rank, label.split()[0], ha="center", va="center", fontsize=6)
-    ax.set_yticks(range(len(per_rank)), [f"rank {r}" for r in range(len(per_rank))])
+    ax.set_yticks(range(len(per_rank)), [f"rank {r}, idle {100 * f:.0f}%"
+                                          for r, f in enumerate(idle_fractions(per_rank))])
     ax.invert_yaxis()
     ax.set_xlabel("ms")
     ax.set_title((title + "\n" if title else "") + "blue F, orange B or I, green W, dark grey "
@@ -135,6 +147,7 @@ def save_trace(path: str, recorder: Recorder | None = None, title: str = "") -> 
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with _atomic(path) as f:
         json.dump({"traceEvents": chrome_events(gathered), "displayTimeUnit": "ms",
-                   "otherData": {"written": time.strftime("%Y-%m-%d %H:%M:%S")}}, f)
+                   "otherData": {"written": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                 "idle_fraction": idle_fractions(gathered)}}, f)
     plot(gathered, os.path.splitext(path)[0] + ".png", title)
     return path

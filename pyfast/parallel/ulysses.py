@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from pyfast._ranges import ranged
 from pyfast._sequence import chunks_of, n_chunks
 from pyfast.comm.failure import naming
 
@@ -22,6 +23,7 @@ from . import cp_agree
 POLL = 0.05  # seconds between reads of the agreement while an all-to-all keeps a rank waiting
 
 
+@ranged("pyfast.cp.all_to_all")
 def _all_to_all(x: torch.Tensor, group, scatter: int, gather: int) -> torch.Tensor:
     """Split x along `scatter` into N pieces, piece j to rank j; concatenate what arrives from
     ranks 0..N-1 along `gather`."""

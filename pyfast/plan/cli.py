@@ -7,6 +7,7 @@ import json
 import sys
 from dataclasses import replace
 
+from . import cli_scale
 from . import cluster as clusters
 from . import shapes
 from .hardware import GPUS
@@ -27,7 +28,8 @@ def parser() -> argparse.ArgumentParser:
         prog="pyfast plan", description=__doc__.split("\n\n")[0],
         epilog=shapes.PARAMS_RULE + ". Cluster file keys: gpus, gpus_per_node, gpu (a name) or "
         "a [gpu] table (base, memory_gib, flops_16, flops_32, hbm or hbm_bps, intra_bw), "
-        "intra_bw, inter_bw, intra_latency_us, inter_latency_us, mfu (docs/plan.md).")
+        "intra_bw, inter_bw, intra_latency_us, inter_latency_us, mfu, price, spot_discount (also "
+        "in [gpu]) (docs/plan.md).")
     g = p.add_argument_group("model (one of --model, --params; the rest override its fields)")
     g.add_argument("--model", help=f"a preset ({', '.join(shapes.PRESETS)}) or hf:DIR (a "
                    "Hugging Face config.json)")
@@ -72,6 +74,7 @@ def parser() -> argparse.ArgumentParser:
                    "print predicted vs traced peak memory per rank")
     g.add_argument("--json", action="store_true", help="print {\"plans\": [...], \"rejected\": "
                    "[...]} instead of the tables")
+    cli_scale.add_flags(p)
     return p
 
 
@@ -218,8 +221,12 @@ def plan_finetune(shape: ModelShape, work: Workload, cl, ns) -> Result:
 
 def main(argv=None) -> int:
     ns = parser().parse_args(argv)
+    if ns.scaling:  # one plan search a GPU count (cli_scale.py)
+        return cli_scale.scaling_main(ns, inputs, plan_finetune, nothing_fits, row)
     try:
+        cli_scale.check_cost(ns)
         shape, work, cl = inputs(ns)
+        cli_scale.check_cost(ns, cl)
         res = plan_finetune(shape, work, cl, ns)
         if not res.plans:
             raise ValueError(nothing_fits(res, shape, work, cl))
@@ -229,11 +236,12 @@ def main(argv=None) -> int:
     from rich.console import Console
     console = Console(stderr=ns.json, width=200)
     if ns.json:
-        print(json.dumps({"plans": [row(s, shape, work, cl) for s in res.plans],
+        print(json.dumps({"plans": cli_scale.priced_rows(ns, res.plans, shape, work, cl, row),
                           "rejected": [row(s, shape, work, cl, True) for s in res.rejected]}))
     else:
         from .render import render
         render(res, shape, work, cl, console)
+        cli_scale.print_cost(ns, res.plans, work, cl, console)
     if ns.verify:
         verify(res, shape, work, console)
     return 0

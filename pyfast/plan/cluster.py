@@ -18,6 +18,9 @@ A cluster file (every key optional but gpus and a gpu):
     inter_latency_us = 10        # between nodes
     mfu = 0.45                   # achieved fraction of peak FLOP/s
     host_ram = "256GB"           # host RAM per node (default: the GPU's usual host's)
+    price = 2.49                 # $/GPU-hour (pyfast/plan/cost.py; --price overrides)
+    spot_discount = 0.6          # spot's fraction off the price, in [0, 1) (--spot)
+    # [gpu] takes price and spot_discount too: that GPU type's, over the top level's
     # [gpu] also takes pcie_bw (the host link, one way) and host_bw (a GPU's share of the
     # host's memory bandwidth), as hbm
 """
@@ -26,13 +29,14 @@ from __future__ import annotations
 import tomllib
 from dataclasses import replace
 
+from . import cost
 from .hardware import GPUS, Cluster, Gpu, gpu, parse_bandwidth, parse_size
 
 DEFAULT_INTER = "400gbit"  # InfiniBand NDR per GPU (a DGX H100's 8 x 400 Gbit/s ConnectX-7)
 TOP_KEYS = {"gpus", "gpus_per_node", "gpu", "intra_bw", "inter_bw", "intra_latency_us",
-            "inter_latency_us", "mfu", "host_ram"}
+            "inter_latency_us", "mfu", "host_ram", *cost.PRICE_KEYS}
 GPU_KEYS = {"base", "name", "memory_gib", "flops_16", "flops_32", "hbm", "hbm_bps", "intra_bw",
-            "pcie_bw", "host_bw"}
+            "pcie_bw", "host_bw", *cost.PRICE_KEYS}
 
 
 def _bw(value, what: str) -> float:
@@ -87,6 +91,7 @@ def gpu_table(t: dict, path: str) -> Gpu:
     for k in ("pcie_bw", "host_bw"):
         if k in t:
             kw[k.replace("_bw", "_bps")] = _bw(t[k], f"{where} {k}")
+    kw.update(cost.table_prices(t, where))
     return replace(g, **kw)
 
 
@@ -119,6 +124,7 @@ def load(path: str) -> dict:
             out[k.replace("_us", "_s")] = _positive(t, k, f"--cluster {path}") * 1e-6
     if "host_ram" in t:
         out["host_ram"] = parse_size(t["host_ram"], f"--cluster {path}: host_ram")
+    out["prices"] = cost.table_prices(t, f"--cluster {path}")  # build() applies them
     if "mfu" in t:
         out["mfu"] = _positive(t, "mfu", f"--cluster {path}")
         if out["mfu"] > 1:
@@ -145,7 +151,7 @@ def build(gpus: int | None = None, gpus_per_node: int | None = None, gpu_name: s
     f.setdefault("gpus_per_node", min(8, f["gpus"]))
     if gpu_name is not None:
         f["gpu"] = gpu(gpu_name)
-    g = f.setdefault("gpu", GPUS["h100"])
+    g = f["gpu"] = cost.priced(f.get("gpu", GPUS["h100"]), f.pop("prices", {}))
     if g.mfu is not None:  # the GPU's efficiency fitted on published runs (hardware.py)
         f.setdefault("mfu", g.mfu)
     if g.attn_mfu is not None:

@@ -66,6 +66,8 @@ class Gpu:
     pcie_bps: float = 25 * GB      # the host link, one way, bytes/s (module doc)
     host_ram_per_gpu: float = 64 * GB  # the usual host RAM of a node / its GPUs (module doc)
     host_bps: float = 25 * GB      # host memory bandwidth of a GPU's share of the CPUs
+    price: float | None = None          # $/GPU-hour (a cluster file's; pyfast/plan/cost.py)
+    spot_discount: float | None = None  # the spot price's fraction off, in [0, 1)
 
 
 # Efficiencies fitted on published runs by pyfast.plan.published.fit() (`pyfast bench

@@ -12,7 +12,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
-from . import batch_split, ckpt_async, elastic, ft, offload
+from . import batch_split, ckpt_async, elastic, ft, offload, pp_balance, profile
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 # pyfast.parallel.context's METHODS and LAYOUTS, here so that parsing the flags imports no torch
@@ -107,6 +107,10 @@ class TrainConfig:
     replica_id: int = -1            # this group's id (required with --ft)
     min_replicas: int = 1           # the fewest groups a step commits with
     ft_timeout: float = 30.0        # seconds a silent peer group is waited for
+    # speed-weighted pipeline stages (pyfast.train.pp_balance)
+    pp_balance: str = "even"        # even, auto (a probe at start) or C0,C1,... per pp rank
+    # where a step goes (pyfast.train.profile)
+    profile: str = ""               # START:END: torch.profiler over steps START..END-1; "": off
     # mixed hardware: samples per dp rank (pyfast.train.batch_split)
     batch_split: str = ""           # "N,N,...": rank r's rows of each global batch; "": even
     batch_split_every: int = 10     # auto: steps per measurement window (pyfast.train.rebalance)
@@ -241,6 +245,8 @@ def parser() -> argparse.ArgumentParser:
     elastic.add_flags(p, d)
     ckpt_async.add_flags(p, d)
     ft.add_flags(p, d)
+    pp_balance.add_flags(p, d)
+    profile.add_flags(p, d)
     batch_split.add_flags(p, d)
     g = p.add_argument_group("dry run (pyfast.train.dryrun: no process is started)")
     g.add_argument("--dry-run", action="store_true", help="run one whole step of the job for a "
@@ -325,6 +331,10 @@ def check(cfg: TrainConfig, world: int, model: bool = True) -> dict:
         raise ConfigError(elastic.problem(cfg))
     if ft.problem(cfg):  # --ft and its flags (pyfast.train.ft)
         raise ConfigError(ft.problem(cfg))
+    if pp_balance.problem(cfg):  # --pp-balance (pyfast.train.pp_balance)
+        raise ConfigError(pp_balance.problem(cfg))
+    if profile.problem(cfg):  # --profile (pyfast.train.profile)
+        raise ConfigError(profile.problem(cfg))
     check_diloco(cfg)
     check_lora(cfg)
     data = check_data(cfg)
@@ -362,6 +372,8 @@ RESUME_FREE += ("eval_outer",)
 # the shard group changes where the shards live, as --dp does (DCP reshards); the per-rank
 # error-feedback memory is then left out (Job.load compares it)
 RESUME_FREE += ("zero_shard_group",)
+# --profile only watches the run: its trace and split change nothing a checkpoint holds
+RESUME_FREE += ("profile",)
 # offloaded state is saved as if it were on the device (tests/test_zero_offload.py); the delayed
 # update (--offload-delay) is another update rule: refused as an optimizer change is
 RESUME_FREE += ("offload", "offload_prefetch")
@@ -371,6 +383,8 @@ RESUME_FREE += ("batch_split", "batch_split_every")
 RESUME_FREE += ("elastic",)
 # how a checkpoint is written changes nothing in it (tests/test_ckpt_async.py: bit-identical)
 RESUME_FREE += ("ckpt_async",)
+# --pp-balance moves layers between stages as --pp does (the checkpoints hold them by FQN)
+RESUME_FREE += ("pp_balance",)
 
 
 def resume_changes(cfg: TrainConfig, record: dict, data: dict | None = None

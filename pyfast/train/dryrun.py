@@ -150,8 +150,10 @@ def boundary_specs(job) -> dict:
 def check_dry(cfg: TrainConfig, world: int, ranks: list[int], gpu: str | None) -> None:
     check(cfg, world)
     from .ft import dry_problem
-    if dry_problem(cfg):
-        raise ConfigError(dry_problem(cfg))
+    from .profile import dry_problem as profile_problem
+    for why in (dry_problem(cfg), profile_problem(cfg)):
+        if why:
+            raise ConfigError(why)
     if cfg.compress == "auto":
         raise ConfigError("--dry-run with --compress auto: auto picks a compressor by timing the "
                           "codecs and the link on real gradients, which a dry run has neither of; "
@@ -253,6 +255,9 @@ def main(cfg: TrainConfig, ns) -> int:
         from .batch_split import dry_note as split_note
         if split_note(cfg):  # --batch-split auto: the even split, no measurement
             print(f"pyfast train: note: {split_note(cfg)}", file=sys.stderr)
+        from .pp_balance import note
+        if note(cfg, torch.device("meta")):  # --pp-balance auto sized as even
+            print(f"pyfast train: note: {note(cfg, torch.device('meta'))}", file=sys.stderr)
     except ConfigError as e:
         print(f"pyfast train: error: {e}", file=sys.stderr)
         return 2

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from pyfast import models
+from pyfast._ranges import span
 from pyfast.comm.dry import read
 from pyfast.data import Batches, load_corpus
 from pyfast.errors import NonFiniteError  # defined below train/ (outer.py raises it too)
@@ -58,7 +59,7 @@ from pyfast.parallel.zero import zero
 from pyfast.parallel.zero.frozen import decide as decide_frozen
 
 from . import checkpoint as ck
-from . import batch_split, offload, outer, rebalance
+from . import batch_split, offload, outer, pp_balance, rebalance
 from .ft_step import replicas as ft_replicas
 from .config import (ConfigError, TrainConfig, build_model, check_data, check_model,
                      check_shard_group, lora_options)
@@ -195,7 +196,9 @@ class Job:
             self.pipe = Pipeline.from_sequential(model, cfg.m, cfg.schedule, self.loss_fn,
                                                  group=mesh.pp_group,
                                                  virtual_stages=cfg.virtual_stages,
-                                                 split_backward=False)
+                                                 split_backward=False,
+                                                 stage_costs=pp_balance.stage_costs(cfg, device))
+        self.pipe_s = [0.0, 0.0]  # the last step's pipeline (idle, wall) seconds: pp_idle
         module = self.pipe if self.pipe is not None else model
         # this rank's trainable parameters (a pipeline's own stages; by identity, not by device:
         # the others' layers are on the meta device, and so is everything in a dry run). A
@@ -400,10 +403,12 @@ class Job:
         return total, self.dp.last_wait_s if self.dp is not None else 0.0
 
     def _pipelined(self, xs, ys) -> tuple[torch.Tensor, float]:
-        total, waited = self.scalar(0.0), 0.0
+        total, waited, self.pipe_s = self.scalar(0.0), 0.0, [0.0, 0.0]
         for x, y in zip(xs, ys):
             loss = self.pipe.step(x, y)  # x used on the first stage, y on the last
             waited += self.pipe.last_stats["idle"]
+            self.pipe_s = [self.pipe_s[0] + self.pipe.last_stats["idle"],
+                           self.pipe_s[1] + self.pipe.last_stats["wall"]]
             if loss is not None:
                 total += loss.double()
         if self.dp is not None:
@@ -457,6 +462,8 @@ class Job:
         tc = clock(self.device)
         cross = self._cross_bytes() - c0
         vec = torch.stack([contrib, sq, bad, self.scalar(float(sent)), self.scalar(float(cross))])
+        if self.pipe is not None:  # each stage's idle fraction rides along (pp_balance)
+            vec = torch.cat([vec, pp_balance.idle_slots(self, *self.pipe_s)])
         # one small all-reduce: loss, norm, NaN/Inf and bytes over every rank, or with R > 1
         # over this replica's ranks only (each replica clips by its own gradient's norm)
         dist.all_reduce(vec, group=self.step_group)
@@ -489,7 +496,8 @@ class Job:
             elif self.diloco is not None:
                 waited += self.outer.step(self)  # the inner step, + the outer one when due
             else:
-                self.opt.step()
+                with span("pyfast.optim.step"):
+                    self.opt.step()
         lr = self.opt.param_groups[0]["lr"]
         self.sched.step()
         step_s = clock(self.device) - t0
@@ -497,6 +505,8 @@ class Job:
                "tokens_per_s": cfg.batch * cfg.seq / step_s, "step_ms": 1e3 * step_s,
                "compute_ms": 1e3 * (step_s - waited), "exposed_comm_ms": 1e3 * waited,
                "bytes_sent": int(vals[3]), **batch_split.record(self.split)}
+        if self.pipe is not None:  # the bubble each stage saw (pp_balance), idle / wall
+            rec["pp_idle"] = [round(f, 4) for f in vals[5:5 + cfg.pp]]
         if self.shard_size is not None:  # hybrid sharding: the cross-group (node) share of them
             rec["cross_node_bytes"] = int(vals[4])
         if self.scaler is not None:
@@ -543,7 +553,7 @@ class Job:
         """vec's values on the host. A dry run's meta tensors hold none: a finite step whose
         gradient norm is clipped (twice --clip) stands in, so every branch of a step runs."""
         sq = (2.0 * max(self.cfg.clip, 1.0)) ** 2
-        return read(vec, [0.0, sq, 0.0, 0.0, 0.0])
+        return read(vec, [0.0, sq, 0.0, 0.0, 0.0] + [0.0] * (len(vec) - 5))
 
     def _zero_scaler(self):
         """--zero with fp16: torch's ShardedGradScaler on the master shards, fixed for zero

@@ -12,7 +12,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from . import batch_split, checkpoint as ck, elastic, offload
+from . import batch_split, checkpoint as ck, elastic, offload, pp_balance, profile
 from .ckpt_async import CheckpointError, Checkpointer, summary_rows
 from .config import (ConfigError, TrainConfig, check, check_data, plan_world,
                      resume_changes)
@@ -106,6 +106,7 @@ def run(cfg: TrainConfig, device: torch.device, restarted: bool = False) -> None
             print(describe_tensorboard(cfg.tensorboard, cfg.out), flush=True)
             for line in (job.frozen_note, offload.describe(job) if job.zero else None,
                          restart, job.ft.describe() if job.ft is not None else None,
+                         pp_balance.describe(job),
                          batch_split.describe(job.split, cfg.batch), job.split_note):
                 if line:
                     print(f"pyfast train: {line}", flush=True)
@@ -161,10 +162,12 @@ def _loop(cfg: TrainConfig, job: Job, start: int, device, restart: str | None = 
     sampler = Sampler(cfg) if cfg.sample_every else None
     saver = Checkpointer(cfg.ckpt_async, device)
     cost = {}  # what the last checkpoint cost its step: logged with the next step's record
+    prof = profile.Profiler(cfg, start, device, rank, dist.get_world_size()) \
+        if cfg.profile else None  # --profile (pyfast.train.profile)
     try:
         # --ft: a step that does not commit is attempted again (ft_step.FTStep.steps)
         for step in job.ft.steps(start) if job.ft is not None else range(start + 1, cfg.steps + 1):
-            rec = job.train_step(step)
+            rec = job.train_step(step) if prof is None else prof.run(job, step)
             step = rec["step"]
             if not rec.get("committed", True):  # --ft: logged, nothing else (no eval, no save)
                 if rank == 0:
@@ -206,6 +209,8 @@ def _loop(cfg: TrainConfig, job: Job, start: int, device, restart: str | None = 
         raise
     finally:
         saver.close()
+        if prof is not None:
+            prof.close()
         if rank == 0:
             bar.close()
             log.close()
@@ -222,6 +227,8 @@ def _loop(cfg: TrainConfig, job: Job, start: int, device, restart: str | None = 
             t = summary(records, f"{cfg.model} on {rep}{m.dp}x{m.cp}x{m.tp}x{m.pp} "
                                  "(dp x cp x tp x pp)")
             for k, v in summary_rows(saver.stats):  # what the checkpoints cost the steps
+                t.add_row(k, v)
+            for k, v in pp_balance.summary_rows(job, records):  # stages and their bubble
                 t.add_row(k, v)
             Console().print(t)
         print(f"metrics: {log.path}\n{drawn}\ncheckpoints: {ck.root(cfg.out)}", flush=True)

@@ -54,6 +54,7 @@ import torch
 from torch import nn
 
 import pyfast.compress as C
+from pyfast._ranges import ranged
 from pyfast.comm import all_gather, all_reduce, reduce_scatter
 from pyfast.comm.collectives import Handle, all_finite
 from pyfast.comm.buckets import broadcast_coalesced
@@ -216,6 +217,7 @@ class ZeroModel(Samples, nn.Module):
         self._dirty = False
         self.finish()
 
+    @ranged("pyfast.zero.reduce")
     def _launch(self, u) -> None:
         """Start unit u's reduce-scatter (its gradients packed now unless they already are)."""
         buf = u.extra.pop("packed", None)
@@ -299,6 +301,7 @@ class ZeroModel(Samples, nn.Module):
     def _device(self):
         return self._params[0].device if self._params else None
 
+    @ranged("pyfast.zero.wait")
     def finish(self) -> None:
         """Wait for every launched reduce-scatter (all of them, even after one failed: one
         still running would interleave with the caller's next collective), agree on which
@@ -347,6 +350,7 @@ class ZeroModel(Samples, nn.Module):
         self.finish()
 
     # ------------------------------------------------------------------ step's other half
+    @ranged("pyfast.zero.gather")
     def gather_params(self) -> None:
         """Stages 1/2: every rank's updated master shards into every rank's parameters, one
         exact all-gather per unit: bit-identical replicas (every rank copies the same bytes)."""

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 import pyfast.optim
+from pyfast._ranges import ranged
 
 PER_ELEMENT = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
                torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
@@ -213,6 +214,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return total.float()  # torch's clip_grad_norm_ returns the gradients' dtype
 
     @torch.no_grad()
+    @ranged("pyfast.zero.step")
     def step(self, closure=None):
         loss = None
         if closure is not None:

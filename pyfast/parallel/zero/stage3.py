@@ -53,6 +53,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 import pyfast.compress as C
+from pyfast._ranges import ranged
 from pyfast.comm.collectives import Handle
 
 from .meshes import is_pipeline, pipeline_units
@@ -232,6 +233,7 @@ class Stage3Model(ZeroModel):
             write(t)
         p.data = t
 
+    @ranged("pyfast.zero.gather")
     def gather(self, g) -> None:
         """Unit g's parameters full (from its prefetch if one is in flight)."""
         if self._gathered[g.index]:
