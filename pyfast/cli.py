@@ -59,6 +59,8 @@ BENCHMARKS = {
             "vs DataParallel-bf16, step time and cross-node bytes",
     "ckpt": "a checkpoint every K steps, blocking vs --ckpt-async (DCP async_save) vs none: "
             "the step time each adds (target: async <= 10% of blocking's)",
+    "hetero": "two ranks at a 2:1 speed (one capped at half a CPU): --batch-split auto vs the "
+              "even split, the best fixed split and the fast rank alone, samples/s",
     "profile_overhead": "what pyfast's named profiler ranges cost a gpt-small dp2 step when "
                         "no profiler runs: with vs without them, side by side",
     "report": "write docs/benchmarks.md from bench/results/ (no benchmark is run)",

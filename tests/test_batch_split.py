@@ -406,7 +406,8 @@ def test_job_batch_split_equals_the_even_split(pool2):
     (dict(batch_split="3,1", pp=2, dp=1), "--batch-split 3,1 with --pp"),
     (dict(batch_split="3,1", cp=2), "with --cp"),
     (dict(batch_split="3,1", diloco=4, replicas=2, batch=8), "with --diloco"),
-    (dict(batch_split="auto"), "--batch-split auto (measure each rank's speed"),
+    # auto: the same refusals (its own checks: tests/test_batch_split_auto.py)
+    (dict(batch_split="auto", pp=2, dp=1), "--batch-split auto with --pp"),
 ])
 def test_bad_batch_split_flags(flags, message):
     from pyfast.train.config import ConfigError, TrainConfig, check

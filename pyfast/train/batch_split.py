@@ -14,15 +14,19 @@ Each rank cuts its n_r rows into --grad-accum x --micro-batches equal pieces (th
 rule), so every n_r must be a multiple of that. Not with --pp (the pipeline's micro-batches
 cross the dp ranks in lock step: use --pp-balance for uneven stages), --diloco, --ft, --replicas
 (their replicas or groups would each need a split), --cp > 1 (not tested), or --elastic (which
-re-plans --dp): ConfigError naming the flag. `auto` (measure and re-balance) is another part's
-(rebalance.py); until it lands here the word is parsed and refused with a message saying so.
-The dry run runs the split (rank r's rows, the weighted reduction on the fake group).
+re-plans --dp): ConfigError naming the flag. `auto` starts from the even split (in units: a
+remainder goes to the first ranks) and re-balances by measured speed every --batch-split-every
+steps (pyfast.train.rebalance); the same flags are refused with it. The dry run runs the split
+(rank r's rows, the weighted reduction on the fake group); with auto, the even split and a
+note (dry_note).
 
 No torch import at module level: config.py parses the flags without torch.
 """
 from __future__ import annotations
 
 import argparse
+
+from .rebalance import Balancer, even
 
 AUTO = "auto"
 
@@ -35,7 +39,14 @@ def add_flags(p: argparse.ArgumentParser, d) -> None:
                         "--micro-batches): rank r takes the next n_r rows of the same global "
                         "batch, and its gradient counts n_r / --batch (sample-weighted data "
                         "parallel); for ranks of different speeds. Runs in the dry run too. "
+                        "auto: start even, measure each rank's compute seconds per sample and "
+                        "re-split in proportion to speed every --batch-split-every steps "
+                        "(bounded moves; the dry run runs the even split, with a note). "
                         "Default: the even split")
+    g.add_argument("--batch-split-every", type=int, default=d.batch_split_every, metavar="K",
+                   help="--batch-split auto: steps per measurement window; the ranks all-gather "
+                        "their median seconds per sample and re-split every K steps "
+                        f"(default {d.batch_split_every})")
 
 
 def parse(text: str):
@@ -64,12 +75,12 @@ def problem(cfg) -> str | None:
         split = parse(cfg.batch_split)
     except ValueError as e:
         return str(e)
+    if split != AUTO and cfg.batch_split_every != 10:
+        return (f"--batch-split-every {cfg.batch_split_every} tunes --batch-split auto; this "
+                f"run has --batch-split {cfg.batch_split or '(even)'}")
     if split is None:
         return None
     text = cfg.batch_split
-    if split == AUTO:
-        return ("--batch-split auto (measure each rank's speed and re-balance) is not in this "
-                "build; give the split, e.g. --batch-split 3,1")
     for flag, on, why in (
             ("--pp", cfg.pp > 1, "the pipeline's micro-batches run in lock step across the "
              "stages; use --pp-balance for uneven stages"),
@@ -80,6 +91,8 @@ def problem(cfg) -> str | None:
             ("--elastic", cfg.elastic, "--elastic re-plans --dp, which the split is for")):
         if on:
             return f"--batch-split {text} with {flag}: {why}"
+    if split == AUTO:
+        return _auto_problem(cfg)
     if len(split) != cfg.dp:
         return (f"--batch-split {text}: {len(split)} number(s) for --dp {cfg.dp} (one per dp "
                 "rank)")
@@ -99,9 +112,26 @@ def problem(cfg) -> str | None:
     return None
 
 
+def _auto_problem(cfg) -> str | None:
+    u = unit(cfg)
+    if cfg.batch_split_every < 1:
+        return f"--batch-split-every must be >= 1, got {cfg.batch_split_every}"
+    if cfg.batch % u:
+        return (f"--batch-split auto: --batch {cfg.batch} is not a multiple of --grad-accum "
+                f"{cfg.grad_accum} x --micro-batches {cfg.m} = {u} (each rank cuts its rows "
+                "into that many equal pieces)")
+    if cfg.batch // u < cfg.dp:
+        return (f"--batch-split auto: --batch {cfg.batch} holds {cfg.batch // u} piece(s) of {u} "
+                f"samples, fewer than --dp {cfg.dp} (every rank needs one)")
+    return None
+
+
 def split_of(cfg) -> list[int] | None:
-    """The fixed split of the flags (checked by problem), or None: the even split."""
+    """The split the run starts with (checked by problem): the fixed one, auto's start (the
+    even split in units), or None: the even split (the plain mean)."""
     s = parse(cfg.batch_split)
+    if s == AUTO:
+        return even(cfg.batch, cfg.dp, unit(cfg))
     return s if isinstance(s, list) else None
 
 
@@ -128,3 +158,24 @@ def describe(split, batch: int) -> str | None:
     return (f"batch split {','.join(map(str, split))}: dp rank r takes n_r of each global "
             f"batch of {batch}, its gradient weighted n_r / {batch} (sample-weighted data "
             "parallel)")
+
+
+# --batch-split auto: the job's Balancer (pyfast.train.rebalance) and the dry run's note
+def balancer(job):
+    """The job's rebalance.Balancer under --batch-split auto (None otherwise, and on the dry run's meta
+    tensors, which take no time: dry_note). Starts from job.split (the even split, or the one
+    a checkpoint restores through restore())."""
+    cfg = job.cfg
+    if parse(cfg.batch_split) != AUTO or job.device.type == "meta":
+        return None
+    return Balancer(job.split, cfg.batch, unit(cfg), job.mesh.dp_rank, cfg.batch_split_every,
+                    job.device)
+
+
+def dry_note(cfg) -> str | None:
+    """The dry run's line: auto runs the even split there (meta tensors take no time)."""
+    if parse(cfg.batch_split) != AUTO:
+        return None
+    return ("--batch-split auto runs the even split on the dry run (meta tensors take no time to "
+            "measure); a rank's peak grows with its share: size the largest share you expect "
+            "with --batch-split N,N,...")

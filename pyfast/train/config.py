@@ -113,6 +113,7 @@ class TrainConfig:
     profile: str = ""               # START:END: torch.profiler over steps START..END-1; "": off
     # mixed hardware: samples per dp rank (pyfast.train.batch_split)
     batch_split: str = ""           # "N,N,...": rank r's rows of each global batch; "": even
+    batch_split_every: int = 10     # auto: steps per measurement window (pyfast.train.rebalance)
 
     @property
     def m(self) -> int:
@@ -377,7 +378,7 @@ RESUME_FREE += ("profile",)
 # update (--offload-delay) is another update rule: refused as an optimizer change is
 RESUME_FREE += ("offload", "offload_prefetch")
 # --batch-split changes which rank takes which rows of the same global batches, not the update
-RESUME_FREE += ("batch_split",)
+RESUME_FREE += ("batch_split", "batch_split_every")
 # --elastic re-plans dp and grad_accum (both free above) and resumes: the run is the same
 RESUME_FREE += ("elastic",)
 # how a checkpoint is written changes nothing in it (tests/test_ckpt_async.py: bit-identical)

@@ -252,6 +252,9 @@ def main(cfg: TrainConfig, ns) -> int:
         from .ckpt_async import dry_note
         if dry_note(cfg):  # on stderr: --json's stdout stays one JSON object
             print(f"pyfast train: note: {dry_note(cfg)}", file=sys.stderr)
+        from .batch_split import dry_note as split_note
+        if split_note(cfg):  # --batch-split auto: the even split, no measurement
+            print(f"pyfast train: note: {split_note(cfg)}", file=sys.stderr)
         from .pp_balance import note
         if note(cfg, torch.device("meta")):  # --pp-balance auto sized as even
             print(f"pyfast train: note: {note(cfg, torch.device('meta'))}", file=sys.stderr)

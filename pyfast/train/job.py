@@ -59,7 +59,7 @@ from pyfast.parallel.zero import zero
 from pyfast.parallel.zero.frozen import decide as decide_frozen
 
 from . import checkpoint as ck
-from . import batch_split, offload, outer, pp_balance
+from . import batch_split, offload, outer, pp_balance, rebalance
 from .ft_step import replicas as ft_replicas
 from .config import (ConfigError, TrainConfig, build_model, check_data, check_model,
                      check_shard_group, lora_options)
@@ -294,6 +294,8 @@ class Job:
         # exactly the dp slices), so a run at --replicas R sees the tokens of --dp R x dp
         self.batches = Batches(self.corpus.train, cfg.batch, cfg.seq, cfg.seed,
                                *self.data_slot, split=self.split)
+        # --batch-split auto: measure, all-gather every K steps, re-split (pyfast.train.rebalance)
+        self.balancer, self.split_note = batch_split.balancer(self), None
         self.skips = 0
         self.carried = 0  # bytes written after the last step's count, counted in this one
         # --ft: this group's torchft step (quorum, heal, cross-group average, commit)
@@ -428,7 +430,11 @@ class Job:
         self.opt.zero_grad(set_to_none=True)
         x, y = self.shard(*self.batches.next())
         x, y = x.to(self.device), y.to(self.device)
+        if self.balancer is not None:  # forward + backward's seconds, less its waits
+            self.balancer.begin()
         local, waited = self._forward_backward(x, y)
+        if self.balancer is not None:
+            self.balancer.end(waited, len(x))
         scale = self.scaler.get_scale() if self.scaler is not None else 1.0
         if self.zero is not None:
             self.opt.reduce_gradients()  # before unscale_: stage 1 reduces in the step
@@ -512,6 +518,7 @@ class Job:
             rec.update(self.meeting.record())
         if self.ft is not None:  # --ft --diloco: the outer step's verdict; a heal moves the step
             rec.update(self.ft.outer_record())
+        rebalance.after_step(self, step, rec)  # --batch-split auto: the next steps' split
         return rec
 
     def _cross_bytes(self) -> int:
@@ -641,6 +648,7 @@ class Job:
             model, optim = self._dense_state()
         train = {"sched": self.sched.state_dict(), "data": self.batches.state_dict(),
                  "lrs": [g["lr"] for g in self.opt.param_groups], "skips": self.skips,
+                 "batch_split": self.split,  # --batch-split's, in force
                  "scaler": self.scaler.state_dict() if self.scaler is not None else None}
         state = {"model": model, "optim": optim, "train": ck.blob(train)}
         if self.diloco is not None:
@@ -736,6 +744,7 @@ class Job:
         for g, lr in zip(self.opt.param_groups, train["lrs"]):
             g["lr"] = lr
         self.batches.load_state_dict(train["data"])
+        self.split_note = rebalance.restore(self, train.get("batch_split"))  # auto's split
         self.skips = train["skips"]
         if self.scaler is not None and train["scaler"]:
             self.scaler.load_state_dict(train["scaler"])

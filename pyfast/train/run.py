@@ -107,7 +107,7 @@ def run(cfg: TrainConfig, device: torch.device, restarted: bool = False) -> None
             for line in (job.frozen_note, offload.describe(job) if job.zero else None,
                          restart, job.ft.describe() if job.ft is not None else None,
                          pp_balance.describe(job),
-                         batch_split.describe(job.split, cfg.batch)):
+                         batch_split.describe(job.split, cfg.batch), job.split_note):
                 if line:
                     print(f"pyfast train: {line}", flush=True)
             if cfg.elastic and meta is not None and elastic.describe_reset(cfg, meta, same):
