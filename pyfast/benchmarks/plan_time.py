@@ -60,29 +60,36 @@ def flags(config: str) -> list[str]:
 probe_link = calibrate.probe_link  # the namespace-shaped link probe lives with measure()
 
 
-def measure_run(link: str, model: str, config: str, timeout: float = 300) -> dict:
-    """`pyfast train --nproc 2` on `link`: its median step over the steps after WARMUP and the
-    plan the run recorded (calibrate.run_plan reads it back)."""
+def timed_run(args: list[str], link: str, timeout: float, warmup: int = WARMUP,
+              env: dict | None = None) -> dict:
+    """`python -m pyfast train ARGS --out TMP` on `link`: the median step (and q10 / q90, exposed
+    communication) over the steps after `warmup`, and the plan the run recorded (calibrate.run_plan
+    reads it back). plan_time and scaling measure their runs with it."""
     from pyfast.train.metrics import read
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "pyfast", "train", "--nproc", "2", "--model", model,
-               "--seq", str(SEQ), "--batch", str(BATCH), "--steps", str(STEPS[model]),
-               "--eval-batches", "1", "--out", out, *flags(config)]
+        cmd = [sys.executable, "-m", "pyfast", "train", *args, "--out", out]
         t0 = time.monotonic()
-        r = netns.run(cmd, link, timeout)
+        r = netns.run(cmd, link, timeout, env=env)
         if r.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} on {link}: exit {r.returncode}\n"
                                f"{r.stderr[-2000:]}")
         every = read(os.path.join(out, "metrics.jsonl"))
-        recs = every[WARMUP:]
+        recs = every[warmup:]
         shape, plan, work, _ = calibrate.run_plan(out)
     ms = sorted(x["step_ms"] for x in recs)
-    return {"link": link, "model": model, "config": config,
-            "measured_s": statistics.median(ms) / 1e3, "q10_s": ms[len(ms) // 10] / 1e3,
+    return {"measured_s": statistics.median(ms) / 1e3, "q10_s": ms[len(ms) // 10] / 1e3,
             "q90_s": ms[-1 - len(ms) // 10] / 1e3,
             "exposed_s": statistics.median(x["exposed_comm_ms"] for x in recs) / 1e3,
             "wall_s": time.monotonic() - t0, "plan": plan.fields(), "shape": shape,
             "work": work, "records": every}
+
+
+def measure_run(link: str, model: str, config: str, timeout: float = 300) -> dict:
+    """`pyfast train --nproc 2` on `link`: its median step over the steps after WARMUP and the
+    plan the run recorded."""
+    args = ["--nproc", "2", "--model", model, "--seq", str(SEQ), "--batch", str(BATCH),
+            "--steps", str(STEPS[model]), "--eval-batches", "1", *flags(config)]
+    return {"link": link, "model": model, "config": config, **timed_run(args, link, timeout)}
 
 
 def spearman(a: list[float], b: list[float]) -> float:

@@ -32,13 +32,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import statistics
-import sys
-import tempfile
 import time
 
 import pyfast
 from pyfast import netns, perf
+from pyfast.benchmarks import plan_time
 from pyfast.plan import calibrate, hardware, scaling, timing
 from pyfast.plan.spec import Plan, Workload
 
@@ -57,28 +55,13 @@ def cores() -> int:
 def measure_run(link: str, ranks: int, compress: str, model: str = MODEL, steps: int = STEPS,
                 timeout: float = 300) -> dict:
     """`pyfast train --nproc ranks --dp ranks` on `link`: the median step after WARMUP."""
-    from pyfast.train.metrics import read
-    with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "pyfast", "train", "--nproc", str(ranks), "--dp",
-               str(ranks), "--model", model, "--seq", str(SEQ), "--batch", str(BATCH),
-               "--steps", str(steps), "--eval-batches", "1", "--out", out]
-        if ranks > 1:
-            cmd += ["--compress", compress]
-        t0 = time.monotonic()
-        r = netns.run(cmd, link, timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        if r.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} on {link}: exit {r.returncode}\n"
-                               f"{r.stderr[-2000:]}")
-        every = read(os.path.join(out, "metrics.jsonl"))
-        recs = every[WARMUP:]
-        shape, plan, work, _ = calibrate.run_plan(out)
-    ms = sorted(x["step_ms"] for x in recs)
-    return {"link": link, "ranks": ranks, "compress": compress if ranks > 1 else "-",
-            "measured_s": statistics.median(ms) / 1e3, "q10_s": ms[len(ms) // 10] / 1e3,
-            "q90_s": ms[-1 - len(ms) // 10] / 1e3,
-            "exposed_s": statistics.median(x["exposed_comm_ms"] for x in recs) / 1e3,
-            "wall_s": time.monotonic() - t0, "plan": plan.fields(), "shape": shape,
-            "work": work, "records": every}
+    args = ["--nproc", str(ranks), "--dp", str(ranks), "--model", model, "--seq", str(SEQ),
+            "--batch", str(BATCH), "--steps", str(steps), "--eval-batches", "1"]
+    if ranks > 1:
+        args += ["--compress", compress]
+    run = plan_time.timed_run(args, link, timeout, WARMUP,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return {"link": link, "ranks": ranks, "compress": compress if ranks > 1 else "-", **run}
 
 
 def cluster_for(calibrated, ranks: int, link: str = "loopback"):
