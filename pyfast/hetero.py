@@ -20,6 +20,7 @@ never silently run unthrottled. Like pyfast.netns it imports nothing of pyfast.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
 import os
@@ -107,6 +108,7 @@ def hold(share: float) -> pathlib.Path:
     cm = throttle(share)
     group = cm.__enter__()
     _held.append(cm)
+    atexit.register(cm.__exit__, None, None, None)  # the group removed, not left to _sweep
     return group
 
 

@@ -142,18 +142,12 @@ def bench_throttle(env: str | None = None, rank: int | None = None) -> float | N
         if r == rank:
             share = v
     if share is not None:
-        from pyfast.hetero import throttle
-        # held until the process exits: the context manager is kept referenced, since a
-        # bare throttle(share).__enter__() is collected at once and its generator's finally
-        # lifts the cap (seen: the job ran 1:0.1 as fast as unthrottled, 490 vs 489 ms)
-        import atexit
-        _HELD.append(throttle(share))
-        _HELD[-1].__enter__()
-        atexit.register(_HELD[-1].__exit__, None, None, None)  # lifted before teardown
+        from pyfast import hetero
+        # hold(), not a bare throttle(share).__enter__(): that object is collected at once and
+        # its generator's finally lifts the cap (seen: the job ran 1:0.1 as fast as
+        # unthrottled, 490 vs 489 ms)
+        hetero.hold(share)
     return share
-
-
-_HELD: list = []  # bench_throttle's caps, alive as long as the process
 
 
 def main(cfg: TrainConfig) -> int:
