@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -186,20 +183,12 @@ def _finish() -> None:
 
 
 def _child(argv: list[str], timeout: float, world: int = 1) -> None:
-    """`python *argv` as `world` ranks of one gloo group (env://) on loopback."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, *argv], env={**env, "RANK": str(r),
-                                                            "LOCAL_RANK": str(r)})
-             for r in range(world)]
-    try:
-        codes = [p.wait(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    if any(codes):
-        raise RuntimeError(f"{' '.join(argv)[:80]}: exit codes {codes}")
+    """`python -c CODE` (argv = ["-c", CODE]) as `world` ranks of one gloo group (env://) on
+    loopback, forked from the probes' server (pyfast.plan.probe_ranks)."""
+    from . import probe_ranks
+    flag, code = argv
+    assert flag == "-c", argv
+    codes = probe_ranks.run(code, world, timeout)
+    if any(c != 0 for c in codes):
+        raise RuntimeError(f"{code[:80]}: exit codes {codes} (None: still running after "
+                           f"{timeout:g} s, killed)")
