@@ -1,7 +1,9 @@
 """Smoke suite for `pyfast bench diloco` (pyfast.benchmarks.diloco): the harness once, tiny and
-untimed (gpt-tiny, seq 32, batch 8, N = 40 steps, on a 1 Gbit/s namespace link: dp bf16, DiLoCo
-H10 and Streaming int4), so that it cannot rot: every row's curve, bytes and columns, never a
-speed. The numbers docs/diloco.md quotes come from `pyfast bench diloco` itself."""
+untimed (gpt-tiny, seq 32, batch 8, N = 40 steps, on a 1 Gbit/s namespace link: dp bf16 and
+Streaming int4: a DiLoCo row and the reference are what the harness treats differently; plain
+DiLoCo H10, a third launch of ~30 s here, is the same harness path with other flags, its
+training tested in tests/test_train_diloco.py), so that it cannot rot: every row's curve, bytes
+and columns, never a speed. The numbers docs/diloco.md quotes come from `pyfast bench diloco` itself."""
 import math
 
 import pytest
@@ -14,13 +16,13 @@ def result():
     why = netns.unavailable()
     if why:
         pytest.skip(why)
-    return diloco.run(("1gbit",), ("gpt-tiny",), ("dp bf16", "diloco H10", "streaming int4"),
+    return diloco.run(("1gbit",), ("gpt-tiny",), ("dp bf16", "streaming int4"),
                       sizes={"gpt-tiny": (32, 8, 40, 20)}, timeout=300)
 
 
 def test_every_row_has_its_curve_bytes_and_times(result):
     rows = {r["config"]: r for r in result["rows"]}
-    assert sorted(rows) == ["diloco H10", "dp bf16", "streaming int4"]
+    assert sorted(rows) == ["dp bf16", "streaming int4"]
     ref = rows["dp bf16"]
     assert [s for s, _, _ in ref["curve"]] == [20, 40] and ref["tokens"] == 40 * 8 * 32
     for name, r in rows.items():
@@ -37,15 +39,15 @@ def test_every_row_has_its_curve_bytes_and_times(result):
         # a run stopped at dp's loss leaves no rank training on into the next config's timing
         assert r["left_running"] == 0, (name, r["left_running"])
     assert ref["outer_syncs"] == 0
-    # H10: a sync every 10 steps; H 40 in 4 fragments: one every 10 steps too
-    assert rows["diloco H10"]["outer_syncs"] == rows["diloco H10"]["steps"] // 10
+    # H 40 in 4 fragments: a sync every 10 steps
     assert rows["streaming int4"]["outer_syncs"] == rows["streaming int4"]["steps"] // 10
-    # per step, DiLoCo's whole-model syncs move less than dp's reductions: fp32 outer
-    # gradients every 10 steps are 2/10 of bf16 every step, plus the per-step scalars
+    # per step, int4 fragments every 10 steps move far less than dp's bf16 every step
+    # (gpt-small at 100 Mbit/s: 0.015 of dp's bytes a step, bench/results/diloco.json)
     per = {n: r["wire_bytes"] / r["steps"] for n, r in rows.items()}
-    assert per["diloco H10"] < 0.5 * per["dp bf16"]
-    # int4 fragments: a quarter of the model at 1/8 of fp32 per sync
-    assert rows["streaming int4"]["max_step_bytes"] < rows["diloco H10"]["max_step_bytes"] / 16
+    assert per["streaming int4"] < 0.1 * per["dp bf16"]
+    # its largest step, a fragment's sync (a quarter of the model in int4), against dp's step
+    # (all of it in bf16): 0.094 of it on gpt-small; a quarter bounds it with the scalars
+    assert rows["streaming int4"]["max_step_bytes"] < rows["dp bf16"]["max_step_bytes"] / 4
 
 
 def test_time_to_reference_and_table(result):
@@ -68,7 +70,7 @@ def test_crossings_end_at_the_time_to_target(result):
     cross = diloco.crossings(result)
     assert [n for _, _, n, _, _ in cross] == [s for s, _, _ in rows["dp bf16"]["curve"]]
     last = cross[-1][4]
-    for name in ("diloco H10", "streaming int4"):
+    for name in ("streaming int4",):
         assert last[name] == (pytest.approx(rows[name]["speedup"]) if rows[name]["speedup"]
                               else None)
     for _, _, n, v, ups in cross:
