@@ -37,6 +37,7 @@ def test_a_failing_rank_and_a_late_one():
     assert probe_ranks.run("import os\nif os.environ['RANK'] == '1': raise ValueError('r1')",
                            2, 60) == [0, 1]
     assert probe_ranks.run("raise SystemExit(3)", 1, 60) == [3]
+    assert probe_ranks.run("import sys; sys.exit()", 1, 60) == [0]  # as a script's exit
     assert probe_ranks.run("import time; time.sleep(60)", 1, 0.5) == [None]  # killed
 
 

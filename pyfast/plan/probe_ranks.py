@@ -30,12 +30,14 @@ PRELOAD = ("torch", "torch.distributed", "pyfast.plan.calibrate_link",
            "pyfast.plan.calibrate_job", "pyfast.train.job")
 
 _server: subprocess.Popen | None = None
+_owner = 0  # the pid that started _server: a forked child of it starts its own
 _lock = threading.Lock()
 
 
 def _start() -> subprocess.Popen:
-    global _server
-    if _server is None or _server.poll() is not None:
+    global _server, _owner
+    if _server is None or _owner != os.getpid() or _server.poll() is not None:
+        _owner = os.getpid()
         # this process's pyfast, not whatever `-c` would find first in the working directory
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         _server = subprocess.Popen(
@@ -98,7 +100,7 @@ def _fork(code: str, env: dict) -> int:
         exec(compile(code, "<pyfast probe>", "exec"), {"__name__": "__pyfast_probe__"})
         rc = 0
     except SystemExit as e:
-        rc = e.code if isinstance(e.code, int) else 1
+        rc = 0 if e.code is None else e.code if isinstance(e.code, int) else 1  # as Python
     except BaseException:  # noqa: BLE001  (reported as the rank's traceback and exit 1)
         traceback.print_exc()
     finally:
