@@ -6,7 +6,8 @@ BIN     := $(VENV)/bin
 # local wheel here); with one, the default (CUDA) build.
 TORCH   ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 DEPS    := rich numpy triton nvidia-ml-py pytest pytest-benchmark expecttest matplotlib \
-           transformers tokenizers safetensors tensorboard hypothesis peft torchft
+           transformers tokenizers safetensors tensorboard hypothesis peft torchft \
+           setproctitle
 NVCC    ?= $(shell command -v nvcc 2>/dev/null)
 STAMP   := $(VENV)/.pyfast-installed
 SRC     := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/cuda/*.cuh)

@@ -332,7 +332,10 @@ def test_two_nodes_on_one_machine(runs, tmp_path):
     cmd = [sys.executable, "-m", "pyfast", "train", *BASE, "--out", str(tmp_path / "nodes"),
            "--dp", "2", "--nproc", "1", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen(cmd + ["--node-rank", str(i)], stdout=subprocess.PIPE,
+    # node 0's rank forked from a preloaded server (the default), node 1's a fresh python as
+    # torchrun's command starts it: the two ways a rank starts train one job alike
+    procs = [subprocess.Popen(cmd + ["--node-rank", str(i), "--start-method",
+                                     ("forkserver", "exec")[i]], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]
     outs = [p.communicate(timeout=TIMEOUT) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs

@@ -162,6 +162,9 @@ def parser() -> argparse.ArgumentParser:
                         "latest checkpoint")
     g.add_argument("--print-launch", action="store_true", help="print the torchrun command "
                    "of every node and exit")
+    g.add_argument("--start-method", choices=("forkserver", "exec"), default="forkserver",
+                   help="how a rank starts: forked from a server that imported torch once "
+                        "(default), or a fresh python per rank as torchrun's command does")
     a("--model", default=d.model, help="gpt-tiny, gpt-small, hf-llama-tiny, or the GPT at any "
       "shape: gpt:layers=L,heads=H,hidden=D[,mlp=R], or hf:DIR (a local Hugging Face model "
       "directory: config.json [+ *.safetensors])")
@@ -263,7 +266,8 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-LAUNCH_FLAGS = ("nproc", "nnodes", "node_rank", "rdzv_endpoint", "max_restarts", "print_launch")
+LAUNCH_FLAGS = ("nproc", "nnodes", "node_rank", "rdzv_endpoint", "max_restarts", "print_launch",
+                "start_method")
 DRY_FLAGS = ("dry_run", "dry_rank", "gpu", "json")
 
 

@@ -150,7 +150,7 @@ def bench_throttle(env: str | None = None, rank: int | None = None) -> float | N
     return share
 
 
-def main(cfg: TrainConfig) -> int:
+def main(cfg: TrainConfig, leave: bool = True) -> int:
     bench_throttle()
     device = _device()
     # device_id binds NCCL's communicator to this rank's GPU: without it every barrier warned
@@ -180,6 +180,8 @@ def main(cfg: TrainConfig) -> int:
     # without the collect and barrier). Everything is written and closed by now (job.close()).
     sys.stdout.flush()
     sys.stderr.flush()
+    if not leave:  # a forked rank (launch.forked_rank): multiprocessing's os._exit follows
+        return code
     os._exit(code)
 
 
