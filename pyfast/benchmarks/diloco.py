@@ -241,7 +241,8 @@ def _read(path: str) -> list[dict]:
 
 
 def _ranks_of(out: str) -> list[int]:
-    """Processes whose command line names the run's own (temporary, unique) out folder."""
+    """Processes whose command line names the run's own (temporary, unique) out folder (a
+    forked rank's title, "pyfast rank R/W: train ... --out OUT", names it too)."""
     pids = []
     for d in os.listdir("/proc"):
         try:
@@ -254,10 +255,11 @@ def _ranks_of(out: str) -> list[int]:
 
 
 def _stop(p: subprocess.Popen) -> None:
-    """SIGTERM to the job, then its group killed. torchrun starts each rank in a session of its
-    own, so a SIGKILL to the launcher's group alone left the ranks training on (seen 2026-11-28:
-    a stopped run's two ranks at 45% CPU each, normal priority, through the next config's timed
-    run); on SIGTERM torchrun stops its ranks itself."""
+    """SIGTERM to the job, then its group killed. torchrun starts each exec'd rank in a session
+    of its own, so a SIGKILL to the launcher's group alone left the ranks training on (seen
+    2026-11-28: a stopped run's two ranks at 45% CPU each, normal priority, through the next
+    config's timed run); on SIGTERM torchrun stops its ranks itself. (Forked ranks, the
+    default since, die with their launcher: pyfast.train.launch.)"""
     if p.poll() is None:
         p.send_signal(signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):

@@ -91,9 +91,13 @@ def _children(pid: int) -> list[int]:
 
 
 def _rank_pid(launcher: int, rank: int) -> int:
-    """The pid of torchrun's worker `rank` under `launcher` (its RANK in /proc/PID/environ)."""
+    """The pid of torchrun's worker `rank` under `launcher`: a forked rank by its title
+    ("pyfast rank R/W: ...", pyfast.train.launch), an exec'd one by RANK in /proc/PID/environ."""
     for pid in _children(launcher):
         try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if f.read().startswith(f"pyfast rank {rank}/".encode()):
+                    return pid
             with open(f"/proc/{pid}/environ", "rb") as f:
                 env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
         except OSError:
