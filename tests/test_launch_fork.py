@@ -65,15 +65,35 @@ import os, sys
 import multiprocessing.forkserver as fs
 from pyfast.train import main
 rc = main(["--nproc", "2", "--dp", "2", "--model", "hf:{tmp_path}/none", "--out", "{tmp_path}/r"])
-pid = fs._forkserver._forkserver_pid
-assert rc == 2 and pid, (rc, pid)
-os.waitpid(pid, 0)  # reaped: it was killed, not left running (a live one blocks here)
+assert rc == 2 and fs._forkserver._forkserver_pid is None  # stopped, its state reset
+# a later launch in this process starts a server of its own (a stale pid made it fail)
+from pyfast.train.launch import _start_forkserver, _stop_forkserver
+pid = _start_forkserver(2)
+assert pid and os.path.exists("/proc/%d" % pid), pid
+_stop_forkserver(pid)
+assert not os.path.exists("/proc/%d" % pid)
 print("ok")
 """
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                        timeout=300)
     assert p.returncode == 0 and "ok" in p.stdout, p.stdout + p.stderr[-3000:]
     assert "no such directory" in p.stderr or "does not exist" in p.stderr, p.stderr[-2000:]
+
+
+def test_the_command_leaves_after_atexit_and_flushed_output():
+    """pyfast.cli.leave: the `pyfast train` command's exit without torch's teardown still runs
+    the atexit handlers and writes everything buffered, and exits with the code."""
+    code = """
+import atexit, sys
+from pyfast.cli import leave
+atexit.register(lambda: print("handler ran", file=sys.stderr))
+sys.stdout.write("x" * 200000)  # more than a pipe's buffer: written at the flush
+leave(5)
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                       timeout=120)
+    assert p.returncode == 5 and p.stdout == "x" * 200000 and "handler ran" in p.stderr, \
+        (p.returncode, len(p.stdout), p.stderr[-2000:])
 
 
 @pytest.mark.dist

@@ -90,6 +90,15 @@ def _start_forkserver(nproc: int) -> int | None:
     return pid if pid != before else None
 
 
+def _stop_forkserver(pid: int) -> None:
+    """End the server _start_forkserver started, at once: SIGKILL, then multiprocessing's own
+    stop (closes its alive pipe, reaps it, removes its socket), so that a later launch in this
+    process starts a fresh one."""
+    import multiprocessing.forkserver as fs
+    os.kill(pid, signal.SIGKILL)
+    fs._forkserver._stop()
+
+
 def rank_env(launcher: dict, now: dict, start: dict) -> dict:
     """A forked rank's environment: the launcher's at the launch, plus what torchrun's agent
     set in this process (`now`'s entries that differ from `start`, the server's at its start).
@@ -196,7 +205,7 @@ def launch(cfg: TrainConfig, ns) -> int:
             check_resume(planned, restarted=False, data=data)
     except ConfigError as e:
         if server:  # no rank will start: the server's import is not waited for
-            os.kill(server, signal.SIGKILL)
+            _stop_forkserver(server)
         print(f"pyfast train: error: {e}", file=sys.stderr)
         return 2
     if ns.print_launch:
@@ -216,4 +225,10 @@ def launch(cfg: TrainConfig, ns) -> int:
         worst = 2 if set(codes.values()) == {2} else 3 if 3 in codes.values() else 1
         print(f"pyfast train: failed (exit codes by local rank: {codes})", file=sys.stderr)
         return worst
+    finally:
+        # every rank has exited by now; the server would leave at its alive pipe's EOF, through
+        # the interpreter's teardown of torch (1-1.5 s, with this launch's stdout and stderr
+        # open: a caller reading them to EOF waited for it): ended here instead
+        if server:
+            _stop_forkserver(server)
     return 0
