@@ -5,9 +5,10 @@ How a rank starts (--start-method): `forkserver` (the default) forks each rank f
 process that imported torch and pyfast.train.run once, started before this launcher's own
 import of torch so the two imports overlap (torchrun's function entrypoint with its
 forkserver start method); `exec` is torchrun's command entrypoint, a fresh `python -u -m
-pyfast train` per rank (what --print-launch prints for several nodes). Measured (2-core VM,
-gpt-tiny dp 2, 2 steps, alternated): 5.4-8.5 s a launch against 8.1-11.1 s with exec
-(bench/launch_start.py); a --max-restarts restart forks again without importing.
+pyfast train` per rank (what --print-launch prints for several nodes). A --max-restarts
+restart forks again without importing. Measured on the 2-core VM (gpt-tiny dp 2, 2 steps),
+alternated: by hand 5.4-8.5 s a launch against 8.1-11.1 s with exec; bench/launch_start.py,
+with pyfast.cli.leave, against the code before: a launch 0.73-0.80x, a restart 0.42-0.44x.
 Differences from exec, on purpose: a rank's environment is the launcher's at the launch plus
 torchrun's variables, set in os.environ (its /proc/PID/environ is the server's); it titles
 itself "pyfast rank R/W: train FLAGS" (setproctitle: `ps`, /proc/PID/cmdline, comm "pyfast
