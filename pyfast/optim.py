@@ -125,3 +125,21 @@ class AdamW(torch.optim.Optimizer):
             for p, f in zip(ps, flat):
                 if f is not p:
                     p.copy_(f)
+
+
+def job_adamw(groups, device, **kw) -> torch.optim.Optimizer:
+    """The AdamW a training job steps with (pyfast.train.job; the planner's CPU probe times the
+    same): this class where every parameter is on the CPU, fp32 or bf16, and pyfast._C has the
+    kernel; torch.optim.AdamW otherwise (CUDA: its foreach default, where this class would run
+    the per-tensor reference; meta: a dry run models the GPU job, which steps torch's).
+
+    Why: on CPU tensors torch's AdamW defaults to its per-tensor loop (_single_tensor_adam, not
+    foreach, which torch enables on CUDA only): 51 ms a step of gpt-small's 10.8M parameters in a
+    2-rank dp job against one fused pass here (11.8 ms at 10M, bench/results/adamw.txt). The two
+    differ in rounding only (pyfast.ops.adamw; tests/test_adamw.py states the bound), and their
+    state dicts load into each other (bf16 parameters: fp32 moments here, module docstring)."""
+    from pyfast.ops.adamw import kernel_built
+    params = [p for g in groups for p in (g["params"] if isinstance(g, dict) else [g])]
+    ours = (device.type == "cpu" and kernel_built()
+            and all(p.device.type == "cpu" and p.dtype in PARAM_DTYPES for p in params))
+    return (AdamW if ours else torch.optim.AdamW)(groups, **kw)

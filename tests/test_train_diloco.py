@@ -89,6 +89,7 @@ def _by_hand(rank, world, kw, steps=STEPS):
     import torch.nn.functional as F
 
     from pyfast.data import Batches, load_corpus
+    from pyfast.optim import job_adamw
     from pyfast.parallel import DiLoCo
     from pyfast.train.config import build_model
     from pyfast.train.job import lr_lambda
@@ -97,9 +98,10 @@ def _by_hand(rank, world, kw, steps=STEPS):
     torch.manual_seed(cfg.seed)
     model = build_model(cfg, corpus.vocab_size)
     params = list(model.parameters())
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-                            lr=cfg.lr, betas=(0.9, 0.95))
+    # the job's AdamW (pyfast's fused pass on these CPU ranks): the comparison is bitwise
+    opt = job_adamw([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                     {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                    params[0].device, lr=cfg.lr, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
     dl = DiLoCo(model, opt, sync_every=cfg.diloco, fragments=cfg.fragments,
                 delay=cfg.diloco_delay, compressor=cfg.outer_compress, group=None)

@@ -66,6 +66,19 @@ def _check(params, grads, exp_avgs, exp_avg_sqs) -> None:
                                  f"but params[{i}] has {p.numel()} on {p.device}")
 
 
+def kernel_built() -> bool:
+    """Whether adamw_ runs the C++ kernel on CPU tensors here: pyfast._C registered it and no
+    PYFAST_BACKEND other than auto or cpp was asked for."""
+    import os
+    if (os.environ.get("PYFAST_BACKEND") or "auto") not in ("auto", "cpp"):
+        return False
+    try:
+        import pyfast._C  # noqa: F401  (registers torch.ops.pyfast.*)
+    except ImportError:  # not built: `make install`
+        return False
+    return torch._C._dispatch_has_kernel_for_dispatch_key("pyfast::adamw_", "CPU")
+
+
 def _backend(device: torch.device, backend: str | None) -> str:
     """cpp on CPU (the kernel) and meta (its fake); the reference elsewhere: no Triton/CUDA
     kernel. A backend asked for by name that cannot run here raises."""

@@ -109,14 +109,15 @@ def measure_compute(shape: ModelShape, work: Workload, plans) -> dict:
             out[key] = list(_fwd_bwd(run(head), lambda: torch.randn(b, s, shape.hidden,
                                                                     requires_grad=True),
                                      lambda y: F.cross_entropy(y.flatten(0, -2).float(), tgt)))
-    # the optimizer over the whole model's parameters (per-tensor Python costs included: the
-    # CPU AdamW loops over tensors), with the job's fused norm pass and zero_grad
+    # the optimizer the job steps with, over the whole model's parameters (per-tensor Python
+    # costs included), with the job's fused norm pass and zero_grad
     from pyfast import models
     model = models.build(gpt_model_flag(shape), shape.vocab, work.seq)
     params = list(model.parameters())
     for p in params:
         p.grad = torch.randn_like(p)
-    opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95))
+    from pyfast.optim import job_adamw  # the job's: pyfast's fused pass on CPU
+    opt = job_adamw(params, params[0].device, lr=1e-3, betas=(0.9, 0.95))
 
     def step():
         torch.stack(torch._foreach_norm([p.grad for p in params])).double().square().sum()

@@ -51,6 +51,7 @@ from pyfast._ranges import span
 from pyfast.comm.dry import read
 from pyfast.data import Batches, load_corpus
 from pyfast.errors import NonFiniteError  # defined below train/ (outer.py raises it too)
+from pyfast.optim import job_adamw
 from pyfast.perf import clock
 from pyfast.parallel import DataParallel, Mesh, Pipeline, parallelize, vocab_parallel_cross_entropy
 from pyfast.parallel.context import shard_sequence
@@ -267,7 +268,8 @@ class Job:
         # one rank per dp replica, cp shard and tp group holds the loss: a last stage, tp rank 0
         self.owns_loss = mesh.is_last_stage and mesh.tp_rank == 0
         if self.zero is None:
-            self.opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
+            # pyfast's fused C++ AdamW on CPU, torch's elsewhere (pyfast.optim.job_adamw)
+            self.opt = job_adamw(groups, device, lr=cfg.lr, betas=(0.9, 0.95))
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg))
         self.scaler = None
         if cfg.precision == "fp16":  # a dry run's: no host read of the scale or found_inf
