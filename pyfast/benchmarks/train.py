@@ -9,6 +9,9 @@ one run, on plain loopback and on an emulated link (2 ranks x 1 thread).
   pyfast dp2 [+int8]     Job dp=2 (DataParallel, compress none / int8)
   pyfast tp2, pp2        Job tp=2 (parallelize; a byte vocabulary stays whole); pp=2 (1f1b, m=4)
   torch DDP [+bf16 hook] DistributedDataParallel, plain / default_hooks.bf16_compress_hook
+  torch DDP+fused AdamW  (only if --configs names it) DDP with torch's fused CPU AdamW: the Job
+                         steps pyfast's fused one on CPU (pyfast.optim.job_adamw), the torch
+                         rows torch's default, its per-tensor loop there
   torch DTensor TP       parallelize_module: Colwise qkv, fc / Rowwise proj of every block;
                          embedding and head replicated (the full-vocabulary loss on every rank)
   torch pipelining       PipelineStage + Schedule1F1B, 4 micro-batches, pyfast's cut (balance
@@ -53,6 +56,7 @@ PYFAST = {"pyfast dp2": {"dp": 2}, "pyfast dp2+int8": {"dp": 2, "compress": "int
 PEER = {"pyfast dp2": "torch DDP", "pyfast dp2+int8": "torch DDP+bf16 hook",
         "pyfast tp2": "torch DTensor TP", "pyfast pp2": "torch pipelining",
         "pyfast dp2+auto": "torch DDP"}
+FUSED = "+fused AdamW"  # a peer with torch's fused CPU AdamW: optional rows (--configs)
 # each pyfast mesh next to its peer: the two see the same load on the shared machine
 CONFIGS = list(dict.fromkeys([*ONE, *(c for p in PYFAST for c in (p, PEER[p]))]))
 DIVIDES = {"dp": 2, "DDP": 2, "pp2": 4, "pipelining": 4}  # global batch must divide by this
@@ -66,10 +70,14 @@ def _fits(name: str, batch: int) -> str | None:
     return None
 
 
-def _adamw(params):
+def _adamw(params, fused: bool = False):
+    """torch's AdamW as a torch user writes it (on CPU tensors its per-tensor loop, the default;
+    the Job steps pyfast.optim.AdamW's fused C++ pass there), or with fused=True (torch's own
+    fused CPU kernel: the "+fused AdamW" rows, which take the optimizer out of the comparison)."""
     decay, rest = [p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]
     return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                              {"params": rest, "weight_decay": 0.0}], lr=1e-3, betas=(0.9, 0.95))
+                              {"params": rest, "weight_decay": 0.0}], lr=1e-3, betas=(0.9, 0.95),
+                             **({"fused": True} if fused else {}))
 
 
 def _ce(logits, y):
@@ -168,7 +176,7 @@ def _torch(name, j, rank, world, corpus):
                                  n_microbatches=2 * world, loss_fn=_ce)
         params, share = list(net.parameters()), float(rank == world - 1)
         clip = _global_clip
-    opt = _adamw(params)
+    opt = _adamw(params, fused="fused AdamW" in name)
 
     def step(i):
         opt.zero_grad(set_to_none=True)
@@ -327,6 +335,8 @@ def targets(rows: list[dict]) -> list[dict]:
         for p, t in PEER.items():  # (1) also asks dp2 >= DDP on loopback: the same ratio
             n = "(1,3)" if (link, p) == ("loopback", "pyfast dp2") else "(3)"
             add(f"{n} {p} >= {t} ({link})", (link, p), (link, t), 1)
+            # the same with torch's fused AdamW in the peer: what is left is the parallel part
+            add(f"{n} {p} >= {t}{FUSED} ({link})", (link, p), (link, t + FUSED), 1)
     return [t for t in out if t["ratio"] is not None]
 
 
@@ -411,9 +421,10 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--out", default="", help="write OUT.json and OUT.txt")
     a = p.parse_args(argv)
-    unknown = set(a.configs.split(",")) - set(CONFIGS)
+    known = CONFIGS + [t + FUSED for t in dict.fromkeys(PEER.values()) if "DDP" in t]
+    unknown = set(a.configs.split(",")) - set(known)
     if unknown:
-        p.error(f"unknown configs {sorted(unknown)}; known: {', '.join(CONFIGS)}")
+        p.error(f"unknown configs {sorted(unknown)}; known: {', '.join(known)}")
     res = run(a.link.split(","), a.configs.split(","), a.batch, a.steps, a.warmup, a.model, a.seq)
     return perf.finish(res, table, a.out, width=170)
 
