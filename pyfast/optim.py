@@ -22,6 +22,12 @@ import torch
 from pyfast.ops.adamw import PARAM_DTYPES, adamw_
 
 _REFUSED = ("amsgrad", "maximize", "capturable", "differentiable")
+# torch.optim.AdamW's other param-group keys at torch's defaults (amsgrad False, foreach None,
+# decoupled_weight_decay True, ...), carried in every group so that a state dict of either
+# optimizer has every key of the other's: DCP loads a checkpoint only if it holds each key the
+# target asks for (pyfast export loads a --zero job's checkpoint into torch's AdamW)
+_TORCH_GROUP = {k: v for k, v in torch.optim.AdamW([torch.zeros(1, requires_grad=True)]).defaults
+                .items() if k not in ("lr", "betas", "eps", "weight_decay")}
 
 
 class AdamW(torch.optim.Optimizer):
@@ -35,7 +41,8 @@ class AdamW(torch.optim.Optimizer):
                              "differentiable; its own pass replaces foreach/fused)")
         if max_norm is not None and not max_norm > 0:
             raise ValueError(f"max_norm must be positive or None, got {max_norm}")
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        **_TORCH_GROUP)
         super().__init__(params, defaults)
         self.max_norm = max_norm
         self.grad_norm = None
@@ -49,6 +56,12 @@ class AdamW(torch.optim.Optimizer):
 
     @staticmethod
     def _check_group(group) -> None:
+        # a state dict saved by torch's AdamW brings its options: one this pass does not do
+        on = [k for k in _REFUSED if group.get(k)]
+        if on or not group.get("decoupled_weight_decay", True):
+            what = ", ".join(on) or "coupled weight decay"
+            raise ValueError(f"pyfast.optim.AdamW does not support {what} (a parameter group "
+                             "asks for it: loaded from torch's optimizer?)")
         lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
         if not (0.0 <= float(lr) and 0.0 <= eps and 0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0
                 and 0.0 <= wd):
@@ -61,6 +74,8 @@ class AdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict) -> None:
         super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            self._check_group(group)
         # torch casts a loaded state to the parameter's dtype; this optimizer's moments are fp32
         for st in self.state.values():
             for k in ("exp_avg", "exp_avg_sq"):

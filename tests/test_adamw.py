@@ -183,6 +183,14 @@ def test_state_dicts_interchange_with_torch_adamw_and_schedulers_work():
     _train(b, topt, 3)
     assert a.unused.weight.grad is None and a.unused.weight not in opt.state  # None: skipped
     assert set(opt.state_dict()["state"][0]) == set(topt.state_dict()["state"][0])
+    # the groups carry the same keys (DCP loads only keys it finds), and a torch group with an
+    # option this pass does not do is refused on load, not ignored
+    for g, tg in zip(opt.state_dict()["param_groups"], topt.state_dict()["param_groups"]):
+        assert set(g) == set(tg)
+    amsgrad = copy.deepcopy(topt.state_dict())
+    amsgrad["param_groups"][0]["amsgrad"] = True
+    with pytest.raises(ValueError, match="amsgrad"):
+        copy.deepcopy(opt).load_state_dict(amsgrad)
     # swap the states: each optimizer continues from the other's
     sa, sb = opt.state_dict(), topt.state_dict()
     opt.load_state_dict(sb)

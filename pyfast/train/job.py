@@ -229,7 +229,7 @@ class Job:
             # reduce-scatter inside the group exact (docs/zero.md, "Hybrid sharding")
             hybrid = self.shard_size is not None
             self.zero, self.opt = zero(
-                module, offload.optim_cls(cfg), stage=cfg.zero, frozen=frozen,
+                module, offload.optim_cls(cfg, device), stage=cfg.zero, frozen=frozen,
                 **offload.zero_kwargs(cfg),  # --offload (pyfast.train.offload)
                 compressor=None if hybrid else cfg.compress,
                 replica_group=mesh.shard_replica_group if hybrid else None,

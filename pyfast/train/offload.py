@@ -56,10 +56,15 @@ def problem(cfg) -> str | None:
     return None
 
 
-def optim_cls(cfg):
+def optim_cls(cfg, device=None):
     """AdamW for the job's zero(): pyfast.optim.AdamW (the C++ host kernel) with --offload where
-    it is built and zero accepts it, else torch's (docs/offload.md)."""
+    it is built and zero accepts it (docs/offload.md), and on a CPU job's shards, as the job
+    without zero (pyfast.optim.job_adamw: torch's CPU default is a per-tensor loop); else torch's."""
     import torch
+    if cfg.offload == "none" and device is not None and device.type == "cpu":
+        from pyfast.ops.adamw import kernel_built
+        from pyfast.optim import AdamW
+        return AdamW if kernel_built() else torch.optim.AdamW
     if cfg.offload != "none":
         from pyfast.parallel.zero import PER_ELEMENT
         try:
