@@ -17,17 +17,25 @@ amsgrad, maximize, capturable, differentiable, foreach/fused and complex paramet
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from pyfast.ops.adamw import PARAM_DTYPES, adamw_
 
 _REFUSED = ("amsgrad", "maximize", "capturable", "differentiable")
-# torch.optim.AdamW's other param-group keys at torch's defaults (amsgrad False, foreach None,
-# decoupled_weight_decay True, ...), carried in every group so that a state dict of either
-# optimizer has every key of the other's: DCP loads a checkpoint only if it holds each key the
-# target asks for (pyfast export loads a --zero job's checkpoint into torch's AdamW)
-_TORCH_GROUP = {k: v for k, v in torch.optim.AdamW([torch.zeros(1, requires_grad=True)]).defaults
-                .items() if k not in ("lr", "betas", "eps", "weight_decay")}
+
+
+@functools.cache
+def _torch_group() -> dict:
+    """torch.optim.AdamW's other param-group keys at torch's defaults (amsgrad False, foreach
+    None, decoupled_weight_decay True, ...), carried in every group so that a state dict of either
+    optimizer has every key of the other's: DCP loads a checkpoint only if it holds each key the
+    target asks for (pyfast export loads a --zero job's checkpoint into torch's AdamW). Read from
+    a torch AdamW on first use, not at import: building an optimizer touches torch.cuda, which
+    the launcher's forkserver must not do before it forks ranks (tests/test_launch_fork.py)."""
+    opt = torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
+    return {k: v for k, v in opt.defaults.items() if k not in ("lr", "betas", "eps", "weight_decay")}
 
 
 class AdamW(torch.optim.Optimizer):
@@ -42,7 +50,7 @@ class AdamW(torch.optim.Optimizer):
         if max_norm is not None and not max_norm > 0:
             raise ValueError(f"max_norm must be positive or None, got {max_norm}")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        **_TORCH_GROUP)
+                        **_torch_group())
         super().__init__(params, defaults)
         self.max_norm = max_norm
         self.grad_norm = None
