@@ -192,7 +192,8 @@ def test_rejected_plans_say_how_much_memory_and_where(capsys):
 
 
 def test_table_output_and_multinode_command(capsys):
-    rc, out, err = plan(["--model", "gpt-13b", "--gpus", "16", "--seq", "2048",
+    # gpt-70b: 4,233 configurations scored, most over memory (1.1 s); gpt-13b's 15K took 6 s
+    rc, out, err = plan(["--model", "gpt-70b", "--gpus", "16", "--seq", "2048",
                          "--global-batch", "64", "--inter-bw", "10gbit", "--top", "3"], capsys)
     assert rc == 0, err
     assert "plans, best first" in out and "why" in out and "best: compute" in out
@@ -201,12 +202,15 @@ def test_table_output_and_multinode_command(capsys):
 
 
 def test_llama_plans_print_no_command(capsys):
-    rc, out, err = plan(["--model", "llama-70b", "--gpus", "64", "--seq", "4096",
-                         "--global-batch", "256", "--json", "--top", "2"], capsys)
+    # no llama preset is `pyfast train`'s GPT (spec.gpt_model_flag): the smallest search that
+    # shows it, llama-1b on 2 GPUs (0.1 s a call here; llama-70b on 64 GPUs took 5.5 s)
+    argv = ["--model", "llama-1b", "--gpus", "2", "--seq", "4096", "--global-batch", "16",
+            "--top", "2"]
+    rc, out, err = plan(argv + ["--json"], capsys)
     assert rc == 0, err
-    assert all(p["command"] is None for p in json.loads(out)["plans"])
-    rc, out, err = plan(["--model", "llama-70b", "--gpus", "64", "--seq", "4096",
-                         "--global-batch", "256", "--top", "2"], capsys)
+    plans = json.loads(out)["plans"]
+    assert len(plans) == 2 and all(p["command"] is None for p in plans)
+    rc, out, err = plan(argv, capsys)
     assert "cannot build it, so no command is printed" in out and "pyfast train --" not in out
 
 
@@ -320,14 +324,10 @@ def test_the_best_plans_command_runs(tmp_path, capsys):
     assert steps == [1, 2]
 
 
-def test_bench_plan_search_scores_10000_and_writes_the_docs_table(tmp_path, monkeypatch):
+def test_bench_plan_kinds_and_the_docs_table(tmp_path):
     from pyfast.benchmarks import plan as B
-    # `pyfast bench plan` times its three 512-GPU cases (72-75K configurations each since
-    # issue 33's ZeRO on every mesh, ~30 s each here); the suite checks that the count holds
-    # on a smaller one of the same kind: gpt-7b on 16 GPUs, 15,721 configurations, ~8 s
-    monkeypatch.setattr(B, "SEARCH_CASES", (("gpt-7b", 16, 4096, 2048),))
-    res = B.run_search(1)
-    assert all(r["configurations"] >= 10_000 for r in res["rows"])
+    # run_search's 10,000+ configurations are checked once, by bench/test_bench_plan.py's
+    # smoke (gpt-7b on 16 GPUs, ~8 s): make test runs both suites
     assert [B.kind(p) for p in (Plan(dp=8), Plan(dp=2, tp=8), Plan(2, 1, 4, 2),
                                 Plan(1, 1, 8, 8))] == ["dp", "tp+dp", "3d", "other"]
     doc = tmp_path / "plan.md"
