@@ -29,6 +29,8 @@ codec seconds per element ("codec"), and the refit's "compute_scale" / "comm_sca
 """
 from __future__ import annotations
 
+import functools
+
 from .hardware import Cluster
 from .spec import ModelShape, Plan, Workload
 from .timing_compute import (BWD_PER_FWD, VOCAB_PARALLEL_MIN, _block_params,  # noqa: F401
@@ -159,7 +161,7 @@ def _predict(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster,
     # (the frozen base is never reduced; under ZeRO 3 with the base sharded, each unit's
     # gather also carries its base in the stored format)
     gmods, frozen = _trainable(shape, plan, mods, work) if plan.lora else (mods, None)
-    n_local = sum(n for _, ps in gmods for n, _ in ps)
+    n_local = n_of(gmods)
     cal = cluster.calibration
     cont = cal.get("cpu_contention", 0.0)
     cpu_link = _cpu_link(cluster, world)
@@ -246,7 +248,14 @@ def _dp_exposed(plan: Plan, gmods: list, mods: list, link: Link, cpu_link: Link,
     per_param = plan.compress.partition(":")[0] in ("topk", "powersgd")
     bks = _buckets(gmods, per_param,
                    bucket_mb=NONE_BUCKET_MB if plan.compress == "none" else BUCKET_MB)
-    cost, cdc = zip(*(_bucket_cost(plan.compress, bk, link, cluster, len(bks)) for bk in bks))
+    memo = {}  # by (elements, first tensor): most of a model's buckets repeat one of a few
+
+    def bucket(bk, lk, calls=1):
+        key = (bk[0], bk[1][0], id(lk), calls)
+        if key not in memo:
+            memo[key] = _bucket_cost(plan.compress, bk, lk, cluster, calls)
+        return memo[key]
+    cost, cdc = zip(*(bucket(bk, link, len(bks)) for bk in bks))
     dp_c, codec = sum(cost), sum(cdc)
     if plan.pp > 1:  # reduce_gradients() after the pipeline: nothing to hide behind
         exposed = dp_c
@@ -263,15 +272,16 @@ def _dp_exposed(plan: Plan, gmods: list, mods: list, link: Link, cpu_link: Link,
         # thread's own CPU work (codec, gloo's copies at loopback speed)
         cont = cal.get("cpu_contention", 0.0)
         if cont:
-            exposed += cont * sum(_bucket_cost(plan.compress, bk, cpu_link, cluster)[0]
-                                  for bk in bks)
+            exposed += cont * sum(bucket(bk, cpu_link)[0] for bk in bks)
     copy = cal.get("copy_s_per_byte", 1.0 / cluster.gpu.hbm_bps)
     exposed += link.seconds("small", SMALL_BYTES) + 4.0 * n_of(gmods) * copy * \
         _compute_scale(cluster, plan)
     return dp_c, codec, exposed
 
 
-def n_of(mods: list) -> int:
+@functools.lru_cache(maxsize=4096)
+def n_of(mods: tuple) -> int:
+    """Elements in modules (timing_compute._modules' cached tuples)."""
     return sum(n for _, ps in mods for n, _ in ps)
 
 

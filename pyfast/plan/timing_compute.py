@@ -4,6 +4,7 @@ at the calibrated / datasheet rate (pyfast.plan.timing)."""
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import lru_cache
 
 from .hardware import Cluster
 from .spec import ModelShape, Plan, Workload
@@ -13,33 +14,40 @@ VOCAB_PARALLEL_MIN = 2048              # pyfast.models.gpt: smaller vocabularies
 BWD_PER_FWD = 2.0                      # backward = 2 forwards of matmul FLOPs (uncalibrated)
 
 
-def _block_params(shape: ModelShape, tp: int) -> list[tuple[int, tuple]]:
+# The two below are cached and return tuples (read-only, hashable: timing_reduce._buckets
+# caches on them): a search asks for the same few shapes ~600K times (gpt-13b on 16 GPUs).
+@lru_cache(maxsize=1024)
+def _block_params(shape: ModelShape, tp: int) -> tuple[tuple[int, tuple], ...]:
     """(elements, matrix shape or ()) of one block's parameters on a tp rank, registration order."""
     h, f, kv = shape.hidden, shape.ffn, shape.kv_dim
     if shape.arch == "gpt":
-        return [(h, ()), (h, ()), (h * (h + 2 * kv) // tp, ((h + 2 * kv) // tp, h)),
+        return ((h, ()), (h, ()), (h * (h + 2 * kv) // tp, ((h + 2 * kv) // tp, h)),
                 ((h + 2 * kv) // tp, ()), (h * h // tp, (h, h // tp)), (h, ()), (h, ()), (h, ()),
-                (f * h // tp, (f // tp, h)), (f // tp, ()), (h * f // tp, (h, f // tp)), (h, ())]
-    return [(h, ()), (h * h // tp, (h // tp, h)), (kv * h // tp, (kv // tp, h)),
+                (f * h // tp, (f // tp, h)), (f // tp, ()), (h * f // tp, (h, f // tp)), (h, ()))
+    return ((h, ()), (h * h // tp, (h // tp, h)), (kv * h // tp, (kv // tp, h)),
             (kv * h // tp, (kv // tp, h)), (h * h // tp, (h, h // tp)), (h, ()),
-            (f * h // tp, (f // tp, h)), (f * h // tp, (f // tp, h)), (h * f // tp, (h, f // tp))]
+            (f * h // tp, (f // tp, h)), (f * h // tp, (f // tp, h)), (h * f // tp, (h, f // tp)))
 
 
-def _modules(shape: ModelShape, plan: Plan, stage: int) -> list[tuple[str, list]]:
+def _modules(shape: ModelShape, plan: Plan, stage: int) -> tuple[tuple[str, tuple], ...]:
     """This pipeline stage's modules in forward order: (kind, params) with kind embed/block/head.
     Layers split as the pipeline cuts them (evenly, the remainder to the first stages)."""
-    tp, pp = plan.tp, plan.pp
+    return _stage_modules(shape, plan.tp, plan.pp, stage)
+
+
+@lru_cache(maxsize=4096)
+def _stage_modules(shape: ModelShape, tp: int, pp: int, stage: int) -> tuple:
     v = shape.vocab // tp if shape.vocab >= VOCAB_PARALLEL_MIN else shape.vocab
     per = shape.layers // pp + (1 if stage < shape.layers % pp else 0)
     mods = []
     if stage == 0:
-        mods.append(("embed", [(v * shape.hidden, (v, shape.hidden))]))
-    mods += [("block", _block_params(shape, tp)) for _ in range(per)]
+        mods.append(("embed", ((v * shape.hidden, (v, shape.hidden)),)))
+    mods += [("block", _block_params(shape, tp))] * per
     if stage == pp - 1:
-        norm = [(shape.hidden, ())] * (2 if shape.arch == "gpt" else 1)
-        lm = [] if shape.tied else [(v * shape.hidden, (v, shape.hidden))]
+        norm = ((shape.hidden, ()),) * (2 if shape.arch == "gpt" else 1)
+        lm = () if shape.tied else ((v * shape.hidden, (v, shape.hidden)),)
         mods.append(("head", norm + lm))
-    return mods
+    return tuple(mods)
 
 
 def compute_key(kind: str, plan: Plan, work: Workload) -> str:

@@ -4,6 +4,7 @@ FIFO on the communication thread."""
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 from .hardware import Cluster
 from .spec import ModelShape, Plan, Workload
@@ -103,24 +104,27 @@ def reduction_s(spec: str, n: int, mat: tuple, link: Link, cluster: Cluster,
     return wire + enc * (1 + 1 / w) + 2 * dec, enc * (1 + 1 / w) + 2 * dec
 
 
-def _buckets(mods: list, per_param: bool, first_mb: float = FIRST_BUCKET_MB,
-             bucket_mb: float = BUCKET_MB) -> list[tuple[int, list, int]]:
-    """pyfast.comm.buckets: (elements, [(n, matrix)], index of the module whose backward
-    completes the bucket) in reduction order: parameters in reverse registration order."""
+@lru_cache(maxsize=4096)
+def _buckets(mods: tuple, per_param: bool, first_mb: float = FIRST_BUCKET_MB,
+             bucket_mb: float = BUCKET_MB) -> tuple[tuple[int, tuple, int], ...]:
+    """pyfast.comm.buckets: (elements, ((n, matrix), ...), index of the module whose backward
+    completes the bucket) in reduction order: parameters in reverse registration order.
+    mods: timing_compute._modules' tuples (cached here: one stage's buckets serve each of its
+    plans)."""
     flat = [(n, m, i) for i, (_, ps) in enumerate(mods) for n, m in ps]
     out, cur, size = [], [], 0.0
     for n, m, i in reversed(flat):
         if per_param:
-            out.append((n, [(n, m)], i))
+            out.append((n, ((n, m),), i))
             continue
         cur.append((n, m, i))
         size += 4.0 * n
         if size >= (first_mb if not out else bucket_mb) * 2 ** 20:
-            out.append((sum(x[0] for x in cur), [(x[0], x[1]) for x in cur], cur[-1][2]))
+            out.append((sum(x[0] for x in cur), tuple((x[0], x[1]) for x in cur), cur[-1][2]))
             cur, size = [], 0.0
     if cur:
-        out.append((sum(x[0] for x in cur), [(x[0], x[1]) for x in cur], cur[-1][2]))
-    return out
+        out.append((sum(x[0] for x in cur), tuple((x[0], x[1]) for x in cur), cur[-1][2]))
+    return tuple(out)
 
 
 def _fifo(ready: list[float], cost: list[float]) -> float:
@@ -145,8 +149,8 @@ def _trainable(shape: ModelShape, plan: Plan, mods: list, work: Workload):
     unit's frozen bytes in their stored format (None otherwise)."""
     from .finetune import REST, base_layer_bytes, head_weight_bytes
     r, tb = plan.lora, 4 if work.precision == "fp32" else 2
-    ad = [x for i, o in shape.adapted_linears() for x in ((r * i, (r, i)), (o * r, (o, r)))]
-    gmods = [(kind, ad if kind == "block" else []) for kind, _ in mods]
+    ad = tuple(x for i, o in shape.adapted_linears() for x in ((r * i, (r, i)), (o * r, (o, r))))
+    gmods = tuple((kind, ad if kind == "block" else ()) for kind, _ in mods)
     if not (plan.zero == 3 and plan.base_placement == "shard"):
         return gmods, None
     # the head's weight as the job stores it (bf16 under bf16: head_weight_bytes), the rest REST
