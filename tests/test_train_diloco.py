@@ -523,10 +523,12 @@ def test_killed_replica_restarts_and_resumes_bit_exact(tmp_path):
     fragment 0's outer step). Every loss, and the bytes of every outer step, byte for byte."""
     import json
     import shutil
+    from test_train import pool_train
     ref, crash = tmp_path / "ref", tmp_path / "crash"
-    a = _train(ref)
     b = _train(crash, ["--max-restarts", "1"], {"PYFAST_FAULT": "step@3:1"})
-    _done(a)
+    # the reference on forked ranks while the launch runs: the launch (and its restart) is
+    # the point of `crash` only (a second launch cost ~4 CPU s of imports on 2 cores)
+    pool_train(ref, 2, [], base=RUN[:RUN.index("--nproc")])
     _, err = _done(b)
     assert "PYFAST_FAULT step@3:1: SIGKILL rank 1" in err  # replica 1 really died
     keys = ("step", "loss", "outer_sent", "outer_applied", "outer_payload_bytes", "val_loss")
@@ -541,7 +543,6 @@ def test_killed_replica_restarts_and_resumes_bit_exact(tmp_path):
         if d.name != "step-3":
             shutil.rmtree(d)
     # the resume on forked ranks (the launch is the restart's point above, not this one's)
-    from test_train import pool_train
     out = pool_train(mid, 2, ["--resume"], base=RUN[:RUN.index("--nproc")]).stdout
     assert "resumed from" in out and "another mesh" not in out
     assert seen(mid) == want
