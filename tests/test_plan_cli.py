@@ -106,10 +106,10 @@ def _check_all(plans, shape, work, monkeypatch):
     once = functools.lru_cache(lambda data, batch, seq: real(
         types.SimpleNamespace(data=data, batch=batch, seq=seq)))
     monkeypatch.setattr(C, "check_data", lambda cfg: once(cfg.data, cfg.batch, cfg.seq))
-    models = {}
+    models, parser = {}, C.parser()  # one parser for every plan's flags, as argparse allows
     for p in plans:
         flags = p.train_flags(cli.gpt_model_flag(shape), work)
-        cfg = C.from_args(C.parser().parse_args(flags))
+        cfg = C.from_args(parser.parse_args(flags))
         C.check(cfg, p.ranks, model=False)
         key = (p.tp, p.cp, p.cp_method, p.pp, p.schedule)
         if key not in models:  # the model's limits depend on these only
