@@ -76,3 +76,52 @@ def test_a_rank_that_dies_in_a_call_is_reported_with_its_stderr():
     with pytest.raises(RuntimeError, match=r"(?s)rank 0 \(exit 3\).*rank dies saying why"):
         with netns.pool(2, timeout=60, env=_pool_env()) as launch:
             launch.call(_die_on, 0)
+
+
+SEEN = """
+import json, os, sys, torch
+extra = os.environ["EXTRA_DIR"]
+seen = {"rank": os.environ["RANK"], "world": os.environ["WORLD_SIZE"], "argv": sys.argv,
+        "name": __name__, "cwd": os.getcwd(), "threads": torch.get_num_threads(),
+        "omp": os.environ["OMP_NUM_THREADS"], "extra_on_path": extra in sys.path,
+        "leader": os.getsid(0) == os.getpid(), "mine": os.environ.get("MINE"),
+        "launcher_child": os.getppid() == int(os.environ["LAUNCHER_PID"])}
+with open(os.path.join(extra, os.environ["MODE"] + os.environ["RANK"] + ".json"), "w") as f:
+    json.dump(seen, f)
+how = os.environ.get("HOW")
+if how == "raise" and os.environ["RANK"] == "1":
+    raise ValueError("rank raises saying why")
+if how == "kill" and os.environ["RANK"] == "1":
+    os.kill(os.getpid(), 9)
+"""
+
+
+@pytest.mark.parametrize("how,code", [(None, None), ("raise", 1), ("kill", -9)])
+def test_forked_ranks_look_like_fresh_interpreters(tmp_path, monkeypatch, how, code):
+    """A `-c` rank on loopback is forked from pyfast._forked's server (PYFAST_RANKS_EXEC=1: a
+    fresh interpreter): the same environment, sys.argv and __name__, cwd, PYTHONPATH on
+    sys.path, torch threads from OMP_NUM_THREADS, its own session, and the same exit codes and
+    stderr (a traceback: exit 1; SIGKILL: -9)."""
+    import json
+    import os
+    monkeypatch.chdir(tmp_path)
+    seen = {}
+    for mode in ("fork", "exec"):
+        monkeypatch.setenv("PYFAST_RANKS_EXEC", "1" if mode == "exec" else "0")
+        env = {"EXTRA_DIR": str(tmp_path), "PYTHONPATH": str(tmp_path), "MODE": mode,
+               "LAUNCHER_PID": str(os.getpid()),
+               "MINE": "x", **({"HOW": how} if how else {})}
+        if code is None:
+            netns.run_ranks(["-c", SEEN], 2, timeout=60, env=env)
+        else:
+            with pytest.raises(RuntimeError, match=rf"(?s)rank 1 \(exit {code}\)" + (
+                    ".*ValueError: rank raises saying why" if how == "raise" else "")):
+                netns.run_ranks(["-c", SEEN], 2, timeout=60, env=env)
+        seen[mode] = [json.loads((tmp_path / f"{mode}{r}.json").read_text()) for r in (0, 1)]
+    # forked: a child of the server, not of this process (the one difference)
+    parent = [s.pop("launcher_child") for s in seen["fork"] + seen["exec"]]
+    assert parent == [False, False, True, True]
+    assert seen["fork"] == seen["exec"]
+    assert seen["fork"][1] == {"rank": "1", "world": "2", "argv": ["-c"], "name": "__main__",
+                               "cwd": str(tmp_path), "threads": 1, "omp": "1",
+                               "extra_on_path": True, "leader": True, "mine": "x"}

@@ -35,7 +35,7 @@ import tempfile
 import threading
 import time
 
-from pyfast import netns_nodes
+from pyfast import _forked, netns_nodes
 
 LINKS = ("loopback", "10gbit", "1gbit")  # "loopback": no namespace; else any tc rate string
 IP, TC = "ip", "tc"
@@ -300,7 +300,7 @@ def _places(world: int, link: str, burst: str | None, nodes: int | None):
 @contextlib.contextmanager
 def ranks(py_argv: list[str], world: int, link: str = "loopback", timeout: float = 600,
           env: dict | None = None, only: list[int] | None = None, burst: str | None = None,
-          nodes: int | None = None):
+          nodes: int | None = None, fork: bool = True):
     """The one launcher of the benchmarks: `python *py_argv` as ranks `only` (default: all) of
     `world` on `link`, with torchrun's env (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
     GROUP_RANK, MASTER_ADDR=127.0.0.1, MASTER_PORT, one OpenMP thread) plus PYFAST_NETNS=<name>
@@ -312,7 +312,14 @@ def ranks(py_argv: list[str], world: int, link: str = "loopback", timeout: float
     Ports cannot race: on plain loopback this process hosts the rendezvous store on a port the
     kernel picked (torchrun's agent store: every rank connects as a client, and a rank run in
     this process joins with launch.init_process_group(rank)); a fresh namespace has every
-    port free, so its ranks use 29500. `burst`: the token bucket (namespace())."""
+    port free, so its ranks use 29500. `burst`: the token bucket (namespace()).
+
+    fork: a `-c CODE` rank on plain loopback is forked from pyfast._forked's server, which
+    imported torch once (PYFAST_RANKS_EXEC=1 or fork=False: a fresh interpreter, as in a
+    namespace): the same environment and exit codes, its stderr in the same log, without the
+    1.3-1.4 CPU s of interpreter start and torch import a rank (2-core VM). A forked rank's
+    heap and RSS start from the server's, so the benchmarks that measure memory pass False
+    (cp's peak of a 64 KB shard read 0 forked: the inherited heap served it)."""
     from datetime import timedelta
     only = list(range(world)) if only is None else list(only)
     with _places(world, link, burst, nodes) as places:
@@ -325,13 +332,19 @@ def ranks(py_argv: list[str], world: int, link: str = "loopback", timeout: float
                 "MASTER_PORT": str(store.port if store else 29500),
                 "TORCHELASTIC_USE_AGENT_STORE": str(store is not None), "OMP_NUM_THREADS": "1"}
         base.pop("PYFAST_NODES", None)
-        logs = [tempfile.TemporaryFile("w+") for _ in only]
+        # plain loopback: forked from pyfast._forked's server (torch imported once), unless
+        # PYFAST_RANKS_EXEC=1; a namespace's ranks start inside it (`ip netns exec`): exec'd
+        forked = (fork and not any(places[r][0] for r in only) and len(py_argv) == 2
+                  and py_argv[0] == "-c" and os.environ.get("PYFAST_RANKS_EXEC") != "1")
+        logs = [tempfile.NamedTemporaryFile("w+") if forked else tempfile.TemporaryFile("w+")
+                for _ in only]
         procs = []
         try:
             for r, log in zip(only, logs):
                 pre, mine = places[r]
-                procs.append(_start(pre + [sys.executable, *py_argv],
-                                    {**base, **mine, "RANK": str(r)}, stderr=log))
+                env_r = {**base, **mine, "RANK": str(r)}
+                procs.append(_forked.Rank(py_argv[1], env_r, log.name) if forked else
+                             _start(pre + [sys.executable, *py_argv], env_r, stderr=log))
             where = f"{nodes} nodes, {link} between" if nodes else link
             yield Launch(procs, logs, only, world, timeout,
                          f"{world} ranks of {' '.join(py_argv)} on {where}", store)
@@ -402,9 +415,9 @@ def pool(world: int, timeout: float = 600, env: dict | None = None):
 
 
 def run_ranks(py_argv: list[str], world: int, link: str = "loopback", timeout: float = 600,
-              env: dict | None = None, nodes: int | None = None) -> None:
+              env: dict | None = None, nodes: int | None = None, fork: bool = True) -> None:
     """All `world` ranks of `python *py_argv` on `link` (ranks(); nodes=2: two emulated nodes
     joined by `link`), waited for. Raises RuntimeError with each rank's stderr tail if any rank
-    fails, TimeoutExpired on timeout."""
-    with ranks(py_argv, world, link, timeout, env, nodes=nodes) as launch:
+    fails, TimeoutExpired on timeout. fork: as ranks()."""
+    with ranks(py_argv, world, link, timeout, env, nodes=nodes, fork=fork) as launch:
         launch.wait()

@@ -273,7 +273,8 @@ def run_real(names=None, configs=None) -> dict:
         with tempfile.TemporaryDirectory() as d:
             env = {"PYFAST_PLAN_MEMORY": json.dumps({"cfg": {**kw, "steps": 4}, "dir": d})}
             netns.run_ranks(["-c", "from pyfast.benchmarks.plan_memory import _worker; "
-                             "_worker()"], world, env=env, timeout=600)
+                             "_worker()"], world, env=env, timeout=600,
+                            fork=False)  # it measures memory: fresh processes (netns.ranks)
             got = [json.load(open(os.path.join(d, f"rank{r}.json"))) for r in range(world)]
         pred = predict_memory(*plan_of(cfg), device="cpu")
         for g in got:

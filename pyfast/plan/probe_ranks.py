@@ -23,7 +23,8 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
+
+from pyfast._forked import fork
 
 PRELOAD = ("torch", "torch.distributed", "pyfast.plan.calibrate_link",
            "pyfast.plan.calibrate_dist", "pyfast.plan.calibrate_compute",
@@ -88,25 +89,7 @@ def serve() -> None:
 
 
 def _fork(code: str, env: dict) -> int:
-    pid = os.fork()
-    if pid:
-        return pid
-    rc = 1
-    try:
-        os.environ.clear()
-        os.environ.update(env)
-        import torch
-        torch.set_num_threads(1)  # as OMP_NUM_THREADS=1 did for a fresh interpreter
-        exec(compile(code, "<pyfast probe>", "exec"), {"__name__": "__pyfast_probe__"})
-        rc = 0
-    except SystemExit as e:
-        rc = 0 if e.code is None else e.code if isinstance(e.code, int) else 1  # as Python
-    except BaseException:  # noqa: BLE001  (reported as the rank's traceback and exit 1)
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(rc)
+    return fork(code, env, name="__pyfast_probe__")
 
 
 def _reap(pids: list[int], timeout: float) -> list[int | None]:
