@@ -26,36 +26,56 @@ import traceback
 
 PRELOAD = ("torch", "torch.distributed")
 
-_server: subprocess.Popen | None = None
-_owner = 0  # the pid that started _server: a forked child of it starts its own
-_lock = threading.Lock()
-_reply_fd = -1  # the server's reply stream: closed in each child
+_reply_fd = -1  # a server's reply stream: closed in each child
 
 
-def _start() -> subprocess.Popen:
-    global _server, _owner
-    if _server is None or _owner != os.getpid() or _server.poll() is not None:
-        _owner = os.getpid()
-        # this process's pyfast, not whatever `-c` would find first in the working directory
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        _server = subprocess.Popen(
-            [sys.executable, "-c", f"import sys; sys.path.insert(0, {root!r}); "
-             "from pyfast._forked import serve; serve()"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"})
-        atexit.register(_server.stdin.close)  # the server ends at EOF
-    return _server
+class Server:
+    """A `python -c "from MODULE import serve; serve()"` process with OMP_NUM_THREADS=1 that
+    answers one JSON line with one JSON line (`ask`), started on first use (again in a forked
+    child of this process, or after it died) and ended with this process (EOF on its stdin)."""
+
+    def __init__(self, module: str, what: str):
+        self.module, self.what = module, what
+        self._proc: subprocess.Popen | None = None
+        self._owner = 0  # the pid that started _proc: a forked child of it starts its own
+        self._lock = threading.Lock()
+
+    def _start(self) -> subprocess.Popen:
+        p = self._proc
+        if p is None or self._owner != os.getpid() or p.poll() is not None:
+            self._owner = os.getpid()
+            # this process's pyfast, not whatever `-c` would find first in the working directory
+            root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+            p = self._proc = subprocess.Popen(
+                [sys.executable, "-c", f"import sys; sys.path.insert(0, {root!r}); "
+                 f"from {self.module} import serve; serve()"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                env={**os.environ, "OMP_NUM_THREADS": "1"})
+            atexit.register(p.stdin.close)  # the server ends at EOF
+        return p
+
+    def ask(self, req: dict):
+        with self._lock:
+            srv = self._start()
+            srv.stdin.write(json.dumps(req) + "\n")
+            srv.stdin.flush()
+            line = srv.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the {self.what} exited ({srv.wait()})")
+        return json.loads(line)
 
 
-def _ask(req: dict) -> dict:
-    with _lock:
-        srv = _start()
-        srv.stdin.write(json.dumps(req) + "\n")
-        srv.stdin.flush()
-        line = srv.stdout.readline()
-    if not line:
-        raise RuntimeError(f"the rank fork server exited ({srv.wait()})")
-    return json.loads(line)
+def reply_stream():
+    """In a server: its own copy of stdout for the replies; fd 1 becomes stderr, so that what
+    a rank prints cannot land in the reply stream. Children close it (fork)."""
+    global _reply_fd
+    _reply_fd = os.dup(1)
+    out = os.fdopen(_reply_fd, "w")
+    os.dup2(2, 1)
+    return out
+
+
+_SERVER = Server("pyfast._forked", "rank fork server")
 
 
 class Rank:
@@ -63,13 +83,13 @@ class Rank:
 
     def __init__(self, code: str, env: dict, log: str | None):
         self.args = ["-c", code]
-        self.pid = _ask({"op": "start", "code": code, "env": env, "log": log,
+        self.pid = _SERVER.ask({"op": "start", "code": code, "env": env, "log": log,
                          "cwd": os.getcwd()})["pid"]
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            self.returncode = _ask({"op": "poll", "pid": self.pid})["code"]
+            self.returncode = _SERVER.ask({"op": "poll", "pid": self.pid})["code"]
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -83,12 +103,7 @@ class Rank:
 
 def serve() -> None:
     """The server's loop: one JSON request a line on stdin, one reply a line; ends at EOF."""
-    global _reply_fd
-    # the replies get their own copy of stdout; fd 1 becomes stderr, so that what a rank
-    # prints cannot land in the reply stream
-    _reply_fd = os.dup(1)
-    out = os.fdopen(_reply_fd, "w")
-    os.dup2(2, 1)
+    out = reply_stream()
     for name in PRELOAD:
         __import__(name)
     codes: dict[int, int] = {}

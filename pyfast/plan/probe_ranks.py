@@ -14,40 +14,20 @@ fresh interpreters: they must start inside the network namespace.
 """
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import signal
 import socket
-import subprocess
 import sys
-import threading
 import time
 
-from pyfast._forked import fork
+from pyfast._forked import Server, fork, reply_stream
 
 PRELOAD = ("torch", "torch.distributed", "pyfast.plan.calibrate_link",
            "pyfast.plan.calibrate_dist", "pyfast.plan.calibrate_compute",
            "pyfast.plan.calibrate_job", "pyfast.train.job")
 
-_server: subprocess.Popen | None = None
-_owner = 0  # the pid that started _server: a forked child of it starts its own
-_lock = threading.Lock()
-
-
-def _start() -> subprocess.Popen:
-    global _server, _owner
-    if _server is None or _owner != os.getpid() or _server.poll() is not None:
-        _owner = os.getpid()
-        # this process's pyfast, not whatever `-c` would find first in the working directory
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        _server = subprocess.Popen(
-            [sys.executable, "-c", f"import sys; sys.path.insert(0, {root!r}); "
-             "from pyfast.plan.probe_ranks import serve; serve()"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"})
-        atexit.register(_server.stdin.close)  # the server ends at EOF
-    return _server
+_SERVER = Server("pyfast.plan.probe_ranks", "probe server")
 
 
 def run(code: str, world: int, timeout: float) -> list[int | None]:
@@ -60,24 +40,13 @@ def run(code: str, world: int, timeout: float) -> list[int | None]:
         port = s.getsockname()[1]
     env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-    with _lock:
-        srv = _start()
-        srv.stdin.write(json.dumps({"code": code, "world": world, "timeout": timeout,
-                                    "env": env}) + "\n")
-        srv.stdin.flush()
-        line = srv.stdout.readline()
-    if not line:
-        raise RuntimeError(f"the probe server exited ({srv.wait()})")
-    return json.loads(line)
+    return _SERVER.ask({"code": code, "world": world, "timeout": timeout, "env": env})
 
 
 def serve() -> None:
     """The server's loop: one JSON request a line on stdin, its ranks' exit codes a line on
     stdout; ends at EOF."""
-    # the replies get their own copy of stdout; fd 1 becomes stderr, so that what a probe
-    # prints cannot land in the reply stream
-    out = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
+    out = reply_stream()
     for name in PRELOAD:
         __import__(name)
     for line in sys.stdin:
