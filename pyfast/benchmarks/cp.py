@@ -262,7 +262,7 @@ def _launch(phase: str, link: str, world: int, job: dict, env: dict | None = Non
         job = {**job, "phase": phase, "out": os.path.join(d, "r.json")}
         netns.run_ranks(["-c", "from pyfast.benchmarks.cp import _worker; _worker()"], world,
                         link, job["timeout"], env={"PYFAST_CP": json.dumps(job), **(env or {})},
-                        fork=False)  # it measures memory: fresh processes (netns.ranks)
+                        fork=phase != "memory")  # memory: fresh processes (netns.ranks)
         with open(job["out"]) as f:
             return json.load(f)
 

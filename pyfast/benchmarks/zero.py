@@ -283,7 +283,7 @@ def _launch(phase: str, link: str, job: dict, env: dict | None = None) -> list[d
         job = {**job, "phase": phase, "out": os.path.join(d, "r.json")}
         netns.run_ranks(["-c", "from pyfast.benchmarks.zero import _worker; _worker()"], 2,
                         link, job["timeout"], env={"PYFAST_ZERO": json.dumps(job), **(env or {})},
-                        fork=False)  # it measures memory: fresh processes (netns.ranks)
+                        fork=phase != "memory")  # memory: fresh processes (netns.ranks)
         with open(job["out"]) as f:
             return json.load(f)
 
