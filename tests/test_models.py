@@ -308,3 +308,36 @@ def test_gpt_at_any_shape_by_name():
                      ("gpt:layers=2,heads=3,hidden=64", "not divisible by n_head")]:
         with pytest.raises(ValueError, match=why):
             models.build(bad, 256, 16)
+
+
+def test_a_meta_build_is_the_cpu_build_without_torch_dynamo():
+    """The launcher's model check builds on meta (train.config._meta_build): the same
+    parameters and buffers as on the CPU (names, shapes, dtypes), no init drawn, RoPE's tables
+    made on the CPU and moved; and no meta kernel written in Python runs (torch._refs /
+    _prims_common: the first such call imports torch._dynamo, 1.1 s of every `pyfast train`
+    launch on the 2-core VM)."""
+    from pyfast.train.config import TrainConfig, build_model, check_model
+    for kw in (dict(model="gpt-tiny"), dict(model="gpt:layers=3,heads=6,hidden=96", pp=2),
+               dict(model="gpt-tiny", positions="learned", tie_embeddings=True, lora=4)):
+        c = TrainConfig(**kw)
+        torch.manual_seed(0)
+        cpu = build_model(c, 256, "cpu")
+        python_kernels = []
+
+        def seen(frame, event, arg):
+            f = frame.f_code.co_filename
+            if event == "call" and ("/torch/_refs/" in f or "/torch/_prims_common/" in f):
+                python_kernels.append(f"{f}:{frame.f_code.co_name}")
+        sys.setprofile(seen)
+        try:
+            meta = build_model(c, 256, "meta")
+            check_model(c)
+        finally:
+            sys.setprofile(None)
+        assert not python_kernels, (kw, python_kernels[:5])
+        for a, b in ((cpu.named_parameters(), meta.named_parameters()),
+                     (cpu.named_buffers(), meta.named_buffers())):
+            a, b = dict(a), dict(b)
+            assert a.keys() == b.keys(), kw
+            assert all(b[k].is_meta and (a[k].shape, a[k].dtype, a[k].requires_grad) ==
+                       (b[k].shape, b[k].dtype, b[k].requires_grad) for k in a), kw

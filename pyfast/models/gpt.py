@@ -20,6 +20,7 @@ parallel/): the module that implements it registers it when imported.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -85,9 +86,15 @@ PRESETS = {
 
 
 def rotary_tables(seq_len: int, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    inv = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv)  # [T, hd/2]
-    return angles.cos(), angles.sin()
+    # on a meta default device (a model built to be checked, or dry-run) made on the CPU and
+    # moved: torch's meta kernels for these are Python references whose first call imports
+    # torch._dynamo, 1.1 s of the launcher's check (pyfast.train.config._meta_build)
+    meta = torch.get_default_device().type == "meta"
+    with torch.device("cpu") if meta else contextlib.nullcontext():
+        inv = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv)  # [T, hd/2]
+        cos, sin = angles.cos(), angles.sin()
+    return (cos.to("meta"), sin.to("meta")) if meta else (cos, sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

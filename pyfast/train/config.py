@@ -682,8 +682,10 @@ def build_model(cfg: TrainConfig, vocab_size: int, device=None):
     if not models.known(cfg.model):
         raise ConfigError(f"--model {cfg.model!r} is unknown; known: {', '.join(models.MODELS)}, "
                           "gpt:layers=L,heads=H,hidden=D[,mlp=R], hf:DIR")
+    meta = device is not None and torch.device(device).type == "meta"
     try:
-        with torch.device(device) if device is not None else contextlib.nullcontext():
+        with torch.device(device) if device is not None else contextlib.nullcontext(), \
+                _meta_build() if meta else contextlib.nullcontext():
             m = models.build(cfg.model, vocab_size, cfg.seq, positions=cfg.positions,
                              tie_embeddings=cfg.tie_embeddings)
             if cfg.lora:  # before the pipeline's cut: the stages hold the adapted modules
@@ -701,6 +703,33 @@ def build_model(cfg: TrainConfig, vocab_size: int, device=None):
         raise
     except (ImportError, ValueError) as e:
         raise ConfigError(f"--model {cfg.model}: {e}") from None
+
+
+def _meta_build():
+    """A model built on meta without torch's Python references for meta tensors, whose first
+    call imports torch._dynamo: 1.1 s of the launcher's model check (check_model) on the
+    2-core VM, 0.5-0.85 s of a gpt-tiny launch's wall time (three launches each way,
+    alternated). Random initialisation of a meta tensor is a no-op here (it holds no values
+    either way); the GPT's RoPE tables are made on the CPU and moved (models.gpt.rotary_tables).
+    A Hugging Face model's own code still computes on meta (its rotary inv_freq)."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+    T, init = torch.Tensor, torch.nn.init
+    # nn.init's functions reach the mode before their own tensor calls, which it does not see
+    # again while it handles the outer call
+    random_ = {T.normal_, T.uniform_, T.random_, T.exponential_, T.bernoulli_, T.cauchy_,
+               T.log_normal_, T.geometric_, init.normal_, init.uniform_, init.trunc_normal_,
+               init.kaiming_uniform_, init.kaiming_normal_, init.xavier_uniform_,
+               init.xavier_normal_, init.orthogonal_, init.sparse_}
+
+    class MetaBuild(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            t = args[0] if args else kwargs.get("tensor")  # nn.init passes it by keyword
+            if func in random_ and getattr(t, "is_meta", False):
+                return t
+            return func(*args, **kwargs)
+    return MetaBuild()
 
 
 def model_shape(m) -> tuple[int, int]:
