@@ -84,7 +84,7 @@ class Rank:
     def __init__(self, code: str, env: dict, log: str | None):
         self.args = ["-c", code]
         self.pid = _SERVER.ask({"op": "start", "code": code, "env": env, "log": log,
-                         "cwd": os.getcwd()})["pid"]
+                                "cwd": os.getcwd()})["pid"]
         self.returncode: int | None = None
 
     def poll(self) -> int | None:

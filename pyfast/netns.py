@@ -336,8 +336,7 @@ def ranks(py_argv: list[str], world: int, link: str = "loopback", timeout: float
         # PYFAST_RANKS_EXEC=1; a namespace's ranks start inside it (`ip netns exec`): exec'd
         forked = (fork and not any(places[r][0] for r in only) and len(py_argv) == 2
                   and py_argv[0] == "-c" and os.environ.get("PYFAST_RANKS_EXEC") != "1")
-        logs = [tempfile.NamedTemporaryFile("w+") if forked else tempfile.TemporaryFile("w+")
-                for _ in only]
+        logs = [tempfile.NamedTemporaryFile("w+") for _ in only]  # a forked rank opens its name
         procs = []
         try:
             for r, log in zip(only, logs):

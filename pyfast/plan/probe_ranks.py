@@ -51,14 +51,11 @@ def serve() -> None:
         __import__(name)
     for line in sys.stdin:
         req = json.loads(line)
-        pids = [_fork(req["code"], {**req["env"], "RANK": str(r), "LOCAL_RANK": str(r)})
+        pids = [fork(req["code"], {**req["env"], "RANK": str(r), "LOCAL_RANK": str(r)},
+                     name="__pyfast_probe__")
                 for r in range(req["world"])]
         out.write(json.dumps(_reap(pids, req["timeout"])) + "\n")
         out.flush()
-
-
-def _fork(code: str, env: dict) -> int:
-    return fork(code, env, name="__pyfast_probe__")
 
 
 def _reap(pids: list[int], timeout: float) -> list[int | None]:

@@ -251,7 +251,7 @@ def _dp_exposed(plan: Plan, gmods: list, mods: list, link: Link, cpu_link: Link,
     memo = {}  # by (elements, first tensor): most of a model's buckets repeat one of a few
 
     def bucket(bk, lk, calls=1):
-        key = (bk[0], bk[1][0], id(lk), calls)
+        key = (bk[0], bk[1][0], lk, calls)  # a Link hashes by identity
         if key not in memo:
             memo[key] = _bucket_cost(plan.compress, bk, lk, cluster, calls)
         return memo[key]
