@@ -68,7 +68,9 @@ class _Modules:
 
 class _Named(torch.utils._python_dispatch.TorchDispatchMode):
     """Re-raises an op's failure as DryRunError naming the op, the module it ran in and the
-    pyfast line that called it."""
+    pyfast line that called it. Communication runs inline under it (comm_inline:
+    collectives.Handle.on_worker), so a dry step's memory is the same in every run."""
+    comm_inline = True
 
     def __init__(self, rank: int):
         super().__init__()
