@@ -110,9 +110,6 @@ def test_a_killed_rank_fails_its_cell_and_the_rest_run(tmp_path, monkeypatch):
     out = tmp_path / "abl"
     cfg = acfg.from_args([*TEACHER, "--specs", "int8,int4", "--out", str(out)])
     monkeypatch.setenv("PYFAST_ABLATE_FAULT", f"{acfg.cells(cfg)[0]['cell']}@3")
-    # fresh interpreters: the fault is installed at their start (tests/faults/sitecustomize.py),
-    # which a rank forked from pyfast._forked's running server never has
-    monkeypatch.setenv("PYFAST_RANKS_EXEC", "1")
     A.run(cfg)
     rows = _rows(out)
     assert [(r["spec"], r["status"]) for r in rows] == [("int8", "failed"), ("int4", "done")]

@@ -8,7 +8,9 @@ ranks call, as their modules load. Without the variables below it does nothing.
       (pyfast.train.job.Job.train_step returned), "ckpt" with the checkpoint's shards written
       but not committed (pyfast.train.checkpoint's dcp.save returned).
   PYFAST_ABLATE_FAULT="CELL@STEP"   SIGKILL the last rank after that step of that cell
-      (the train step of the job pyfast.ablate.cell builds).
+      (the train step of the job pyfast.ablate.cell builds). Its hook is installed in every
+      process and reads the variable at each step: an ablation's ranks are forked from a
+      server (pyfast._forked) that started before the test set it.
 """
 import os
 import sys
@@ -121,8 +123,6 @@ def _chain() -> None:
 patches = {}
 if os.environ.get("PYFAST_FAULT"):
     patches.update({"pyfast.train.job": _job, "pyfast.train.checkpoint": _checkpoint})
-if os.environ.get("PYFAST_ABLATE_FAULT"):
-    patches["pyfast.ablate.cell"] = _cell
-if patches:
-    _install(patches)
+patches["pyfast.ablate.cell"] = _cell  # reads PYFAST_ABLATE_FAULT when a step ends
+_install(patches)
 _chain()
