@@ -166,7 +166,11 @@ def _wait(procs, timeout: float, what: str) -> None:
     try:
         while any(p.poll() is None for p in procs):
             if any(p.poll() not in (None, 0) for p in procs):
-                time.sleep(2)  # let the rest print their own error first
+                # let the rest print their own error first: up to 2 s, not once they all
+                # exited (a survivor of a killed rank raises within ~0.05 s on loopback)
+                end = time.monotonic() + 2
+                while any(p.poll() is None for p in procs) and time.monotonic() < end:
+                    time.sleep(0.02)
                 break
             if time.monotonic() > deadline:
                 raise subprocess.TimeoutExpired(what, timeout)
