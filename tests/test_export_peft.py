@@ -34,7 +34,8 @@ from pyfast.export import ExportError, export, load_model, main, to_hf  # noqa: 
 from pyfast.train.config import TrainConfig, build_model  # noqa: E402
 
 LORA = ["--model", "hf-llama-tiny", "--lora", "4", "--lr", "1e-2", "--steps", "2", "--batch",
-        "2", "--seq", "32", "--eval-every", "0", "--eval-batches", "1", "--tensorboard", "off"]
+        "2", "--seq", "32", "--eval-every", "0", "--eval-batches", "1", "--tensorboard", "off",
+        "--no-plot"]
 RUNS = {"llama": (1, LORA), "llama-dp2": (2, LORA + ["--dp", "2"]),  # name: (nproc, flags)
         # ZeRO-3 with the frozen base sharded: the checkpoint holds flat adapter shards only
         "llama-zero3": (2, LORA + ["--dp", "2", "--zero", "3", "--base-placement", "shard"]),

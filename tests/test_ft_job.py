@@ -23,7 +23,7 @@ from test_train import _job_logged, pool_train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMON = ["--model", "gpt-tiny", "--steps", "4", "--batch", "4", "--seq", "16",
-          "--tensorboard", "off", "--eval-batches", "1"]
+          "--tensorboard", "off", "--eval-batches", "1", "--no-plot"]
 
 
 def _train(args, env=None, **kw):

@@ -150,7 +150,7 @@ def test_bf16_frozen_linear_storage_is_exact_under_autocast(name):
     assert torch.equal(m(x), stored(x))
 
 
-TINY = ["--model", "gpt-tiny", "--steps", "2", "--batch", "4", "--seq", "32"]
+TINY = ["--model", "gpt-tiny", "--steps", "2", "--batch", "4", "--seq", "32", "--no-plot"]
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -159,7 +159,7 @@ def test_dry_run_of_chunks_equals_a_real_step(tmp_path, monkeypatch):
     assert abs(dry - real) <= 0.10 * real, (dry, real)  # test_dry_run's bound
 
 
-TINY = ["--model", "gpt-tiny", "--steps", "2", "--batch", "4", "--seq", "32"]
+TINY = ["--model", "gpt-tiny", "--steps", "2", "--batch", "4", "--seq", "32", "--no-plot"]
 
 
 @pytest.mark.parametrize("flags,message", [

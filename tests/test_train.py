@@ -17,15 +17,17 @@ import sys
 
 import pytest
 
+# --no-plot: matplotlib cost rank 0 ~0.2-0.6 s a run (69 runs, 20 s in one suite); the
+# plot is drawn and checked on dp2xtp2 (test_metrics_log_plot_and_checkpoints)
 BASE = ["--model", "gpt-tiny", "--steps", "3", "--batch", "8", "--seq", "32", "--seed", "1",
-        "--ckpt-every", "2", "--eval-every", "2", "--eval-batches", "2"]
+        "--ckpt-every", "2", "--eval-every", "2", "--eval-batches", "2", "--no-plot"]
 FP32 = {  # name: (nproc, flags)
     "1proc": (1, []),
     "dp2": (2, ["--dp", "2"]),
     "dp2-zero2": (2, ["--dp", "2", "--zero", "2"]),
     "tp2-accum2-actckpt": (2, ["--tp", "2", "--grad-accum", "2", "--activation-checkpointing"]),
     "pp2-1f1b": (2, ["--pp", "2", "--schedule", "1f1b"]),
-    "dp2xtp2": (4, ["--dp", "2", "--tp", "2"]),
+    "dp2xtp2": (4, ["--dp", "2", "--tp", "2", "--plot"]),
     # sequence parallelism rides on a run the suite makes anyway (no extra job): tp 2 without
     # it is tp2-accum2-actckpt and dp2xtp2
     "tp2xpp2-sp": (4, ["--tp", "2", "--pp", "2", "--sequence-parallel"]),
@@ -252,7 +254,8 @@ def test_metrics_log_plot_and_checkpoints(runs):
     assert records(runs["1proc"])[0]["bytes_sent"] == 0  # one process sends nothing
     # warm-up 1 step (10% of 3, at least 1), then cosine from lr down to lr/10 at the last step
     assert [r["lr"] for r in recs] == pytest.approx([1e-3, 1e-3, 1e-4])
-    assert os.path.getsize(out / "curves.png") > 10_000
+    assert os.path.getsize(out / "curves.png") > 10_000  # --plot after BASE's --no-plot
+    assert not (runs["1proc"] / "curves.png").exists()  # --no-plot
     assert sorted(os.listdir(out / "checkpoints")) == ["step-2", "step-3"]
 
 

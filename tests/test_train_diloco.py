@@ -8,7 +8,7 @@ from pyfast.train import main
 from pyfast.train.config import from_args, parser
 from pyfast.train.launch import worker_args
 
-TINY = ["--model", "gpt-tiny", "--steps", "2", "--batch", "8", "--seq", "32"]
+TINY = ["--model", "gpt-tiny", "--steps", "2", "--batch", "8", "--seq", "32", "--no-plot"]
 DL = ["--diloco", "4", "--replicas", "2"]
 
 
@@ -490,7 +490,7 @@ def test_resume_with_another_number_of_replicas(pool2, tmp_path):
 
 # ------------------------------------------------------------------ real runs (torchrun)
 RUN = TINY[:2] + ["--steps", str(STEPS), "--batch", "8", "--seq", "32", "--seed", "1",
-                  "--ckpt-every", "1", "--eval-batches", "1", "--no-tensorboard", "--diloco",
+                  "--ckpt-every", "1", "--eval-batches", "1", "--no-tensorboard", "--no-plot", "--diloco",
                   "4", "--replicas", "2", "--fragments", "2", "--diloco-delay", "1",
                   "--outer-compress", "int8", "--nproc", "2"]
 

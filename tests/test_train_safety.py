@@ -70,7 +70,7 @@ def test_fp16_overflow_under_int8_is_skipped_everywhere_and_training_goes_on(poo
 
 
 # ------------------------------------------------------------------ resume against the record
-TINY = ["--model", "gpt-tiny", "--steps", "8", "--batch", "8", "--seq", "32"]
+TINY = ["--model", "gpt-tiny", "--steps", "8", "--batch", "8", "--seq", "32", "--no-plot"]
 
 
 def recorded_checkpoint(out, step, flags, meta_text=None):

@@ -279,7 +279,7 @@ if __name__ == "__main__":
 
 # ---------------------------------------------------------------------------- the job
 JOB = ["--model", "gpt-tiny", "--steps", "3", "--batch", "8", "--seq", "32", "--seed", "1",
-       "--ckpt-every", "2", "--eval-every", "0", "--dp", "4", "--zero", "2"]
+       "--ckpt-every", "2", "--eval-every", "0", "--dp", "4", "--zero", "2", "--no-plot"]
 
 
 def _node_job(rank, world, argv):

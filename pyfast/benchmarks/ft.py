@@ -129,7 +129,7 @@ class _Killer(threading.Thread):
 
 
 def _train(args):
-    return [sys.executable, "-m", "pyfast", "train", "--tensorboard", "off", *args]
+    return [sys.executable, "-m", "pyfast", "train", "--tensorboard", "off", "--no-plot", *args]
 
 
 def _records(out) -> list[dict]:

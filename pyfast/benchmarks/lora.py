@@ -76,7 +76,7 @@ def one_run(model_dir: str, out: str, flags: list[str], common: list[str]) -> di
 
 def run(rank: int = 16, steps: int = 6, batch: int = 4, seq: int = 64, repeats: int = 2) -> dict:
     common = ["--steps", str(steps), "--batch", str(batch), "--seq", str(seq), "--seed", "0",
-              "--warmup", "1", "--eval-batches", "1", "--no-tensorboard"]
+              "--warmup", "1", "--eval-batches", "1", "--no-tensorboard", "--no-plot"]
     configs = {f"lora r{rank}": ["--lora", str(rank)], "full": []}
     rows, load = [], os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="pyfast-bench-lora-") as tmp:

@@ -144,7 +144,7 @@ def measure_run(split: list[int] | None, share: float, timeout: float = 300) -> 
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "pyfast", "train", "--nproc", "2", "--dp", "2",
                "--model", MODEL, "--seq", str(SEQ), "--batch", str(BATCH), "--steps", str(STEPS),
-               "--eval-batches", "1", "--out", out, "--precision", "fp32"]
+               "--eval-batches", "1", "--out", out, "--precision", "fp32", "--no-plot"]
         if split:
             cmd += ["--batch-split", ",".join(map(str, split))]
         env = dict(os.environ, PYFAST_THROTTLE=f"1:{share}")

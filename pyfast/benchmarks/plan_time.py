@@ -67,7 +67,7 @@ def timed_run(args: list[str], link: str, timeout: float, warmup: int = WARMUP,
     reads it back). plan_time and scaling measure their runs with it."""
     from pyfast.train.metrics import read
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "pyfast", "train", *args, "--out", out]
+        cmd = [sys.executable, "-m", "pyfast", "train", *args, "--no-plot", "--out", out]
         t0 = time.monotonic()
         r = netns.run(cmd, link, timeout, env=env)
         if r.returncode != 0:

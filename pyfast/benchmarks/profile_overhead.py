@@ -32,7 +32,7 @@ from pyfast import perf
 
 MODEL = "gpt-small"
 FLAGS = ["--dp", "2", "--nproc", "2", "--batch", "8", "--seq", "256",
-         "--tensorboard", "off", "--eval-batches", "1"]
+         "--tensorboard", "off", "--no-plot", "--eval-batches", "1"]
 
 
 def _launch(out: str, steps: int, ranges: bool, extra=(), model: str = MODEL) -> list[float]:

@@ -26,7 +26,7 @@ SHAPE = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_ke
 
 def _train(args: list[str]) -> list[dict]:
     p = subprocess.run([sys.executable, "-m", "pyfast", "train", "--nproc", "2", "--dp", "2",
-                        "--tensorboard", "off", *args], capture_output=True, text=True,
+                        "--tensorboard", "off", "--no-plot", *args], capture_output=True, text=True,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     if p.returncode:
         raise RuntimeError(f"pyfast train {' '.join(args)}: exit {p.returncode}\n"

@@ -252,9 +252,10 @@ def _loop(cfg: TrainConfig, job: Job, start: int, device, restart: str | None = 
                 tb.close()
     if rank == 0:
         records = read(log.path)
-        drawn = "plot: none (no step logged)"
+        drawn = "plot: none (no step logged)" if cfg.plot else "plot: none (--no-plot)"
         if records:
-            drawn = plot(records, os.path.join(cfg.out, "curves.png"))
+            if cfg.plot:
+                drawn = plot(records, os.path.join(cfg.out, "curves.png"))
             from rich.console import Console
             m = job.mesh
             rep = f"{m.replicas} replicas of " if m.replicas > 1 else ""
