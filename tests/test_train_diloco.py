@@ -1,6 +1,8 @@
 """`pyfast train --diloco H --replicas R`: checks before launch (in-process, milliseconds), and
 real runs of gpt-tiny (torchrun via --nproc) against DiLoCo driven by hand, resumes and
 restarts."""
+import contextlib
+
 import pytest
 import torch
 
@@ -224,6 +226,40 @@ def test_cosine_schedule_outer_validation_and_outer_bytes(pool2):
     # replica 0's own steps (bytes_sent: its one rank) hold what it sent: its payload, once
     mine = sum(rec["outer_payload_bytes"] for rec in recs)
     assert mine <= sum(rec["bytes_sent"] for rec in recs) <= 1.1 * mine + 8192
+
+
+def _gap_write(rank, world, n, hidden, steps=STEPS):
+    """The job's steps with n bytes written to a file after step 2, while fragment 0's
+    all-reduce is in flight (delay 1): plainly, or inside Job.not_sent(). Every step's
+    bytes_sent, summed."""
+    import tempfile
+
+    from pyfast.train.job import Job
+    job = Job(_cfg(replicas=2), torch.device("cpu"))
+    try:
+        total = 0
+        for s in range(1, steps + 1):
+            total += job.train_step(s)["bytes_sent"]
+            if s == 2:
+                assert job.mark is not None  # in flight past the step's count
+                with tempfile.TemporaryFile() as f, \
+                        job.not_sent() if hidden else contextlib.nullcontext():
+                    f.write(b"x" * n)
+                    f.flush()
+        return total
+    finally:
+        job.close()
+
+
+def test_bytes_written_between_steps_count_unless_not_sent(pool2):
+    """What an in-flight outer all-reduce writes between two steps is the next step's bytes
+    (Job.mark): a file write in that gap stands in for it, exactly n bytes more in the run's
+    total (the rest of its bytes the same in both runs: each lands in some step's count), and
+    the same write inside Job.not_sent() (a run's log, its checkpoints) none."""
+    n = 10_000
+    seen = pool2.run(_gap_write, n, False)
+    hidden = pool2.run(_gap_write, n, True)
+    assert [a - b for a, b in zip(seen, hidden)] == [n, n], (seen, hidden)
 
 
 def test_replicas_of_dp2_equal_flat_replicas(pool2, pool4):

@@ -300,6 +300,10 @@ class Job:
         self.balancer, self.split_note = batch_split.balancer(self), None
         self.skips = 0
         self.carried = 0  # bytes written after the last step's count, counted in this one
+        # --diloco with an outer all-reduce in flight at a step's end: where that step's count
+        # ended. The next step counts from there what the transfer wrote between the two, less
+        # the caller's own writes inside not_sent() (a run's log, checkpoints, samples)
+        self.mark: int | None = None
         # --ft: this group's torchft step (quorum, heal, cross-group average, commit)
         self.ft = None
         if cfg.ft:
@@ -314,6 +318,21 @@ class Job:
             return self.cfg.replica_id % m * self.cfg.dp + self.mesh.dp_rank, m * self.cfg.dp
         return self.mesh.replica_rank * self.cfg.dp + self.mesh.dp_rank, \
             self.cfg.replicas * self.cfg.dp
+
+    @contextlib.contextmanager
+    def not_sent(self):
+        """Writes between steps that are not sent bytes (files, the terminal): left out of
+        the next step's bytes_sent when it counts from `mark` (what an in-flight transfer
+        writes meanwhile is left out with them)."""
+        if self.mark is None:
+            yield
+            return
+        w = bytes_written()
+        try:
+            yield
+        finally:
+            if self.mark is not None:
+                self.mark += bytes_written() - w
 
     def scalar(self, x: float) -> torch.Tensor:
         """An fp64 scalar on the job's device: the step's sums and its all-reduce stay where the
@@ -428,6 +447,8 @@ class Job:
             return self.ft.train_step(step)
         cfg = self.cfg
         t0, w0 = clock(self.device), bytes_written()  # clock: on CUDA, after the queued work
+        if self.mark is not None:  # an outer all-reduce ran on between the steps
+            self.carried, self.mark = self.carried + w0 - self.mark, None
         c0 = self._cross_bytes()
         self.opt.zero_grad(set_to_none=True)
         x, y = self.shard(*self.batches.next())

@@ -180,13 +180,17 @@ class Meter:
         and at the last step, returned summed over the replica's ranks (one all-reduce inside
         the replica when it has several) and handed to the Meeting; on the others carried into
         the next step's count (job.carried: no collective), so every byte lands in bytes_sent
-        once. Bytes a delayed all-reduce writes outside a step (validation, checkpoints) are
-        not seen; at the last step the one in flight is waited for (close() applies it), so
-        that its bytes are this step's."""
+        once. What a delayed all-reduce writes after this count, up to the next step, is the
+        next step's (Job.mark), except inside the caller's Job.not_sent() (its log and
+        checkpoint writes, which wchar cannot tell from the transfer's); at the last step the
+        one in flight is waited for (close() applies it), so that its bytes are this step's."""
         dl, last = job.diloco, step == job.cfg.steps
         if last and dl.in_flight is not None:
             dl.in_flight.handle.wait()
-        late = bytes_written() - w1
+        now = bytes_written()
+        late = now - w1
+        if dl.in_flight is not None:  # it writes on after this count: the next step's (Job.mark)
+            job.mark = now
         busy = (self.last.get("outer_sent") is not None or dl.in_flight is not None
                 or self.last.get("outer_applied") is not None or last)
         if not busy:

@@ -205,13 +205,15 @@ def _loop(cfg: TrainConfig, job: Job, start: int, device, restart: str | None = 
             step = rec["step"]
             if not rec.get("committed", True):  # --ft: logged, nothing else (no eval, no save)
                 if rank == 0:
-                    log.write({**rec, "time": time.time()})
+                    with job.not_sent():
+                        log.write({**rec, "time": time.time()})
                 continue
             if restart is not None and step == start + 1:
                 rec["elastic"] = restart
             # --ckpt-async: commit the checkpoint in flight once every rank wrote it (or
             # CheckpointError on every rank, if a write failed)
-            rec.update(cost, **saver.poll())
+            with job.not_sent():  # files, the terminal: not sent bytes (Job.mark)
+                rec.update(cost, **saver.poll())
             cost = {}
             if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
                 rec["val_loss"] = job.evaluate()
@@ -224,16 +226,17 @@ def _loop(cfg: TrainConfig, job: Job, start: int, device, restart: str | None = 
             # --replicas R > 1: over this replica's ranks (a step never crosses between them)
             dist.all_reduce(rss, op=dist.ReduceOp.MAX, group=job.step_group)
             rec.update(max_rss_mb=float(rss), **gpu.sample())
-            if sampler is not None and (step % cfg.sample_every == 0 or step == cfg.steps):
-                rec["sample"] = sampler(job, step, bar.console if rank == 0 else None)
-            if rank == 0:
-                rec["time"] = time.time()  # the step's end, unix seconds (recovery timings)
-                log.write(rec)
-                bar.update(rec)
-                if tb is not None:
-                    tb.write(rec)
-            if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == cfg.steps:
-                cost = saver.save(job, cfg.out, step, keep_last=cfg.keep_last)
+            with job.not_sent():
+                if sampler is not None and (step % cfg.sample_every == 0 or step == cfg.steps):
+                    rec["sample"] = sampler(job, step, bar.console if rank == 0 else None)
+                if rank == 0:
+                    rec["time"] = time.time()  # the step's end, unix seconds (recovery timings)
+                    log.write(rec)
+                    bar.update(rec)
+                    if tb is not None:
+                        tb.write(rec)
+                if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == cfg.steps:
+                    cost = saver.save(job, cfg.out, step, keep_last=cfg.keep_last)
         saver.finish()  # the last checkpoint is complete before the job goes on to exit
     except (ConfigError, NonFiniteError):  # every rank alike: the save in flight is finished
         try:
