@@ -253,13 +253,15 @@ def _gap_write(rank, world, n, hidden, steps=STEPS):
 
 def test_bytes_written_between_steps_count_unless_not_sent(pool2):
     """What an in-flight outer all-reduce writes between two steps is the next step's bytes
-    (Job.mark): a file write in that gap stands in for it, exactly n bytes more in the run's
-    total (the rest of its bytes the same in both runs: each lands in some step's count), and
-    the same write inside Job.not_sent() (a run's log, its checkpoints) none."""
+    (Job.mark): a file write in that gap stands in for it, n bytes more in the run's total
+    (the rest of its bytes the same in both runs: each lands in some step's count), and the
+    same write inside Job.not_sent() (a run's log, its checkpoints) none. Within 256 bytes:
+    a small write of another thread may land in a step in one run and in not_sent() in the
+    other (4 bytes seen once under two pytest workers); the code before counted 0 of n."""
     n = 10_000
     seen = pool2.run(_gap_write, n, False)
     hidden = pool2.run(_gap_write, n, True)
-    assert [a - b for a, b in zip(seen, hidden)] == [n, n], (seen, hidden)
+    assert all(abs(a - b - n) <= 256 for a, b in zip(seen, hidden)), (seen, hidden)
 
 
 def test_replicas_of_dp2_equal_flat_replicas(pool2, pool4):
