@@ -5,8 +5,8 @@ BIN     := $(VENV)/bin
 # A machine without an NVIDIA driver gets the CPU build of torch (pip takes 2.13.0 from a
 # local wheel here); with one, the default (CUDA) build.
 TORCH   ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
-DEPS    := rich numpy triton nvidia-ml-py pytest pytest-benchmark pytest-xdist expecttest matplotlib \
-           transformers tokenizers safetensors tensorboard hypothesis peft torchft \
+DEPS    := rich numpy triton nvidia-ml-py pytest pytest-benchmark pytest-xdist expecttest \
+           matplotlib transformers tokenizers safetensors tensorboard hypothesis peft torchft \
            setproctitle
 NVCC    ?= $(shell command -v nvcc 2>/dev/null)
 STAMP   := $(VENV)/.pyfast-installed
@@ -43,14 +43,16 @@ demo: $(STAMP)
 	$(BIN)/pyfast bench allreduce --world 2 --link 1gbit --repeats 3
 
 # The benchmark suites run once, untimed and small, so they cannot rot.
-# TEST_WORKERS pytest processes (pytest-xdist), each running whole files (their module pools
-# and shared runs stay together): one left 37% of the 2 cores idle (ranks waiting on each
-# other, timeouts, launches); tests/ took 324 s with 2 against 453-475 s with 1, here.
+# TEST_WORKERS pytest processes (pytest-xdist), each running whole files (a file's module
+# RankPools stay in one worker; session-wide shared runs are made once per worker): one left
+# 37% of the 2 cores idle (ranks waiting on each other, timeouts, launches); tests/ took
+# 324-346 s with 2 against 453-475 s with 1, here.
 TEST_WORKERS ?= 2
 XDIST   = $(if $(filter-out 0 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(XDIST) tests --durations=20
-	PYFAST_BENCH_NUMEL=65536 $(BIN)/python -m pytest -q $(XDIST) bench --benchmark-disable --durations=10
+	PYFAST_BENCH_NUMEL=65536 $(BIN)/python -m pytest -q $(XDIST) bench --benchmark-disable \
+	    --durations=10
 
 # The numbers docs/benchmarks.md quotes (each writes bench/results/NAME.json and .txt; the
 # last step regenerates docs/benchmarks.md from them).

@@ -528,8 +528,8 @@ def test_resume_with_another_number_of_replicas(pool2, tmp_path):
 
 # ------------------------------------------------------------------ real runs (torchrun)
 RUN = TINY[:2] + ["--steps", str(STEPS), "--batch", "8", "--seq", "32", "--seed", "1",
-                  "--ckpt-every", "1", "--eval-batches", "1", "--no-tensorboard", "--no-plot", "--diloco",
-                  "4", "--replicas", "2", "--fragments", "2", "--diloco-delay", "1",
+                  "--ckpt-every", "1", "--eval-batches", "1", "--no-tensorboard", "--no-plot",
+                  "--diloco", "4", "--replicas", "2", "--fragments", "2", "--diloco-delay", "1",
                   "--outer-compress", "int8", "--nproc", "2"]
 
 

@@ -166,7 +166,8 @@ def measure(link: str, model: str, config: str, size, timeout: float = 1800,
         cmd = [sys.executable, "-m", "pyfast", "train", "--nproc", str(nproc), "--model", model,
                "--seq", str(seq), "--batch", str(batch), "--steps", str(n),
                "--eval-every", str(every), "--eval-batches", "2", "--seed", "0",
-               "--no-tensorboard", "--no-plot", "--out", out, *schedule_flags(schedule, steps, decay, diloco),
+               "--no-tensorboard", "--no-plot", "--out", out,
+               *schedule_flags(schedule, steps, decay, diloco),
                *flags, *(["--eval-outer"] if diloco else [])]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         t0 = time.monotonic()
