@@ -330,9 +330,8 @@ class Job:
         w = bytes_written()
         try:
             yield
-        finally:
-            if self.mark is not None:
-                self.mark += bytes_written() - w
+        finally:  # only train_step clears the mark
+            self.mark += bytes_written() - w
 
     def scalar(self, x: float) -> torch.Tensor:
         """An fp64 scalar on the job's device: the step's sums and its all-reduce stay where the
