@@ -186,6 +186,42 @@ def test_trace(pool2, tmp_path):
     assert stats["peak_activation_bytes"] > 0 and stats["wall"] >= stats["compute"]
 
 
+def io_threads(rank, world):
+    """The threads and groups of a Pipeline built with the default io_nice and with None."""
+    import torch.distributed as dist
+
+    from pyfast.comm.threads import LOOP_NAME, loop_threads
+    from pyfast.parallel import Pipeline
+    main = os.getpriority(os.PRIO_PROCESS, 0)
+    lowered = Pipeline.from_sequential(model(), 2, "1f1b", F.mse_loss)
+    kept = Pipeline.from_sequential(model(), 2, "1f1b", F.mse_loss, io_nice=None)
+    x, t = batch(8, 0)
+    for pipe in (lowered, kept):  # both still train: the sends yield, the threads run
+        pipe.step(x if rank == 0 else None, t if rank == world - 1 else None)
+    names = {tid: open(f"/proc/self/task/{tid}/comm").read().strip() for tid in lowered.io_threads}
+    return {"nice": [os.getpriority(os.PRIO_PROCESS, tid) for tid in lowered.io_threads],
+            "names": sorted(set(names.values())), "loops": len(loop_threads()),
+            "private": lowered.group is not dist.group.WORLD,
+            "flags_private": lowered.flags.group not in (dist.group.WORLD, lowered.group),
+            "yields": {link.before_send is not None for link in lowered.links.values()},
+            "main": (main, os.getpriority(os.PRIO_PROCESS, 0)),
+            "kept": (kept.group is dist.group.WORLD, kept.io_threads,
+                     {link.before_send for link in kept.links.values()}), "loop": LOOP_NAME}
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="thread names come from /proc")
+def test_gloo_io_threads_of_the_pipeline_groups_are_lowered(pool2):
+    """io_nice (default 19): the pipeline's two private gloo groups (messages, outcome flags)
+    have their I/O loop thread at nice 19, its sends yield first, the main thread keeps its
+    priority; io_nice=None leaves the given group and every thread as they were."""
+    for got in pool2.run(io_threads):
+        assert len(got["nice"]) == 2 and set(got["nice"]) == {19}, got
+        assert got["names"] == [got["loop"]] and got["loops"] >= 3, got  # + the default group's
+        assert got["private"] and got["flags_private"] and got["yields"] == {True}, got
+        assert got["main"][0] == got["main"][1] < 19, got
+        assert got["kept"] == (True, [], {None}), got
+
+
 # -- bad input: every rank raises, naming the problem --------------------------------------------
 def bad(rank, world, case):
     from pyfast.parallel import Pipeline
@@ -206,6 +242,10 @@ def bad(rank, world, case):
         Pipeline.from_sequential(model(), 2, loss_fn=F.mse_loss, balance=[3, 3, 3])
     elif case == "layers":
         Pipeline.from_sequential(nn.Sequential(nn.Linear(12, 5)), 2, loss_fn=F.mse_loss)
+    elif case == "io-nice":  # the same bad value everywhere: each rank names it
+        Pipeline.from_sequential(model(), 2, loss_fn=F.mse_loss, io_nice=-5)
+    elif case == "io-nice-differs":
+        Pipeline.from_sequential(model(), 2, loss_fn=F.mse_loss, io_nice=19 if rank else None)
     return "no error"
 
 
@@ -224,6 +264,9 @@ def test_bad_step_fails_on_every_rank(pool2, case, message):
     ("no-loss", "loss_fn is missing on the last stage"),
     ("world", "balance lists 3 stages but the group has 2 ranks"),
     ("layers", "more stages than layers"),
+    ("io-nice", r"io_nice must be None or an int in 0..19 \(a nice value for gloo's I/O thread\), "
+                "got -5"),
+    ("io-nice-differs", "ranks disagree on the pipeline"),
 ])
 def test_bad_construction_fails_on_every_rank(pool2, case, message):
     _expect_everywhere(pool2.run(bad, case, expect_errors=True, timeout=60), message)
