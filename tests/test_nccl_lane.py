@@ -133,18 +133,22 @@ def test_ring_attention_head_passes(request, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_pipeline_schedules(request, world, schedule, v):
     pool = request.getfixturevalue(f"pool{world}")
-    _logged(pool, pp.check_against_dense, schedule, v, "params", [16, 8])
+    # agreed layout (step 2: first messages in their headers' room), changed (3), agreed (4)
+    _logged(pool, pp.check_against_dense, schedule, v, "params", [16, 16, 8, 8])
 
 
-@pytest.mark.parametrize("schedule,v,case", [(s, v, "loss") for s, v in pp.SCHEDULES] +
-                         [("1f1b", 1, "first"), ("1f1b", 1, "backward")])
+@pytest.mark.parametrize("schedule,v,case,later", [(s, v, "loss", False) for s, v in pp.SCHEDULES]
+                         + [("1f1b", 1, "first", False), ("1f1b", 1, "backward", False),
+                            ("1f1b", 1, "first0", True), ("interleaved-1f1b", 2, "loss", True)])
 def test_pipeline_failure_reaches_every_rank_and_leaves_no_message_behind(pool4, schedule, v,
-                                                                          case):
+                                                                          case, later):
     """pf.failing: a step fails at a micro-batch (in loss_fn, the first stage's forward, a
-    middle stage's backward); every rank raises, naming where it started; then a new Pipeline
+    middle stage's backward; later: in the second step, whose headers carry messages); every
+    rank raises, naming where it started; then a new Pipeline
     on the same ranks steps, which it cannot when a message of the failed step is left in the
     stream (its receives would pair with it)."""
-    for rank, (msg, took) in enumerate(pool4.run(run_tag0, pf.failing, schedule, v, case)):
+    for rank, (msg, took) in enumerate(pool4.run(run_tag0, pf.failing, schedule, v, case,
+                                                 later=later)):
         assert msg != "no error" and took < pf.HANG_BOUND, (rank, msg, took)
         assert "boom in" in msg, (rank, msg)
 

@@ -186,6 +186,48 @@ def test_trace(pool2, tmp_path):
     assert stats["peak_activation_bytes"] > 0 and stats["wall"] >= stats["compute"]
 
 
+def agreed_layouts(rank, world):
+    """Per call (step or forward), the messages this rank sent its peer, and whether the
+    results equal the dense model's (loss and gradients within 1e-6; outputs for forward)."""
+    from pyfast.parallel import Pipeline
+    pipe = Pipeline.from_sequential(model(), 4, "1f1b", F.mse_loss)
+    ref = model()
+    (peer,) = pipe.peers.values()
+    out = []
+    for i, (call, rows) in enumerate([("step", 8), ("step", 8), ("step", 12), ("step", 12),
+                                      ("forward", 12), ("step", 12), ("step", 12)]):
+        x, t = batch(rows, seed=i)
+        if call == "forward":
+            y = pipe.forward(x if rank == 0 else None)
+            if rank == world - 1:
+                _close(y, ref(x).detach(), f"forward output at call {i}")
+        else:
+            pipe.zero_grad(set_to_none=True)
+            ref.zero_grad(set_to_none=True)
+            loss = pipe.step(x if rank == 0 else None, t if rank == world - 1 else None)
+            want = F.mse_loss(ref(x), t)
+            want.backward()
+            if rank == world - 1:
+                _close(loss, want.detach(), f"loss at call {i}")
+            named = dict(ref.named_parameters())
+            for stage in pipe.stages.values():
+                for name, p in stage.named_parameters():
+                    _close(p.grad, named[name].grad, f"grad of {name} at call {i}")
+        out.append(len(peer.sent))
+    return out
+
+
+def test_layouts_are_agreed_once_and_may_change(pool2):
+    """From the second call on, each boundary's first message of a direction rides in its
+    header (4 micro-batches: 4 messages a direction, not 5) while the layout is the last call's;
+    a new batch size, or gradients after a forward() (which sends none), go as before: a header,
+    then the message. Every call's results equal the dense model's."""
+    sent0, sent1 = pool2.run(agreed_layouts)
+    #       rows 8: first, agreed   12: changed, agreed   forward   grads after it   agreed
+    assert sent0 == [5, 4, 5, 4, 4, 4, 4], sent0  # activations
+    assert sent1 == [5, 4, 5, 4, 0, 5, 4], sent1  # gradients
+
+
 def io_threads(rank, world):
     """The threads and groups of a Pipeline built with the default io_nice and with None."""
     import torch.distributed as dist

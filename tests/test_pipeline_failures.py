@@ -67,26 +67,30 @@ def _batch(rows=16):
     return torch.randn(rows, 8), torch.randn(rows, 8)
 
 
-def failing(rank, world, schedule, v, case, m=8):
+def failing(rank, world, schedule, v, case, m=8, later=False):
     """One step that fails as `case` says; returns (error message, seconds to raise), then checks
-    that the broken Pipeline refuses a second step and that a fresh Pipeline works."""
+    that the broken Pipeline refuses a second step and that a fresh Pipeline works. later: a
+    good step first, so the failing one sends its first messages in their headers' room."""
     from pyfast.parallel.pipeline import Pipeline, PipelineError
     n = world * v
     calls = []
 
     def loss_fn(y, t):
         calls.append(1)
-        if case == "loss" and len(calls) == 4:  # micro-batch 3
+        if case == "loss" and len(calls) == 4 + m * later:  # micro-batch 3
             raise ValueError("boom in loss_fn")
         return F.mse_loss(y, t)
 
-    where, how = {"loss": (-1, None), "first": (0, "raise"), "shape": (0, "shape"),
-                  "backward": (n // 2, "backward")}[case]
+    where, how = {"loss": (-1, None), "first": (0, "raise"), "first0": (0, "raise"),
+                  "shape": (0, "shape"), "backward": (n // 2, "backward")}[case]
     torch.manual_seed(0)
-    seq = _seq(n, where, 3 if case != "first" else 1, how or "none", rank)
+    at = {"first": 1, "first0": 0}.get(case, 3) + m * later
+    seq = _seq(n, where, at, how or "none", rank)
     pipe = Pipeline.from_sequential(seq, m, schedule, loss_fn, balance=[1] * n, virtual_stages=v)
     x, t = _batch()
     first, last = 0 in pipe.stages, n - 1 in pipe.stages
+    if later:
+        pipe.step(x if first else None, t if last else None)
     t0 = time.perf_counter()
     try:
         pipe.step(x if first else None, t if last else None)
@@ -134,6 +138,18 @@ def test_loss_fn_failing_at_microbatch_3_raises_everywhere(pool4, schedule, v):
 def test_stage_failures_raise_everywhere(pool4, case, stage, mb, what):
     _all_raise(pool4.run(failing, "1f1b", 1, case, timeout=90),
                rf"\brank {stage}\b", rf"\bstage {stage}\b", rf"micro-batch {mb}\b", what)
+
+
+@pytest.mark.parametrize("schedule,v,case,stage,mb,what", [
+    (*sv, "loss", 4 * sv[1] - 1, 3, "boom in loss_fn") for sv in SCHEDULES] + [
+    ("1f1b", 1, "first0", 0, 0, "boom in forward"),  # before rank 0's header of the step
+    ("interleaved-1f1b", 2, "first0", 0, 0, "boom in forward"),
+    ("1f1b", 1, "backward", 2, 3, "boom in backward")])
+def test_failures_in_a_later_step_raise_everywhere(pool4, schedule, v, case, stage, mb, what):
+    """The second step of a Pipeline: headers carry their boundary's first message, or an
+    error padded to the size the receiver posted."""
+    _all_raise(pool4.run(failing, schedule, v, case, later=True, timeout=90),
+               rf"\brank {stage % 4}\b", rf"\bstage {stage}\b", rf"micro-batch {mb}\b", what)
 
 
 # -- dead and silent peers -------------------------------------------------------------------
