@@ -143,14 +143,15 @@ def _predict(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster,
     pp_c = 0.0
     bubble = 0.0
     if p > 1:
-        hop = pp_link.seconds("p2p", toks * shape.hidden * 4, 2 * m * v)
+        # a 1 KB header each way carries the step's first message (pyfast.parallel.p2p: layouts
+        # agreed once, so after the first step no message of its own): its bytes spread over
+        # the step's 2 m v messages
+        hop = pp_link.seconds("p2p", toks * shape.hidden * 4 + 1024 / (m * v), 2 * m * v)
         # each rank waits on one receive per micro-batch (the first stage for gradients, the
         # last for activations; sends are isend), each transfer on the critical path once
         pp_c = m * v * (2 * hop + pp_link.wake((f + b) / (2 * v)))
-        # a 1 KB header each way on the step's first message, and the step's outcome agreed by
-        # one all-reduce (pyfast.parallel.p2p / Pipeline)
-        pp_c += 2 * (pp_link.seconds("p2p", 1024) + pp_link.wake(f / v)) + \
-            pp_link.seconds("small", SMALL_BYTES) + pp_link.wake(0.0)
+        # the step's outcome agreed by a flag to every other rank (outcome.Flags)
+        pp_c += pp_link.seconds("small", SMALL_BYTES) + pp_link.wake(0.0)
         bub = (p - 1) / v * t_mb
         bubble = bub / 3 if plan.schedule == "zb-h1" else bub
     body = m * t_mb + bubble + pp_c
