@@ -242,6 +242,10 @@ def _gap_write(rank, world, n, hidden, steps=STEPS):
             total += job.train_step(s)["bytes_sent"]
             if s == 2:
                 assert job.mark is not None  # in flight past the step's count
+                # its writes done before the file's: inside not_sent() they would be left out
+                # too (as Job.not_sent says), 67 KB of them once, so the runs would differ by
+                # when the transfer ran, not by the write
+                job.diloco.in_flight.handle.wait()
                 with tempfile.TemporaryFile() as f, \
                         job.not_sent() if hidden else contextlib.nullcontext():
                     f.write(b"x" * n)
@@ -253,7 +257,8 @@ def _gap_write(rank, world, n, hidden, steps=STEPS):
 
 def test_bytes_written_between_steps_count_unless_not_sent(pool2):
     """What an in-flight outer all-reduce writes between two steps is the next step's bytes
-    (Job.mark): a file write in that gap stands in for it, n bytes more in the run's total
+    (Job.mark; the transfer is waited for before the gap's write, so it lands outside the
+    window in both runs): a file write in that gap stands in for it, n bytes more in the run's total
     (the rest of its bytes the same in both runs: each lands in some step's count), and the
     same write inside Job.not_sent() (a run's log, its checkpoints) none. Within 256 bytes:
     a small write of another thread may land in a step in one run and in not_sent() in the
