@@ -19,7 +19,7 @@ preempts the main thread mid-call, and it runs whenever the main thread waits), 
 yields the core before each send (os.sched_yield: the loop reads the notices that came in while
 the main thread computed, so the data leaves at once). Measured side by side on that machine:
 interleaved-1F1B 33.9 -> 23.0 ms a step (2 ranks), 38.3 -> 31.3 (4 ranks). Linux only (the
-thread's name and /proc); elsewhere nothing is changed and `found` is empty.
+thread's name and /proc); elsewhere nothing is changed (a Pipeline's `io_threads` is empty).
 """
 from __future__ import annotations
 

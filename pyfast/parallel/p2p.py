@@ -7,10 +7,10 @@ header (the output's tensors: shapes, dtypes, requires_grad; the step number), a
 gradient coming back with a header too. Shapes are agreed once, as torch's pipelining does,
 but may still change between steps: a header message is 1 KB plus room for one message laid
 out as the boundary's last completed step was (`Link.agreed`, the same on both ranks); when
-this step's layout is that one, the first message rides in its header's room (one message
-instead of two, and the receive is posted before the step's first compute: 2.6 -> 2.2 ms to a
-2-rank 1F1B's first backward on the tiny benchmark model), else the room stays empty and the
-message follows on its own, sized by the header.
+this step's layout is that one, the first message rides in its header's room (m messages a
+direction for m micro-batches instead of m + 1, and the first receive is posted before the
+step's first compute), else the room stays empty and the message follows on its own, sized by
+the header.
 
 Every message of a micro-batch (its activations, or their gradients) is one byte buffer: the
 tensors of a stage's output (one tensor or a tuple) packed at 16-byte offsets, then a status
