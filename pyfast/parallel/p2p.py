@@ -292,13 +292,10 @@ class Peer:
         self.sent.append((t.numel(), link.tag(kind, mb)))
         link.isend(t, kind, mb)
         self.unreleased.append(i)
-        self.next = i + 1 + (carries and self._carried(i + 1))
-
-    def _carried(self, j: int) -> bool:
-        if j not in self.follows:
-            raise PipelineError(f"internal: rank {self.me} put {self.order[j]} in a header's room "
-                                f"but the order has no header before it")
-        return True
+        if carries and i + 1 not in self.follows:
+            raise PipelineError(f"internal: rank {self.me} put {self.order[i + 1]} in a header's "
+                                f"room but the order has no header before it")
+        self.next = i + 2 if carries else i + 1
 
     def post(self, upto: int, block: bool) -> None:
         """Post the receives up to index `upto`, stopping at a send of this rank; block: read
