@@ -246,6 +246,8 @@ def io_threads(rank, world):
             "private": lowered.group is not dist.group.WORLD,
             "flags_private": lowered.flags.group not in (dist.group.WORLD, lowered.group),
             "yields": {link.before_send is not None for link in lowered.links.values()},
+            "waits": ({peer.wait_sends for peer in lowered.peers.values()},
+                      {peer.wait_sends for peer in kept.peers.values()}),
             "main": (main, os.getpriority(os.PRIO_PROCESS, 0)),
             "kept": (kept.group is dist.group.WORLD, kept.io_threads,
                      {link.before_send for link in kept.links.values()}), "loop": LOOP_NAME}
@@ -260,6 +262,7 @@ def test_gloo_io_threads_of_the_pipeline_groups_are_lowered(pool2):
         assert len(got["nice"]) == 2 and set(got["nice"]) == {19}, got
         assert got["names"] == [got["loop"]] and got["loops"] >= 3, got  # + the default group's
         assert got["private"] and got["flags_private"] and got["yields"] == {True}, got
+        assert got["waits"] == ({True}, {False}), got  # each send waited where lowered
         assert got["main"][0] == got["main"][1] < 19, got
         assert got["kept"] == (True, [], {None}), got
 
@@ -400,11 +403,11 @@ def _expect_everywhere(results, message):
         assert re.search(message, r.message), f"rank {rank}: {r.message}"
 
 
-def held_sends(rank, world, schedule, m):
+def held_sends(rank, world, schedule, m, io_nice):
     """Most send buffers this rank's links hold after any action of a step, and how many they
     hold once the step returned."""
     from pyfast.parallel import Pipeline
-    pipe = Pipeline.from_sequential(model(), m, schedule, F.mse_loss)
+    pipe = Pipeline.from_sequential(model(), m, schedule, F.mse_loss, io_nice=io_nice)
     x, t = batch(2 * m, 0)
     peak, act = [0], pipe._act
 
@@ -418,11 +421,13 @@ def held_sends(rank, world, schedule, m):
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
 def test_sent_buffers_are_released_when_their_receive_was_posted(pool2, schedule):
-    """A send is waited (and its packed buffer dropped) as soon as a later message from the
-    peer arrives, which the peer sent only after posting that send's receive: with 8
-    micro-batches each rank holds at most 3 (2 payloads and the step's 1 KB header; measured
-    before this: rank 1 held all 8 gradients it sent back and the header until the step
-    ended), none after the step."""
-    (peak0, left0), (peak1, left1) = pool2.run(held_sends, schedule, 8)
+    """io_nice=None (sends not waited as made): a send is waited (and its packed buffer
+    dropped) as soon as a later message from the peer arrives, which the peer sent only after
+    posting that send's receive: with 8 micro-batches each rank holds at most 3 (2 payloads
+    and the step's 1 KB header; measured before this: rank 1 held all 8 gradients it sent back
+    and the header until the step ended), none after the step. With io_nice (the default on
+    gloo) each send is waited as it is made: none is ever held."""
+    (peak0, left0), (peak1, left1) = pool2.run(held_sends, schedule, 8, None)
     assert left0 == left1 == 0
-    assert peak0 <= 3 and peak1 <= 3, (peak0, peak1)
+    assert 1 <= peak0 <= 3 and 1 <= peak1 <= 3, (peak0, peak1)
+    assert pool2.run(held_sends, schedule, 8, 19) == [(0, 0), (0, 0)]

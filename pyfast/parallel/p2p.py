@@ -25,9 +25,10 @@ Nothing relies on tags (NCCL has none; tests/test_nccl_lane.py runs with every t
 ranks issue the messages between them, both ways, in one order that both compute
 (pair_orders), the headers included, so receives pair with sends in posting order and NCCL's
 one stream per pair of ranks never holds a receive that waits for a send queued behind it.
-A failing rank sends the rest of its messages as failures in that order, and after a failed
-step the ranks drain what is left unmatched either way, so no message of it can pair with a
-later one. The tags stay (gloo matches by them), distinct per Pipeline, kind, boundary and
+A failing rank sends the rest of its messages as failures in that order and posts the receives
+of what its peers may still send it (p2p_fail.settle: a peer that waits for each send would
+otherwise wait for a receive never posted), and after a failed step the ranks drain what is
+left unmatched either way, so no message of it can pair with a later one. The tags stay (gloo matches by them), distinct per Pipeline, kind, boundary and
 micro-batch.
 """
 from __future__ import annotations
@@ -233,6 +234,12 @@ def pair_orders(lists: list, p: int, n_stages: int) -> dict[tuple, list[tuple]]:
     before a send on both sides, each waiting for the other's, would hang. The order is that
     of a run of the schedule (schedules.simulate, by the time each message is sent; ties by
     sender), so it never makes a rank wait for a message that needs its own later one."""
+    return message_orders(lists, p, n_stages)[0]
+
+
+def message_orders(lists: list, p: int, n_stages: int) -> tuple[dict, dict]:
+    """(pair_orders, when): when[pair][i] is the i-th message's place among all the step's
+    messages in that run of the schedule (a failing rank settles its pairs in it)."""
     sent = []
     for q, timeline in enumerate(simulate(lists, n_stages)["timeline"]):
         opened = set()
@@ -250,23 +257,30 @@ def pair_orders(lists: list, p: int, n_stages: int) -> dict[tuple, list[tuple]]:
                 sent.append((end, q, len(sent), dst, head, b, 0))
             sent.append((end, q, len(sent), dst, kind, b, a.mb))
     out: dict[tuple, list[tuple]] = {}
-    for _, q, _, dst, kind, b, mb in sorted(sent):
-        out.setdefault((min(q, dst), max(q, dst)), []).append((q, kind, b, mb))
-    return out
+    when: dict[tuple, list[int]] = {}
+    for g, (_, q, _, dst, kind, b, mb) in enumerate(sorted(sent)):
+        pair = (min(q, dst), max(q, dst))
+        out.setdefault(pair, []).append((q, kind, b, mb))
+        when.setdefault(pair, []).append(g)
+    return out, when
 
 
 class Peer:
     """This rank's messages with one other rank in a step, both ways, issued in pair_orders'
     order: a send first posts every receive due before it; a receive is posted as far ahead
     as that order allows (never past a send of this rank not made yet) and its size is known
-    (a boundary's activations once its header is read)."""
+    (a boundary's activations once its header is read). wait_sends: wait for each send as it
+    is made (gloo with a lowered I/O thread, whose transfers otherwise wait for this rank to
+    block; a failing rank then posts every receive it owes: p2p_fail.settle)."""
 
-    def __init__(self, group, rank: int, me: int):
+    def __init__(self, group, rank: int, me: int, wait_sends: bool = False):
         self.group, self.rank, self.me = group, rank, me  # ranks in `group`
+        self.wait_sends = wait_sends
         self.links: dict[int, Link] = {}     # boundary -> Link (each Link adds itself)
 
-    def begin(self, order: list):
+    def begin(self, order: list, when: list | None = None):
         self.order = order
+        self.when = when if when is not None else list(range(len(order)))
         self.at = {(kind, b, mb): i for i, (_, kind, b, mb) in enumerate(order)}
         # the first message of each boundary and direction, right after its header: it may
         # ride in the header's room (Link.merged)
@@ -291,7 +305,10 @@ class Peer:
                                 f"rank {self.rank} before {self.order[self.next]}")
         self.sent.append((t.numel(), link.tag(kind, mb)))
         link.isend(t, kind, mb)
-        self.unreleased.append(i)
+        if self.wait_sends:
+            link.release(kind, mb)
+        else:
+            self.unreleased.append(i)
         if carries and i + 1 not in self.follows:
             raise PipelineError(f"internal: rank {self.me} put {self.order[i + 1]} in a header's "
                                 f"room but the order has no header before it")
@@ -350,27 +367,6 @@ class Peer:
                 self.links[b_j].read_header(kind_j)
         self.checked = max(self.checked, i)
 
-    def fail(self, message: str) -> None:
-        """The rest of this rank's messages to the peer, as failures, in order: an error
-        header where a header is due, a FAILED message of the right size for each message
-        after it; up to the first one whose size this rank cannot know (a header it sent as
-        an error precedes it). Receives are not posted any more (drain() matches them)."""
-        for j in range(self.next, len(self.order)):
-            sender, kind, b, mb = self.order[j]
-            if sender == self.me:
-                if j in self.follows:  # as the peer counts it: in its header's room, or not
-                    carried = self.links[b].merged(kind)
-                    if carried is None:
-                        return
-                    if carried:
-                        continue
-                t = self.links[b].failure(kind, message)
-                if t is None:
-                    return
-                self.sent.append((t.numel(), self.links[b].tag(kind, mb)))
-                self.links[b].isend(t, kind, mb)
-        self.next = len(self.order)
-
     def drain(self, theirs, device) -> None:
         """After a failed step, every rank alive and done sending: receive what the peer sent
         that this rank never posted, and send what this rank posted that the peer never sent
@@ -418,6 +414,7 @@ class Link:
         self.meta = None  # spec_of(...) of this step's activations
         self.opened_b = False  # the gradients' header sent by this rank this step
         self.grad_ok = not training  # gradient header received (or not expected)
+        self.heard = set()  # the header kinds whose receive has been waited for
         self.acts, self.grads, self.mailbox = {}, {}, {}
         self._hf = self._hb = None
 
@@ -515,9 +512,15 @@ class Link:
             (self.acts if kind == ACT else self.grads)[mb] = pending
 
     def read_header(self, kind):
+        if kind in self.heard and (self.meta is None if kind == ACT_HEADER else not self.grad_ok):
+            # read and failed already: a receive's wait cannot be repeated (gloo's blocks)
+            raise PipelineError(f"boundary {self.stage}->{self.stage + 1}: its header said "
+                                f"the peer failed")
         if kind == ACT_HEADER and self.meta is None:
+            self.heard.add(kind)
             self.meta = self._header(self._hf, f"sender of stage {self.stage}")["spec"]
         elif kind == GRAD_HEADER and not self.grad_ok:
+            self.heard.add(kind)
             self._header(self._hb, f"receiver of stage {self.stage}")
             self.grad_ok = True
 
