@@ -210,7 +210,8 @@ def _sends(acts, pick, q, p, n):
 @pytest.mark.parametrize("p,m", [(2, 3), (3, 5), (4, 8)])
 def test_pair_orders_hold_every_message_once_in_each_senders_order(schedule, v, p, m):
     from pyfast.parallel import schedules
-    from pyfast.parallel.p2p import ACT, ACT_HEADER, GRAD, GRAD_HEADER, pair_orders
+    from pyfast.parallel.p2p import (ACT, ACT_HEADER, GRAD, GRAD_HEADER, message_orders,
+                                     pair_orders)
     if schedule == "interleaved-1f1b" and m % max(1, m // p):
         pytest.skip("m not divisible by its rounds")
     n = p * v
@@ -230,3 +231,10 @@ def test_pair_orders_hold_every_message_once_in_each_senders_order(schedule, v, 
                     for msgs in _sends(acts, pick, q, p, n).values())
         assert sum(g[1] in (ACT, GRAD) for o in orders.values() for g in o) == total
         assert all(g[0] in pair for pair, o in orders.items() for g in o)
+        # each message's place in the step (a failing rank settles its pairs in it): one
+        # order over all pairs that each pair's order follows
+        orders2, when = message_orders([pick(a) for a in lists], p, n)
+        assert orders2 == orders and when.keys() == orders.keys()
+        assert all(len(when[k]) == len(orders[k]) and when[k] == sorted(when[k]) for k in when)
+        places = [w for k in when for w in when[k]]
+        assert sorted(places) == list(range(len(places)))
