@@ -1,20 +1,27 @@
 """Each pipeline step's outcome, agreed by every rank: one int32 flag (1: this rank failed)
-sent to every other rank, on a process group that carries nothing else.
+from every rank to one rank, the root, and the outcome (1: some rank failed) back, on a process
+group that carries nothing else.
 
 Why not an all-reduce of the flag at the step's end (what the Pipeline did before): the rank
 that finishes last (rank 0 under gpipe and 1F1B) then waits out the collective's round trips
 after its last action; on the tiny model of `pyfast bench pipeline` (8 x Linear(256), batch
 32, 8 micro-batches, 2 pinned ranks, 2-core Xeon with other jobs running) 1F1B took 1.22-1.24x
-torch's Schedule1F1B with it and 1.03-1.04x without any agreement. Here the lower rank of every
-pair posts its receive when the step begins, so the flags of ranks that finished earlier are
-already there when it ends: it sends its own and returns.
+torch's Schedule1F1B with it and 1.03-1.04x without any agreement. Here the root is the rank
+that finishes its schedule last (a run of the schedule says which: schedules.simulate); it
+posts its receives when the step begins, so the other ranks' flags are there when it ends: it
+sends the outcome and returns. Every other rank sends one flag and receives one outcome: 2
+messages a rank and step, 2 (p - 1) on the root, where a flag from every rank to every other
+rank (issue 32's first version) made p - 1 sends and receives on each: 6 a rank at 4 ranks,
+30 at 16.
 
 A group of its own because after a failed step the pipeline's p2p streams still hold messages
 nobody matched (drained only after this agreement): a flag posted there would pair with one of
 them (NCCL, and gloo under tests/nccl_lane.py, pair messages per peer in posting order). Within
-this group each pair exchanges exactly two messages a step, the higher rank sending before it
-receives, the lower rank receiving (posted early) before it sends: never a receive before a send
-on both sides, so NCCL's one stream per pair cannot hang on them.
+this group each pair (root, q) exchanges exactly two messages a step, q sending its flag
+before it receives the outcome, the root receiving (posted early) before it sends: never a
+receive before a send on both sides, so NCCL's one stream per pair cannot hang on them. A root
+that cannot hear from a rank (dead) still sends "failed" to every other rank before it raises:
+they learn of it from the root, as they would have from the dead rank itself.
 """
 from __future__ import annotations
 
@@ -26,13 +33,13 @@ from pyfast.comm.failure import naming
 
 
 class Flags:
-    """This rank's end of the outcome exchange of a Pipeline (p > 1 ranks in `group`)."""
+    """This rank's end of the outcome exchange of a Pipeline (p > 1 ranks in `group`). roots:
+    the root rank for a training step (True) and for inference (False)."""
 
-    def __init__(self, group, rank: int, p: int):
+    def __init__(self, group, rank: int, p: int, roots: dict | None = None):
         self.group, self.rank, self.p = group, rank, p
-        self.higher = list(range(rank + 1, p))  # they send first: receive from them early
-        self.lower = list(range(rank))
-        self.recvs: dict = {}    # peer -> (work, buffer) posted and not yet read
+        self.roots = roots or {True: 0, False: 0}
+        self.recvs: dict = {}    # peer -> (work, buffer) posted and not yet read (root only)
         self.abandoned: list = []  # a failed exchange's works and buffers, kept alive
 
     def _post(self, peers, device) -> dict:
@@ -44,31 +51,45 @@ class Flags:
             out[q] = (dist.irecv(buf, group=self.group, group_src=q), buf)
         return out
 
-    def begin(self, device) -> None:
-        """Post the receives from the higher ranks (a step's first call)."""
-        peers = [q for q in self.higher if q not in self.recvs]
-        if peers:
-            with naming("Pipeline: posting the step's outcome receives"):
-                self.recvs.update(self._post(peers, device))
+    def begin(self, device, training: bool = True) -> None:
+        """The root posts its receives of the others' flags (a step's first call)."""
+        self.root = self.roots[training]
+        if self.rank == self.root:
+            peers = [q for q in range(self.p) if q != self.rank and q not in self.recvs]
+            if peers:
+                with naming("Pipeline: posting the step's outcome receives"):
+                    self.recvs.update(self._post(peers, device))
 
     def exchange(self, failed: bool, device) -> bool:
-        """Send this rank's flag, read everyone's: True when any rank failed this step."""
+        """Send this rank's flag, learn the outcome: True when any rank failed this step."""
         mine = torch.tensor([int(failed)], dtype=torch.int32, device=device)
-        works, recvs, self.recvs = [], self.recvs, {}
+        works, recvs, self.recvs, sent = [], self.recvs, {}, [mine]
         try:
             with naming("Pipeline: agreeing on the step's outcome"):
-                for q in self.higher:  # posted at the step's start unless that start failed
-                    if q not in recvs:
-                        recvs.update(self._post([q], device))
-                for q in self.lower + self.higher:  # to a lower rank: before receiving from it
-                    works.append(dist.isend(mine, group=self.group, group_dst=q))
-                recvs.update(self._post(self.lower, device))
+                if self.rank != self.root:  # the flag, then the outcome
+                    works.append(dist.isend(mine, group=self.group, group_dst=self.root))
+                    recvs = self._post([self.root], device)
+                    works[0].wait()
+                    recvs[self.root][0].wait()
+                    return bool(read(recvs[self.root][1], [0], self.group)[0])
+                missing = [q for q in range(self.p) if q != self.rank and q not in recvs]
+                recvs.update(self._post(missing, device))  # the step's start failed
+                lost, anyone = {}, failed
+                for q, (w, b) in recvs.items():
+                    try:
+                        w.wait()
+                        anyone = anyone or bool(read(b, [0], self.group)[0])
+                    except Exception as e:  # noqa: BLE001  (a dead peer: the others must hear)
+                        lost[q] = e
+                sent.append(torch.tensor([int(anyone or bool(lost))], dtype=torch.int32,
+                                         device=device))
+                works += [dist.isend(sent[-1], group=self.group, group_dst=q) for q in recvs
+                          if q not in lost]
                 for w in works:
                     w.wait()
-                for w, _ in recvs.values():
-                    w.wait()
+                if lost:  # raised after telling every other rank the step failed
+                    raise next(iter(lost.values()))
+                return anyone
         except Exception:
-            self.abandoned += [mine, works, recvs]
+            self.abandoned += [sent, works, recvs]
             raise
-        flags = [b for _, b in recvs.values()]
-        return failed or any(read(b, [0], self.group)[0] for b in flags)

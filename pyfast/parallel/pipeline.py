@@ -198,7 +198,6 @@ class Pipeline(nn.Module):
         self.stages, self.bounds, self.n_stages = stages, bounds, len(bounds) - 1
         self.n_microbatches, self.schedule, self.loss_fn = m, schedule, loss_fn
         self.group, self.rank, self.world_size = group, rank, p
-        self.flags = Flags(flag_group, rank, p) if p > 1 else None
         self.abandoned: list = []  # a failed step's pending work (agreement), kept alive
         self.actions = schedules.lower(compute, self.n_stages, RECV_LOOKAHEAD)
         self.forward_actions = schedules.lower(schedules.forward_only(compute), self.n_stages,
@@ -219,6 +218,11 @@ class Pipeline(nn.Module):
         self._orders = {training: message_orders([pick(a) for a in lists], p, self.n_stages)
                         if self.peers else ({}, {})
                         for training, pick in ((True, list), (False, schedules.forward_only))}
+        # the outcome's root: the rank that finishes last in a run of the schedule (it finds
+        # the others' flags waiting)
+        roots = {training: _last([pick(a) for a in lists], self.n_stages)
+                 for training, pick in ((True, list), (False, schedules.forward_only))}
+        self.flags = Flags(flag_group, rank, p, roots) if p > 1 else None
         self._steps, self._broken, self.last_stats = 0, None, {}
         # Split backward (I then W) on every stage for zero bubble; elsewhere only where Linear
         # layers are big enough for the in-place weight gradient to pay for the graph walk:
@@ -294,7 +298,7 @@ class Pipeline(nn.Module):
             for link in self.links.values():
                 link.begin(self._steps, training, self._dev)
             if self.flags is not None:
-                self.flags.begin(self._dev)
+                self.flags.begin(self._dev, training)
             for q, peer in self.peers.items():
                 pair = (min(q, self.rank), max(q, self.rank))
                 orders, when = self._orders[training]
@@ -329,8 +333,8 @@ class Pipeline(nn.Module):
                                         f"{type(e).__name__}: {e}")
 
     def _agree(self, op: str, error: Exception | None):
-        """Every rank learns whether any rank failed this step (outcome.Flags: a flag to every
-        other rank; the messages are gathered only on failure) and raises the error where it started. A rank
+        """Every rank learns whether any rank failed this step (outcome.Flags: a flag to the
+        rank that finishes last, the outcome back; the messages are gathered only on failure) and raises the error where it started. A rank
         that finished its schedule before a peer failed raises too. Not comm.agree, which checks
         arguments before any data moves: this runs after a step that may have lost a peer, so
         the exchange itself may fail, and the error it agrees on is a forwarded one."""
@@ -563,3 +567,10 @@ def _describe(x) -> str:
     if isinstance(x, torch.Tensor):
         return f"{tuple(x.shape)} {x.dtype}"
     return "(" + ", ".join(_describe(t) for t in x) + ")"
+
+
+def _last(lists: list, n_stages: int) -> int:
+    """The rank whose schedule ends last in a run of it (the lowest such rank on a tie)."""
+    ends = [max((end for _, end, _ in t), default=0.0)
+            for t in schedules.simulate(lists, n_stages)["timeline"]]
+    return max(range(len(ends)), key=lambda q: (ends[q], -q))
