@@ -150,7 +150,8 @@ def _predict(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster,
         # each rank waits on one receive per micro-batch (the first stage for gradients, the
         # last for activations; sends are isend), each transfer on the critical path once
         pp_c = m * v * (2 * hop + pp_link.wake((f + b) / (2 * v)))
-        # the step's outcome agreed by a flag to every other rank (outcome.Flags)
+        # the step's outcome: the rank that finishes last finds the others' flags waiting and
+        # sends it back, one small message after its last action (outcome.Flags)
         pp_c += pp_link.seconds("small", SMALL_BYTES) + pp_link.wake(0.0)
         bub = (p - 1) / v * t_mb
         bubble = bub / 3 if plan.schedule == "zb-h1" else bub
