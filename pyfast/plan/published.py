@@ -4,8 +4,9 @@ The planner's GPU step times are a datasheet FLOP rate times an efficiency (hard
 These are the runs that efficiency is fitted on and checked against: torchtitan's tables
 (pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Tables 1-6: Llama 3.1 8B /
 70B / 405B on 8-512 H100, FSDP, FSDP + CP / TP / PP; benchmarks/asyncTP_llama3_h100_2025-06
-_torchtitan.md: FSDP + TP in bf16; docs/performance.md at 0413364: Llama 2 / 3 on 64 A100,
-FSDP; benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md: FSDP on 32 / 64 H200).
+_torchtitan.md: FSDP + TP, bf16 and Float8 tensorwise, plain and AsyncTP; docs/performance.md
+at 0413364: Llama 2 / 3 on 64 A100, FSDP; benchmarks/llama3-8b_h200_202506_trainy-whitefiber
+.md: FSDP on 32 / 64 H200).
 
 predict(case) evaluates the published configuration itself (model, GPUs, dp x cp x tp x pp,
 batch, sequence, recompute), not the planner's best: FSDP is ZeRO 3 gathering bf16 weights
@@ -18,8 +19,8 @@ models have no switch for is applied here, each from a stated source:
   and activations are interpolated between the models' recompute off and on by that fraction.
 - torch.compile and Float8 linears: factors on the FLOP rate, fitted on Table 1's rows (FIT)
   and held out everywhere else. Float8 "rowwise" rows (a different recipe) are left out.
-- AsyncTP is not modelled: those rows are predicted as plain TP (their error says what
-  overlapping TP's all-reduces would have to win).
+- AsyncTP: Plan.async_tp, each TP collective overlapped with its matmul (timing_tp.py); no
+  constant is fitted on those rows.
 Published memory is the caching allocator's peak reserved memory; the model predicts the peak
 allocated by pyfast's own job, which keeps fp32 checkpoints and LayerNorm outputs (torchtitan's
 are bf16); TP cases run with --sequence-parallel, as torchtitan's TP always does. Under pp the
@@ -115,12 +116,16 @@ CASES = (
        "full", 652.4, compile=True, async_tp=True),
     _c("ATP 70B ... Float8 tensorwise", ATP, "llama-70b", H, (32, 1, 8, 1), 16, 8192, "full",
        809.8, compile=True, float8=True),
+    _c("ATP 70B ... Float8 tensorwise AsyncTP", ATP, "llama-70b", H, (32, 1, 8, 1), 16, 8192,
+       "full", 942.4, compile=True, float8=True, async_tp=True),
     _c("ATP 8B FSDP 8 x TP 8 bf16", ATP, "llama-8b", H, (8, 1, 8, 1), 12, 8192,
        "selective-op", 4378, compile=True),
     _c("ATP 8B FSDP 8 x TP 8 bf16 AsyncTP", ATP, "llama-8b", H, (8, 1, 8, 1), 12, 8192,
        "selective-op", 4809.4, compile=True, async_tp=True),
     _c("ATP 8B ... Float8 tensorwise", ATP, "llama-8b", H, (8, 1, 8, 1), 12, 8192,
        "selective-op", 5078.1, compile=True, float8=True),
+    _c("ATP 8B ... Float8 tensorwise AsyncTP", ATP, "llama-8b", H, (8, 1, 8, 1), 12, 8192,
+       "selective-op", 5570.1, compile=True, float8=True, async_tp=True),
     # the A100 page names no network: 400 Gb/s a GPU assumed, as the H100 runs' (at 200 Gb/s
     # the model makes these FSDP backwards communication-bound and the fit needs 73% MFU)
     *(_c(f"A100 {name}", A100, model, "a100-80gb", (64, 1, 1, 1), lb, seq, rc, tps)
@@ -212,7 +217,7 @@ def plan_of(c: Case, ac: bool) -> tuple[Plan, Workload]:
                 param_compress="fp8" if c.fp8_gather else "bf16",
                 # torchtitan's TP always shards the norms' regions (SequenceParallel styles,
                 # models/llama3/parallelize.py): pyfast train --sequence-parallel
-                sequence_parallel=c.tp > 1)
+                sequence_parallel=c.tp > 1, async_tp=c.async_tp)
     return plan, Workload(c.seq, c.dp * c.local_batch, "bf16")
 
 
