@@ -194,6 +194,8 @@ def test_the_fit_reproduces_the_tables_constants():
     assert f["attn h100-hbm2e"] == pytest.approx(hardware.H100_ATTN, rel=0.01)
     assert f["mfu a100-80gb"] == pytest.approx(hardware.A100_MFU, rel=0.01)
     assert (f["compile"], f["float8"]) == pytest.approx((P.COMPILE, P.FLOAT8), rel=0.01)
+    assert f["power h200"] == pytest.approx(hardware.H200_POWER, rel=0.01)
+    assert hardware.GPUS["h200"].mfu == pytest.approx(hardware.H200_POWER * hardware.H100_MFU)
     assert set(P.FIT.values()) <= {c.name for c in P.CASES}
 
 
