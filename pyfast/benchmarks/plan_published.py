@@ -25,7 +25,8 @@ TARGET = 0.15
 
 def _fitted_vs_table(fitted: dict) -> list[dict]:
     table = {"mfu h100-hbm2e": hardware.H100_MFU, "attn h100-hbm2e": hardware.H100_ATTN,
-             "mfu a100-80gb": hardware.A100_MFU, "compile": P.COMPILE, "float8": P.FLOAT8}
+             "mfu a100-80gb": hardware.A100_MFU, "compile": P.COMPILE, "float8": P.FLOAT8,
+             "power h200": hardware.H200_POWER}
     return [dict(constant=k, fitted=v, table=table[k], on=P.FIT[k]) for k, v in fitted.items()]
 
 
