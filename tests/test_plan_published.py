@@ -1,6 +1,7 @@
 """The planner against published GPU runs (pyfast.plan.published), the tie-break among plans
-within its error (search.prefer_simple), and context parallelism's per-step costs
-(plan/timing_cp.py). Model arithmetic only: no torch, no timing."""
+within its error (search.prefer_simple), context parallelism's per-step costs
+(plan/timing_cp.py) and overlapped tensor parallelism's (plan/timing_tp.py). Model arithmetic
+only: no torch, no timing."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -13,6 +14,7 @@ from pyfast.plan.spec import Plan, Workload
 from pyfast.plan.timing import predict_time
 from pyfast.plan.timing_cp import TILE, block_efficiency, causal_efficiency, ring_steps
 from pyfast.plan.timing_link import Link
+from pyfast.plan.timing_tp import overlapped_params
 
 
 # ---- the tie-break
@@ -91,6 +93,78 @@ def test_ring_steps_by_hand():
     assert ring_steps(shape, Plan(dp=8), work, link, 2, 1.0, 1e12) == (0.0, 0.0)
 
 
+# ---- overlapped tensor parallelism
+
+def _tp_comm(plan, shape, work, cl):
+    return predict_time(shape, plan, work, cl)["tp_comm_s"]
+
+
+def test_async_tp_by_hand():
+    """Llama 3.1 8B, tp 8 on one H100 node, 4 x 8,192 tokens: each of the block's 4
+    collectives moves half an all-reduce of the block's activations and hides behind 7/8 of
+    its matmul (q, k, v | output | w1 + w3 | w2), in forward and again in backward; what
+    stays exposed is summed by hand here, per block and over the 32 blocks."""
+    shape, cl = shapes.preset("llama-8b"), build(8, 8, "h100")
+    work = Workload(8192, 4)
+    plan = Plan(tp=8, micro_batch=4, sequence_parallel=True, async_tp=True)
+    toks, h, kv, f = 4 * 8192, shape.hidden, shape.kv_dim, shape.ffn
+    ar = Link(cl, 8, 8).seconds("all_reduce", toks * h * 2)
+    rate = cl.gpu.flops_16 * cl.mfu
+    mms = [2 * n / 8 * toks / rate for n in (h * (h + 2 * kv), h * h, 2 * h * f, h * f)]
+    assert overlapped_params(shape, 8) == tuple(n / 8 for n in (h * (h + 2 * kv), h * h,
+                                                                 2 * h * f, h * f))
+    exposed = [max(0.0, ar / 2 - 7 / 8 * mm) for mm in mms]
+    assert exposed[0] > 0 and exposed[1] > 0 and exposed[2] == exposed[3] == 0  # the MLP's hide
+    per_pass = sum(exposed)
+    got = _tp_comm(plan, shape, work, cl)
+    assert got == pytest.approx(shape.layers * 2 * per_pass, rel=1e-9)
+    plain = _tp_comm(plan.replace(async_tp=False), shape, work, cl)
+    assert plain == pytest.approx(shape.layers * 4 * ar, rel=1e-9)
+    # recompute repeats the forward's collectives, overlapped alike
+    ck = plan.replace(activation_checkpointing=True)
+    assert _tp_comm(ck, shape, work, cl) == pytest.approx(shape.layers * 3 * per_pass,
+                                                          rel=1e-9)
+
+
+def test_async_tp_hides_its_matmuls_on_a_slow_link_and_everything_on_a_fast_one():
+    """At 1 GB/s every collective outlasts its matmul: 7/8 of each matmul's seconds come off
+    the blocking path's; at 1 PB/s nothing is left."""
+    shape, work = shapes.preset("llama-8b"), Workload(8192, 4)
+    plan = Plan(tp=8, micro_batch=4, sequence_parallel=True, async_tp=True)
+    slow = build(8, 8, "h100").replace(intra_bps=1e9)  # 1 GB/s: comm >> matmul
+    fast = build(8, 8, "h100").replace(intra_bps=1e15)
+    t = _tp_comm(plan, shape, work, slow)
+    plain = _tp_comm(plan.replace(async_tp=False), shape, work, slow)
+    rate = slow.gpu.flops_16 * slow.mfu
+    hidden = 2 * shape.layers * 7 / 8 * 2 * shape.layer_matmul_params() / 8 * 4 * 8192 / rate
+    assert t == pytest.approx(plain - hidden, rel=1e-9)
+    assert _tp_comm(plan, shape, work, fast) == 0.0 < \
+        _tp_comm(plan.replace(async_tp=False), shape, work, fast)
+    assert _tp_comm(Plan(dp=8, async_tp=True), shape, work, slow) == 0.0  # no tp, no comm
+
+
+def test_an_async_tp_plan_is_not_a_train_command():
+    """pyfast train has no flag for it: the plan says so rather than print a command that
+    runs plain TP (and the search, whose plans are printed as commands, never sets it)."""
+    p = Plan(dp=2, tp=4, sequence_parallel=True, async_tp=True)
+    with pytest.raises(ValueError, match="no flag for overlapped tensor parallelism"):
+        p.train_flags("gpt-small", Workload(256, 8))
+    assert "--tp" in p.replace(async_tp=False).train_flags("gpt-small", Workload(256, 8))
+
+
+def test_published_async_tp_rows_gain_over_their_plain_twins():
+    """Each AsyncTP row of one table against the same configuration without it: the model
+    predicts a gain (the published ones: x1.06 to x1.16), and the 70B rows within 15%."""
+    for c in P.CASES:
+        if not c.async_tp:
+            continue
+        plain = P.predict(P.Case(**{**c.__dict__, "async_tp": False}))["tps"]
+        assert P.predict(c)["tps"] > 1.02 * plain, c.name
+    for name in ("T4 70B FSDP 32 x TP 8 AsyncTP", "ATP 70B FSDP 32 x TP 8 bf16 AsyncTP",
+                 "ATP 70B ... Float8 tensorwise AsyncTP"):
+        assert P.predict(P.case(name))["tps"] == pytest.approx(P.case(name).tps, rel=0.15)
+
+
 # ---- the published cases
 
 def test_a_published_case_against_a_hand_computed_figure():
@@ -120,6 +194,8 @@ def test_the_fit_reproduces_the_tables_constants():
     assert f["attn h100-hbm2e"] == pytest.approx(hardware.H100_ATTN, rel=0.01)
     assert f["mfu a100-80gb"] == pytest.approx(hardware.A100_MFU, rel=0.01)
     assert (f["compile"], f["float8"]) == pytest.approx((P.COMPILE, P.FLOAT8), rel=0.01)
+    assert f["power h200"] == pytest.approx(hardware.H200_POWER, rel=0.01)
+    assert hardware.GPUS["h200"].mfu == pytest.approx(hardware.H200_POWER * hardware.H100_MFU)
     assert set(P.FIT.values()) <= {c.name for c in P.CASES}
 
 

@@ -4,8 +4,9 @@ The planner's GPU step times are a datasheet FLOP rate times an efficiency (hard
 These are the runs that efficiency is fitted on and checked against: torchtitan's tables
 (pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Tables 1-6: Llama 3.1 8B /
 70B / 405B on 8-512 H100, FSDP, FSDP + CP / TP / PP; benchmarks/asyncTP_llama3_h100_2025-06
-_torchtitan.md: FSDP + TP in bf16; docs/performance.md at 0413364: Llama 2 / 3 on 64 A100,
-FSDP; benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md: FSDP on 32 / 64 H200).
+_torchtitan.md: FSDP + TP, bf16 and Float8 tensorwise, plain and AsyncTP; docs/performance.md
+at 0413364: Llama 2 / 3 on 64 A100, FSDP; benchmarks/llama3-8b_h200_202506_trainy-whitefiber
+.md: FSDP on 32 / 64 H200).
 
 predict(case) evaluates the published configuration itself (model, GPUs, dp x cp x tp x pp,
 batch, sequence, recompute), not the planner's best: FSDP is ZeRO 3 gathering bf16 weights
@@ -18,8 +19,8 @@ models have no switch for is applied here, each from a stated source:
   and activations are interpolated between the models' recompute off and on by that fraction.
 - torch.compile and Float8 linears: factors on the FLOP rate, fitted on Table 1's rows (FIT)
   and held out everywhere else. Float8 "rowwise" rows (a different recipe) are left out.
-- AsyncTP is not modelled: those rows are predicted as plain TP (their error says what
-  overlapping TP's all-reduces would have to win).
+- AsyncTP: Plan.async_tp, each TP collective overlapped with its matmul (timing_tp.py); no
+  constant is fitted on those rows.
 Published memory is the caching allocator's peak reserved memory; the model predicts the peak
 allocated by pyfast's own job, which keeps fp32 checkpoints and LayerNorm outputs (torchtitan's
 are bf16); TP cases run with --sequence-parallel, as torchtitan's TP always does. Under pp the
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .hardware import GPUS, Cluster, parse_bandwidth
+from .hardware import GPUS, H200_POWER, Cluster, parse_bandwidth
 from .memory import predict_memory
 from .shapes import preset
 from .spec import Plan, Workload
@@ -115,12 +116,16 @@ CASES = (
        "full", 652.4, compile=True, async_tp=True),
     _c("ATP 70B ... Float8 tensorwise", ATP, "llama-70b", H, (32, 1, 8, 1), 16, 8192, "full",
        809.8, compile=True, float8=True),
+    _c("ATP 70B ... Float8 tensorwise AsyncTP", ATP, "llama-70b", H, (32, 1, 8, 1), 16, 8192,
+       "full", 942.4, compile=True, float8=True, async_tp=True),
     _c("ATP 8B FSDP 8 x TP 8 bf16", ATP, "llama-8b", H, (8, 1, 8, 1), 12, 8192,
        "selective-op", 4378, compile=True),
     _c("ATP 8B FSDP 8 x TP 8 bf16 AsyncTP", ATP, "llama-8b", H, (8, 1, 8, 1), 12, 8192,
        "selective-op", 4809.4, compile=True, async_tp=True),
     _c("ATP 8B ... Float8 tensorwise", ATP, "llama-8b", H, (8, 1, 8, 1), 12, 8192,
        "selective-op", 5078.1, compile=True, float8=True),
+    _c("ATP 8B ... Float8 tensorwise AsyncTP", ATP, "llama-8b", H, (8, 1, 8, 1), 12, 8192,
+       "selective-op", 5570.1, compile=True, float8=True, async_tp=True),
     # the A100 page names no network: 400 Gb/s a GPU assumed, as the H100 runs' (at 200 Gb/s
     # the model makes these FSDP backwards communication-bound and the fit needs 73% MFU)
     *(_c(f"A100 {name}", A100, model, "a100-80gb", (64, 1, 1, 1), lb, seq, rc, tps)
@@ -137,15 +142,19 @@ CASES = (
          "selective-op", tps, mem, compile=True, float8=True, fp8_gather=True)
       for n, tps, mem in ((32, 10938, 47.96), (64, 10753, 46.97))),
 )
-# what each constant is fitted on (everything else is held out): the GPU's efficiency on its, compile and Float8 on Table 1's next two rows
+# what each constant is fitted on (everything else is held out): the GPU's efficiency on its
 # eager bf16 FSDP run, compile and Float8 on Table 1's next two rows; attention's efficiency on
-# Table 2's run without CP (32,768 tokens: attention is 36% of its FLOPs, 12% at 8,192)
+# Table 2's run without CP (32,768 tokens: attention is 36% of its FLOPs, 12% at 8,192); the
+# 700 W H200's rate over the 500 W H100's (matmuls and attention alike: POWER) on Trainy's
+# 32-GPU run, its 64-GPU run held out
 FIT = {"mfu h100-hbm2e": "T1 FSDP", "mfu a100-80gb": "A100 Llama 3 8B, selective op",
        "compile": "T1 FSDP+compile", "float8": "T1 FSDP+compile+Float8",
-       "attn h100-hbm2e": "T2 FSDP 8, CP 1"}
-# the same silicon: the efficiency fitted on one stands for the other (h100: the 700 W SXM
-# part runs faster than the 500 W one fitted, by an amount no run here gives)
+       "attn h100-hbm2e": "T2 FSDP 8, CP 1", "power h200": "H200 FSDP 32+compile+Float8"}
+# the same silicon: the efficiencies fitted on one stand for the other's, times POWER
 SAME_DIE = {"h100": "h100-hbm2e", "h200": "h100-hbm2e", "a100-40gb": "a100-80gb"}
+# a 700 W part's every tensor-core kernel over the 500 W one's of its die (hardware.py says why
+# h100, 700 W too, does not take h200's)
+POWER = {"h200": H200_POWER}
 
 
 def case(name: str) -> Case:
@@ -192,14 +201,15 @@ def cluster_of(c: Case, fitted: dict | None = None) -> Cluster:
     g = GPUS[c.gpu]
     f = fitted or {}
     die = SAME_DIE.get(c.gpu, c.gpu)
-    mfu = f.get(f"mfu {die}", g.mfu)
+    mfu = f.get(f"mfu {die}", GPUS[die].mfu)
     if mfu is None:
         raise ValueError(f"--gpu {c.gpu} has no fitted efficiency: pass fitted['mfu {die}']")
-    attn = f.get(f"attn {die}", g.attn_mfu)
+    power = f.get(f"power {c.gpu}", POWER.get(c.gpu, 1.0))
+    mfu, attn = power * mfu, power * (f.get(f"attn {die}", GPUS[die].attn_mfu) or mfu)
     scale = (f.get("compile", COMPILE) if c.compile else 1.0) * \
         (f.get("float8", FLOAT8) if c.float8 else 1.0)
     return Cluster(c.gpus, min(8, c.gpus), g, g.intra_bps, parse_bandwidth(c.inter_bw),
-                   mfu=mfu * scale, attn_mfu=attn or mfu)
+                   mfu=mfu * scale, attn_mfu=attn)
 
 
 def plan_of(c: Case, ac: bool) -> tuple[Plan, Workload]:
@@ -212,7 +222,7 @@ def plan_of(c: Case, ac: bool) -> tuple[Plan, Workload]:
                 param_compress="fp8" if c.fp8_gather else "bf16",
                 # torchtitan's TP always shards the norms' regions (SequenceParallel styles,
                 # models/llama3/parallelize.py): pyfast train --sequence-parallel
-                sequence_parallel=c.tp > 1)
+                sequence_parallel=c.tp > 1, async_tp=c.async_tp)
     return plan, Workload(c.seq, c.dp * c.local_batch, "bf16")
 
 
@@ -265,5 +275,12 @@ FLOAT8 = 1.434
 
 
 def with_gpu_fit(fitted: dict) -> dict:
-    """GPUS with each fitted mfu in place (what hardware.py's table states)."""
-    return {k: replace(g, mfu=fitted.get(f"mfu {k}", g.mfu)) for k, g in GPUS.items()}
+    """GPUS with each fitted mfu in place (what hardware.py's table states): a GPU's own, or
+    its die's times its POWER."""
+    def mfu(k, g):
+        if f"mfu {k}" in fitted:
+            return fitted[f"mfu {k}"]
+        if k in POWER and f"mfu {SAME_DIE[k]}" in fitted:
+            return fitted.get(f"power {k}", POWER[k]) * fitted[f"mfu {SAME_DIE[k]}"]
+        return g.mfu
+    return {k: replace(g, mfu=mfu(k, g)) for k, g in GPUS.items()}

@@ -146,6 +146,10 @@ class Plan:
     # sharded frozen base too), --offload-prefetch units copied ahead; "none": all on the device
     offload: str = "none"
     prefetch: int = 1
+    # tp > 1: each tp collective overlapped with the matmul it feeds or follows (torchtitan's
+    # AsyncTP; pyfast/plan/timing_tp.py). `pyfast train` has no flag for it (its layers take
+    # ColumnParallelLinear(overlap=...), the job does not pass it): the search never sets it
+    async_tp: bool = False
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -166,6 +170,10 @@ class Plan:
 
     def train_flags(self, shape_flag: str, work: Workload) -> list[str]:
         """The `pyfast train` flags of this plan (launch flags aside)."""
+        if self.async_tp:
+            raise ValueError("async_tp: `pyfast train` has no flag for overlapped tensor "
+                             "parallelism (pyfast.parallel.async_tp's layers are not wired to "
+                             "the job); this plan cannot be launched as such")
         f = ["--model", shape_flag, "--dp", str(self.dp), "--tp", str(self.tp),
              "--pp", str(self.pp), "--seq", str(work.seq), "--batch", str(work.global_batch),
              "--micro-batches", str(self.micro_batches), "--precision", work.precision]

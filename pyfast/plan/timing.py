@@ -12,7 +12,7 @@ predict_time(shape, plan, work, cluster) -> {"step_s", "compute_s", "comm_s", "e
 The step, as the job runs it (1 rank; `m` micro-batches of `micro_batch` sequences, seq/cp tokens
 each): forward + backward of each micro-batch through this stage's modules (embedding, blocks,
 head + loss), with tp's all-reduces inside (blocking: 2 per block forward, 2 backward, 2 more in
-a recomputed forward), cp's ring K/V exchange (per step a latency, the transfer the step's
+a recomputed forward; or overlapped with their matmuls, Plan.async_tp: timing_tp.py), cp's ring K/V exchange (per step a latency, the transfer the step's
 attention does not hide and the merge: timing_cp.py) or Ulysses' all-to-alls (blocking), pp's activations and gradients between stages plus the bubble;
 then the dp x cp gradient reduction: DataParallel's buckets (first 1 MB, then 4 MB, in reverse
 registration order; top-k and PowerSGD per parameter) reduced in order on one communication
@@ -42,6 +42,7 @@ from .timing_reduce import (ALLGATHER_MAX_BYTES, BUCKET_MB, DENSE_BYTES,  # noqa
                             _bucket_cost, _buckets, _codec, _fifo, _trainable, reduction_s,
                             rel_error, steps_factor)
 from .sharding import shard_group
+from .timing_tp import tp_block_s
 from .timing_zero import _zero, zero_key
 
 
@@ -82,17 +83,8 @@ def _predict(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster,
     bf, bb, _ = mod_s("block", _block_params(shape, plan.tp))
     nblocks = -(-shape.layers // p)
     ck = plan.activation_checkpointing
-    tp_ar = tp_link.seconds("all_reduce", toks * shape.hidden * act,
-                            calls=m * nblocks * (6 if ck else 4))
-    tp_f = 2 * (tp_ar + tp_link.wake(bf / 2))   # attention's and the MLP's output, forward
-    tp_b = 2 * (tp_ar + tp_link.wake(bb / 2))   # their inputs' gradients, backward
-    tp_measured = plan.tp > 1 and compute_key("block", plan, work) + ":dist" in \
-        cluster.calibration.get("compute", {})
-    if tp_measured:  # the block was timed with its all-reduces on loopback: only the link's extra
-        lo = _cpu_link(cluster, plan.tp)
-        lo_ar = lo.seconds("all_reduce", toks * shape.hidden * act)
-        tp_f = max(0.0, tp_f - 2 * (lo_ar + lo.wake(bf / 2)))
-        tp_b = max(0.0, tp_b - 2 * (lo_ar + lo.wake(bb / 2)))
+    tp_f, tp_b = tp_block_s(shape, plan, work, cluster, tp_link, act,
+                            m * nblocks * (6 if ck else 4), bf, bb)
     kv = 2.0 * toks * shape.kv_dim // plan.tp * act
     if plan.cp > 1 and plan.cp_method == "ulysses":  # q, k, v in and the output back
         a2a = cp_link.seconds("all_to_all", toks * shape.hidden // plan.tp * act,
