@@ -69,10 +69,14 @@ def _module_s(kind: str, params: list, shape: ModelShape, plan: Plan, work: Work
     rate = cal.get("flops_s") or peak * cluster.mfu
     matmul = sum(n for n, m in params if m)
     fwd_flops = 2.0 * matmul * toks
-    own = extra = 0.0  # attention: the local causal block's forward; cp's other blocks' f + b
-    if kind == "block":
+    own = extra = off = 0.0  # attention: the local causal block's forward; cp's other blocks'
+    if kind == "block":  # forward (off) and their forward + backward (extra)
         own, off = attention_s(shape, plan, work, cluster)
         extra = off * (1 + BWD_PER_FWD)
+    # a checkpointed block's recompute reruns its whole forward: under cp every ring step's
+    # attention too, not only the local block's (the published CP 4 / 8 runs under full
+    # recompute were predicted 16-61% fast without them)
+    redo = off if kind == "block" and plan.activation_checkpointing else 0.0
     if kind == "embed":  # a gather: memory-bound, ~3 passes over the activations
         fwd_flops = 0.0
     measured = cal.get("compute", {}).get(compute_key(kind, plan, work))
@@ -88,12 +92,13 @@ def _module_s(kind: str, params: list, shape: ModelShape, plan: Plan, work: Work
         f, b = measured  # b includes the recompute under activation checkpointing
         rec = f if kind == "block" and plan.activation_checkpointing else 0.0
         # --loss-chunks: each chunk's head and loss run again in backward (checkpointed)
-        return scale * f, scale * (b - rec + extra), scale * (rec + _head_rerun(kind, plan, f))
+        return scale * f, scale * (b - rec + extra), \
+            scale * (rec + redo + _head_rerun(kind, plan, f))
     mem = 3.0 * toks * shape.hidden * 4 / cluster.gpu.hbm_bps
     f = fwd_flops / rate + own + mem
     rec = f if kind == "block" and plan.activation_checkpointing else 0.0
     return scale * f, scale * (BWD_PER_FWD * f + extra), \
-        scale * (rec + _head_rerun(kind, plan, f))
+        scale * (rec + redo + _head_rerun(kind, plan, f))
 
 
 def attention_s(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster
