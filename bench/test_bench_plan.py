@@ -43,3 +43,28 @@ def test_plan_time_runs(monkeypatch):
     text = io.StringIO()
     perf.show(res, plan_time.table, width=190, file=text)
     assert "tp2" in text.getvalue()
+
+
+def test_plan_time_scale_comes_from_the_reference_on_its_own_link(monkeypatch):
+    """A (link, model) group with its own reference run refits on it; one without takes
+    loopback's scale as fitted there (never refitted against another link's calibration: that
+    put gpt-small's 1 Gbit/s int8 run 15-28% slow in five runs); with neither, no scale."""
+    from pyfast.plan import hardware
+    refits = []
+
+    def refit(cluster, shape, plan, work, records, skip, comm):
+        refits.append((records, comm))
+        return cluster.replace(calibration=dict(cluster.calibration, compute_scale=records))
+    monkeypatch.setattr(plan_time.calibrate, "refit_records", refit)
+    base = hardware.Cluster(2, 2, hardware.gpu("cpu"), 1.0, 1.0, calibration={"x": 1})
+    ref = {"link": "loopback", "model": "gpt-small", "config": "dp2", "shape": None,
+           "plan": {}, "records": 0.93}
+    rows = [ref, {"link": "1gbit", "model": "gpt-small", "config": "dp2 int8"}]
+    scales = {}
+    cl, got = plan_time.with_scale(base, "loopback", "gpt-small", rows, scales, None)
+    assert got is ref and cl.calibration["compute_scale"] == 0.93 and refits == [(0.93, False)]
+    cl, got = plan_time.with_scale(base, "1gbit", "gpt-small", rows, scales, None)
+    assert got is None and cl.calibration == {"x": 1, "compute_scale": 0.93}
+    assert len(refits) == 1  # not refitted
+    cl, got = plan_time.with_scale(base, "1gbit", "gpt-tiny", rows, scales, None)
+    assert got is None and cl.calibration == {"x": 1}

@@ -126,21 +126,16 @@ def run(configs=CONFIGS, timeout: float = 300) -> dict:
         rows += [measure_run(*c, timeout=timeout) for c in configs if c[0] == link]
     # the calibration, measured after the runs in the same process: compute at every local
     # shape the plans use, the codecs, each link, the job's own cost (calibrate.measure), and
-    # the compute scale of the reference run (REFERENCE on the same link, else on loopback:
+    # the compute scale of the reference run (REFERENCE on the same link, else loopback's:
     # calibrate.refit_records, compute only: what the 2 ranks cost each other's compute here)
+    scales = {}  # (link, model) -> the compute scale fitted on that link's own reference run
     for link in links:
         fit = fits.get(link)
         for model in sorted({r["model"] for r in rows if r["link"] == link}):
             mine = [r for r in rows if r["link"] == link and r["model"] == model]
             plans = [_plan(r) for r in mine]
             cluster = calibrate.measure(mine[0]["shape"], work, base, link, plans, fit)
-            # this link's own reference run, else loopback's: namespaced runs stepped faster
-            # than loopback ones here (gpt-tiny dp2 14 ms on 10gbit, 22 ms on loopback)
-            ref = next((r for lk in (link, "loopback") for r in rows if r["link"] == lk
-                        and r["model"] == model and r["config"] == REFERENCE), None)
-            if ref is not None:
-                cluster = calibrate.refit_records(cluster, ref["shape"], _plan(ref), work,
-                                                  ref["records"], WARMUP, comm=False)
+            cluster, ref = with_scale(cluster, link, model, rows, scales, work)
             for r, plan in zip(mine, plans):
                 p = timing.predict_time(r["shape"], plan, work, cluster)
                 r.update(predicted_s=p["step_s"], pred=_short(p),
@@ -155,6 +150,28 @@ def run(configs=CONFIGS, timeout: float = 300) -> dict:
             "pyfast": pyfast.__version__, "seq": SEQ, "batch": BATCH, "steps": STEPS,
             "warmup": WARMUP, "rows": rows, "skipped": skipped, "summary": summarize(rows),
             "load_before": load, "wall_s": time.monotonic() - t_start}
+
+
+def with_scale(cluster, link: str, model: str, rows: list, scales: dict, work):
+    """(cluster with its compute scale, the reference row or None). The scale is fitted on
+    REFERENCE run on this link (recorded in scales), else loopback's as fitted there (a run is
+    predicted on the link it ran on), else none."""
+    # this link's own reference run: namespaced runs stepped faster than loopback ones here
+    # (gpt-tiny dp2 14 ms on 10gbit, 22 ms on loopback)
+    ref = next((r for r in rows if r["link"] == link and r["model"] == model
+                and r["config"] == REFERENCE), None)
+    if ref is not None:
+        cluster = calibrate.refit_records(cluster, ref["shape"], _plan(ref), work,
+                                          ref["records"], WARMUP, comm=False)
+        scales[(link, model)] = cluster.calibration["compute_scale"]
+    elif ("loopback", model) in scales:
+        # not refitted against this link's calibration: predicted on the wrong link, the
+        # loopback run's compute took gpt-small's scale to 1.16-1.26 (loopback's own:
+        # 0.92-1.05) and its 1 Gbit/s int8 run +15% to +28% slow in five runs (+2% to +15%
+        # with loopback's scale)
+        cluster = cluster.replace(calibration=dict(
+            cluster.calibration, compute_scale=scales[("loopback", model)]))
+    return cluster, ref
 
 
 def _plan(row):
