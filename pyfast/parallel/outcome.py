@@ -39,6 +39,7 @@ class Flags:
     def __init__(self, group, rank: int, p: int, roots: dict | None = None):
         self.group, self.rank, self.p = group, rank, p
         self.roots = roots or {True: 0, False: 0}
+        self.root = self.roots[True]  # begin() sets the step's
         self.recvs: dict = {}    # peer -> (work, buffer) posted and not yet read (root only)
         self.abandoned: list = []  # a failed exchange's works and buffers, kept alive
 

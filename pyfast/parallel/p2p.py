@@ -28,8 +28,8 @@ one stream per pair of ranks never holds a receive that waits for a send queued 
 A failing rank sends the rest of its messages as failures in that order and posts the receives
 of what its peers may still send it (p2p_fail.settle: a peer that waits for each send would
 otherwise wait for a receive never posted), and after a failed step the ranks drain what is
-left unmatched either way, so no message of it can pair with a later one. The tags stay (gloo matches by them), distinct per Pipeline, kind, boundary and
-micro-batch.
+left unmatched either way, so no message of it can pair with a later one. The tags stay (gloo
+matches by them), distinct per Pipeline, kind, boundary and micro-batch.
 """
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ def settle(peers: list[Peer], message: str) -> None:
     mute, deaf = set(), set()  # peers this rank stopped sending to / posting from
     for _, k, j in due:
         peer = peers[k]
-        sender, kind, b, mb = peer.order[j]
+        sender = peer.order[j][0]
         if sender == peer.me and k not in mute and not _send(peer, j, message):
             mute.add(k)
         elif sender != peer.me and k not in deaf and not _post(peer, j):

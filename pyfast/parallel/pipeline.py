@@ -334,10 +334,11 @@ class Pipeline(nn.Module):
 
     def _agree(self, op: str, error: Exception | None):
         """Every rank learns whether any rank failed this step (outcome.Flags: a flag to the
-        rank that finishes last, the outcome back; the messages are gathered only on failure) and raises the error where it started. A rank
-        that finished its schedule before a peer failed raises too. Not comm.agree, which checks
-        arguments before any data moves: this runs after a step that may have lost a peer, so
-        the exchange itself may fail, and the error it agrees on is a forwarded one."""
+        rank that finishes last, the outcome back; the messages are gathered only on failure)
+        and raises the error where it started. A rank that finished its schedule before a peer
+        failed raises too. Not comm.agree, which checks arguments before any data moves: this
+        runs after a step that may have lost a peer, so the exchange itself may fail, and the
+        error it agrees on is a forwarded one."""
         failed, why = error is not None, None
         if self.world_size > 1:
             try:
