@@ -249,3 +249,20 @@ def test_a_checkpointed_cp_block_recomputes_every_ring_steps_attention():
         plain = _module_s("block", params, shape, dataclasses.replace(
             plan, activation_checkpointing=False), work, cl)
         assert plain[2] == 0.0 and plain[:2] == (f, b)
+
+
+def test_pipeline_runtime_cost_is_measured_and_added_per_micro_batch():
+    """calibrate_dist.measure_pp times pyfast's Pipeline on 2 gloo ranks (its own cost a
+    micro-batch beyond compute and waits); timing adds m x v of it to a pp plan's step, and
+    nothing where it was not measured (a GPU cluster's table has none)."""
+    from pyfast.plan.calibrate_dist import measure_pp
+    plan = Plan(pp=2, micro_batches=4, micro_batch=2)
+    got = measure_pp([plan, Plan(dp=2, micro_batch=2)])
+    assert list(got) == [timing.pp_key(plan)] and 0.0 < got[timing.pp_key(plan)] < 0.1, got
+    work = Workload(256, 8, "bf16")
+    for v, sched in ((1, "1f1b"), (2, "interleaved-1f1b")):
+        p = dataclasses.replace(plan, schedule=sched, micro_batches=4 * v)
+        base = timing.predict_time(SMALL, p, work, cluster())["step_s"]
+        cl = cluster(calibration={"pp": {timing.pp_key(p): 1e-3}})
+        assert math.isclose(timing.predict_time(SMALL, p, work, cl)["step_s"] - base,
+                            p.micro_batches * p.virtual_stages * 1e-3, rel_tol=1e-6)

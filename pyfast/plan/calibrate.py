@@ -28,6 +28,9 @@ Keys of Cluster.calibration (all optional; pyfast.plan.timing reads them):
         parameter)}, a
         pyfast.comm.cost.LinkModel fitted by measure_link on 2 gloo ranks ("link": its name),
         wake_seconds' table, and on a namespace-shaped link its token bucket (probe_link)
+    "pp": {timing.pp_key(plan): s}: the pipeline runtime's own seconds a micro-batch and
+        virtual stage (sends, headers, the outcome, Python between actions) on pp gloo ranks
+        on loopback (calibrate_dist.pp_probe)
     "compute_scale", "comm_scale": refit's measured / predicted (multipliers on the above)
 """
 from __future__ import annotations
@@ -36,7 +39,7 @@ from .hardware import Cluster
 from .spec import ModelShape, Plan, Workload
 # the probes, by concern; their names stay importable from here (cli, benchmarks, tests)
 from .calibrate_compute import measure_codecs, measure_compute, measure_cp_blocks  # noqa: F401
-from .calibrate_dist import measure_tp_blocks, measure_zero
+from .calibrate_dist import measure_pp, measure_tp_blocks, measure_zero
 from .calibrate_job import measure_job
 from .calibrate_link import measure_loopback_link, probe_link, reduce_seconds  # noqa: F401
 from .refit import refit, refit_records, run_plan, shape_of  # noqa: F401
@@ -73,6 +76,7 @@ def measure(shape: ModelShape, work: Workload, cluster: Cluster, link: str = "lo
     cal["compute"].update(measure_cp_blocks(shape, work, plans))
     cal["compute"].update(measure_tp_blocks(shape, work, plans))
     cal["zero"] = {**cal.get("zero", {}), **measure_zero(shape, work, plans)}
+    cal["pp"] = {**cal.get("pp", {}), **measure_pp(plans)}
     specs = {p.compress for p in plans} | {p.param_compress for p in plans}
     cal["codec"] = {**cal.get("codec", {}), **measure_codecs(specs, shape)}
     cal["link_intra"] = cal["link_inter"] = link_model

@@ -1,7 +1,8 @@
 """Calibration probes that need their ranks running at once (pyfast.plan.calibrate): a tp
-plan's block on tp gloo ranks (its all-reduces and the waits between them included), and
-ZeRO's per-step costs beyond plain local training (its hooks, reduce-scatters, sharded
-optimizer, all-gathers and the Python around them), both on loopback.
+plan's block on tp gloo ranks (its all-reduces and the waits between them included), ZeRO's
+per-step costs beyond plain local training (its hooks, reduce-scatters, sharded optimizer,
+all-gathers and the Python around them), and the pipeline runtime's own cost a micro-batch,
+all on loopback.
 
 Why measured rather than summed from the link fit: on this 2-core machine gpt-tiny's tp2 step
 took 21.7-22.5 ms where the modules' compute plus 8 fitted all-reduces made 11.7 (each blocking
@@ -186,6 +187,55 @@ def zero_probe(path: str, model: str, vocab: int, seq: int, micro_batch: int,
     if dist.get_rank() == 0:
         Path(path).write_text(json.dumps(w))
     _finish()
+
+
+def pp_probe(path: str, schedule: str, micro_batches: int, virtual: int) -> None:
+    """A rank of the pipeline probe (env://, gloo, world = pp): pyfast's Pipeline as the job
+    builds it (its default transport) over 2 x world x virtual Linear(64, 64), micro-batches
+    of 2 rows: the runtime's own seconds a micro-batch and virtual stage beyond the stages'
+    compute and the waits for messages (Pipeline.last_stats: wall - compute - idle; sends,
+    headers, the outcome's agreement, the Python between actions), the median of REPEATS
+    steps after 2 warm ones, max over ranks; rank 0 writes [seconds]."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch import nn
+    from pyfast.parallel import Pipeline
+    _init()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    seq = nn.Sequential(*[nn.Linear(64, 64) for _ in range(2 * world * virtual)])
+    pipe = Pipeline.from_sequential(seq, micro_batches, schedule, F.mse_loss,
+                                    virtual_stages=virtual)
+    x = torch.randn(2 * micro_batches, 64)
+    t = torch.randn_like(x)
+    per = []
+    for i in range(REPEATS + 2):
+        pipe.zero_grad(set_to_none=True)
+        dist.barrier()
+        pipe.step(x if rank == 0 else None, t if rank == world - 1 else None)
+        s = pipe.last_stats
+        if i > 1:
+            per.append((s["wall"] - s["compute"] - s["idle"]) / (micro_batches * virtual))
+    w = _max_over_ranks([statistics.median(per)])
+    if rank == 0:
+        Path(path).write_text(json.dumps(w))
+    _finish()
+
+
+def measure_pp(plans, timeout: float = 120) -> dict:
+    """{timing.pp_key(plan): seconds} of each pipeline plan's schedule on pp gloo ranks on
+    loopback (pp_probe). Measured, not assumed: gpt-tiny's pp2 steps took 17-21 ms where the
+    stages' compute, the transfers and the bubble made 13-16 (plan_time, session 51: 22-32%
+    fast at 1 and 10 Gbit/s); 0.7 ms a micro-batch on this 2-core VM, and with it those rows
+    came within 7-17% (replayed on three runs' calibrations)."""
+    out = {}
+    for plan in plans:
+        key = timing.pp_key(plan)
+        if plan.pp == 1 or key in out:
+            continue
+        out[key] = _probe("pp_probe", f"{plan.schedule!r}, {plan.micro_batches}, "
+                          f"{plan.virtual_stages}", plan.pp, timeout)[0]
+    return out
 
 
 def _probe(fn: str, args: str, world: int, timeout: float):

@@ -46,6 +46,11 @@ from .timing_tp import tp_block_s
 from .timing_zero import _zero, zero_key
 
 
+def pp_key(plan: Plan) -> str:
+    """The calibration key of a pipeline plan's runtime cost (calibrate_dist.measure_pp)."""
+    return f"{plan.schedule}:pp{plan.pp}:m{plan.micro_batches}:v{plan.virtual_stages}"
+
+
 def predict_time(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster) -> dict:
     if plan.offload != "none":  # the plan on the device, then the host's and PCIe's seconds
         return _offloaded(shape, plan, work, cluster)
@@ -145,6 +150,9 @@ def _predict(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster,
         # the step's outcome: the rank that finishes last finds the others' flags waiting and
         # sends it back, one small message after its last action (outcome.Flags)
         pp_c += pp_link.seconds("small", SMALL_BYTES) + pp_link.wake(0.0)
+        # the runtime's own time a micro-batch and virtual stage, where measured (a CPU
+        # cluster's calibrate_dist.pp_probe: packing, sends, the Python between actions)
+        pp_c += m * v * cluster.calibration.get("pp", {}).get(pp_key(plan), 0.0)
         bub = (p - 1) / v * t_mb
         bubble = bub / 3 if plan.schedule == "zb-h1" else bub
     body = m * t_mb + bubble + pp_c
