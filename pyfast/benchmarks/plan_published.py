@@ -2,9 +2,9 @@
 
 Every published case of pyfast.plan.published (torchtitan's Llama 3.1 8B / 70B / 405B on 8-512
 H100: FSDP, FSDP + CP / TP / PP, its AsyncTP page's bf16 and Float8 tensorwise rows; Llama 2 /
-3 on 64 A100; Trainy's 8B on 32 / 64 H200) predicted in its own configuration (model, GPUs, mesh, batch, sequence,
-recompute; not the planner's best) by the time and memory models: tokens/s a GPU and peak GiB
-against the published figures. The efficiency constants are refitted here on the FIT cases and
+3 on 64 A100; Trainy's 8B on 32 / 64 H200) predicted in its own configuration (model, GPUs,
+mesh, batch, sequence, recompute; not the planner's best) by the time and memory models:
+tokens/s a GPU and peak GiB against the published figures. The efficiency constants are refitted here on the FIT cases and
 compared with hardware.py's; every other case is held out. Target: within 15% of tokens/s and
 memory. Then the ratio between two runs of one table (the planner's error between two plans,
 what search.TIE_BAND rests on). Model arithmetic only: nothing is timed.
