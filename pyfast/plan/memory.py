@@ -31,6 +31,9 @@ LM head by tp only when vocab >= 2048, models/gpt.py VOCAB_PARALLEL_MIN):
   zb-h1 until each W, interleaved by simulation), plus the head (LayerNorm, logits and
   log-softmax, fp32 [tokens, vocab/tp]) and the largest temporary of the backward. With
   activation checkpointing a layer keeps only its input, and one layer is recomputed at a time.
+  ZeRO 3 holds two gathered units (this one and the prefetched); with plan.keep_gathered
+  (FSDP2's reshard_after_forward=False under a pipeline) the whole stage's weights, in the
+  gathered dtype, from the first micro-batch's forward to the last backward.
 
 A LoRA plan (plan.lora > 0: a frozen base under adapters) is finetune.py's model
 (finetune.lora_memory), which reuses _block_saved for the base's activations. An offload plan
@@ -61,7 +64,8 @@ from pyfast._partition import partition
 
 from .activations import KINDS, _block_saved, korthikanti_activation_bytes  # noqa: F401
 from .held import _held
-from .sharding import BLOCKED, blocked as _blocked, hybrid_compressors, shard_group  # noqa: F401
+from .sharding import (BLOCKED, blocked as _blocked, gathered_bytes, hybrid_compressors,  # noqa: F401
+                       shard_group)
 from .offload import add as add_host, check as check_offload, host_state, params_extra
 from .spec import ModelShape, Plan, Workload
 
@@ -151,6 +155,7 @@ def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = 
     if work.precision not in ("fp32", "bf16", "fp16"):
         raise ValueError(f"precision must be fp32, bf16 or fp16, got {work.precision!r}")
     check_offload(plan, plan.dp * plan.cp)
+    kept_bytes = gathered_bytes(plan) if plan.keep_gathered else 0.0
     if plan.lora:  # a frozen base under LoRA adapters: finetune.py's model
         from .finetune import lora_memory
         return lora_memory(shape, plan, work, device)
@@ -266,7 +271,8 @@ def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = 
         if pp > 1:  # received activations and gradients in flight (p2p buffers)
             k["comm_buffers"] += 2 * tok * F32 * hs
         if zero == 3:  # the gathered units of the forward (this one and the prefetched)
-            act += 2 * unit3 + params_extra(plan, unit3, ns)
+            act += params_extra(plan, unit3, ns) + \
+                (kept_bytes * P if kept_bytes else 2 * unit3)  # or the whole stage, kept
         # a compressor's buffers while a bucket is in flight: its payload, a fraction of the
         # bucket (measured in the dry run, gpt-small: int8 1 MB, PowerSGD 0-3 MB, top-k 0.02
         # MB of 4 MB buckets); ZeRO's are the packed unit of `end` below

@@ -11,8 +11,13 @@ at 0413364: Llama 2 / 3 on 64 A100, FSDP; benchmarks/llama3-8b_h200_202506_train
 predict(case) evaluates the published configuration itself (model, GPUs, dp x cp x tp x pp,
 batch, sequence, recompute), not the planner's best: FSDP is ZeRO 3 gathering bf16 weights
 (param_compress bf16; fp8 where the run all-gathers float8), one micro-batch a rank (torchtitan
-accumulates none) or micro-batches of 1 sequence under pp (its default). What the planner's
-models have no switch for is applied here, each from a stated source:
+accumulates none). Under pp, as torchtitan 9dec370 (the commit Tables 1-6 name) runs it:
+  - the local batch in pp micro-batches (torchtitan/parallelisms/pipelining_utils.py:
+    n_microbatches defaults to pipeline_parallel_degree; later torchtitan defaults to
+    micro-batches of 1 sequence), 2 stages a rank for interleaved 1F1B (generate_split_points);
+  - FSDP keeps each stage's gathered bf16 weights over the micro-batches
+    (parallelize_llama.py: reshard_after_forward=False under PP): Plan.keep_gathered.
+What the planner's models have no switch for is applied here, each from a stated source:
 - selective recompute: torchtitan's "op" policy saves SDPA's output and every other matmul's
   (torchtitan/models/llama3/parallelize.py, _save_list and the mm count), so a block recomputes
   half its matmuls' forward; its "layer" policy checkpoints every 2nd block (ac_freq 2). Time
@@ -26,8 +31,9 @@ allocated by pyfast's own job, which keeps fp32 checkpoints and LayerNorm output
 are bf16); TP cases run with --sequence-parallel, as torchtitan's TP always does. Under pp the
 stage's gradients are held whole over the micro-batches (pyfast's job does so, as FSDP under
 torch's pipelining schedules: issue 33 added it to the memory model, the 405B rows' predicted
-memory rose by 15 GiB, toward the published); not modelled: FSDP keeping the stage's gathered
-weights between micro-batches. bench/results/plan_published.txt names the gap per case.
+memory rose by 15 GiB, toward the published). Before the two pp settings above (micro-batches of
+1 sequence, weights regathered) the 405B 1F1B row was +20.3% in tokens/s and -56% in memory, the
+interleaved one -43% in memory. bench/results/plan_published.txt names the gap per case.
 """
 from __future__ import annotations
 
@@ -68,6 +74,7 @@ class Case:
     schedule: str = "1f1b"
     inter_bw: str = "400gbit"   # Grand Teton: 400 Gb/s RDMA a GPU (the page)
     fp8_gather: bool = False
+    microbatches: int | None = None   # under pp; None: torchtitan 9dec370's default, pp
 
     @property
     def gpus(self) -> int:
@@ -215,14 +222,19 @@ def cluster_of(c: Case, fitted: dict | None = None) -> Cluster:
 def plan_of(c: Case, ac: bool) -> tuple[Plan, Workload]:
     if c.recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {RECOMPUTE}, got {c.recompute!r}")
-    m = c.local_batch if c.pp > 1 else 1
-    plan = Plan(c.dp, c.cp, c.tp, c.pp, zero=3 if c.dp * c.cp > 1 else 0,
+    m = (c.microbatches or c.pp) if c.pp > 1 else 1
+    if c.local_batch % m:
+        raise ValueError(f"{c.name}: local batch {c.local_batch} does not split into {m} "
+                         "micro-batches")
+    zero = 3 if c.dp * c.cp > 1 else 0
+    plan = Plan(c.dp, c.cp, c.tp, c.pp, zero=zero,
                 micro_batch=c.local_batch // m, micro_batches=m, schedule=c.schedule,
                 activation_checkpointing=ac,
                 param_compress="fp8" if c.fp8_gather else "bf16",
                 # torchtitan's TP always shards the norms' regions (SequenceParallel styles,
                 # models/llama3/parallelize.py): pyfast train --sequence-parallel
-                sequence_parallel=c.tp > 1, async_tp=c.async_tp)
+                sequence_parallel=c.tp > 1, async_tp=c.async_tp,
+                keep_gathered=zero == 3 and c.pp > 1)
     return plan, Workload(c.seq, c.dp * c.local_batch, "bf16")
 
 

@@ -150,6 +150,12 @@ class Plan:
     # AsyncTP; pyfast/plan/timing_tp.py). `pyfast train` has no flag for it (its layers take
     # ColumnParallelLinear(overlap=...), the job does not pass it): the search never sets it
     async_tp: bool = False
+    # ZeRO 3 under a pipeline: each stage's gathered weights kept whole from its first
+    # micro-batch's forward to its last backward (FSDP2's reshard_after_forward=False, which
+    # torchtitan sets under PP: one gather a unit a step instead of two a micro-batch), in the
+    # gathered dtype (param_compress). `pyfast train` regathers every micro-batch and has no
+    # flag for it: planner-only, as async_tp (the published runs use it: published.py)
+    keep_gathered: bool = False
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -174,6 +180,10 @@ class Plan:
             raise ValueError("async_tp: `pyfast train` has no flag for overlapped tensor "
                              "parallelism (pyfast.parallel.async_tp's layers are not wired to "
                              "the job); this plan cannot be launched as such")
+        if self.keep_gathered:
+            raise ValueError("keep_gathered: `pyfast train` regathers ZeRO 3's weights every "
+                             "micro-batch (no flag keeps them); this plan cannot be launched "
+                             "as such")
         f = ["--model", shape_flag, "--dp", str(self.dp), "--tp", str(self.tp),
              "--pp", str(self.pp), "--seq", str(work.seq), "--batch", str(work.global_batch),
              "--micro-batches", str(self.micro_batches), "--precision", work.precision]

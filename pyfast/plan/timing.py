@@ -19,7 +19,8 @@ registration order; top-k and PowerSGD per parameter) reduced in order on one co
 thread while the last micro-batch's backward runs (after the pipeline when pp > 1), each bucket
 encode + wire + decode as pyfast.comm.cost.comm_seconds; or ZeRO's reduce-scatter (stage 1 at
 the step, 2 and 3 overlapped) and parameter all-gathers (stages 1-2 after the step, stage 3 per
-module in forward and backward, prefetched one ahead); then the small all-reduce of the step's
+module in forward and backward, prefetched one ahead; once a step under
+Plan.keep_gathered); then the small all-reduce of the step's
 loss/norm and the optimizer.
 
 cluster.calibration (pyfast.plan.calibrate documents the keys): measured per-module seconds at
@@ -41,7 +42,7 @@ from .timing_reduce import (ALLGATHER_MAX_BYTES, BUCKET_MB, DENSE_BYTES,  # noqa
                             FIRST_BUCKET_MB, NONE_BUCKET_MB, REL_ERROR, STEPS_PER_ERROR,
                             _bucket_cost, _buckets, _codec, _fifo, _trainable, reduction_s,
                             rel_error, steps_factor)
-from .sharding import shard_group
+from .sharding import gathered_bytes, shard_group
 from .timing_tp import tp_block_s
 from .timing_zero import _zero, zero_key
 
@@ -52,6 +53,7 @@ def pp_key(plan: Plan) -> str:
 
 
 def predict_time(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster) -> dict:
+    gathered_bytes(plan)  # keep_gathered only where ZeRO 3 runs under a pipeline
     if plan.offload != "none":  # the plan on the device, then the host's and PCIe's seconds
         return _offloaded(shape, plan, work, cluster)
     first = _predict(shape, plan, work, cluster, None)

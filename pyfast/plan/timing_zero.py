@@ -1,7 +1,7 @@
 """ZeRO's reduce-scatters and parameter all-gathers in the time model (pyfast.plan.timing)."""
 from __future__ import annotations
 
-from .sharding import hybrid_compressors
+from .sharding import gathered_bytes, hybrid_compressors
 from .spec import Plan, Workload
 from .hardware import Cluster
 from .timing_link import Link
@@ -90,11 +90,17 @@ def _zero(plan: Plan, mods: list, link: Link, cluster: Cluster, body: float,
     dur = [[x[0] for x in times], [x[1] + x[2] for x in times]]
     order = (list(range(len(units))), list(reversed(range(len(units)))))
 
-    def micro(t, comm_free, last):
+    # plan.keep_gathered: a stage's units stay gathered from the first micro-batch's forward
+    # to the last backward (FSDP2's reshard_after_forward=False under PP): one gather a unit
+    keep = plan.keep_gathered
+    none = [0.0] * len(units)
+
+    def micro(t, comm_free, last, first):
         pending, rs_sum = None, 0.0
         for phase in (0, 1):
+            g = none if keep and (phase or not first) else gs
             for i in order[phase]:
-                comm_free = max(comm_free, t - prev[phase][i]) + gs[i]
+                comm_free = max(comm_free, t - prev[phase][i]) + g[i]
                 gathered = comm_free
                 if pending is not None:
                     comm_free = max(comm_free, pending[0]) + pending[1]
@@ -111,7 +117,7 @@ def _zero(plan: Plan, mods: list, link: Link, cluster: Cluster, body: float,
     t = comm_free = 0.0
     k, gap, at = 0, None, None
     while k < m - 1:
-        t, comm_free, _, _ = micro(t, comm_free, False)
+        t, comm_free, _, _ = micro(t, comm_free, False, k == 0)
         k += 1
         # max-plus arithmetic: once a micro-batch leaves t and the FIFO the same distance apart
         # as the one before, every later one shifts both by the same step (exact)
@@ -120,8 +126,8 @@ def _zero(plan: Plan, mods: list, link: Link, cluster: Cluster, body: float,
             t, comm_free, k = t + step * (m - 1 - k), comm_free + step * (m - 1 - k), m - 1
             break
         gap, at = t - comm_free, t
-    t, comm_free, pending, rs_sum = micro(t, comm_free, True)
-    total = 2 * m * sum(gs) + rs_sum
+    t, comm_free, pending, rs_sum = micro(t, comm_free, True, m == 1)
+    total = (1 if keep else 2 * m) * sum(gs) + rs_sum
     if pending is not None:
         comm_free = max(comm_free, pending[0]) + pending[1]
     if piped:  # after the pipeline, once the units' gathers are done
