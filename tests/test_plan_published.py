@@ -300,3 +300,31 @@ def test_published_405b_pipelines_run_as_torchtitan_ran_them():
     assert gain == pytest.approx(ci.tps / c1.tps, rel=0.10)
     with pytest.raises(ValueError, match="does not split into 3 micro-batches"):
         P.predict(P.Case(**{**c1.__dict__, "microbatches": 3}))
+
+
+def test_fused_loss_by_hand():
+    """Llama 3.1 8B, FSDP 8, 2 x 8,192 tokens, recompute on: the head's backward is the peak
+    (its vocab-wide tensors outweigh a recomputed block), so a fused cross-entropy saves
+    exactly the eager loss's fp32 log-softmax and two fp32 gradients against the bf16 logits,
+    a log-sum-exp and one bf16 gradient: 8 v - 4 bytes a token (7.8 GiB against 23.5)."""
+    from pyfast.plan.memory import predict_memory
+    shape, work = shapes.preset("llama-8b"), Workload(8192, 16)
+    eager = Plan(dp=8, zero=3, micro_batch=2, param_compress="bf16", activation_checkpointing=True)
+    a, b = (predict_memory(shape, p, work) for p in (eager, eager.replace(fused_loss=True)))
+    tok, v = 2 * 8192, shape.vocab
+    assert a["activations"] - b["activations"] == tok * (8 * v - 4)
+    assert b["peak_bytes"] == a["peak_bytes"] - tok * (8 * v - 4)
+    with pytest.raises(ValueError, match="fused_loss: `pyfast train` runs the eager"):
+        eager.replace(fused_loss=True).train_flags("gpt-tiny", work)
+    with pytest.raises(ValueError, match="fused_loss with lora"):
+        predict_memory(shape, Plan(dp=2, lora=8, fused_loss=True), work)
+
+
+def test_published_memory_of_runs_that_compiled_their_loss():
+    """Trainy's H200 runs (torchtitan e7c0cae) compiled the loss, Tables 1-6 (9dec370) did
+    not: the H200 rows within 15% of their published 48 / 47 GiB with it (+31% without)."""
+    for n in ("H200 FSDP 32+compile+Float8", "H200 FSDP 64+compile+Float8"):
+        c = P.case(n)
+        assert c.compiled_loss and P.plan_of(c, True)[0].fused_loss
+        assert P.predict(c)["memory_gib"] == pytest.approx(c.memory_gib, rel=0.15)
+    assert not P.case("T1 FSDP+compile").compiled_loss

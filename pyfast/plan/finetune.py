@@ -169,6 +169,9 @@ def lora_memory(shape: ModelShape, plan: Plan, work: Workload, device: str,
     else:
         act = tok * saved * L
         layer = max(tok * temp, deq_live)
+    if plan.fused_loss:
+        raise ValueError("fused_loss with lora: the fine-tuning model keeps the eager loss's "
+                         "fp32 log-softmax; plan one or the other")
     vocab = shape.vocab if logits else 0
     head = tok * (F32 * 2 * h + 8 + F32 * vocab)          # the head: LN in/out, log-softmax
     t_head = tok * F32 * 2 * vocab                        # dlogits, the loss's gradient

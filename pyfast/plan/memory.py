@@ -33,7 +33,8 @@ LM head by tp only when vocab >= 2048, models/gpt.py VOCAB_PARALLEL_MIN):
   activation checkpointing a layer keeps only its input, and one layer is recomputed at a time.
   ZeRO 3 holds two gathered units (this one and the prefetched); with plan.keep_gathered
   (FSDP2's reshard_after_forward=False under a pipeline) the whole stage's weights, in the
-  gathered dtype, from the first micro-batch's forward to the last backward.
+  gathered dtype, from the first micro-batch's forward to the last backward. plan.fused_loss
+  (a compiled cross-entropy): the head keeps the 16-bit logits, its gradient 16-bit.
 
 A LoRA plan (plan.lora > 0: a frozen base under adapters) is finetune.py's model
 (finetune.lora_memory), which reuses _block_saved for the base's activations. An offload plan
@@ -266,8 +267,12 @@ def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = 
         t_head = head = 0.0
         if last:
             v_local = shape.vocab / vt
-            head = tok * (F32 * 2 * h + 8 + F32 * v_local)  # LN in/out, log-softmax out
-            t_head = tok * F32 * 2 * v_local  # dlogits, the loss's gradient
+            if plan.fused_loss:  # the 16-bit logits and a log-sum-exp; dlogits 16-bit
+                head = tok * (F32 * 2 * h + 8 + bpe * v_local + F32)
+                t_head = tok * bpe * v_local
+            else:
+                head = tok * (F32 * 2 * h + 8 + F32 * v_local)  # LN in/out, log-softmax out
+                t_head = tok * F32 * 2 * v_local  # dlogits, the loss's gradient
         if pp > 1:  # received activations and gradients in flight (p2p buffers)
             k["comm_buffers"] += 2 * tok * F32 * hs
         if zero == 3:  # the gathered units of the forward (this one and the prefetched)

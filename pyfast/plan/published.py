@@ -77,6 +77,14 @@ class Case:
     microbatches: int | None = None   # under pp; None: torchtitan 9dec370's default, pp
 
     @property
+    def compiled_loss(self) -> bool:
+        """torchtitan compiles the loss under --training.compile from bbb1b616e (2025-04-02:
+        components/loss.py build_cross_entropy_loss; the AsyncTP page's 820504e and Trainy's
+        e7c0cae have it); 9dec370 (Tables 1-6) left it eager (train.py: "compiling loss
+        function causes CUDA errors"): Plan.fused_loss."""
+        return self.compile and self.source in (ATP, H200)
+
+    @property
     def gpus(self) -> int:
         return self.dp * self.cp * self.tp * self.pp
 
@@ -234,7 +242,7 @@ def plan_of(c: Case, ac: bool) -> tuple[Plan, Workload]:
                 # torchtitan's TP always shards the norms' regions (SequenceParallel styles,
                 # models/llama3/parallelize.py): pyfast train --sequence-parallel
                 sequence_parallel=c.tp > 1, async_tp=c.async_tp,
-                keep_gathered=zero == 3 and c.pp > 1)
+                keep_gathered=zero == 3 and c.pp > 1, fused_loss=c.compiled_loss)
     return plan, Workload(c.seq, c.dp * c.local_batch, "bf16")
 
 

@@ -156,6 +156,12 @@ class Plan:
     # gathered dtype (param_compress). `pyfast train` regathers every micro-batch and has no
     # flag for it: planner-only, as async_tp (the published runs use it: published.py)
     keep_gathered: bool = False
+    # the loss as one fused kernel (torch.compile of the cross-entropy, as torchtitan compiles
+    # it under --training.compile since 2025-04): the 16-bit logits (and a log-sum-exp a token)
+    # saved, their gradient written 16-bit, where the eager loss keeps the fp32 log-softmax and
+    # two fp32 gradients (8B Llama, 16K tokens x 128K vocab: 7.8 GiB against 24).
+    # `pyfast train` runs the eager loss: planner-only, as async_tp
+    fused_loss: bool = False
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -184,6 +190,9 @@ class Plan:
             raise ValueError("keep_gathered: `pyfast train` regathers ZeRO 3's weights every "
                              "micro-batch (no flag keeps them); this plan cannot be launched "
                              "as such")
+        if self.fused_loss:
+            raise ValueError("fused_loss: `pyfast train` runs the eager cross-entropy (no flag "
+                             "fuses it); this plan cannot be launched as such")
         f = ["--model", shape_flag, "--dp", str(self.dp), "--tp", str(self.tp),
              "--pp", str(self.pp), "--seq", str(work.seq), "--batch", str(work.global_batch),
              "--micro-batches", str(self.micro_batches), "--precision", work.precision]
