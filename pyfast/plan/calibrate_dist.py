@@ -25,6 +25,9 @@ from .timing_zero import zero_key
 from .calibrate_link import PER_TENSOR, _child, _finish
 
 REPEATS = 9  # medians of 9 after 2 warm steps: one rank's step varied 11-22 ms (q10-q90) here
+# zero_probe: rounds for about PROBE_S seconds, at least REPEATS, at most MAX_REPEATS (gpt-tiny
+# at 64 tokens: ~15 ms a step, 41 rounds of 4 configs in ~3 s; gpt-small stays at REPEATS)
+PROBE_S, MAX_REPEATS = 3.0, 41
 # tp's block timed CHAIN times back to back, as the job's layers run (no barrier between them):
 # one block after a barrier priced gpt-tiny's tp2 block at 7.9 + 10.6 ms on loopback, the two
 # blocks then 37 ms of a run measured at 22.4 ms a step (quiet run, 2026-11-28)
@@ -108,18 +111,25 @@ def tp_probe(path: str, model: str, vocab: int, seq: int, micro_batch: int,
 
 
 def zero_probe(path: str, model: str, vocab: int, seq: int, micro_batch: int,
-               precision: str, stage: int, compress: str) -> None:
-    """A rank of the ZeRO probe (env://, gloo, 2 ranks): the model wrapped by zero() as the job
-    wraps it (AdamW, the job's two parameter groups; stage 0: DataParallel, as the job wraps
-    it) and the same model unwrapped, stepped alternately on both ranks at once (the plain one
-    with the job's fused norm pass and AdamW, no communication; the ZeRO one with
-    clip_grad_norm_ and its step, DataParallel's as the plain one); rank 0 writes
-    [forward+backward extra, step extra] (medians of the wrapped minus plain, max over ranks):
-    under DataParallel the first is its hooks and the wait for the last bucket, and a third
-    value follows: the wait alone (DataParallel.last_wait_s, the job's exposed_comm_ms). The
-    job counts the hooks' CPU as compute, and so does timing (the rest of the extra): quiet
-    run 2026-11-28, gpt-tiny dp2 on loopback, the probe's extra 10.8 ms, the run's measured
-    wait 5.8, predicted step +59% with the whole extra as wait."""
+               precision: str, configs: list) -> None:
+    """A rank of the ZeRO probe (env://, gloo, 2 ranks): the model wrapped as the job wraps it
+    for each (stage, compressor) of `configs` (zero() with AdamW and the job's two parameter
+    groups; stage 0: DataParallel) and the same model unwrapped, all stepped in turn, round
+    after round, on both ranks at once (the plain one with the job's fused norm pass and
+    AdamW, no communication; the ZeRO ones with clip_grad_norm_ and their step, DataParallel's
+    as the plain one). Rank 0 writes, per config, [forward+backward extra, step extra]: the
+    medians over the rounds of each round's wrapped minus plain (paired: the two ran under the
+    same load), max over ranks; under DataParallel the first is its hooks and the wait for
+    the last bucket, and a third value follows: the wait alone (DataParallel.last_wait_s, the
+    job's exposed_comm_ms). The job counts the hooks' CPU as compute, and so does timing (the
+    rest of the extra): quiet run 2026-11-28, gpt-tiny dp2 on loopback, the probe's extra
+    10.8 ms, the run's measured wait 5.8, predicted step +59% with the whole extra as wait.
+
+    Why one probe for all configs, and as many rounds as PROBE_S allows (REPEATS to
+    MAX_REPEATS): run one config a probe, 9 rounds each, gpt-tiny's DataParallel extra on
+    loopback came out 1.3-5.6 ms for int8 and 3.1-6.5 for no compressor over four runs (session
+    51), int8 the cheaper in two of them, and the planner ranked dp2 int8 first on loopback
+    where the two measured within 1%."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -134,58 +144,76 @@ def zero_probe(path: str, model: str, vocab: int, seq: int, micro_batch: int,
                   {"params": [p for p in m.parameters() if p.dim() < 2], "weight_decay": 0.0}]
         return m, groups
 
-    pm, pg = build()
-    popt = torch.optim.AdamW(pg, lr=1e-4, betas=(0.9, 0.95))
-    zm, zg = build()
-    if stage:
-        net, zopt = zero(zm, torch.optim.AdamW, stage=stage, compressor=compress, params=zg,
-                         lr=1e-4, betas=(0.9, 0.95))
-    else:
-        from pyfast.parallel import DataParallel
-        net = DataParallel(zm, compressor=compress, check_finite=False)
-        zopt = torch.optim.AdamW(zg, lr=1e-4, betas=(0.9, 0.95))
+    def plain():
+        pm, pg = build()
+        popt = torch.optim.AdamW(pg, lr=1e-4, betas=(0.9, 0.95))
 
-    def plain_step():
-        ps = [p for p in pm.parameters() if p.grad is not None]
-        torch.stack(torch._foreach_norm([p.grad for p in ps])).double().square().sum()
-        popt.step()
-
-    def zero_step():
-        if not stage:
-            ps = [p for p in zm.parameters() if p.grad is not None]
+        def step():
+            ps = [p for p in pm.parameters() if p.grad is not None]
             torch.stack(torch._foreach_norm([p.grad for p in ps])).double().square().sum()
-        else:
-            zopt.clip_grad_norm_(float("inf"))
-        zopt.step()
+            popt.step()
+        return pm, popt, step
 
-    runs = {"plain": (pm, popt, plain_step), "zero": (net, zopt, zero_step)}
-    times = {k: ([], []) for k in runs}
-    waits = []  # stage 0: DataParallel's own wait (last_wait_s, what the job logs as exposed)
-    for i in range(REPEATS + 2):
-        for name, (mod, opt, step) in runs.items():
-            ids = torch.randint(0, vocab, (micro_batch, seq))
-            tgt = torch.randint(0, vocab, (micro_batch * seq,))
-            opt.zero_grad(set_to_none=True)
-            dist.barrier()
-            t0 = time.perf_counter()
-            logits = _amp(precision, mod.forward)(ids)
-            F.cross_entropy(logits.flatten(0, -2).float(), tgt).backward()
-            t1 = time.perf_counter()
-            step()
-            t2 = time.perf_counter()
-            if i > 1:
-                times[name][0].append(t1 - t0)
-                times[name][1].append(t2 - t1)
-                if name == "zero" and not stage:
-                    waits.append(net.last_wait_s)
-    med = {k: [statistics.median(v[0]), statistics.median(v[1])] for k, v in times.items()}
-    w = _max_over_ranks([med["zero"][0] - med["plain"][0], med["zero"][1] - med["plain"][1]]
-                        + ([statistics.median(waits)] if waits else []))
-    close = getattr(net, "close", None)
-    if close is not None:
-        close()
+    def wrapped(stage, compress):
+        zm, zg = build()
+        if stage:
+            net, zopt = zero(zm, torch.optim.AdamW, stage=stage, compressor=compress,
+                             params=zg, lr=1e-4, betas=(0.9, 0.95))
+        else:
+            from pyfast.parallel import DataParallel
+            net = DataParallel(zm, compressor=compress, check_finite=False)
+            zopt = torch.optim.AdamW(zg, lr=1e-4, betas=(0.9, 0.95))
+
+        def step():
+            if not stage:
+                ps = [p for p in zm.parameters() if p.grad is not None]
+                torch.stack(torch._foreach_norm([p.grad for p in ps])).double().square().sum()
+            else:
+                zopt.clip_grad_norm_(float("inf"))
+            zopt.step()
+        return net, zopt, step
+
+    runs = [plain()] + [wrapped(st, c) for st, c in configs]
+
+    def one(mod, opt, step):
+        ids = torch.randint(0, vocab, (micro_batch, seq))
+        tgt = torch.randint(0, vocab, (micro_batch * seq,))
+        opt.zero_grad(set_to_none=True)
+        dist.barrier()
+        t0 = time.perf_counter()
+        logits = _amp(precision, mod.forward)(ids)
+        F.cross_entropy(logits.flatten(0, -2).float(), tgt).backward()
+        t1 = time.perf_counter()
+        step()
+        return t1 - t0, time.perf_counter() - t1
+
+    t0 = time.perf_counter()
+    for _ in range(2):  # warm: first-step allocations, the engines' buffers
+        for r in runs:
+            one(*r)
+    # both ranks must run the same number of rounds: rank 0's count, broadcast
+    n = torch.tensor([min(MAX_REPEATS, max(REPEATS, int(PROBE_S * 2 / (time.perf_counter() - t0))))])
+    dist.broadcast(n, 0)
+    diffs = [([], [], []) for _ in configs]
+    for _ in range(int(n)):
+        base = one(*runs[0])
+        for (stage, _), r, d in zip(configs, runs[1:], diffs):
+            fb, st = one(*r)
+            d[0].append(fb - base[0])
+            d[1].append(st - base[1])
+            if not stage:
+                d[2].append(r[0].last_wait_s)
+    out = {}
+    for (stage, compress), d in zip(configs, diffs):
+        out[f"{stage}:{compress}"] = _max_over_ranks(
+            [statistics.median(d[0]), statistics.median(d[1])]
+            + ([statistics.median(d[2])] if d[2] else []))
+    for net, _, _ in runs[1:]:
+        close = getattr(net, "close", None)
+        if close is not None:
+            close()
     if dist.get_rank() == 0:
-        Path(path).write_text(json.dumps(w))
+        Path(path).write_text(json.dumps(out))
     _finish()
 
 
@@ -264,14 +292,19 @@ def measure_zero(shape: ModelShape, work: Workload, plans, timeout: float = 300)
     """{zero_key: [forward+backward extra_s, step extra_s]} of each ZeRO plan (its stage and
     micro-batch, 2 ranks on loopback), and of each plain data-parallel plan with a dense
     compressor (key "zero0:..."; top-k's and PowerSGD's per-parameter calls have their own
-    probe, calibrate_link.reduce_seconds): zero_probe."""
-    out = {}
+    probe, calibrate_link.reduce_seconds): zero_probe, one for every plan of a micro-batch."""
+    by_mb: dict = {}
     for plan in plans:
         key = zero_key(plan, work)
         if plan.dp != 2 or plan.tp > 1 or plan.pp > 1 or plan.cp > 1 or plan.lora or \
-                key in out or (not plan.zero and plan.compress.partition(":")[0] in PER_TENSOR):
+                (not plan.zero and plan.compress.partition(":")[0] in PER_TENSOR):
             continue
-        out[key] = _probe("zero_probe", f"{gpt_model_flag(shape)!r}, {shape.vocab}, {work.seq}, "
-                          f"{plan.micro_batch}, {work.precision!r}, {plan.zero}, "
-                          f"{plan.compress!r}", 2, timeout)
+        configs = by_mb.setdefault(plan.micro_batch, {})
+        configs.setdefault((plan.zero, plan.compress), key)
+    out = {}
+    for mb, configs in by_mb.items():
+        got = _probe("zero_probe", f"{gpt_model_flag(shape)!r}, {shape.vocab}, {work.seq}, "
+                     f"{mb}, {work.precision!r}, {list(configs)!r}", 2, timeout)
+        for (stage, compress), key in configs.items():
+            out[key] = got[f"{stage}:{compress}"]
     return out
