@@ -58,7 +58,7 @@ def test_plan_time_scale_comes_from_the_reference_on_its_own_link(monkeypatch):
     monkeypatch.setattr(plan_time.calibrate, "refit_records", refit)
     base = hardware.Cluster(2, 2, hardware.gpu("cpu"), 1.0, 1.0, calibration={"x": 1})
     ref = {"link": "loopback", "model": "gpt-small", "config": "dp2", "shape": None,
-           "plan": {}, "records": 0.93}
+           "plan": {}, "records": 0.93, "measured_s": 0.25, "exposed_s": 0.03}
     rows = [ref, {"link": "1gbit", "model": "gpt-small", "config": "dp2 int8"}]
     scales = {}
     cl, got = plan_time.with_scale(base, "loopback", "gpt-small", rows, scales, None)
@@ -68,3 +68,13 @@ def test_plan_time_scale_comes_from_the_reference_on_its_own_link(monkeypatch):
     assert len(refits) == 1  # not refitted
     cl, got = plan_time.with_scale(base, "1gbit", "gpt-tiny", rows, scales, None)
     assert got is None and cl.calibration == {"x": 1}
+    # a reference run that mostly waited (its compute the rest of a long wait) is not fitted
+    # on: its link takes loopback's scale; one that waited less than half is
+    for exposed, fitted in ((0.060, False), (0.040, True)):
+        slow = {"link": "100mbit", "model": "gpt-small", "config": "dp2", "shape": None,
+                "plan": {}, "records": 1.4, "measured_s": 0.1, "exposed_s": exposed}
+        refits.clear()
+        cl, got = plan_time.with_scale(base, "100mbit", "gpt-small", rows + [slow], scales,
+                                       None)
+        assert (got is slow) == fitted and len(refits) == fitted
+        assert cl.calibration["compute_scale"] == (1.4 if fitted else 0.93)
