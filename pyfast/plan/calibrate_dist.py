@@ -126,10 +126,10 @@ def zero_probe(path: str, model: str, vocab: int, seq: int, micro_batch: int,
     10.8 ms, the run's measured wait 5.8, predicted step +59% with the whole extra as wait.
 
     Why one probe for all configs, and as many rounds as PROBE_S allows (REPEATS to
-    MAX_REPEATS): run one config a probe, 9 rounds each, gpt-tiny's DataParallel extra on
+    MAX_REPEATS): run one config a probe, 9 rounds each, gpt-tiny's DataParallel wait on
     loopback came out 1.3-5.6 ms for int8 and 3.1-6.5 for no compressor over four runs (session
-    51), int8 the cheaper in two of them, and the planner ranked dp2 int8 first on loopback
-    where the two measured within 1%."""
+    51), int8 the shorter in three, and the planner ranked dp2 int8 first on loopback where the
+    two measured within 1%; three probes of both in one run each: 3.3-3.9 and 2.5-3.3 ms."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
