@@ -272,8 +272,10 @@ def test_kept_gathered_weights_refused_where_there_is_nothing_to_keep():
     shape, cl, work = shapes.preset("llama-8b"), build(8, 8, "h100"), Workload(4096, 8)
     for p, why in ((Plan(dp=8, zero=3, keep_gathered=True), "pp 1"),
                    (Plan(dp=2, pp=4, zero=2, keep_gathered=True), "zero 2")):
-        for f in (lambda: predict_memory(shape, p, work), lambda: predict_time(shape, p, work, cl)):
-            with pytest.raises(ValueError, match=f"keep_gathered needs ZeRO 3 under a pipeline.*{why}"):
+        for f in (lambda: predict_memory(shape, p, work),
+                  lambda: predict_time(shape, p, work, cl)):
+            with pytest.raises(ValueError, match=f"keep_gathered needs ZeRO 3 under a "
+                                                 f"pipeline.*{why}"):
                 f()
     lora = Plan(dp=2, pp=4, zero=3, lora=8, keep_gathered=True)
     with pytest.raises(ValueError, match="keep_gathered with lora"):

@@ -192,7 +192,8 @@ def zero_probe(path: str, model: str, vocab: int, seq: int, micro_batch: int,
         for r in runs:
             one(*r)
     # both ranks must run the same number of rounds: rank 0's count, broadcast
-    n = torch.tensor([min(MAX_REPEATS, max(REPEATS, int(PROBE_S * 2 / (time.perf_counter() - t0))))])
+    per_round = (time.perf_counter() - t0) / 2
+    n = torch.tensor([min(MAX_REPEATS, max(REPEATS, int(PROBE_S / per_round)))])
     dist.broadcast(n, 0)
     diffs = [([], [], []) for _ in configs]
     for _ in range(int(n)):

@@ -65,8 +65,8 @@ from pyfast._partition import partition
 
 from .activations import KINDS, _block_saved, korthikanti_activation_bytes  # noqa: F401
 from .held import _held
-from .sharding import (BLOCKED, blocked as _blocked, gathered_bytes, hybrid_compressors,  # noqa: F401
-                       shard_group)
+from .sharding import (BLOCKED, blocked as _blocked, gathered_bytes,  # noqa: F401
+                       hybrid_compressors, shard_group)
 from .offload import add as add_host, check as check_offload, host_state, params_extra
 from .spec import ModelShape, Plan, Workload
 
