@@ -124,3 +124,20 @@ def test_peak_phase_where_and_bad_input():
         predict_memory(shape, Plan(), w, device="tpu")
     with pytest.raises(ValueError, match="precision"):
         predict_memory(shape, Plan(), Workload(seq=128, global_batch=4, precision="fp8"))
+
+
+def test_pipeline_sent_copies_are_dropped_on_a_cpu():
+    """A CPU job's pipeline (gloo, its I/O thread lowered) waits each send as it is made, so no
+    packed copy outlives its send: stage 0 of gpt-small pp2 1f1b (256 tokens a micro-batch)
+    holds only the 2 receives in flight, 2 x 256 x 384 x 4 bytes (0.75 MiB, as traced:
+    `pyfast bench plan_memory --part real`, "small pp2 1f1b"); on a GPU (NCCL keeps its async
+    sends) and in the dry run, 2 sent copies more."""
+    from pyfast.benchmarks.plan_memory import plan_of
+    from pyfast.train.config import TrainConfig
+    shape, plan, work = plan_of(TrainConfig(model="gpt-small", pp=2, seq=256, batch=4,
+                                            micro_batches=4, steps=4))
+    msg = 256 * 384 * 4
+    cpu, gpu, meta = (predict_memory(shape, plan, work, device=d)["comm_buffers"]
+                      for d in ("cpu", "cuda", "meta"))
+    assert cpu == 2 * msg
+    assert gpu == meta == 4 * msg
