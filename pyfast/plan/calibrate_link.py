@@ -11,41 +11,60 @@ import time
 from pathlib import Path
 
 REPEATS = 5   # median of 5 after a warm call: the 2-core machine's noise is ~5-10% per call
+# reduce_seconds: rounds for about PROBE_S seconds a spec, at least its repeats, at most
+# MAX_REPEATS (a top-k chain of 8 calls takes ~12 ms at 100 Mbit/s: 41 rounds of 3 in ~1.5 s)
+PROBE_S, MAX_REPEATS = 3.0, 41
 
 PER_TENSOR = ("topk", "powersgd")  # DataParallel reduces these one parameter at a time
 
 
-def reduce_seconds(specs, hidden: int = 64, chain: int = 8, repeats: int = REPEATS) -> dict:
+def reduce_seconds(specs, hidden: int = 64, chain: int = 8, repeats: int = REPEATS,
+                   budget_s: float = PROBE_S) -> dict:
     """{spec: [a, b, vector_s]}: seconds = a + b x elements of one compressed all-reduce of a
     matrix parameter, vector_s: of a vector (PowerSGD all-reduces those uncompressed)
     (pyfast.comm.collectives.all_reduce with the compressor and its error feedback, as
     DataParallel reduces top-k's and PowerSGD's parameters one by one on its thread), timed
-    as a chain of `chain` such calls back to back (median of `repeats` chains, the max over
-    ranks) on hidden x hidden and hidden x 4 hidden matrices. Each parameter's call is a few
-    dependent collectives with codec work and helper-thread hand-offs between them: gpt-tiny's
-    29 parameters under topk:0.01 stepped in 64-106 ms at 1 Gbit/s and 100 Mbit/s against
-    36-45 ms from the latency fit + codec, i.e. ~1.5-3 ms a parameter, not the 0.4 ms that
-    two back-to-back calls cost."""
+    as a chain of `chain` such calls back to back (median of the chains, the max over ranks)
+    on hidden x hidden and hidden x 4 hidden matrices and a vector, the three chains in turn
+    round after round (a and b come from the difference of two: each round's pair ran under
+    the same load), as many rounds as `budget_s` allows (`repeats` to MAX_REPEATS). Each
+    parameter's call is a few dependent collectives with codec work and helper-thread
+    hand-offs between them: gpt-tiny's 29 parameters under topk:0.01 stepped in 64-106 ms at
+    1 Gbit/s and 100 Mbit/s against 36-45 ms from the latency fit + codec, i.e. ~1.5-3 ms a
+    parameter, not the 0.4 ms that two back-to-back calls cost. Why rounds and a budget:
+    with 10 chains a shape, one after the other, top-k's call at 100 Mbit/s came out
+    a = 1.3-2.9 ms and b = 0-95 ns an element over eight plan_time runs (session 52: its run
+    predicted -12% to +65%)."""
     import torch
     import torch.distributed as dist
     import pyfast.compress as C
     from pyfast.comm import collectives
     out = {}
+    shapes = (hidden, 4 * hidden, 0)  # 0: a vector (a bias, a norm's weight)
     for spec in sorted({s for s in specs if s.partition(":")[0] in PER_TENSOR}):
         c = C.wrap(C.get(spec))
-        pts = []
-        for cols in (hidden, 4 * hidden, 0):  # 0: a vector (a bias, a norm's weight)
-            xs = [torch.randn(hidden, cols) if cols else torch.randn(hidden + 7)
-                  for _ in range(chain)]
-            ts = []
-            for i in range(repeats + 1):
-                dist.barrier()
-                t0 = time.perf_counter()
-                for k, x in enumerate(xs):
-                    collectives.all_reduce(x, c, name=f"probe{cols}.{k}")
-                if i:  # the first chain warms the feedback memories and compressor states
-                    ts.append((time.perf_counter() - t0) / chain)
-            pts.append((hidden * cols, statistics.median(ts)))
+        xs = {cols: [torch.randn(hidden, cols) if cols else torch.randn(hidden + 7)
+                     for _ in range(chain)] for cols in shapes}
+        ts = {cols: [] for cols in shapes}
+
+        def run(cols):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for k, x in enumerate(xs[cols]):
+                collectives.all_reduce(x, c, name=f"probe{cols}.{k}")
+            return (time.perf_counter() - t0) / chain
+
+        t_warm = time.perf_counter()
+        for cols in shapes:  # the first chain warms the feedback memories and compressor states
+            run(cols)
+        # both ranks run the same number of rounds: rank 0's count
+        n = torch.tensor([min(MAX_REPEATS, max(repeats,
+                                               int(budget_s / (time.perf_counter() - t_warm))))])
+        dist.broadcast(n, 0)
+        for _ in range(int(n)):
+            for cols in shapes:
+                ts[cols].append(run(cols))
+        pts = [(hidden * cols, statistics.median(ts[cols])) for cols in shapes]
         w = torch.tensor([t for _, t in pts], dtype=torch.float64)
         dist.all_reduce(w, op=dist.ReduceOp.MAX)
         (n0, _), (n1, _), _ = pts
