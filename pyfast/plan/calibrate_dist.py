@@ -22,12 +22,9 @@ from pathlib import Path
 from .spec import ModelShape, Plan, Workload, gpt_model_flag
 from . import timing
 from .timing_zero import zero_key
-from .calibrate_link import PER_TENSOR, _child, _finish
+from .calibrate_link import PER_TENSOR, _child, _finish, rounds
 
 REPEATS = 9  # medians of 9 after 2 warm steps: one rank's step varied 11-22 ms (q10-q90) here
-# zero_probe: rounds for about PROBE_S seconds, at least REPEATS, at most MAX_REPEATS (gpt-tiny
-# at 64 tokens: ~15 ms a step, 41 rounds of 4 configs in ~3 s; gpt-small stays at REPEATS)
-PROBE_S, MAX_REPEATS = 3.0, 41
 # tp's block timed CHAIN times back to back, as the job's layers run (no barrier between them):
 # one block after a barrier priced gpt-tiny's tp2 block at 7.9 + 10.6 ms on loopback, the two
 # blocks then 37 ms of a run measured at 22.4 ms a step (quiet run, 2026-11-28)
@@ -125,11 +122,12 @@ def zero_probe(path: str, model: str, vocab: int, seq: int, micro_batch: int,
     rest of the extra): quiet run 2026-11-28, gpt-tiny dp2 on loopback, the probe's extra
     10.8 ms, the run's measured wait 5.8, predicted step +59% with the whole extra as wait.
 
-    Why one probe for all configs, and as many rounds as PROBE_S allows (REPEATS to
-    MAX_REPEATS): run one config a probe, 9 rounds each, gpt-tiny's DataParallel wait on
-    loopback came out 1.3-5.6 ms for int8 and 3.1-6.5 for no compressor over four runs (session
-    51), int8 the shorter in three, and the planner ranked dp2 int8 first on loopback where the
-    two measured within 1%; three probes of both in one run each: 3.3-3.9 and 2.5-3.3 ms."""
+    Why one probe for all configs, and as many rounds as calibrate_link.PROBE_S allows
+    (REPEATS to MAX_REPEATS; gpt-small stays at REPEATS): run one config a probe, 9 rounds
+    each, gpt-tiny's DataParallel wait on loopback came out 1.3-5.6 ms for int8 and 3.1-6.5
+    for no compressor over four runs (session 51), int8 the shorter in three, and the planner
+    ranked dp2 int8 first on loopback where the two measured within 1%; three probes of both in
+    one run each: 3.3-3.9 and 2.5-3.3 ms."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -191,12 +189,8 @@ def zero_probe(path: str, model: str, vocab: int, seq: int, micro_batch: int,
     for _ in range(2):  # warm: first-step allocations, the engines' buffers
         for r in runs:
             one(*r)
-    # both ranks must run the same number of rounds: rank 0's count, broadcast
-    per_round = (time.perf_counter() - t0) / 2
-    n = torch.tensor([min(MAX_REPEATS, max(REPEATS, int(PROBE_S / per_round)))])
-    dist.broadcast(n, 0)
     diffs = [([], [], []) for _ in configs]
-    for _ in range(int(n)):
+    for _ in range(rounds((time.perf_counter() - t0) / 2, REPEATS)):
         base = one(*runs[0])
         for (stage, _), r, d in zip(configs, runs[1:], diffs):
             fb, st = one(*r)

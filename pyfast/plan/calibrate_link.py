@@ -11,11 +11,22 @@ import time
 from pathlib import Path
 
 REPEATS = 5   # median of 5 after a warm call: the 2-core machine's noise is ~5-10% per call
-# reduce_seconds: rounds for about PROBE_S seconds a spec, at least its repeats, at most
-# MAX_REPEATS (a top-k chain of 8 calls takes ~12 ms at 100 Mbit/s: 41 rounds of 3 in ~1.5 s)
+# probes timed in rounds (reduce_seconds, calibrate_dist.zero_probe): rounds for about PROBE_S
+# seconds, at least their floor, at most MAX_REPEATS (a top-k chain of 8 calls takes ~12 ms at
+# 100 Mbit/s: 41 rounds of 3 in ~1.5 s; gpt-tiny's step ~15 ms: 41 rounds of 4 configs in ~3 s)
 PROBE_S, MAX_REPEATS = 3.0, 41
 
 PER_TENSOR = ("topk", "powersgd")  # DataParallel reduces these one parameter at a time
+
+
+def rounds(round_s: float, floor: int, budget_s: float = PROBE_S) -> int:
+    """How many rounds of round_s seconds fit budget_s, within [floor, MAX_REPEATS]: rank 0's
+    count on every rank (each rank timed its own warm rounds; both must run as many)."""
+    import torch
+    import torch.distributed as dist
+    n = torch.tensor([min(MAX_REPEATS, max(floor, int(budget_s / max(round_s, 1e-9))))])
+    dist.broadcast(n, 0)
+    return int(n)
 
 
 def reduce_seconds(specs, hidden: int = 64, chain: int = 8, repeats: int = REPEATS,
@@ -57,11 +68,7 @@ def reduce_seconds(specs, hidden: int = 64, chain: int = 8, repeats: int = REPEA
         t_warm = time.perf_counter()
         for cols in shapes:  # the first chain warms the feedback memories and compressor states
             run(cols)
-        # both ranks run the same number of rounds: rank 0's count
-        n = torch.tensor([min(MAX_REPEATS, max(repeats,
-                                               int(budget_s / (time.perf_counter() - t_warm))))])
-        dist.broadcast(n, 0)
-        for _ in range(int(n)):
+        for _ in range(rounds(time.perf_counter() - t_warm, repeats, budget_s)):
             for cols in shapes:
                 ts[cols].append(run(cols))
         pts = [(hidden * cols, statistics.median(ts[cols])) for cols in shapes]

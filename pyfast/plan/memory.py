@@ -65,8 +65,9 @@ from pyfast._partition import partition
 
 from .activations import KINDS, _block_saved, korthikanti_activation_bytes  # noqa: F401
 from .held import _held
-from .sharding import (BLOCKED, blocked as _blocked, gathered_bytes,  # noqa: F401
+from .sharding import (BLOCKED, blocked as _blocked, check_keep_gathered,  # noqa: F401
                        hybrid_compressors, shard_group)
+from .timing_reduce import gathered_bytes
 from .offload import add as add_host, check as check_offload, host_state, params_extra
 from .spec import ModelShape, Plan, Workload
 
@@ -156,6 +157,7 @@ def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = 
     if work.precision not in ("fp32", "bf16", "fp16"):
         raise ValueError(f"precision must be fp32, bf16 or fp16, got {work.precision!r}")
     check_offload(plan, plan.dp * plan.cp)
+    check_keep_gathered(plan)
     kept_bytes = gathered_bytes(plan) if plan.keep_gathered else 0.0
     if plan.lora:  # a frozen base under LoRA adapters: finetune.py's model
         from .finetune import lora_memory

@@ -29,10 +29,9 @@ def shard_group(plan: Plan) -> int:
     return g
 
 
-def gathered_bytes(plan: Plan) -> float:
-    """Bytes a parameter of ZeRO 3's gathered weights takes (param_compress's width), and
-    ValueError when plan.keep_gathered is set where there is nothing to keep: the weights kept
-    across micro-batches are ZeRO 3's under a pipeline (torchtitan's PP setting)."""
+def check_keep_gathered(plan: Plan) -> None:
+    """ValueError when plan.keep_gathered is set where there is nothing to keep: the weights
+    kept across micro-batches are ZeRO 3's under a pipeline (torchtitan's PP setting)."""
     if plan.keep_gathered and not (plan.zero == 3 and plan.pp > 1):
         raise ValueError(f"keep_gathered needs ZeRO 3 under a pipeline (got zero {plan.zero}, "
                          f"pp {plan.pp}): it keeps a stage's gathered weights over its "
@@ -40,7 +39,6 @@ def gathered_bytes(plan: Plan) -> float:
     if plan.keep_gathered and plan.lora:
         raise ValueError("keep_gathered with lora: the fine-tuning model (finetune.py) keeps "
                          "no gathered stage; plan one or the other")
-    return {"none": 4.0, "fp8": 1.0, "int8": 1.0}.get(plan.param_compress, 2.0)
 
 
 def hybrid_compressors(plan: Plan) -> tuple[str, str]:

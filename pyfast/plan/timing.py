@@ -42,7 +42,7 @@ from .timing_reduce import (ALLGATHER_MAX_BYTES, BUCKET_MB, DENSE_BYTES,  # noqa
                             FIRST_BUCKET_MB, NONE_BUCKET_MB, REL_ERROR, STEPS_PER_ERROR,
                             _bucket_cost, _buckets, _codec, _fifo, _trainable, reduction_s,
                             rel_error, steps_factor)
-from .sharding import gathered_bytes, shard_group
+from .sharding import check_keep_gathered, shard_group
 from .timing_tp import tp_block_s
 from .timing_zero import _zero, zero_key
 
@@ -53,7 +53,7 @@ def pp_key(plan: Plan) -> str:
 
 
 def predict_time(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster) -> dict:
-    gathered_bytes(plan)  # keep_gathered only where ZeRO 3 runs under a pipeline
+    check_keep_gathered(plan)
     if plan.offload != "none":  # the plan on the device, then the host's and PCIe's seconds
         return _offloaded(shape, plan, work, cluster)
     first = _predict(shape, plan, work, cluster, None)

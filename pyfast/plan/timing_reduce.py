@@ -35,6 +35,12 @@ NONE_BUCKET_MB = 25.0  # pyfast.comm.buckets: DataParallel's default for compres
 ALLGATHER_MAX_BYTES = 1 << 20          # collectives.choose: dense payloads up to this all-gather
 
 
+def gathered_bytes(plan: Plan) -> float:
+    """Bytes a parameter of ZeRO 3's all-gather carries (and, kept, holds): param_compress's
+    payload, fp32 without one."""
+    return 4.0 if plan.param_compress == "none" else DENSE_BYTES[plan.param_compress]
+
+
 def rel_error(spec: str) -> float:
     name, _, arg = spec.partition(":")
     if name in ("topk", "randomk"):

@@ -1,11 +1,11 @@
 """ZeRO's reduce-scatters and parameter all-gathers in the time model (pyfast.plan.timing)."""
 from __future__ import annotations
 
-from .sharding import gathered_bytes, hybrid_compressors
+from .sharding import hybrid_compressors
 from .spec import Plan, Workload
 from .hardware import Cluster
 from .timing_link import Link
-from .timing_reduce import DENSE_BYTES, _buckets, _codec, _fifo, reduction_s
+from .timing_reduce import DENSE_BYTES, _buckets, _codec, _fifo, gathered_bytes, reduction_s
 
 
 def zero_key(plan: Plan, work: Workload) -> str:
@@ -34,7 +34,7 @@ def _zero(plan: Plan, mods: list, link: Link, cluster: Cluster, body: float,
     # top-k/random-k select within each rank's segment: value + index per kept element
     gbytes = 4.0 if name == "none" else 8.0 * float(arg) if name in ("topk", "randomk") \
         else DENSE_BYTES[name]
-    pbytes = 4.0 if plan.param_compress == "none" else DENSE_BYTES[plan.param_compress]
+    pbytes = gathered_bytes(plan)
 
     # memoized by size: a model's blocks are one size, its buckets few (a 16-GPU gpt-7b search
     # called these 720K times each, for ~40 distinct sizes a plan)
