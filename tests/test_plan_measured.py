@@ -101,17 +101,49 @@ def test_dataparallel_wait_apart_from_its_hooks():
     assert old["step_s"] == pytest.approx(got["step_s"], rel=1e-9)
     assert old["compute_s"] == pytest.approx(base["compute_s"], rel=1e-9)
 
+@pytest.mark.parametrize("spec", ["powersgd:4", "topk:0.01"])
+@pytest.mark.parametrize("rate", [None, 10e6])
+def test_per_parameter_compressor_measured_in_dataparallel(spec, rate):
+    # top-k / PowerSGD under DataParallel probed as a whole (zero_probe's stage 0): the wait is
+    # the probe's, plus only what the link's fits add over loopback's; reduce_seconds' timed
+    # calls (the shaped link's alone) no longer enter, so scaling them changes nothing
+    plan = Plan(dp=2, micro_batch=4, compress=spec)
+    c = _cluster(rate, zero={zero_key(plan, WORK): [0.0, 0.0, 0.0]})
+    chain = [1.3e-3 * (1 + torch.rand(1).item()), 2e-8, 4.1e-4]
+    for k in ("link_intra", "link_inter"):  # a copy: on loopback link_cpu is the same dict
+        c.calibration[k] = dict(c.calibration[k], reduce={spec: chain})
+    base = timing.predict_time(TINY, plan, WORK, c)
+    fb, st, wait = 36.1e-3 * (1 + torch.rand(1).item()), 2e-5, 33.3e-3
+    c.calibration["zero"][zero_key(plan, WORK)] = [fb, st, wait]
+    got = timing.predict_time(TINY, plan, WORK, c)
+    c.calibration["link_intra"]["reduce"][spec] = [10 * x for x in chain]
+    assert timing.predict_time(TINY, plan, WORK, c)["step_s"] == pytest.approx(got["step_s"],
+                                                                              rel=1e-12)
+    assert got["compute_s"] - base["compute_s"] == pytest.approx(fb - wait, rel=1e-9)
+    every = timing.Link(c, 2, 2)  # the step's small all-reduce, exposed beside the wait
+    extra = got["exposed_comm_s"] - (wait + st) - every.seconds("small", 32.0) - every.wake(0.0)
+    if rate is None:  # loopback: the same fits on both sides, nothing added
+        assert extra == pytest.approx(0.0, abs=1e-12)
+    else:  # 10 Mbit/s: the payloads wait for the rate, but far less than the timed calls
+        assert 0.0 < extra < 29 * chain[0]
+    # no DataParallel measurement: the timed calls price the step, and scale it
+    c.calibration["zero"] = {}
+    one = timing.predict_time(TINY, plan, WORK, c)["step_s"]
+    c.calibration["link_intra"]["reduce"][spec] = chain
+    assert timing.predict_time(TINY, plan, WORK, c)["step_s"] < one
+
+
 def test_probes_run_on_two_ranks():
     # the probes themselves (2 gloo ranks each, gpt-tiny at 16 tokens): every number finite,
     # keyed as timing reads them
     work = Workload(16, 2, "fp32")
     plans = [Plan(tp=2, micro_batch=2), Plan(dp=2, zero=1, micro_batch=1),
              Plan(dp=2, micro_batch=1, compress="int8"),
-             Plan(dp=2, micro_batch=1, compress="topk:0.01")]  # per-parameter: not this probe
+             Plan(dp=2, micro_batch=1, compress="topk:0.01")]  # DataParallel's, probed too
     tp = calibrate_dist.measure_tp_blocks(TINY, work, plans)
     z = calibrate_dist.measure_zero(TINY, work, plans)
     assert list(tp) == [timing.compute_key("block", plans[0], work) + ":dist"]
-    assert list(z) == [zero_key(plans[1], work), zero_key(plans[2], work)]
+    assert list(z) == [zero_key(p, work) for p in plans[1:]]
     f, b = tp[list(tp)[0]]
     assert f > 0 and b > 0
     assert all(math.isfinite(x) for v in z.values() for x in v)

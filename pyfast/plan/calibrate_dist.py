@@ -22,7 +22,7 @@ from pathlib import Path
 from .spec import ModelShape, Plan, Workload, gpt_model_flag
 from . import timing
 from .timing_zero import zero_key
-from .calibrate_link import PER_TENSOR, _child, _finish, rounds
+from .calibrate_link import _child, _finish, rounds
 
 REPEATS = 9  # medians of 9 after 2 warm steps: one rank's step varied 11-22 ms (q10-q90) here
 # tp's block timed CHAIN times back to back, as the job's layers run (no barrier between them):
@@ -47,14 +47,18 @@ def _max_over_ranks(values: list[float]) -> list[float]:
 
 def timed_chain(fwd, make_x, chain: int = CHAIN, repeats: int = REPEATS) -> list[float]:
     """[forward_s, backward_s] of one block on ranks running at once: `fwd` applied `chain`
-    times in a row, then backward through them all, after a barrier (the medians of `repeats`
-    after 2 warm ones, a block's share). The max over ranks of the whole (forward + backward),
-    split as the ranks' mean split: a rank that leaves the barrier late makes its peer's
-    forward wait and its own backward not, so the max of each half counted that skew twice."""
+    times in a row, then backward through them all, after a barrier (the medians of as many
+    chains as calibrate_link.PROBE_S allows, `repeats` to MAX_REPEATS, after 2 warm ones; a
+    block's share). The max over ranks of the whole (forward + backward), split as the ranks'
+    mean split: a rank that leaves the barrier late makes its peer's forward wait and its own
+    backward not, so the max of each half counted that skew twice. Why a time budget: 9
+    chains priced gpt-tiny's tp2 block 6.9-10.7 ms over twelve plan_time runs (sessions
+    51-52), its run steady at 18-22 ms, and the row off by -25% to +26%."""
     import torch
     import torch.distributed as dist
     fs, bs = [], []
-    for i in range(repeats + 2):
+
+    def one():
         x = make_x()
         dist.barrier()
         t0 = time.perf_counter()
@@ -63,10 +67,15 @@ def timed_chain(fwd, make_x, chain: int = CHAIN, repeats: int = REPEATS) -> list
             y = fwd(y)
         t1 = time.perf_counter()
         y.backward(torch.randn_like(y))
-        t2 = time.perf_counter()
-        if i > 1:
-            fs.append((t1 - t0) / chain)
-            bs.append((t2 - t1) / chain)
+        return t1 - t0, time.perf_counter() - t1
+
+    t_warm = time.perf_counter()
+    for _ in range(2):
+        one()
+    for _ in range(rounds((time.perf_counter() - t_warm) / 2, repeats)):
+        f, b = one()
+        fs.append(f / chain)
+        bs.append(b / chain)
     fb = _max_over_ranks([statistics.median(f + b for f, b in zip(fs, bs))])[0]
     share = torch.tensor([statistics.median(fs) / max(statistics.median(fs) +
                                                         statistics.median(bs), 1e-30)],
@@ -285,14 +294,16 @@ def measure_tp_blocks(shape: ModelShape, work: Workload, plans, timeout: float =
 
 def measure_zero(shape: ModelShape, work: Workload, plans, timeout: float = 300) -> dict:
     """{zero_key: [forward+backward extra_s, step extra_s]} of each ZeRO plan (its stage and
-    micro-batch, 2 ranks on loopback), and of each plain data-parallel plan with a dense
-    compressor (key "zero0:..."; top-k's and PowerSGD's per-parameter calls have their own
-    probe, calibrate_link.reduce_seconds): zero_probe, one for every plan of a micro-batch."""
+    micro-batch, 2 ranks on loopback), and of each plain data-parallel plan (key "zero0:...",
+    any compressor): zero_probe, one for every plan of a micro-batch. Top-k's and PowerSGD's
+    per-parameter calls too: DataParallel runs them on its thread beside the backward, and
+    gpt-tiny's powersgd:4 step waited 33-37 ms for them in this probe (31-35 in its runs at
+    1 Gbit/s and 100 Mbit/s) where reduce_seconds' back-to-back calls summed to 20-28 ms
+    (plan_time's PowerSGD rows -9% to -33% in six runs, session 52)."""
     by_mb: dict = {}
     for plan in plans:
         key = zero_key(plan, work)
-        if plan.dp != 2 or plan.tp > 1 or plan.pp > 1 or plan.cp > 1 or plan.lora or \
-                (not plan.zero and plan.compress.partition(":")[0] in PER_TENSOR):
+        if plan.dp != 2 or plan.tp > 1 or plan.pp > 1 or plan.cp > 1 or plan.lora:
             continue
         configs = by_mb.setdefault(plan.micro_batch, {})
         configs.setdefault((plan.zero, plan.compress), key)

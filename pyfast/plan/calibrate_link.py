@@ -10,13 +10,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from .timing_reduce import PER_PARAM  # DataParallel reduces these a parameter at a time
+
 REPEATS = 5   # median of 5 after a warm call: the 2-core machine's noise is ~5-10% per call
 # probes timed in rounds (reduce_seconds, calibrate_dist.zero_probe): rounds for about PROBE_S
 # seconds, at least their floor, at most MAX_REPEATS (a top-k chain of 8 calls takes ~12 ms at
 # 100 Mbit/s: 41 rounds of 3 in ~1.5 s; gpt-tiny's step ~15 ms: 41 rounds of 4 configs in ~3 s)
 PROBE_S, MAX_REPEATS = 3.0, 41
 
-PER_TENSOR = ("topk", "powersgd")  # DataParallel reduces these one parameter at a time
 
 
 def rounds(round_s: float, floor: int, budget_s: float = PROBE_S) -> int:
@@ -52,7 +53,7 @@ def reduce_seconds(specs, hidden: int = 64, chain: int = 8, repeats: int = REPEA
     from pyfast.comm import collectives
     out = {}
     shapes = (hidden, 4 * hidden, 0)  # 0: a vector (a bias, a norm's weight)
-    for spec in sorted({s for s in specs if s.partition(":")[0] in PER_TENSOR}):
+    for spec in sorted({s for s in specs if s.partition(":")[0] in PER_PARAM}):
         c = C.wrap(C.get(spec))
         xs = {cols: [torch.randn(hidden, cols) if cols else torch.randn(hidden + 7)
                      for _ in range(chain)] for cols in shapes}

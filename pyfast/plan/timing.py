@@ -39,9 +39,9 @@ from .timing_compute import (BWD_PER_FWD, VOCAB_PARALLEL_MIN, _block_params,  # 
 from .timing_cp import ring_steps
 from .timing_link import SMALL_BYTES, Link, _cpu_link  # noqa: F401
 from .timing_reduce import (ALLGATHER_MAX_BYTES, BUCKET_MB, DENSE_BYTES,  # noqa: F401
-                            FIRST_BUCKET_MB, NONE_BUCKET_MB, REL_ERROR, STEPS_PER_ERROR,
-                            _bucket_cost, _buckets, _codec, _fifo, _trainable, reduction_s,
-                            rel_error, steps_factor)
+                            FIRST_BUCKET_MB, NONE_BUCKET_MB, PER_PARAM, REL_ERROR,
+                            STEPS_PER_ERROR, _bucket_cost, _buckets, _codec, _fifo, _trainable,
+                            reduction_s, rel_error, steps_factor)
 from .sharding import check_keep_gathered, shard_group
 from .timing_tp import tp_block_s
 from .timing_zero import _zero, zero_key
@@ -197,9 +197,18 @@ def _predict(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster,
         exposed_dp += dp_link.wake(body + optim)
         if dp_m is not None:  # measured on loopback (zero_probe's stage 0): the hooks and the
             # last bucket's wait as they were, plus what this link adds to the arithmetic's
-            _, _, lo_exp = _dp_exposed(plan, gmods, mods, cpu_link, cpu_link, cluster, body,
-                                       (f, b, r, tpc + cpc), mod_s)
-            extra = max(0.0, exposed_dp - lo_exp - dp_link.wake(body + optim))
+            last = (f, b, r, tpc + cpc)
+            link_exp = exposed_dp - dp_link.wake(body + optim)
+            # top-k's / PowerSGD's calls: the probe ran them, so this link's extra is its fits'
+            # over loopback's; reduce_seconds' timed calls (the link's alone: loopback's
+            # link_cpu has none) would count the calls' own overheads twice
+            fits_only = plan.compress.partition(":")[0] in PER_PARAM
+            if fits_only:
+                link_exp = _dp_exposed(plan, gmods, mods, dp_link, cpu_link, cluster, body,
+                                       last, mod_s, fits_only)[2]
+            lo_exp = _dp_exposed(plan, gmods, mods, cpu_link, cpu_link, cluster, body, last,
+                                 mod_s, fits_only)[2]
+            extra = max(0.0, link_exp - lo_exp)
             if len(dp_m) > 2:  # the wait apart: the hooks' CPU is compute, as the job logs it
                 # (gpt-tiny on loopback: extra 10.8 ms, of it 5.8 the run's measured wait)
                 hooks = max(0.0, dp_m[0] - dp_m[2]) * _compute_scale(cluster, plan)
@@ -241,15 +250,16 @@ def _predict(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster,
 
 
 def _dp_exposed(plan: Plan, gmods: list, mods: list, link: Link, cpu_link: Link,
-                cluster: Cluster, body: float, last: tuple, mod_s) -> tuple[float, float, float]:
+                cluster: Cluster, body: float, last: tuple, mod_s,
+                fits_only: bool = False) -> tuple[float, float, float]:
     """(comm seconds, codec seconds, exposed seconds) of DataParallel's reduction on `link`:
     its buckets in reverse registration order on one thread behind the last micro-batch's
     backward (after the pipeline when pp > 1), then the side band's small all-reduce and the
     copy of the buckets into .grad. last: the slowest stage's (forward, backward, recompute,
-    tp + cp seconds) of one micro-batch."""
+    tp + cp seconds) of one micro-batch. fits_only: reduction_s's measured_calls=False."""
     f, b, r, par = last
     cal = cluster.calibration
-    per_param = plan.compress.partition(":")[0] in ("topk", "powersgd")
+    per_param = plan.compress.partition(":")[0] in PER_PARAM
     bks = _buckets(gmods, per_param,
                    bucket_mb=NONE_BUCKET_MB if plan.compress == "none" else BUCKET_MB)
     memo = {}  # by (elements, first tensor): most of a model's buckets repeat one of a few
@@ -257,7 +267,7 @@ def _dp_exposed(plan: Plan, gmods: list, mods: list, link: Link, cpu_link: Link,
     def bucket(bk, lk, calls=1):
         key = (bk[0], bk[1][0], lk, calls)  # a Link hashes by identity
         if key not in memo:
-            memo[key] = _bucket_cost(plan.compress, bk, lk, cluster, calls)
+            memo[key] = _bucket_cost(plan.compress, bk, lk, cluster, calls, not fits_only)
         return memo[key]
     cost, cdc = zip(*(bucket(bk, link, len(bks)) for bk in bks))
     dp_c, codec = sum(cost), sum(cdc)

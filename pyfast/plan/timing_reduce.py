@@ -33,6 +33,7 @@ DENSE_BYTES = {"bf16": 2.0, "fp16": 2.0, "int8": 1 + 4 / 512, "fp8": 1 + 4 / 512
 FIRST_BUCKET_MB, BUCKET_MB = 1.0, 4.0  # pyfast.comm.buckets / pyfast.parallel.data
 NONE_BUCKET_MB = 25.0  # pyfast.comm.buckets: DataParallel's default for compressor "none"
 ALLGATHER_MAX_BYTES = 1 << 20          # collectives.choose: dense payloads up to this all-gather
+PER_PARAM = ("topk", "powersgd")  # DataParallel reduces these a parameter at a time (buckets)
 
 
 def gathered_bytes(plan: Plan) -> float:
@@ -69,15 +70,19 @@ def _codec(spec: str, n: float, cluster: Cluster) -> tuple[float, float]:
 
 
 def reduction_s(spec: str, n: int, mat: tuple, link: Link, cluster: Cluster,
-                calls: int = 1) -> tuple[float, float]:
+                calls: int = 1, measured_calls: bool = True) -> tuple[float, float]:
     """(total, codec) seconds of one all_reduce of n elements through spec (cost.comm_seconds's
-    algorithm: wire calls as collectives runs them, codec passes per algorithm)."""
+    algorithm: wire calls as collectives runs them, codec passes per algorithm).
+    measured_calls=False: top-k's / PowerSGD's call from the link's fits even where
+    reduce_seconds timed it (a link's extra over loopback where the job's own reduction was
+    measured on loopback: timing's DataParallel probe)."""
     w = link.world
     name = spec.partition(":")[0]
     if name == "none":
         return link.seconds("all_reduce", 4.0 * n, calls), 0.0
     enc, dec = _codec(spec, n, cluster) if name != "powersgd" or mat else (0.0, 0.0)
-    measured = (link.fit or {}).get("reduce", {}).get(spec) if w == 2 else None
+    measured = (link.fit or {}).get("reduce", {}).get(spec) if w == 2 and measured_calls \
+        else None
     if measured is not None:  # top-k / PowerSGD: DataParallel's per-parameter calls
         # as calibrate.reduce_seconds timed the whole call on this link (codec included:
         # its dependent collectives, helper-thread hand-offs and wake-ups are what the
@@ -141,11 +146,12 @@ def _fifo(ready: list[float], cost: list[float]) -> float:
     return end
 
 
-def _bucket_cost(spec: str, bk, link: Link, cluster: Cluster,
-                 calls: int = 1) -> tuple[float, float]:
+def _bucket_cost(spec: str, bk, link: Link, cluster: Cluster, calls: int = 1,
+                 measured_calls: bool = True) -> tuple[float, float]:
     n, params, _ = bk
-    if spec.partition(":")[0] in ("topk", "powersgd"):
-        return reduction_s(spec, params[0][0], params[0][1], link, cluster, calls)
+    if spec.partition(":")[0] in PER_PARAM:
+        return reduction_s(spec, params[0][0], params[0][1], link, cluster, calls,
+                           measured_calls)
     return reduction_s(spec, n, (), link, cluster, calls)
 
 
