@@ -22,7 +22,7 @@ from pathlib import Path
 from .spec import ModelShape, Plan, Workload, gpt_model_flag
 from . import timing
 from .timing_zero import zero_key
-from .calibrate_link import _child, _finish, rounds
+from .calibrate_link import PROBE_S, _child, _finish, rounds
 
 REPEATS = 9  # medians of 9 after 2 warm steps: one rank's step varied 11-22 ms (q10-q90) here
 # tp's block timed CHAIN times back to back, as the job's layers run (no barrier between them):
@@ -199,7 +199,10 @@ def zero_probe(path: str, model: str, vocab: int, seq: int, micro_batch: int,
         for r in runs:
             one(*r)
     diffs = [([], [], []) for _ in configs]
-    for _ in range(rounds((time.perf_counter() - t0) / 2, REPEATS)):
+    # twice the other probes' budget: a DataParallel wait varies widely from step to step
+    # (gpt-tiny's under powersgd:4 19-53 ms in a run and in this probe alike, median 31), and
+    # 19 rounds of its four configs left the median +-2.5 ms
+    for _ in range(rounds((time.perf_counter() - t0) / 2, REPEATS, 2 * PROBE_S)):
         base = one(*runs[0])
         for (stage, _), r, d in zip(configs, runs[1:], diffs):
             fb, st = one(*r)
@@ -226,8 +229,10 @@ def pp_probe(path: str, schedule: str, micro_batches: int, virtual: int) -> None
     builds it (its default transport) over 2 x world x virtual Linear(64, 64), micro-batches
     of 2 rows: the runtime's own seconds a micro-batch and virtual stage beyond the stages'
     compute and the waits for messages (Pipeline.last_stats: wall - compute - idle; sends,
-    headers, the outcome's agreement, the Python between actions), the median of REPEATS
-    steps after 2 warm ones, max over ranks; rank 0 writes [seconds]."""
+    headers, the outcome's agreement, the Python between actions), the median of as many
+    steps as calibrate_link.PROBE_S allows (REPEATS to MAX_REPEATS) after 2 warm ones, max
+    over ranks; rank 0 writes [seconds]. (9 steps gave gpt-tiny's pp2 0.40-0.96 ms a
+    micro-batch over eight plan_time runs.)"""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -240,14 +245,16 @@ def pp_probe(path: str, schedule: str, micro_batches: int, virtual: int) -> None
                                     virtual_stages=virtual)
     x = torch.randn(2 * micro_batches, 64)
     t = torch.randn_like(x)
-    per = []
-    for i in range(REPEATS + 2):
+    def one():
         pipe.zero_grad(set_to_none=True)
         dist.barrier()
         pipe.step(x if rank == 0 else None, t if rank == world - 1 else None)
         s = pipe.last_stats
-        if i > 1:
-            per.append((s["wall"] - s["compute"] - s["idle"]) / (micro_batches * virtual))
+        return (s["wall"] - s["compute"] - s["idle"]) / (micro_batches * virtual)
+
+    t0 = time.perf_counter()
+    one(), one()
+    per = [one() for _ in range(rounds((time.perf_counter() - t0) / 2, REPEATS))]
     w = _max_over_ranks([statistics.median(per)])
     if rank == 0:
         Path(path).write_text(json.dumps(w))
