@@ -15,11 +15,12 @@ TINY = ModelShape(2, 64, 4, 4, 256, 256, name="gpt-tiny")
 WORK = Workload(64, 8, "fp32")
 
 
-def _cluster(rate_bps=None, **extra):
-    """2 cpu ranks with a loopback-like fit (ragged numbers) and local module timings for every
-    plan below; with a rate, the link shaped by a token bucket of 512 KiB (the namespaces')."""
+def _cluster(rate_bps=None, free=0.0, **extra):
+    """2 cpu ranks with a loopback-like fit (ragged numbers; `free`: the bytes its latency
+    covers) and local module timings for every plan below; with a rate, the link shaped by a
+    token bucket of 512 KiB (the namespaces')."""
     r = torch.rand(8, dtype=torch.float64).tolist()
-    lo = {"fits": {p: [2e-4 + 1e-5 * r[0], 2.5e-10, 0.0] for p in cost.PRIMITIVES},
+    lo = {"fits": {p: [2e-4 + 1e-5 * r[0], 2.5e-10, free] for p in cost.PRIMITIVES},
           "small_s": 1.5e-4, "wake_s": [[1e-4, 5e-5 * (1 + r[1])], [3e-2, 2e-3 * (1 + r[2])]]}
     shaped = dict(lo, tbf=[rate_bps / 8, 512 * 1024]) if rate_bps else lo
     comp = {}
@@ -31,11 +32,12 @@ def _cluster(rate_bps=None, **extra):
     return hardware.Cluster(2, 2, hardware.gpu("cpu"), 1.0, 1.0, calibration=cal)
 
 
+@pytest.mark.parametrize("free", [0.0, 236e3])  # a probe's fit: 236 KB ride in its latency
 @pytest.mark.parametrize("rate", [None, 1e9, 10e6])
-def test_tp_block_timed_on_ranks(rate):
+def test_tp_block_timed_on_ranks(rate, free):
     plan = Plan(tp=2, micro_batch=8)
     key = timing.compute_key("block", plan, WORK) + ":dist"
-    c = _cluster(rate)
+    c = _cluster(rate, free)
     plain = timing.predict_time(TINY, plan, WORK, c)
     f, b = 4.1e-3 * (1 + torch.rand(1).item()), 7.3e-3
     c.calibration["compute"][key] = [f, b]
@@ -47,7 +49,8 @@ def test_tp_block_timed_on_ranks(rate):
     if rate is None:  # loopback: the measured block holds every all-reduce and its wait
         assert got["tp_comm_s"] == 0.0
     else:  # a shaped link: its calls' extra over loopback only, never negative (at 1 Gbit/s
-        # the refill covers gpt-tiny's 131 KB calls: none; at 10 Mbit/s they wait for the rate)
+        # the refill covers gpt-tiny's 131 KB calls: none, whatever the loopback fit's free
+        # bytes, priced alike on both sides; at 10 Mbit/s they wait for the rate)
         assert 0.0 <= got["tp_comm_s"] < plain["tp_comm_s"]
         assert (got["tp_comm_s"] > 0) == (rate < 1e8)
     # another micro-batch's plan has no timing on ranks: the local block and the modelled calls

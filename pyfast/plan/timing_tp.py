@@ -67,7 +67,7 @@ def tp_block_s(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster, 
             cluster.calibration.get("compute", {}):
         # the block was timed with its all-reduces on loopback: only the link's extra
         lo = _cpu_link(cluster, plan.tp)
-        lo_ar = lo.seconds("all_reduce", toks * shape.hidden * act)
+        lo_ar = lo.seconds("all_reduce", toks * shape.hidden * act, calls=calls)
         tp_f = max(0.0, tp_f - 2 * (lo_ar + lo.wake(bf / 2)))
         tp_b = max(0.0, tp_b - 2 * (lo_ar + lo.wake(bb / 2)))
     return tp_f, tp_b
