@@ -200,8 +200,8 @@ def zero_probe(path: str, model: str, vocab: int, seq: int, micro_batch: int,
             one(*r)
     diffs = [([], [], []) for _ in configs]
     # twice the other probes' budget: a DataParallel wait varies widely from step to step
-    # (gpt-tiny's under powersgd:4 19-53 ms in a run and in this probe alike, median 31), and
-    # 19 rounds of its four configs left the median +-2.5 ms
+    # (gpt-tiny's under powersgd:4 19-53 ms in a run and in this probe alike), and 3 s (19
+    # rounds of plan_time's four gpt-tiny configs) gave its median 33-44 ms over ten probes
     for _ in range(rounds((time.perf_counter() - t0) / 2, REPEATS, 2 * PROBE_S)):
         base = one(*runs[0])
         for (stage, _), r, d in zip(configs, runs[1:], diffs):
@@ -245,6 +245,7 @@ def pp_probe(path: str, schedule: str, micro_batches: int, virtual: int) -> None
                                     virtual_stages=virtual)
     x = torch.randn(2 * micro_batches, 64)
     t = torch.randn_like(x)
+
     def one():
         pipe.zero_grad(set_to_none=True)
         dist.barrier()

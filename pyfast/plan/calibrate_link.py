@@ -13,11 +13,10 @@ from pathlib import Path
 from .timing_reduce import PER_PARAM  # DataParallel reduces these a parameter at a time
 
 REPEATS = 5   # median of 5 after a warm call: the 2-core machine's noise is ~5-10% per call
-# probes timed in rounds (reduce_seconds, calibrate_dist.zero_probe): rounds for about PROBE_S
+# probes timed in rounds (reduce_seconds, calibrate_dist: zero / tp / cp / pp): rounds for ~PROBE_S
 # seconds, at least their floor, at most MAX_REPEATS (a top-k chain of 8 calls takes ~12 ms at
 # 100 Mbit/s: 41 rounds of 3 in ~1.5 s; gpt-tiny's step ~15 ms: 41 rounds of 4 configs in ~3 s)
 PROBE_S, MAX_REPEATS = 3.0, 41
-
 
 
 def rounds(round_s: float, floor: int, budget_s: float = PROBE_S) -> int:
