@@ -266,3 +266,32 @@ def test_pipeline_runtime_cost_is_measured_and_added_per_micro_batch():
         cl = cluster(calibration={"pp": {timing.pp_key(p): 1e-3}})
         assert math.isclose(timing.predict_time(SMALL, p, work, cl)["step_s"] - base,
                             p.micro_batches * p.virtual_stages * 1e-3, rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("model", ["gpt-tiny", "gpt-small"])
+@pytest.mark.parametrize("spec", ["none", "int8", "bf16", "topk:0.01"])
+def test_reduction_buckets_are_dataparallels(model, spec):
+    # the model's buckets are the job's, element for element: sizes by the job's defaults,
+    # reverse registration order, each parameter at a multiple of the compressor's block
+    # (int8's 512 pads gpt-tiny's 132,864 elements to 140,288: its vectors are 64-256 long)
+    from pyfast import models
+    from pyfast.comm.buckets import Bucketer, default_bucket_mb
+    from pyfast.plan import shapes
+    m = models.build(model, 256, 64)
+    c = C.get(spec)
+    real = Bucketer(list(m.named_parameters()), default_bucket_mb(spec), lambda *a: None,
+                    align=c.block)
+    mods = timing._modules(shapes.preset(model), Plan(dp=2, micro_batch=4, compress=spec), 0)
+    got = timing.dp_buckets(mods, spec)
+    if spec == "topk:0.01":  # one call a parameter (DataParallel's per-tensor compressors)
+        assert [b[0] for b in got] == [p.numel() for p in reversed(list(m.parameters()))]
+    else:
+        assert [b[0] for b in got] == [b.flat.numel() for b in real.buckets]
+    assert sum(n for b in got for n, _ in b[1]) == sum(p.numel() for p in m.parameters())
+
+
+def test_quantizer_blocks_are_the_compressors():
+    # timing_reduce.BLOCK mirrors pyfast.compress (the planner imports no torch)
+    from pyfast.plan.timing_reduce import BLOCK, DENSE_BYTES
+    for name in [*DENSE_BYTES, "none", "topk:0.01", "powersgd:4"]:
+        assert BLOCK.get(name.partition(":")[0], 1) == C.get(name).block, name

@@ -41,7 +41,7 @@ from .timing_link import SMALL_BYTES, Link, _cpu_link  # noqa: F401
 from .timing_reduce import (ALLGATHER_MAX_BYTES, BUCKET_MB, DENSE_BYTES,  # noqa: F401
                             FIRST_BUCKET_MB, NONE_BUCKET_MB, PER_PARAM, REL_ERROR,
                             STEPS_PER_ERROR, _bucket_cost, _buckets, _codec, _fifo, _trainable,
-                            reduction_s, rel_error, steps_factor)
+                            dp_buckets, reduction_s, rel_error, steps_factor)
 from .sharding import check_keep_gathered, shard_group
 from .timing_tp import tp_block_s
 from .timing_zero import _zero, zero_key
@@ -259,9 +259,7 @@ def _dp_exposed(plan: Plan, gmods: list, mods: list, link: Link, cpu_link: Link,
     tp + cp seconds) of one micro-batch. fits_only: reduction_s's measured_calls=False."""
     f, b, r, par = last
     cal = cluster.calibration
-    per_param = plan.compress.partition(":")[0] in PER_PARAM
-    bks = _buckets(gmods, per_param,
-                   bucket_mb=NONE_BUCKET_MB if plan.compress == "none" else BUCKET_MB)
+    bks = dp_buckets(gmods, plan.compress)
     memo = {}  # by (elements, first tensor): most of a model's buckets repeat one of a few
 
     def bucket(bk, lk, calls=1):

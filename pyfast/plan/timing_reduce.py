@@ -34,6 +34,12 @@ FIRST_BUCKET_MB, BUCKET_MB = 1.0, 4.0  # pyfast.comm.buckets / pyfast.parallel.d
 NONE_BUCKET_MB = 25.0  # pyfast.comm.buckets: DataParallel's default for compressor "none"
 ALLGATHER_MAX_BYTES = 1 << 20          # collectives.choose: dense payloads up to this all-gather
 PER_PARAM = ("topk", "powersgd")  # DataParallel reduces these a parameter at a time (buckets)
+# The quantizers' block (pyfast.compress: a 4-byte scale per 512 elements): DataParallel starts
+# each parameter of a bucket at a multiple of it (comm.buckets' align), and the padding goes on
+# the wire. gpt-tiny's int8 step put 295.8 KB on loopback against 269.4 KB for one flat
+# all-reduce of its 132,864 elements (its 28 tensors, 19 of them vectors of 64-256); 0.4% of
+# gpt-small's 10.8M.
+BLOCK = {name: 512 for name in ("int8", "fp8", "int4", "e3m0", "sign", "ternary")}
 
 
 def gathered_bytes(plan: Plan) -> float:
@@ -117,25 +123,40 @@ def reduction_s(spec: str, n: int, mat: tuple, link: Link, cluster: Cluster,
 
 @lru_cache(maxsize=4096)
 def _buckets(mods: tuple, per_param: bool, first_mb: float = FIRST_BUCKET_MB,
-             bucket_mb: float = BUCKET_MB) -> tuple[tuple[int, tuple, int], ...]:
+             bucket_mb: float = BUCKET_MB, align: int = 1) -> tuple[tuple[int, tuple, int], ...]:
     """pyfast.comm.buckets: (elements, ((n, matrix), ...), index of the module whose backward
-    completes the bucket) in reduction order: parameters in reverse registration order.
+    completes the bucket) in reduction order: parameters in reverse registration order, each
+    starting at a multiple of `align` elements (BLOCK; no padding after a bucket's last one).
     mods: timing_compute._modules' tuples (cached here: one stage's buckets serve each of its
     plans)."""
     flat = [(n, m, i) for i, (_, ps) in enumerate(mods) for n, m in ps]
     out, cur, size = [], [], 0.0
+
+    def close():
+        padded = sum(-(-x[0] // align) * align for x in cur[:-1]) + cur[-1][0]
+        out.append((padded, tuple((x[0], x[1]) for x in cur), cur[-1][2]))
     for n, m, i in reversed(flat):
         if per_param:
             out.append((n, ((n, m),), i))
             continue
         cur.append((n, m, i))
-        size += 4.0 * n
+        size += 4.0 * -(-n // align) * align
         if size >= (first_mb if not out else bucket_mb) * 2 ** 20:
-            out.append((sum(x[0] for x in cur), tuple((x[0], x[1]) for x in cur), cur[-1][2]))
+            close()
             cur, size = [], 0.0
     if cur:
-        out.append((sum(x[0] for x in cur), tuple((x[0], x[1]) for x in cur), cur[-1][2]))
+        close()
     return tuple(out)
+
+
+def dp_buckets(mods: tuple, compress: str) -> tuple[tuple[int, tuple, int], ...]:
+    """DataParallel's buckets of these modules under `compress`, as pyfast.comm.buckets makes
+    them: one a parameter for top-k / PowerSGD, else 25 MB for none (DDP's) and 4 MB for the
+    rest, each parameter at a multiple of the compressor's block."""
+    name = compress.partition(":")[0]
+    return _buckets(mods, name in PER_PARAM,
+                    bucket_mb=NONE_BUCKET_MB if compress == "none" else BUCKET_MB,
+                    align=BLOCK.get(name, 1))
 
 
 def _fifo(ready: list[float], cost: list[float]) -> float:
