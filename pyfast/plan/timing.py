@@ -40,7 +40,7 @@ from .timing_cp import ring_steps
 from .timing_link import SMALL_BYTES, Link, _cpu_link  # noqa: F401
 from .timing_reduce import (ALLGATHER_MAX_BYTES, BUCKET_MB, DENSE_BYTES,  # noqa: F401
                             FIRST_BUCKET_MB, NONE_BUCKET_MB, PER_PARAM, REL_ERROR,
-                            STEPS_PER_ERROR, _bucket_cost, _buckets, _codec, _fifo, _trainable,
+                            STEPS_PER_ERROR, _bucket_cost, _codec, _fifo, _trainable,
                             dp_buckets, reduction_s, rel_error, steps_factor)
 from .sharding import check_keep_gathered, shard_group
 from .timing_tp import tp_block_s
