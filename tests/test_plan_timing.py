@@ -291,7 +291,9 @@ def test_reduction_buckets_are_dataparallels(model, spec):
 
 
 def test_quantizer_blocks_are_the_compressors():
-    # timing_reduce.BLOCK mirrors pyfast.compress (the planner imports no torch)
-    from pyfast.plan.timing_reduce import BLOCK, DENSE_BYTES
+    # sharding.BLOCKED / QUANT_BLOCK mirror pyfast.compress (the planner imports no torch)
+    from pyfast.plan.sharding import BLOCKED, QUANT_BLOCK
+    from pyfast.plan.timing_reduce import DENSE_BYTES
     for name in [*DENSE_BYTES, "none", "topk:0.01", "powersgd:4"]:
-        assert BLOCK.get(name.partition(":")[0], 1) == C.get(name).block, name
+        want = QUANT_BLOCK if name.partition(":")[0] in BLOCKED else 1
+        assert want == C.get(name).block, name

@@ -65,14 +65,13 @@ from pyfast._partition import partition
 
 from .activations import KINDS, _block_saved, korthikanti_activation_bytes  # noqa: F401
 from .held import _held
-from .sharding import (BLOCKED, blocked as _blocked, check_keep_gathered,  # noqa: F401
-                       hybrid_compressors, shard_group)
+from .sharding import (BLOCKED, QUANT_BLOCK, blocked as _blocked,  # noqa: F401
+                       check_keep_gathered, hybrid_compressors, shard_group)
 from .timing_reduce import gathered_bytes
 from .offload import add as add_host, check as check_offload, host_state, params_extra
 from .spec import ModelShape, Plan, Workload
 
 F32 = 4
-QUANT_BLOCK = 512      # pyfast.ops.quantize.DEFAULT_BLOCK: int8/int4/fp8/sign code blocks
 LOSSY = BLOCKED + ("topk", "randomk", "powersgd")
 BUCKET_MB = 4.0        # pyfast.parallel.data.BUCKET_MB (ZeRO's units too)
 VOCAB_PARALLEL_MIN = 2048  # pyfast.models.gpt.VOCAB_PARALLEL_MIN

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 from .spec import Plan
 
-# the codecs that code blocks of QUANT_BLOCK elements (memory.py's BLOCKED)
+# the codecs that code blocks of QUANT_BLOCK elements (memory.py's BLOCKED): their shards
+# padded to it, and DataParallel's buckets start each parameter at a multiple of it
+# (comm.buckets' align)
 BLOCKED = ("int8", "int4", "e3m0", "fp8", "sign", "ternary")
+QUANT_BLOCK = 512      # pyfast.ops.quantize.DEFAULT_BLOCK: int8/int4/fp8/sign code blocks
 
 
 def blocked(*names: str) -> bool:

@@ -7,6 +7,7 @@ import math
 from functools import lru_cache
 
 from .hardware import Cluster
+from .sharding import BLOCKED, QUANT_BLOCK
 from .spec import ModelShape, Plan, Workload
 from .timing_link import SMALL_BYTES, Link
 
@@ -34,12 +35,6 @@ FIRST_BUCKET_MB, BUCKET_MB = 1.0, 4.0  # pyfast.comm.buckets / pyfast.parallel.d
 NONE_BUCKET_MB = 25.0  # pyfast.comm.buckets: DataParallel's default for compressor "none"
 ALLGATHER_MAX_BYTES = 1 << 20          # collectives.choose: dense payloads up to this all-gather
 PER_PARAM = ("topk", "powersgd")  # DataParallel reduces these a parameter at a time (buckets)
-# The quantizers' block (pyfast.compress: a 4-byte scale per 512 elements): DataParallel starts
-# each parameter of a bucket at a multiple of it (comm.buckets' align), and the padding goes on
-# the wire. gpt-tiny's int8 step put 295.8 KB on loopback against 269.4 KB for one flat
-# all-reduce of its 132,864 elements (its 28 tensors, 19 of them vectors of 64-256); 0.4% of
-# gpt-small's 10.8M.
-BLOCK = {name: 512 for name in ("int8", "fp8", "int4", "e3m0", "sign", "ternary")}
 
 
 def gathered_bytes(plan: Plan) -> float:
@@ -126,7 +121,7 @@ def _buckets(mods: tuple, per_param: bool, first_mb: float = FIRST_BUCKET_MB,
              bucket_mb: float = BUCKET_MB, align: int = 1) -> tuple[tuple[int, tuple, int], ...]:
     """pyfast.comm.buckets: (elements, ((n, matrix), ...), index of the module whose backward
     completes the bucket) in reduction order: parameters in reverse registration order, each
-    starting at a multiple of `align` elements (BLOCK; no padding after a bucket's last one).
+    starting at a multiple of `align` elements (no padding after a bucket's last one).
     mods: timing_compute._modules' tuples (cached here: one stage's buckets serve each of its
     plans)."""
     flat = [(n, m, i) for i, (_, ps) in enumerate(mods) for n, m in ps]
@@ -152,11 +147,14 @@ def _buckets(mods: tuple, per_param: bool, first_mb: float = FIRST_BUCKET_MB,
 def dp_buckets(mods: tuple, compress: str) -> tuple[tuple[int, tuple, int], ...]:
     """DataParallel's buckets of these modules under `compress`, as pyfast.comm.buckets makes
     them: one a parameter for top-k / PowerSGD, else 25 MB for none (DDP's) and 4 MB for the
-    rest, each parameter at a multiple of the compressor's block."""
+    rest, each parameter at a multiple of the compressor's block (sharding.QUANT_BLOCK), whose
+    padding goes on the wire: gpt-tiny's int8 step put 295.8 KB on loopback against 269.4 KB
+    for one flat all-reduce of its 132,864 elements (28 tensors, 19 of them vectors of
+    64-256); 0.4% more elements on gpt-small."""
     name = compress.partition(":")[0]
     return _buckets(mods, name in PER_PARAM,
                     bucket_mb=NONE_BUCKET_MB if compress == "none" else BUCKET_MB,
-                    align=BLOCK.get(name, 1))
+                    align=QUANT_BLOCK if name in BLOCKED else 1)
 
 
 def _fifo(ready: list[float], cost: list[float]) -> float:
