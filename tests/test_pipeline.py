@@ -229,42 +229,44 @@ def test_layouts_are_agreed_once_and_may_change(pool2):
 
 
 def io_threads(rank, world):
-    """The threads and groups of a Pipeline built with the default io_nice and with None."""
+    """The threads and groups of a Pipeline built with io_nice=7 and with None."""
     import torch.distributed as dist
 
     from pyfast.comm.threads import LOOP_NAME, loop_threads
     from pyfast.parallel import Pipeline
     main = os.getpriority(os.PRIO_PROCESS, 0)
-    lowered = Pipeline.from_sequential(model(), 2, "1f1b", F.mse_loss)
+    lowered = Pipeline.from_sequential(model(), 2, "1f1b", F.mse_loss, io_nice=7)
     kept = Pipeline.from_sequential(model(), 2, "1f1b", F.mse_loss, io_nice=None)
     x, t = batch(8, 0)
-    for pipe in (lowered, kept):  # both still train: the sends yield, the threads run
+    for pipe in (lowered, kept):  # both still train: the batch threads run
         pipe.step(x if rank == 0 else None, t if rank == world - 1 else None)
     names = {tid: open(f"/proc/self/task/{tid}/comm").read().strip() for tid in lowered.io_threads}
     return {"nice": [os.getpriority(os.PRIO_PROCESS, tid) for tid in lowered.io_threads],
             "names": sorted(set(names.values())), "loops": len(loop_threads()),
             "private": lowered.group is not dist.group.WORLD,
             "flags_private": lowered.flags.group not in (dist.group.WORLD, lowered.group),
-            "yields": {link.before_send is not None for link in lowered.links.values()},
+            "policy": {os.sched_getscheduler(tid) for tid in lowered.io_threads},
             "waits": ({peer.wait_sends for peer in lowered.peers.values()},
                       {peer.wait_sends for peer in kept.peers.values()}),
             "main": (main, os.getpriority(os.PRIO_PROCESS, 0)),
-            "kept": (kept.group is dist.group.WORLD, kept.io_threads,
-                     {link.before_send for link in kept.links.values()}), "loop": LOOP_NAME}
+            "kept": (kept.group is dist.group.WORLD, kept.io_threads), "loop": LOOP_NAME,
+            "policies": (os.SCHED_BATCH, os.sched_getscheduler(0))}
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="thread names come from /proc")
 def test_gloo_io_threads_of_the_pipeline_groups_are_lowered(pool2):
-    """io_nice (default 19): the pipeline's two private gloo groups (messages, outcome flags)
-    have their I/O loop thread at nice 19, its sends yield first, the main thread keeps its
+    """io_nice: the pipeline's two private gloo groups (messages, outcome flags) have their I/O
+    loop thread at SCHED_BATCH and that nice value, the main thread keeps its policy and
     priority; io_nice=None leaves the given group and every thread as they were."""
     for got in pool2.run(io_threads):
-        assert len(got["nice"]) == 2 and set(got["nice"]) == {19}, got
+        batch, main_policy = got["policies"]
+        assert len(got["nice"]) == 2 and set(got["nice"]) == {7}, got
+        assert got["policy"] == {batch} and main_policy != batch, got
         assert got["names"] == [got["loop"]] and got["loops"] >= 3, got  # + the default group's
-        assert got["private"] and got["flags_private"] and got["yields"] == {True}, got
+        assert got["private"] and got["flags_private"], got
         assert got["waits"] == ({True}, {False}), got  # each send waited where lowered
-        assert got["main"][0] == got["main"][1] < 19, got
-        assert got["kept"] == (True, [], {None}), got
+        assert got["main"][0] == got["main"][1] < 7, got
+        assert got["kept"] == (True, []), got
 
 
 # -- bad input: every rank raises, naming the problem --------------------------------------------

@@ -390,12 +390,11 @@ class Link:
     go through the Peer of the other rank."""
 
     def __init__(self, group, uid: int, stage: int, src: int, dst: int, me: int, m: int,
-                 peer: Peer | None = None, before_send=None):
+                 peer: Peer | None = None):
         self.group, self.uid, self.stage, self.m = group, uid, stage, m
         self.src, self.dst = src, dst  # ranks in `group` (None: the default group)
         self.sender, self.receiver, self.local = src == me, dst == me, src == dst
         self.peer = peer
-        self.before_send = before_send  # gloo with a lowered I/O thread: comm/threads.yield_core
         if peer is not None:
             peer.links[stage] = self
         # (kind, mb) -> (work, tensor) of each send not yet waited: released as soon as the
@@ -433,8 +432,6 @@ class Link:
 
     def isend(self, t, kind, mb):
         peer = self.dst if kind in (ACT, ACT_HEADER) else self.src
-        if self.before_send is not None:  # the I/O thread reads the peer's "ready" notices first
-            self.before_send()
         try:  # the error's name is built only on failure: a step sends one message an action
             w = dist.isend(t, group=self.group, tag=self.tag(kind, mb), group_dst=peer)
         except Exception as e:  # noqa: BLE001  (_named re-raises it)

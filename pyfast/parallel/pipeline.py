@@ -30,7 +30,7 @@ from . import schedules
 from pyfast.comm.agree import agree, rank_by_rank
 from pyfast.comm.dry import fake_group, read
 from pyfast.comm.failure import CommError, as_timedelta, new_group_like
-from pyfast.comm.threads import lowered, nice_problem, yield_core
+from pyfast.comm.threads import lowered, nice_problem
 from pyfast.perf import clock
 from .outcome import Flags
 from .p2p_fail import settle
@@ -63,7 +63,7 @@ class Pipeline(nn.Module):
                         loss_fn=None, group=None, balance="params", virtual_stages: int = 1,
                         example: torch.Tensor | None = None,
                         split_backward: bool | None = None, timeout=None,
-                        stage_costs=None, stage_memory=None, io_nice: int | None = 19) -> Pipeline:
+                        stage_costs=None, stage_memory=None, io_nice: int | None = 0) -> Pipeline:
         """Split `seq` into world_size * virtual_stages contiguous stages; stage s goes to rank
         s % world_size. balance: "params" (equal parameter counts), "time" (equal measured
         forward+backward time on `example`, a batch like step's x), or a list of layer counts.
@@ -87,13 +87,15 @@ class Pipeline(nn.Module):
         every rank if none fits. Gradients and optimizer state scale with the parameters:
         pass the budget / (1 + the states' multiple), e.g. / 4 for fp32 AdamW.
         io_nice (gloo groups only): the pipeline sends on private groups (made like the timeout
-        one) whose gloo I/O thread runs at this nice value, and a rank yields its core before
-        each send (comm/threads.py says why: on a core shared with compute that thread spins
-        and delays transfers; interleaved-1F1B on the tiny benchmark model 33.9 -> 23.0 ms a
-        step) and waits for the send before going on, as torch's schedules do (the lowered
-        thread would otherwise move the data only when this rank next blocks: 1F1B 13.5 ->
-        11.0 ms a step on 2 ranks). None: the group as given, threads untouched, sends waited
-        when a later message from the peer shows their receive posted. Other backends:
+        one) whose gloo I/O thread gets the SCHED_BATCH policy at this nice value (comm/threads.py
+        says why: on a core shared with compute a normal thread, woken mid-call, preempts the
+        main thread and spins on the pair's mutex; a batch thread never preempts, and runs at
+        full weight once the main thread waits: 1F1B on the tiny benchmark model 10.8-11.0 ->
+        9.1-9.3 ms a step at 2 ranks against nice 19 with a yield before each send), and each
+        send is waited as it is made, as torch's schedules do (the batch thread moves the data
+        only once this rank blocks: 18.1 -> 18.9 ms a step at 4 ranks without these waits).
+        None: the group as given, threads untouched, sends waited when a later message from
+        the peer shows their receive posted. Other backends:
         ignored."""
         global _built
         if not isinstance(seq, nn.Sequential):
@@ -183,7 +185,7 @@ class Pipeline(nn.Module):
                 layer.to(device="meta")
         _built += 1
         pipe = cls(stages, bounds, m, schedule, loss_fn, group, rank, p, compute, _built,
-                   split_backward, flags, before_send=yield_core if lower else None)
+                   split_backward, flags, wait_sends=lower)
         pipe.io_threads = io_threads  # the gloo I/O threads given io_nice (tests read them)
         # per rank (None: even speeds); probe_s: each rank's seconds per probe matmul
         pipe.stage_costs = None if stage_costs is None else [float(c) for c in stage_costs]
@@ -191,7 +193,7 @@ class Pipeline(nn.Module):
         return pipe
 
     def __init__(self, stages, bounds, m, schedule, loss_fn, group, rank, p, compute, uid,
-                 split_backward=None, flag_group=None, before_send=None):
+                 split_backward=None, flag_group=None, wait_sends=False):
         super().__init__()
         mods = list(stages.values())
         self.module = mods[0] if len(mods) == 1 else nn.ModuleList(mods)
@@ -208,10 +210,9 @@ class Pipeline(nn.Module):
                 if 0 <= b < self.n_stages - 1 and b not in self.links:
                     other = (b + 1) % p if b % p == rank else b % p
                     if other != rank and other not in self.peers:
-                        self.peers[other] = Peer(group, other, rank,
-                                                 wait_sends=before_send is not None)
+                        self.peers[other] = Peer(group, other, rank, wait_sends=wait_sends)
                     self.links[b] = Link(group, uid, b, b % p, (b + 1) % p, rank, m,
-                                         self.peers.get(other), before_send)
+                                         self.peers.get(other))
         # the messages between this rank and each neighbour, in training and inference
         lists = [compute if q == rank else schedules.compute_actions(
             schedule, q, p, m, self.n_stages // p) for q in range(p)]
