@@ -34,8 +34,8 @@ from pyfast.comm.threads import lowered, nice_problem
 from pyfast.perf import clock
 from .outcome import Flags
 from .p2p_fail import settle
-from .p2p import (MAX_MICROBATCHES, MAX_STAGES, Link, Peer, PipelineCommError, PipelineError,
-                  as_tensors, message_orders)
+from .p2p import (ACT, GRAD, MAX_MICROBATCHES, MAX_STAGES, Link, Peer, PipelineCommError,
+                  PipelineError, as_tensors, message_orders)
 from .stage_costs import cut, problem as stage_costs_problem
 from .trace import Recorder
 from .zero_bubble import input_grad, weight_grad
@@ -291,6 +291,7 @@ class Pipeline(nn.Module):
         self._steps += 1
         self._training, self._rec = training, Recorder(self.rank, self.group) if trace else None
         self._state, self._gin, self._losses, self._outputs = {}, {}, {}, {}
+        self._freed = {}  # (stage, mb) -> how many of the two uses of its output gradient ended
         self.last_stats = stats = {"compute": 0.0, "idle": 0.0, "actions": len(actions)}
         self._dev = self._device(x)
         t0 = clock(self._dev)  # the step's wall time; the trace's per-action marks stay host times
@@ -517,6 +518,7 @@ class Pipeline(nn.Module):
         self._keep_input_grad(s, mb, xs, plan, gin)
         if plan:
             weight_grad(plan)
+        self._recycle(s, mb, "backward")
         self._release((s, mb))
         self._mark("idle", a, t0, t1)
         self._mark("backward", a, t1, now())
@@ -546,8 +548,24 @@ class Pipeline(nn.Module):
         plan = self._state.pop((a.stage, a.mb))
         if plan:
             weight_grad(plan)
+        self._recycle(a.stage, a.mb, "backward")
         self._release((a.stage, a.mb))
         self._mark("weight-grad", a, t0, now())
+
+    def _recycle(self, s, mb, done: str):
+        """Stage s is done with micro-batch mb's "backward" (weight gradients included) or has
+        "sent" its input gradient: the buffer its input arrived in goes back to its link's pool
+        after the former, the one its output gradient arrived in after both (the input
+        gradient may be that very tensor, through an identity)."""
+        if s > 0 and done == "backward":
+            self.links[s - 1].recycle(ACT, mb)
+        if s == self.n_stages - 1:
+            return
+        n = self._freed.pop((s, mb), 0) + 1
+        if n < (2 if s > 0 else 1):
+            self._freed[(s, mb)] = n
+        else:
+            self.links[s].recycle(GRAD, mb)
 
     def _comm(self, a):
         """Post a receive (it never blocks: take_* waits) or send a tensor produced earlier."""
@@ -557,6 +575,7 @@ class Pipeline(nn.Module):
             self.links[a.stage].send_act(a.mb, y)
         elif a.kind == schedules.SEND_B:
             self.links[a.stage - 1].send_grad(a.mb, self._gin.pop(key))
+            self._recycle(a.stage, a.mb, "sent")
         elif a.kind == schedules.RECV_F:
             self.links[a.stage - 1].post_act(a.mb)
         else:  # RECV_B: before this step's first forward is sent, take_grad posts it
