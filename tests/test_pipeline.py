@@ -81,8 +81,9 @@ def test_four_ranks_equal_single_process(pool4, schedule, v):
 
 def pooled_receive_buffers(rank, world, schedule, v):
     """Steps of 16 rows (different data each) then 8, 8 micro-batches: each against the dense
-    model, while the receive buffers go back to their link's pool once read (Link.recycle) and
-    serve the next step of the same size; a new size replaces them."""
+    model, while the receive buffers go back to their link's pool once read (Link.recycle), the
+    packed sends' once sent, and serve the next step of the same size; a new size replaces
+    them."""
     from pyfast.parallel import Pipeline
     pipe = Pipeline.from_sequential(model(), 8, schedule, F.mse_loss, virtual_stages=v)
     first, last = 0 in pipe.stages, pipe.n_stages - 1 in pipe.stages
@@ -97,18 +98,21 @@ def pooled_receive_buffers(rank, world, schedule, v):
         for stage in pipe.stages.values():
             for name, p in stage.named_parameters():
                 _close(p.grad, want[name].grad, f"grad of {name} at step {i} ({rows} rows)")
-        assert all(not link.inuse for link in pipe.links.values())  # all back in the pools
-        pools.append({(link.stage, key[0]): sorted(e[0].data_ptr() for e in entries)
-                      for link in pipe.links.values() for key, entries in link.pool.items()})
+        assert all(not link.inuse and not link.packed for link in pipe.links.values())
+        pools.append({(link.stage, way, key[0]): sorted(e[0].data_ptr() for e in entries)
+                      for link in pipe.links.values()
+                      for way, pool in (("recv", link.pool), ("send", link.spool))
+                      for key, entries in pool.items()})
     assert pools[1] and pools[2] == pools[1], pools  # the same buffers, no new ones
     assert not set(pools[3]) & set(pools[2]), pools  # 8 rows: other sizes, the old ones gone
-    return max(len(ptrs) for ptrs in pools[1].values())
+    assert {way for _, way, _ in pools[1]} == {"recv", "send"}, pools
+    return max(len(ptrs) for (_, way, _), ptrs in pools[1].items() if way == "recv")
 
 
 # A received activation's .grad, or a buffer overwritten while in use, would show here as a
 # gradient off from the second step on.
 @pytest.mark.parametrize("schedule,v", SCHEDULES)
-def test_receive_buffers_are_pooled(pool2, schedule, v):
+def test_message_buffers_are_pooled(pool2, schedule, v):
     most = pool2.run(pooled_receive_buffers, schedule, v)
     # gpipe holds every micro-batch's input until its backward: 8 buffers on the last stage;
     # the others recycle within the step, fewer than the 7 a link gets without the pool

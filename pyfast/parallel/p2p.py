@@ -408,6 +408,10 @@ class Link:
         self.pool: dict = {}  # (size, device) -> [entry]; entry: [buffer, numpy or None, {}, key]
         self.inuse: dict = {}  # (kind, mb) -> entry of this step's posted receives
         self.used: set = set()  # the pool keys this step drew from (finish drops the others)
+        # the same for the packed copies this rank sends: an entry returns once its send is
+        # waited (release, finish): see _packed
+        self.spool: dict = {}  # (size, device) -> [entry]; entry: [buffer, {specs: views}, key]
+        self.packed: dict = {}  # (kind, mb) -> entry of a send not waited yet
         self.dry_spec = None  # the activations' layout where headers arrive empty (Pipeline.expect)
         self.agreed = None  # the layout of the last step that completed: both ranks have it
         # a dry run's receives hold nothing (read once: get_backend per message cost ~10 us)
@@ -454,6 +458,7 @@ class Link:
                 sent[0].wait()
             except Exception as e:  # noqa: BLE001  (_named re-raises it)
                 _named(e, f"Pipeline: sending {self._what(kind, mb)}")
+            self._unpacked_send(kind, mb)
 
     def _irecv(self, buf, kind, mb):
         peer = self.src if kind in (ACT, ACT_HEADER) else self.dst
@@ -552,6 +557,32 @@ class Link:
             views = entry[2][key] = unpack(buf, specs)
         return [v.detach() for v in views]
 
+    def _packed(self, kind, mb, ts, specs) -> torch.Tensor:
+        """pack(ts, specs) into a buffer from the send pool: one copy a tensor into views made
+        once per buffer (its padding and OK status byte zero from its creation), no allocation.
+        Tiny benchmark model, 1F1B at 4 ranks, three rounds side by side: 18.0-18.5 -> 17.5-17.7
+        ms a step (torch's 16.1-17.5). With each send waited as made (gloo) one buffer a
+        direction stays allocated between steps; under NCCL, as many as were in flight."""
+        specs = tuple(specs)
+        key = (_layout(specs)[1], self.device)
+        self.used.add(key)
+        free = self.spool.get(key)
+        entry = free.pop() if free else \
+            [torch.zeros(key[0], dtype=torch.uint8, device=self.device), {}, key]
+        views = entry[1].get(specs)
+        if views is None:
+            views = entry[1][specs] = unpack(entry[0], specs)
+        with torch.no_grad():
+            for v, t in zip(views, ts):
+                v.copy_(t)
+        self.packed[(kind, mb)] = entry
+        return entry[0]
+
+    def _unpacked_send(self, kind, mb) -> None:
+        entry = self.packed.pop((kind, mb), None)
+        if entry is not None:
+            self.spool.setdefault(entry[2], []).append(entry)
+
     def post(self, kind, mb, size):
         buf = (self._buffer(kind, mb, size) if kind in (ACT, GRAD) else
                torch.empty(size, dtype=torch.uint8, device=self.device))
@@ -634,7 +665,7 @@ class Link:
         if self.local:
             self.mailbox[mb] = [t.detach() for t in ts]
         else:
-            self.peer.send(self, pack(ts, self.meta[1], self.device), ACT, mb)
+            self.peer.send(self, self._packed(ACT, mb, ts, self.meta[1]), ACT, mb)
 
     @ranged("pyfast.pipe.recv")
     def post_act(self, mb: int):
@@ -670,7 +701,7 @@ class Link:
                 self.peer.send(self, msg, GRAD_HEADER, 0, carries=True)
                 return
             self.peer.send(self, self._header_msg(GRAD_HEADER, None), GRAD_HEADER, 0)
-        self.peer.send(self, pack(gs, specs, self.device), GRAD, mb)
+        self.peer.send(self, self._packed(GRAD, mb, gs, specs), GRAD, mb)
 
     @ranged("pyfast.pipe.recv")
     def post_grad(self, mb: int):
@@ -707,7 +738,7 @@ class Link:
         self.abandoned += [h for h in (self._hf, self._hb) if h is not None]
         self.sends, self.acts, self.grads = {}, {}, {}
         # a receive of the failed step may still land in one of these: never reused
-        self.pool, self.inuse, self.used = {}, {}, set()
+        self.pool, self.inuse, self.used, self.spool, self.packed = {}, {}, set(), {}, {}
 
     def finish(self):
         """The step completed on every rank: wait for the sends and agree on its layout (both
@@ -723,7 +754,10 @@ class Link:
         self.sends, self._hf, self._hb = {}, None, None
         for kind, mb in list(self.inuse):
             self.recycle(kind, mb)
+        for kind, mb in list(self.packed):
+            self._unpacked_send(kind, mb)
         # sizes this step did not use go: a batch size that changes every step would otherwise
         # keep every size's buffers
         self.pool = {k: v for k, v in self.pool.items() if k in self.used}
+        self.spool = {k: v for k, v in self.spool.items() if k in self.used}
         self.used = set()
