@@ -10,8 +10,11 @@ drifting load of a shared machine falls on all of them alike:
   torch <Schedule>           torch.distributed.pipelining on the same stages
 Ranks are pinned one per core (rank r on core r % cores), as `taskset` would in a launcher: on
 2 busy cores gloo's I/O thread otherwise waits for a core, and a transfer costs ~1 ms instead of
-~0.1 ms. Step time is the slowest rank's (ranks start together after a barrier). pyfast rows
-also report the bubble, 1 - sum(compute) / (p x step), the scheduling overhead per action,
+~0.1 ms. Step time is the slowest rank's (ranks start together after a barrier). "In a loop":
+`--loop` steps in a row per provider, as a training loop runs them (the first rank's start to
+the last rank's end, / steps): a single step after a barrier also pays the ranks' uneven exit
+from the barrier and a cold start, and pyfast's ranks end a step together (they agree on its
+outcome) where torch's end one by one. pyfast rows also report the bubble, 1 - sum(compute) / (p x step), the scheduling overhead per action,
 (step - compute - waiting) / actions, and the peak activation bytes of a traced step.
 """
 from __future__ import annotations
@@ -130,6 +133,22 @@ def _round(names):
     return out
 
 
+def _loop(names, steps: int):
+    """Per provider, (start, end) on this rank's clock (perf_counter: CLOCK_MONOTONIC, one
+    clock for every process here) of `steps` steps in a row after a barrier, as a training loop
+    runs them."""
+    out = {}
+    for name in names:
+        mod, step = _local[name]
+        mod.zero_grad(set_to_none=True)
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        out[name] = (t0, time.perf_counter())
+    return out
+
+
 def _grad_sq(names):
     """Per provider, the squared norm of this rank's parameter gradients from its last step:
     summed over ranks, the whole model's, to compare with single_process(micro=True)'s."""
@@ -161,9 +180,12 @@ def ranks(world: int, pin: bool = True, timeout: float = 600):
 
 # -- the driver (parent process) ---------------------------------------------------------------
 def run(worlds=(2, 4), models=("large", "tiny"), repeats: int = 7, pin: bool = True,
-        trace: str | None = None, log=print) -> dict:
+        trace: str | None = None, log=print, loop: int = 0) -> dict:
     """Measure every provider; `trace` (a path prefix) also writes one traced pyfast 1f1b step
-    of the first model at the first world size as PREFIX.json / PREFIX.png."""
+    of the first model at the first world size as PREFIX.json / PREFIX.png. loop > 0: also
+    max(3, repeats // 4) rounds of `loop` steps in a row per provider (no barrier between
+    them, as a training loop), the step time from the first rank's start to the last rank's
+    end over the round, median over rounds."""
     runs, load = [], [os.getloadavg()[0]]
     for world in worlds:
         with ranks(world, pin) as launch:
@@ -189,9 +211,17 @@ def run(worlds=(2, 4), models=("large", "tiny"), repeats: int = 7, pin: bool = T
                     for n in names:
                         times[n].append(max(r[n][0] for r in per_rank))
                         stats[n].append([r[n][1] for r in per_rank])
+                looped = {n: [] for n in names}
+                for _ in range(max(3, repeats // 4) if loop else 0):
+                    per_rank = launch.call(_loop, names, loop)
+                    for n in names:  # the first rank's start to the last rank's end
+                        looped[n].append((max(r[n][1] for r in per_rank) -
+                                          min(r[n][0] for r in per_rank)) / loop)
                 rows_out = []
                 for n, ts in times.items():
                     row = {"provider": n, **perf.summary(ts)}
+                    if looped.get(n):
+                        row["loop_step_s"] = statistics.median(looped[n])
                     if n.startswith("pyfast"):
                         sched = n.split()[1]
                         row.update(_pyfast_metrics(stats[n], world, SCHEDULES[sched]))
@@ -215,7 +245,7 @@ def run(worlds=(2, 4), models=("large", "tiny"), repeats: int = 7, pin: bool = T
     torch.set_num_threads(threads)
     result = {"machine": machine, "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "pyfast": pyfast.__version__, "torch": torch.__version__, "n_microbatches": M,
-              "repeats": repeats, "pinned": pin, "cores": os.cpu_count(),
+              "repeats": repeats, "loop": loop, "pinned": pin, "cores": os.cpu_count(),
               "load_average_start_end": load, "runs": runs}
     result["targets"] = targets(result)
     return result
@@ -276,6 +306,7 @@ def table(result: dict):
                     f"micro-batches; median of {result['repeats']}\n{result['machine']}; "
                     f"ranks {'pinned one per core' if result['pinned'] else 'unpinned'}")
     perf.columns(t, ("ranks", "model", "provider", "step ms", "q10-q90",
+                     f"in a loop of {result.get('loop') or '-'}, ms/step",
                      "vs 1 process whole, 1 thread", "vs 1 process 8 mb, 1 thread",
                      "bubble (formula)", "overhead/action", "peak activations"),
                  left=("model", "provider"), no_wrap=True)
@@ -297,14 +328,16 @@ def table(result: dict):
             t.add_row(first.get(i, ""),
                       f"{run_['model']} (w={run_['width']}, batch {run_['batch']})" if i == 0 else "",
                       r["provider"], f"{r['median_s'] * 1e3:.1f}",
-                      f"{r['q10_s'] * 1e3:.0f}-{r['q90_s'] * 1e3:.0f}", f"{r['vs_whole_1t']:.2f}x",
+                      f"{r['q10_s'] * 1e3:.0f}-{r['q90_s'] * 1e3:.0f}",
+                      f"{r['loop_step_s'] * 1e3:.1f}" if "loop_step_s" in r else "",
+                      f"{r['vs_whole_1t']:.2f}x",
                       f"{r['vs_micro_1t']:.2f}x", bub, ovh, mem, end_section=i == len(run_["rows"]) - 1)
     return t
 
 
 def save(result: dict, out: str, note: str = "") -> None:
     """OUT.json and OUT.txt (the table, `note` under it), atomically (perf.save_result)."""
-    perf.save_result({**result, "note": note}, out, table, width=230)
+    perf.save_result({**result, "note": note}, out, table, width=260)
 
 
 def main(argv=None) -> int:
@@ -315,6 +348,7 @@ def main(argv=None) -> int:
     p.add_argument("--world", default="2,4")
     p.add_argument("--model", default="large,tiny")
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--loop", type=int, default=10, help="steps in a row per loop round (0: none)")
     p.add_argument("--no-pin", action="store_true", help="do not pin one rank per core")
     p.add_argument("--trace", default="", help="path prefix for one traced 1f1b step")
     p.add_argument("--note", default="")
@@ -324,7 +358,8 @@ def main(argv=None) -> int:
         worlds = tuple(int(w) for w in a.world.split(","))
     except ValueError:
         p.error(f"--world takes comma-separated integers, got {a.world!r}")
-    if min(worlds) < 2 or a.repeats < 1:
-        p.error("--world must be >= 2 and --repeats >= 1")
-    res = run(worlds, tuple(a.model.split(",")), a.repeats, not a.no_pin, a.trace or None)
-    return perf.finish({**res, "note": a.note}, table, a.out, width=230)
+    if min(worlds) < 2 or a.repeats < 1 or a.loop < 0:
+        p.error("--world must be >= 2, --repeats >= 1 and --loop >= 0")
+    res = run(worlds, tuple(a.model.split(",")), a.repeats, not a.no_pin, a.trace or None,
+              loop=a.loop)
+    return perf.finish({**res, "note": a.note}, table, a.out, width=260)
