@@ -14,8 +14,9 @@ Ranks are pinned one per core (rank r on core r % cores), as `taskset` would in 
 `--loop` steps in a row per provider, as a training loop runs them (the first rank's start to
 the last rank's end, / steps): a single step after a barrier also pays the ranks' uneven exit
 from the barrier and a cold start, and pyfast's ranks end a step together (they agree on its
-outcome) where torch's end one by one. pyfast rows also report the bubble, 1 - sum(compute) / (p x step), the scheduling overhead per action,
-(step - compute - waiting) / actions, and the peak activation bytes of a traced step.
+outcome) where torch's end one by one. pyfast rows also report the bubble, 1 - sum(compute) / (p
+x step), the scheduling overhead per action, (step - compute - waiting) / actions, and the peak
+activation bytes of a traced step.
 """
 from __future__ import annotations
 

@@ -67,8 +67,9 @@ def nice_problem(nice) -> str | None:
 
 def lowered(make, nice: int):
     """(group, tids): make() a gloo group (collective, as dist.new_group) and give the I/O loop
-    threads it started the SCHED_BATCH policy at nice `nice`. A barrier on the group makes gloo connect now even under
-    TORCH_GLOO_LAZY_INIT, so that its thread exists to be found (every rank calls it)."""
+    threads it started the SCHED_BATCH policy at nice `nice`. A barrier on the group makes gloo
+    connect now even under TORCH_GLOO_LAZY_INIT, so that its thread exists to be found (every
+    rank calls it)."""
     before = loop_threads()
     group = make()
     dist.barrier(group=group)

@@ -7,12 +7,15 @@ that finishes last (rank 0 under gpipe and 1F1B) then waits out the collective's
 after its last action; on the tiny model of `pyfast bench pipeline` (8 x Linear(256), batch
 32, 8 micro-batches, 2 pinned ranks, 2-core Xeon with other jobs running) 1F1B took 1.22-1.24x
 torch's Schedule1F1B with it and 1.03-1.04x without any agreement. Here the root is the rank
-that finishes its schedule last (a run of the schedule says which: schedules.simulate); it
-posts its receives when the step begins, so the other ranks' flags are there when it ends: it
-sends the outcome and returns. Every other rank sends one flag and receives one outcome: 2
-messages a rank and step, 2 (p - 1) on the root, where a flag from every rank to every other
-rank (issue 32's first version) made p - 1 sends and receives on each: 6 a rank at 4 ranks,
-30 at 16.
+that finishes its schedule last (a run of the schedule says which: schedules.simulate); it posts
+its receives when it gets there, not when the step begins (session 54: posted at the start, 3
+receives on the rank that starts the pipeline before its first forward, and the flags then land
+mid-step on the critical rank; tiny model, 1F1B at 4 ranks, side by side, three rounds: a step
+after a barrier 17.9-18.9 -> 17.6-17.8 ms, 9.2-9.3 -> 8.7-8.8 at 2 ranks; ten steps in a row the
+same within the noise), then sends the outcome and returns. Every other rank sends one flag and
+receives one outcome: 2 messages a rank and step, 2 (p - 1) on the root, where a flag from every
+rank to every other rank (issue 32's first version) made p - 1 sends and receives on each: 6 a
+rank at 4 ranks, 30 at 16.
 
 A group of its own because after a failed step the pipeline's p2p streams still hold messages
 nobody matched (drained only after this agreement): a flag posted there would pair with one of
@@ -40,7 +43,6 @@ class Flags:
         self.group, self.rank, self.p = group, rank, p
         self.roots = roots or {True: 0, False: 0}
         self.root = self.roots[True]  # begin() sets the step's
-        self.recvs: dict = {}    # peer -> (work, buffer) posted and not yet read (root only)
         self.abandoned: list = []  # a failed exchange's works and buffers, kept alive
 
     def _post(self, peers, device) -> dict:
@@ -53,18 +55,13 @@ class Flags:
         return out
 
     def begin(self, device, training: bool = True) -> None:
-        """The root posts its receives of the others' flags (a step's first call)."""
+        """A step's first call: which rank is its root (its receives wait for exchange())."""
         self.root = self.roots[training]
-        if self.rank == self.root:
-            peers = [q for q in range(self.p) if q != self.rank and q not in self.recvs]
-            if peers:
-                with naming("Pipeline: posting the step's outcome receives"):
-                    self.recvs.update(self._post(peers, device))
 
     def exchange(self, failed: bool, device) -> bool:
         """Send this rank's flag, learn the outcome: True when any rank failed this step."""
         mine = torch.tensor([int(failed)], dtype=torch.int32, device=device)
-        works, recvs, self.recvs, sent = [], self.recvs, {}, [mine]
+        works, recvs, sent = [], {}, [mine]
         try:
             with naming("Pipeline: agreeing on the step's outcome"):
                 if self.rank != self.root:  # the flag, then the outcome
@@ -73,9 +70,13 @@ class Flags:
                     works[0].wait()
                     recvs[self.root][0].wait()
                     return bool(read(recvs[self.root][1], [0], self.group)[0])
-                missing = [q for q in range(self.p) if q != self.rank and q not in recvs]
-                recvs.update(self._post(missing, device))  # the step's start failed
                 lost, anyone = {}, failed
+                for q in range(self.p):  # one by one: a dead peer's must not stop the others'
+                    if q != self.rank:
+                        try:
+                            recvs.update(self._post([q], device))
+                        except Exception as e:  # noqa: BLE001  (a dead peer: the others must hear)
+                            lost[q] = e
                 for q, (w, b) in recvs.items():
                     try:
                         w.wait()
@@ -85,7 +86,7 @@ class Flags:
                 sent.append(torch.tensor([int(anyone or bool(lost))], dtype=torch.int32,
                                          device=device))
                 works += [dist.isend(sent[-1], group=self.group, group_dst=q) for q in recvs
-                          if q not in lost]
+                          if q not in lost]  # (a rank whose receive could not be posted: lost)
                 for w in works:
                     w.wait()
                 if lost:  # raised after telling every other rank the step failed

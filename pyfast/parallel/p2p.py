@@ -14,13 +14,14 @@ the header.
 
 Every message of a micro-batch (its activations, or their gradients) is one byte buffer: the
 tensors of a stage's output (one tensor or a tuple) packed at 16-byte offsets, then a status
-byte. A receive lands in a buffer from its link's pool, returned once the micro-batch's
-backward no longer reads it (Link.recycle), so steps after the first allocate nothing. Status is how a failure reaches ranks that are already waiting mid-step: a rank that
-fails sends, on each boundary, an error header if it has not opened it this step, else a
-"failed" message of the right size for every micro-batch it still owes (the receive posted
-for it matches, and the text of the error rides in its payload). A rank that receives one
-fails in turn and passes it on, so every rank stops its schedule instead of waiting for the
-group's timeout. The Pipeline then agrees on the step's outcome with one all-reduce.
+byte. A receive lands in a buffer from its link's pool, returned once the micro-batch's backward
+no longer reads it (Link.recycle), so steps after the first allocate nothing. Status is how a
+failure reaches ranks that are already waiting mid-step: a rank that fails sends, on each
+boundary, an error header if it has not opened it this step, else a "failed" message of the
+right size for every micro-batch it still owes (the receive posted for it matches, and the text
+of the error rides in its payload). A rank that receives one fails in turn and passes it on, so
+every rank stops its schedule instead of waiting for the group's timeout. The Pipeline then
+agrees on the step's outcome with one all-reduce.
 
 Nothing relies on tags (NCCL has none; tests/test_nccl_lane.py runs with every tag 0): two
 ranks issue the messages between them, both ways, in one order that both compute
@@ -615,7 +616,8 @@ class Link:
         except Exception as e:  # noqa: BLE001  (_named re-raises it)
             peer = self.src if kind in (ACT, ACT_HEADER) else self.dst
             _named(e, f"Pipeline: receiving {self._what(kind, mb)} from rank {peer}")
-        if kind in (ACT, GRAD) and not (self.fake or buf.is_meta) and self._status(buf, kind, mb) != OK:
+        if kind in (ACT, GRAD) and not (self.fake or buf.is_meta) and \
+                self._status(buf, kind, mb) != OK:
             text = read_failure(buf)
             peer = self.src if kind == ACT else self.dst
             raise _forwarded(text or f"rank {peer} failed (its message was too small to say why)")
