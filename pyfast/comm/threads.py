@@ -31,6 +31,7 @@ Linux only (the thread's name, /proc, SCHED_BATCH); elsewhere nothing is changed
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch.distributed as dist
@@ -75,10 +76,10 @@ def lowered(make, nice: int):
     dist.barrier(group=group)
     found = sorted(loop_threads() - before)
     for tid in found:
-        try:
-            if hasattr(os, "SCHED_BATCH"):
-                os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
-            os.setpriority(os.PRIO_PROCESS, tid, nice)  # after: the policy change may reset it
-        except OSError:  # the thread ended, or a policy refuses: it keeps its priority
-            continue
+        # each on its own: a policy that refuses one (a seccomp filter) still leaves the other;
+        # the nice value after the policy, whose change may reset it
+        with contextlib.suppress(OSError, AttributeError):  # the thread ended, or refused
+            os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
     return group, found
