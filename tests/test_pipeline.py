@@ -98,11 +98,12 @@ def pooled_receive_buffers(rank, world, schedule, v):
         for stage in pipe.stages.values():
             for name, p in stage.named_parameters():
                 _close(p.grad, want[name].grad, f"grad of {name} at step {i} ({rows} rows)")
-        assert all(not link.inuse and not link.packed for link in pipe.links.values())
-        pools.append({(link.stage, way, key[0]): sorted(e[0].data_ptr() for e in entries)
+        assert all(not link.recv_pool.held and not link.send_pool.held
+                   for link in pipe.links.values())
+        pools.append({(link.stage, way, key[0]): sorted(b.data.data_ptr() for b in bufs)
                       for link in pipe.links.values()
-                      for way, pool in (("recv", link.pool), ("send", link.spool))
-                      for key, entries in pool.items()})
+                      for way, pool in (("recv", link.recv_pool), ("send", link.send_pool))
+                      for key, bufs in pool.free.items()})
     assert pools[1] and pools[2] == pools[1], pools  # the same buffers, no new ones
     assert not set(pools[3]) & set(pools[2]), pools  # 8 rows: other sizes, the old ones gone
     assert {way for _, way, _ in pools[1]} == {"recv", "send"}, pools

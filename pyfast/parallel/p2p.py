@@ -386,6 +386,55 @@ class Peer:
                 for w in dist.batch_isend_irecv(ops):
                     w.wait()
 
+class Pool:
+    """A link's message buffers of one use (receives, or packed sends), kept from message to
+    message and step to step: `take` one for (kind, mb), `give` it back once no longer read or
+    in flight, `end_step` returns what is left and drops the sizes the step did not use (a batch
+    size that changes every step would otherwise keep every size's)."""
+
+    def __init__(self):
+        self.free: dict = {}  # (size, device) -> [Buf]
+        self.held: dict = {}  # (kind, mb) -> the Buf taken for it this step
+        self.used: set = set()  # the keys this step drew from
+
+    def take(self, kind, mb, size, device, make) -> Buf:
+        key = (size, device)
+        self.used.add(key)
+        free = self.free.get(key)
+        buf = free.pop() if free else Buf(make(), key)
+        self.held[(kind, mb)] = buf
+        return buf
+
+    def give(self, kind, mb) -> None:
+        buf = self.held.pop((kind, mb), None)
+        if buf is not None:
+            self.free.setdefault(buf.key, []).append(buf)
+
+    def end_step(self) -> None:
+        for kind, mb in list(self.held):
+            self.give(kind, mb)
+        self.free = {k: v for k, v in self.free.items() if k in self.used}
+        self.used = set()
+
+
+class Buf:
+    """A pooled byte buffer, its views by layout (made once), and its bytes as numpy where it is
+    host memory (a status byte read without a torch op)."""
+    __slots__ = ("data", "key", "views", "host")
+
+    def __init__(self, data: torch.Tensor, key):
+        self.data, self.key, self.views = data, key, {}
+        on_host = data.device.type == "cpu"  # cpu-literal: numpy can view host memory only
+        self.host = data.numpy() if on_host else None
+
+    def viewed(self, specs: tuple) -> list[torch.Tensor]:
+        """unpack(data, specs), made once per layout."""
+        views = self.views.get(specs)
+        if views is None:
+            views = self.views[specs] = unpack(self.data, specs)
+        return views
+
+
 class Link:
     """Boundary stage -> stage + 1 as seen by this rank: it is the sender (it owns `stage`),
     the receiver (it owns `stage + 1`), or both (one rank, no messages at all). Its messages
@@ -403,16 +452,9 @@ class Link:
         # peer is known to have posted its receive (Peer.release), else at the step's end
         self.sends: dict = {}
         self.abandoned: list = []  # a failed step's pending transfers: their buffers stay alive
-        # receive buffers reused from micro-batch to micro-batch and step to step (a pool per
-        # size and device; `recycle` returns one once its micro-batch's backward is done), each
-        # with its bytes as numpy (CPU) and its views by layout, made once: see _buffer
-        self.pool: dict = {}  # (size, device) -> [entry]; entry: [buffer, numpy or None, {}, key]
-        self.inuse: dict = {}  # (kind, mb) -> entry of this step's posted receives
-        self.used: set = set()  # the pool keys this step drew from (finish drops the others)
-        # the same for the packed copies this rank sends: an entry returns once its send is
-        # waited (release, finish): see _packed
-        self.spool: dict = {}  # (size, device) -> [entry]; entry: [buffer, {specs: views}, key]
-        self.packed: dict = {}  # (kind, mb) -> entry of a send not waited yet
+        # message buffers reused from micro-batch to micro-batch and step to step: receives
+        # return once the micro-batch's backward is done (recycle), packed sends once waited
+        self.recv_pool, self.send_pool = Pool(), Pool()
         self.dry_spec = None  # the activations' layout where headers arrive empty (Pipeline.expect)
         self.agreed = None  # the layout of the last step that completed: both ranks have it
         # a dry run's receives hold nothing (read once: get_backend per message cost ~10 us)
@@ -459,7 +501,7 @@ class Link:
                 sent[0].wait()
             except Exception as e:  # noqa: BLE001  (_named re-raises it)
                 _named(e, f"Pipeline: sending {self._what(kind, mb)}")
-            self._unpacked_send(kind, mb)
+            self.send_pool.give(kind, mb)
 
     def _irecv(self, buf, kind, mb):
         peer = self.src if kind in (ACT, ACT_HEADER) else self.dst
@@ -521,42 +563,31 @@ class Link:
         2 ranks; a buffer per micro-batch kept for the next step instead measured the same
         (17.5-18.1). As many buffers as were in flight at once stay allocated between steps
         (torch's pipelining keeps one per micro-batch: stage.py's args_recv_info)."""
-        key = (size, self.device)
-        self.used.add(key)
-        free = self.pool.get(key)
-        if free:
-            entry = free.pop()
-        else:
-            buf = torch.empty(size, dtype=torch.uint8, device=self.device)
-            host = buf.device.type == "cpu"  # cpu-literal: numpy can view host memory only
-            entry = [buf, buf.numpy() if host else None, {}, key]
-        self.inuse[(kind, mb)] = entry
-        return entry[0]
+        make = lambda: torch.empty(size, dtype=torch.uint8, device=self.device)  # noqa: E731
+        return self.recv_pool.take(kind, mb, size, self.device, make).data
 
     def recycle(self, kind, mb) -> None:
         """Micro-batch mb's received message of `kind` is no longer read (its backward, weight
         gradients included, is done; or the step ended): its buffer goes back to the pool."""
-        entry = self.inuse.pop((kind, mb), None)
-        if entry is not None:
-            self.pool.setdefault(entry[3], []).append(entry)
+        self.recv_pool.give(kind, mb)
+
+    def _pooled(self, buf, kind, mb) -> Buf | None:
+        held = self.recv_pool.held.get((kind, mb))
+        return held if held is not None and held.data is buf else None
 
     def _status(self, buf, kind, mb) -> int:
-        entry = self.inuse.get((kind, mb))
-        if entry is not None and entry[0] is buf and entry[1] is not None:
-            return int(entry[1][-1])  # a CPU buffer's byte, no torch op
+        held = self._pooled(buf, kind, mb)
+        if held is not None and held.host is not None:
+            return int(held.host[-1])  # a CPU buffer's byte, no torch op
         return buf[-1].item()
 
     def _unpack(self, buf, kind, mb, specs) -> list[torch.Tensor]:
         """unpack(buf, specs), from views made once where buf is a pooled buffer: fresh tensors
         (detach), so no .grad or requires_grad carries over to the buffer's next message."""
-        entry = self.inuse.get((kind, mb))
-        if entry is None or entry[0] is not buf:
+        held = self._pooled(buf, kind, mb)
+        if held is None:
             return unpack(buf, specs)
-        key = tuple(specs)
-        views = entry[2].get(key)
-        if views is None:
-            views = entry[2][key] = unpack(buf, specs)
-        return [v.detach() for v in views]
+        return [v.detach() for v in held.viewed(tuple(specs))]
 
     def _packed(self, kind, mb, ts, specs) -> torch.Tensor:
         """pack(ts, specs) into a buffer from the send pool: one copy a tensor into views made
@@ -565,24 +596,13 @@ class Link:
         ms a step (torch's 16.1-17.5). With each send waited as made (gloo) one buffer a
         direction stays allocated between steps; under NCCL, as many as were in flight."""
         specs = tuple(specs)
-        key = (_layout(specs)[1], self.device)
-        self.used.add(key)
-        free = self.spool.get(key)
-        entry = free.pop() if free else \
-            [torch.zeros(key[0], dtype=torch.uint8, device=self.device), {}, key]
-        views = entry[1].get(specs)
-        if views is None:
-            views = entry[1][specs] = unpack(entry[0], specs)
+        size = _layout(specs)[1]
+        make = lambda: torch.zeros(size, dtype=torch.uint8, device=self.device)  # noqa: E731
+        buf = self.send_pool.take(kind, mb, size, self.device, make)
         with torch.no_grad():
-            for v, t in zip(views, ts):
+            for v, t in zip(buf.viewed(specs), ts):
                 v.copy_(t)
-        self.packed[(kind, mb)] = entry
-        return entry[0]
-
-    def _unpacked_send(self, kind, mb) -> None:
-        entry = self.packed.pop((kind, mb), None)
-        if entry is not None:
-            self.spool.setdefault(entry[2], []).append(entry)
+        return buf.data
 
     def post(self, kind, mb, size):
         buf = (self._buffer(kind, mb, size) if kind in (ACT, GRAD) else
@@ -740,7 +760,7 @@ class Link:
         self.abandoned += [h for h in (self._hf, self._hb) if h is not None]
         self.sends, self.acts, self.grads = {}, {}, {}
         # a receive of the failed step may still land in one of these: never reused
-        self.pool, self.inuse, self.used, self.spool, self.packed = {}, {}, set(), {}, {}
+        self.recv_pool, self.send_pool = Pool(), Pool()
 
     def finish(self):
         """The step completed on every rank: wait for the sends and agree on its layout (both
@@ -754,12 +774,5 @@ class Link:
         # buffer of this step is held until the next one; forward()'s receives back to the pool
         # (its outputs are concatenated, a copy, before a next step can receive into them)
         self.sends, self._hf, self._hb = {}, None, None
-        for kind, mb in list(self.inuse):
-            self.recycle(kind, mb)
-        for kind, mb in list(self.packed):
-            self._unpacked_send(kind, mb)
-        # sizes this step did not use go: a batch size that changes every step would otherwise
-        # keep every size's buffers
-        self.pool = {k: v for k, v in self.pool.items() if k in self.used}
-        self.spool = {k: v for k, v in self.spool.items() if k in self.used}
-        self.used = set()
+        self.recv_pool.end_step()
+        self.send_pool.end_step()
