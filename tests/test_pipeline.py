@@ -79,6 +79,26 @@ def test_four_ranks_equal_single_process(pool4, schedule, v):
     assert sorted(sum(layers, [])) == list(range(9))
 
 
+def ring_of_three(rank, world, m, rows):
+    """Interleaved stages on 3 ranks (boundaries 0->1->2->0->...) against the dense model."""
+    from pyfast.parallel import Pipeline
+    layers = check_against_dense(rank, world, "interleaved-1f1b", 2, "params", rows, m=m)
+    line = Pipeline.from_sequential(model(), m, "1f1b", F.mse_loss)
+    ring = Pipeline.from_sequential(model(), m, "interleaved-1f1b", F.mse_loss, virtual_stages=2)
+    return layers, {q: p.wait_sends for q, p in line.peers.items()}, \
+        {q: p.wait_sends for q, p in ring.peers.items()}
+
+
+# With every send blocking until its receive was posted, these hung (a cycle of waits around
+# the ring: rank 0 on 1, 1 on 2, 2 on 0) for m = 3, 5, 6, 8, 12: sends block only on a line.
+@pytest.mark.parametrize("m,rows", [(3, [6, 12]), (8, [8, 16])])
+def test_three_ranks_with_virtual_stages_do_not_deadlock(m, rows):
+    from dist_utils import run_ranks
+    out = run_ranks(ring_of_three, 3, m, rows, timeout=90)
+    assert sorted(sum((layers for layers, _, _ in out), [])) == list(range(9))
+    assert all(all(line.values()) and not any(ring.values()) for _, line, ring in out), out
+
+
 def pooled_receive_buffers(rank, world, schedule, v):
     """Steps of 16 rows (different data each) then 8, 8 micro-batches: each against the dense
     model, while the receive buffers go back to their link's pool once read (Link.recycle), the

@@ -93,7 +93,10 @@ class Pipeline(nn.Module):
         full weight once the main thread waits: 1F1B on the tiny benchmark model 10.8-11.0 ->
         9.1-9.3 ms a step at 2 ranks against nice 19 with a yield before each send), and each
         send is waited as it is made, as torch's schedules do (the batch thread moves the data
-        only once this rank blocks: 18.1 -> 18.9 ms a step at 4 ranks without these waits).
+        only once this rank blocks: 18.1 -> 18.9 ms a step at 4 ranks without these waits) where
+        the ranks form a line (one stage a rank, or two ranks); with virtual stages on more than
+        two ranks, whose boundaries close a ring, a send blocking on a peer could close a cycle
+        of waits, so there sends are waited as with None.
         None: the group as given, threads untouched, sends waited when a later message from
         the peer shows their receive posted. Other backends:
         ignored."""
@@ -184,8 +187,12 @@ class Pipeline(nn.Module):
             if i not in kept:
                 layer.to(device="meta")
         _built += 1
+        # Sends block only where the ranks form a line (one stage each, or two ranks): a rank
+        # then waits on a neighbour whose receives, posted in the pair's one order, can never
+        # wait on it in turn. Around a ring (v > 1 at p > 2) a blocking send can close a cycle:
+        # interleaved-1f1b at 3 ranks hung for m = 3, 5, 6, 8 and 12 (session 55 sweep).
         pipe = cls(stages, bounds, m, schedule, loss_fn, group, rank, p, compute, _built,
-                   split_backward, flags, wait_sends=lower)
+                   split_backward, flags, wait_sends=lower and (v == 1 or p == 2))
         pipe.io_threads = io_threads  # the gloo I/O threads given io_nice (tests read them)
         # per rank (None: even speeds); probe_s: each rank's seconds per probe matmul
         pipe.stage_costs = None if stage_costs is None else [float(c) for c in stage_costs]
