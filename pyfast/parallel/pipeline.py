@@ -43,10 +43,15 @@ from .zero_bubble import input_grad, weight_grad
 __all__ = ["Pipeline", "PipelineError", "PipelineCommError"]
 _built = 0  # Pipelines built by this process; SPMD code builds them in the same order on every rank
 now = time.perf_counter
-# Receives are posted 2 compute actions before their consumer: tiny model (8 x Linear(256)),
-# 2 ranks, 1f1b, 10.8 -> 9.6 ms a step against 1; on 8 x Linear(1024) 1, 2 and 4 were within
-# the noise of the shared 2-core machine (AMD EPYC), and 8 was slower (more buffers in flight).
-RECV_LOOKAHEAD = 2
+# Receives are posted this many compute actions before their consumer, by schedule. Tiny
+# benchmark model (8 x Linear(256), batch 32, 8 micro-batches), side by side with torch's
+# schedules on the 2-core Xeon, 41-61 steps a run (session 55): 1F1B at 4 ranks 17.0-18.1 ms a
+# step at 1 against 18.4-19.1 at 2 (five runs), ZB-H1 19.2-19.4 against 20.2-20.3 (two), both
+# within 0.2 ms at 2 ranks; GPipe and interleaved-1f1b the other way (4 ranks 15.8 / 24.5 ms at
+# 2 against 16.4 / 25.8 at 1; 2 ranks 8.5 / 14.5 against 9.0 / 15.9). Where forward and backward
+# alternate, one receive in flight at a time suffices; a second wakes the peer's I/O thread
+# while both ranks compute. No lookahead can deadlock: sends block only on a line.
+RECV_LOOKAHEAD = {"1f1b": 1, "zb-h1": 1, "gpipe": 2, "interleaved-1f1b": 2}
 ACTION_NAMES = {schedules.F: "forward", schedules.B: "backward",
                 schedules.I: "input-gradient backward", schedules.W: "weight-gradient backward",
                 schedules.SEND_F: "sending the output",
@@ -208,9 +213,10 @@ class Pipeline(nn.Module):
         self.n_microbatches, self.schedule, self.loss_fn = m, schedule, loss_fn
         self.group, self.rank, self.world_size = group, rank, p
         self.abandoned: list = []  # a failed step's pending work (agreement), kept alive
-        self.actions = schedules.lower(compute, self.n_stages, RECV_LOOKAHEAD)
+        ahead = RECV_LOOKAHEAD.get(schedule, 2)
+        self.actions = schedules.lower(compute, self.n_stages, ahead)
         self.forward_actions = schedules.lower(schedules.forward_only(compute), self.n_stages,
-                                               RECV_LOOKAHEAD)
+                                               ahead)
         self.links, self.peers = {}, {}
         for s in stages:
             for b in (s - 1, s):
