@@ -45,12 +45,13 @@ _built = 0  # Pipelines built by this process; SPMD code builds them in the same
 now = time.perf_counter
 # Receives are posted this many compute actions before their consumer, by schedule. Tiny
 # benchmark model (8 x Linear(256), batch 32, 8 micro-batches), side by side with torch's
-# schedules on the 2-core Xeon, 41-61 steps a run (session 55): 1F1B at 4 ranks 17.0-18.1 ms a
-# step at 1 against 18.4-19.1 at 2 (five runs), ZB-H1 19.2-19.4 against 20.2-20.3 (two), both
-# within 0.2 ms at 2 ranks; GPipe and interleaved-1f1b the other way (4 ranks 15.8 / 24.5 ms at
-# 2 against 16.4 / 25.8 at 1; 2 ranks 8.5 / 14.5 against 9.0 / 15.9). Where forward and backward
-# alternate, one receive in flight at a time suffices; a second wakes the peer's I/O thread
-# while both ranks compute. No lookahead can deadlock: sends block only on a line.
+# schedules on the 2-core Xeon, 41-61 steps a run (session 55): 1F1B at 4 ranks 17.0-18.4 ms a
+# step at 1 against 18.4-19.1 at 2 (five runs, 1 faster in each), ZB-H1 19.2-19.4 against
+# 20.2-20.3 (two), both within 0.2 ms at 2 ranks; GPipe and interleaved-1f1b the other way (one
+# run each: 4 ranks 15.8 / 24.5 ms at 2 against 16.4 / 25.8 at 1; 2 ranks 8.5 / 14.5 against
+# 9.0 / 15.9). Where forward and backward alternate, one receive in flight seems to suffice (not
+# measured apart: a second may wake the peer's I/O thread while both ranks compute). No
+# lookahead deadlocks (a sweep of 2-5 ranks, the four schedules): sends block only on a line.
 RECV_LOOKAHEAD = {"1f1b": 1, "zb-h1": 1, "gpipe": 2, "interleaved-1f1b": 2}
 ACTION_NAMES = {schedules.F: "forward", schedules.B: "backward",
                 schedules.I: "input-gradient backward", schedules.W: "weight-gradient backward",
