@@ -99,6 +99,37 @@ def test_three_ranks_with_virtual_stages_do_not_deadlock(m, rows):
     assert all(all(line.values()) and not any(ring.values()) for _, line, ring in out), out
 
 
+def test_every_schedule_completes_on_three_ranks():
+    from dist_utils import run_ranks
+    assert run_ranks(every_schedule_completes, 3, timeout=300) == [[], [], []]
+
+
+def every_schedule_completes(rank, world):
+    """Two steps of every schedule, m in 1..12 and v in 2, 3 for interleaving, each Pipeline
+    with a 10 s timeout, so that a cycle of waits fails the case instead of hanging the test."""
+    from pyfast.parallel import Pipeline, schedules
+    failed = []
+    for name in schedules.SCHEDULES:
+        for m in (1, 2, 3, 4, 5, 6, 8, 12):
+            for v in ((2, 3) if name == "interleaved-1f1b" else (1,)):
+                if name == "interleaved-1f1b" and m % max(1, m // world):
+                    continue  # refused by the schedule (a multiple of the ranks' share)
+                torch.manual_seed(m)
+                seq = nn.Sequential(*[nn.Linear(16, 16) for _ in range(world * v)])
+                x, t = torch.randn(2 * m, 16), torch.randn(2 * m, 16)
+                pipe = Pipeline.from_sequential(seq, m, name, F.mse_loss, virtual_stages=v,
+                                                timeout=10)
+                last = pipe.n_stages - 1 in pipe.stages
+                try:
+                    for _ in range(2):
+                        loss = pipe.step(x if rank == 0 else None, t if last else None)
+                        assert loss is None or torch.isfinite(loss), loss
+                except Exception as e:  # noqa: BLE001  (reported with its case)
+                    failed.append((name, m, v, f"{type(e).__name__}: {e}"[:200]))
+                    dist.barrier()
+    return failed
+
+
 def pooled_receive_buffers(rank, world, schedule, v):
     """Steps of 16 rows (different data each) then 8, 8 micro-batches: each against the dense
     model, while the receive buffers go back to their link's pool once read (Link.recycle), the

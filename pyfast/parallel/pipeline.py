@@ -51,7 +51,7 @@ now = time.perf_counter
 # run each: 4 ranks 15.8 / 24.5 ms at 2 against 16.4 / 25.8 at 1; 2 ranks 8.5 / 14.5 against
 # 9.0 / 15.9). Where forward and backward alternate, one receive in flight seems to suffice (not
 # measured apart: a second may wake the peer's I/O thread while both ranks compute). No
-# lookahead deadlocks (a sweep of 2-5 ranks, the four schedules): sends block only on a line.
+# lookahead deadlocks (a sweep of 2-6 and 8 ranks, the four schedules): sends block only on a line.
 RECV_LOOKAHEAD = {"1f1b": 1, "zb-h1": 1, "gpipe": 2, "interleaved-1f1b": 2}
 ACTION_NAMES = {schedules.F: "forward", schedules.B: "backward",
                 schedules.I: "input-gradient backward", schedules.W: "weight-gradient backward",
