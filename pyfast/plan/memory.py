@@ -262,12 +262,14 @@ def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = 
                 (n_split if not last else 0)
             act += tok * F32 * hs * outs
             # the packed copies of what it sent, until each send completes: on a CPU (gloo,
-            # whose I/O thread the Pipeline lowers) each send is waited as it is made, so one
-            # copy a boundary it sends on, in that link's pool (gpt-small pp2 1f1b, stage 0:
-            # 0.75 MiB of comm buffers traced when the copy was dropped, 1.5 predicted with
-            # every one); NCCL (and the dry run's fake group) keeps them until a later message
-            # from that peer shows them received (p2p.Peer.release)
-            sent_copies = 2 * v - (r == 0) - last if device == "cpu" else outs + kept
+            # whose I/O thread the Pipeline lowers) where the ranks form a line (v == 1 or two
+            # ranks) each send is waited as it is made, so one copy a boundary it sends on, in
+            # that link's pool (gpt-small pp2 1f1b, stage 0: 0.75 MiB of comm buffers traced
+            # when the copy was dropped, 1.5 predicted with every one); around a ring of 3+
+            # ranks, NCCL (and the dry run's fake group) keeps them until a later message from
+            # that peer shows them received (p2p.Peer.release)
+            line = v == 1 or pp == 2  # Pipeline.from_sequential's wait_sends
+            sent_copies = 2 * v - (r == 0) - last if device == "cpu" and line else outs + kept
             k["comm_buffers"] += tok * F32 * hs * sent_copies
         t_block = tok * temp
         t_head = head = 0.0
