@@ -132,7 +132,7 @@ def test_pipeline_keeps_one_sent_copy_a_boundary_on_a_cpu():
     1f1b (256 tokens a micro-batch) holds the 2 receives in flight and that copy, 3 x 256 x 384
     x 4 bytes (1.125 MiB; traced with `pyfast bench plan_memory --part real`, "small pp2 1f1b":
     0.75 MiB when the copy was dropped after its send); on a GPU (NCCL keeps its async sends)
-    and in the dry run, 2 sent copies."""
+    and in the dry run, 2 sent copies; on a ring of 3 ranks the CPU as the GPU."""
     from pyfast.benchmarks.plan_memory import plan_of
     from pyfast.train.config import TrainConfig
     shape, plan, work = plan_of(TrainConfig(model="gpt-small", pp=2, seq=256, batch=4,
@@ -142,3 +142,12 @@ def test_pipeline_keeps_one_sent_copy_a_boundary_on_a_cpu():
                       for d in ("cpu", "cuda", "meta"))
     assert cpu == 3 * msg
     assert gpu == meta == 4 * msg
+    # a ring (interleaved, 3 ranks: the last stage sends to the first) does not block its sends
+    # on a CPU either (Pipeline.from_sequential: blocking sends could deadlock there), so every
+    # packed copy stays until the peer's next message, as on a GPU
+    shape, plan, work = plan_of(TrainConfig(model="gpt-small", pp=3, seq=256, batch=6,
+                                            micro_batches=6, steps=4,
+                                            schedule="interleaved-1f1b"))
+    cpu, gpu = (predict_memory(shape, plan, work, device=d)["comm_buffers"]
+                for d in ("cpu", "cuda"))
+    assert cpu == gpu > 3 * msg
