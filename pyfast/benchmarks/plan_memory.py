@@ -145,6 +145,9 @@ REAL = [
     ("small zero3 dp4", 4, dict(model="gpt-small", dp=4, zero=3, seq=256, batch=4)),
     ("small tp2", 2, dict(model="gpt-small", tp=2, seq=256, batch=2)),
     ("small pp2 1f1b", 2, dict(model="gpt-small", pp=2, seq=256, batch=4, micro_batches=4)),
+    # a ring (the last stage sends to the first): its sends are not waited as made on a CPU
+    ("small pp3 interleaved", 3, dict(model="gpt-small", pp=3, seq=256, batch=6,
+                                      micro_batches=6, schedule="interleaved-1f1b")),
     ("small cp2 ring", 2, dict(model="gpt-small", cp=2, seq=256, batch=2)),
     ("tiny dp2 pp2 topk", 4, dict(model="gpt-tiny", dp=2, pp=2, seq=256, batch=8,
                                   micro_batches=2, compress="topk:0.05")),
