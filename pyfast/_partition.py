@@ -81,3 +81,13 @@ def stage_time(weights: list[float], counts: list[int], costs: list[float] | Non
         out = max(out, sum(weights[i:i + c]) * (1.0 if costs is None else costs[k]))
         i += c
     return out
+
+
+def on_a_line(ranks: int, virtual_stages: int) -> bool:
+    """Whether a pipeline's ranks form a line (one stage a rank, or two ranks) rather than a
+    ring (virtual stages on 3+ ranks: the last rank sends to the first). Only on a line may a
+    gloo pipeline block on each send (Pipeline.from_sequential; the planner's memory model
+    counts its send buffers by it): there a rank waits on a neighbour whose receives, posted in
+    the pair's one order, never wait on it in turn; around a ring blocking sends can close a
+    cycle of waits (interleaved-1f1b at 3 ranks hung so until session 55)."""
+    return virtual_stages == 1 or ranks <= 2

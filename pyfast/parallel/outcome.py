@@ -21,7 +21,7 @@ A group of its own because after a failed step the pipeline's p2p streams still 
 nobody matched (drained only after this agreement): a flag posted there would pair with one of
 them (NCCL, and gloo under tests/nccl_lane.py, pair messages per peer in posting order). Within
 this group each pair (root, q) exchanges exactly two messages a step, q sending its flag
-before it receives the outcome, the root receiving (posted early) before it sends: never a
+before it receives the outcome, the root receiving (posted at the exchange) before it sends: never a
 receive before a send on both sides, so NCCL's one stream per pair cannot hang on them. A root
 that cannot hear from a rank (dead) still sends "failed" to every other rank before it raises:
 they learn of it from the root, as they would have from the dead rank itself.

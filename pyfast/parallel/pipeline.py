@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pyfast._partition import on_a_line
 from pyfast._ranges import ranged
 from . import schedules
 from pyfast.comm.agree import agree, rank_by_rank
@@ -51,7 +52,8 @@ now = time.perf_counter
 # run each: 4 ranks 15.8 / 24.5 ms at 2 against 16.4 / 25.8 at 1; 2 ranks 8.5 / 14.5 against
 # 9.0 / 15.9). Where forward and backward alternate, one receive in flight seems to suffice (not
 # measured apart: a second may wake the peer's I/O thread while both ranks compute). No
-# lookahead deadlocks (a sweep of 2-6 and 8 ranks, the four schedules): sends block only on a line.
+# lookahead deadlocks (a sweep of 2-6 and 8 ranks, the four schedules): sends block only on a line
+# (_partition.on_a_line).
 RECV_LOOKAHEAD = {"1f1b": 1, "zb-h1": 1, "gpipe": 2, "interleaved-1f1b": 2}
 ACTION_NAMES = {schedules.F: "forward", schedules.B: "backward",
                 schedules.I: "input-gradient backward", schedules.W: "weight-gradient backward",
@@ -193,12 +195,10 @@ class Pipeline(nn.Module):
             if i not in kept:
                 layer.to(device="meta")
         _built += 1
-        # Sends block only where the ranks form a line (one stage each, or two ranks): a rank
-        # then waits on a neighbour whose receives, posted in the pair's one order, can never
-        # wait on it in turn. Around a ring (v > 1 at p > 2) a blocking send can close a cycle:
-        # interleaved-1f1b at 3 ranks hung for m = 3, 5, 6, 8 and 12 (session 55 sweep).
+        # sends block only on a line: around a ring interleaved-1f1b at 3 ranks hung for m = 3,
+        # 5, 6, 8 and 12 (session 55 sweep)
         pipe = cls(stages, bounds, m, schedule, loss_fn, group, rank, p, compute, _built,
-                   split_backward, flags, wait_sends=lower and (v == 1 or p == 2))
+                   split_backward, flags, wait_sends=lower and on_a_line(p, v))
         pipe.io_threads = io_threads  # the gloo I/O threads given io_nice (tests read them)
         # per rank (None: even speeds); probe_s: each rank's seconds per probe matmul
         pipe.stage_costs = None if stage_costs is None else [float(c) for c in stage_costs]

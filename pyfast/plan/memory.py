@@ -61,7 +61,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from pyfast._partition import partition
+from pyfast._partition import on_a_line, partition
 
 from .activations import KINDS, _block_saved, korthikanti_activation_bytes  # noqa: F401
 from .held import _held
@@ -268,7 +268,7 @@ def predict_memory(shape: ModelShape, plan: Plan, work: Workload, device: str = 
             # when the copy was dropped, 1.5 predicted with every one); around a ring of 3+
             # ranks, NCCL (and the dry run's fake group) keeps them until a later message from
             # that peer shows them received (p2p.Peer.release)
-            line = v == 1 or pp == 2  # Pipeline.from_sequential's wait_sends
+            line = on_a_line(pp, v)  # Pipeline.from_sequential's wait_sends
             sent_copies = 2 * v - (r == 0) - last if device == "cpu" and line else outs + kept
             k["comm_buffers"] += tok * F32 * hs * sent_copies
         t_block = tok * temp
