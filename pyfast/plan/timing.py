@@ -190,8 +190,15 @@ def _predict(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster,
         * _compute_scale(cluster, plan)
     optim += cal.get("step_overhead_s", 0.0) * _compute_scale(cluster, plan)  # the job's own
     if world > 1 and not plan.zero:
+        # DataParallel's hooks (measured: zero_probe's stage 0 less its wait; gpt-small int8
+        # 61-75 ms) run inside the backward on the main thread: its buckets come ready that
+        # much later and further apart. Put after the backward instead, the 1 Gbit/s link's
+        # extra wait came out 74-109 ms where the runs waited 40-72 beyond loopback's probe
+        # (four runs; seven plan_time runs replayed: +4% to +30%, now -11% to +12%)
+        if dp_m is not None and len(dp_m) > 2:
+            hooks = max(0.0, dp_m[0] - dp_m[2]) * _compute_scale(cluster, plan)
         dp_c, codec, exposed_dp = _dp_exposed(plan, gmods, mods, dp_link, cpu_link, cluster,
-                                              body, (f, b, r, tpc + cpc), mod_s)
+                                              body, (f, b, r, tpc + cpc), mod_s, stretch=hooks)
         # the wait after the step's compute since the ranks last met (the previous step's
         # small all-reduce): a rank's lead over its peer grows with it (wake_seconds' table)
         exposed_dp += dp_link.wake(body + optim)
@@ -205,13 +212,12 @@ def _predict(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster,
             fits_only = plan.compress.partition(":")[0] in PER_PARAM
             if fits_only:
                 link_exp = _dp_exposed(plan, gmods, mods, dp_link, cpu_link, cluster, body,
-                                       last, mod_s, fits_only)[2]
+                                       last, mod_s, fits_only, stretch=hooks)[2]
             lo_exp = _dp_exposed(plan, gmods, mods, cpu_link, cpu_link, cluster, body, last,
-                                 mod_s, fits_only)[2]
+                                 mod_s, fits_only, stretch=hooks)[2]
             extra = max(0.0, link_exp - lo_exp)
             if len(dp_m) > 2:  # the wait apart: the hooks' CPU is compute, as the job logs it
                 # (gpt-tiny on loopback: extra 10.8 ms, of it 5.8 the run's measured wait)
-                hooks = max(0.0, dp_m[0] - dp_m[2]) * _compute_scale(cluster, plan)
                 exposed_dp = max(0.0, dp_m[2] + dp_m[1] + extra)
             else:
                 exposed_dp = max(0.0, dp_m[0] + dp_m[1] + extra)
@@ -251,12 +257,14 @@ def _predict(shape: ModelShape, plan: Plan, work: Workload, cluster: Cluster,
 
 def _dp_exposed(plan: Plan, gmods: list, mods: list, link: Link, cpu_link: Link,
                 cluster: Cluster, body: float, last: tuple, mod_s,
-                fits_only: bool = False) -> tuple[float, float, float]:
+                fits_only: bool = False, stretch: float = 0.0) -> tuple[float, float, float]:
     """(comm seconds, codec seconds, exposed seconds) of DataParallel's reduction on `link`:
     its buckets in reverse registration order on one thread behind the last micro-batch's
     backward (after the pipeline when pp > 1), then the side band's small all-reduce and the
     copy of the buckets into .grad. last: the slowest stage's (forward, backward, recompute,
-    tp + cp seconds) of one micro-batch. fits_only: reduction_s's measured_calls=False."""
+    tp + cp seconds) of one micro-batch. fits_only: reduction_s's measured_calls=False.
+    stretch: the main thread's own seconds inside that backward (DataParallel's hooks), spread
+    over the buckets by their elements."""
     f, b, r, par = last
     cal = cluster.calibration
     bks = dp_buckets(gmods, plan.compress)
@@ -278,8 +286,12 @@ def _dp_exposed(plan: Plan, gmods: list, mods: list, link: Link, cpu_link: Link,
             kf, kb, kr = mod_s(*mods[i])
             t += (kb + kr) * (1 + par / max(f + b + r, 1e-30))
             done[i] = t
-        end = _fifo([done[i] for _, _, i in bks], cost)
-        exposed = max(0.0, end - body)
+        ready, total, seen = [], sum(bk[0] for bk in bks) or 1, 0
+        for n, _, i in bks:
+            seen += n
+            ready.append(done[i] + stretch * seen / total)
+        end = _fifo(ready, cost)
+        exposed = max(0.0, end - body - stretch)
         # what the overlap cannot hide where the ranks fill the cores: the communication
         # thread's own CPU work (codec, gloo's copies at loopback speed)
         cont = cal.get("cpu_contention", 0.0)
