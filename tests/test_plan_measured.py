@@ -1,6 +1,7 @@
 """pyfast.plan's costs measured on ranks running at once (calibrate_dist): tp's block timed on tp
 ranks and ZeRO's per-step costs, and how timing uses them (the loopback traffic they hold is not
 counted twice; a slower link adds only its own extra). No speed assertions."""
+import ast
 import math
 
 import pytest
@@ -159,6 +160,28 @@ def test_per_parameter_compressor_measured_in_dataparallel(spec, rate):
     one = timing.predict_time(TINY, plan, WORK, c)["step_s"]
     c.calibration["link_intra"]["reduce"][spec] = chain
     assert timing.predict_time(TINY, plan, WORK, c)["step_s"] < one
+
+
+def test_per_parameter_compressors_probed_alone(monkeypatch):
+    # one DataParallel a process for top-k / PowerSGD, as in the job (with the other configs'
+    # beside it PowerSGD's wait came out 5 ms long); the dense ones and ZeRO share a probe, a
+    # micro-batch each
+    calls = []
+
+    def fake(name, args, world, timeout):
+        configs = ast.literal_eval(f"({args})")[-1]  # zero_probe's last argument
+        calls.append(configs)
+        return {f"{st}:{c}": [1e-3, 0.0, 1e-3] for st, c in configs}
+    monkeypatch.setattr(calibrate_dist, "_probe", fake)
+    work = Workload(16, 4, "fp32")
+    plans = [Plan(dp=2, micro_batch=2, compress=c) for c in
+             ("none", "powersgd:4", "int8", "topk:0.01", "powersgd:2")] + \
+        [Plan(dp=2, zero=2, micro_batch=2), Plan(dp=2, micro_batch=1, compress="powersgd:4")]
+    z = calibrate_dist.measure_zero(TINY, work, plans)
+    assert sorted(map(sorted, calls)) == sorted(map(sorted, [
+        [(0, "none"), (0, "int8"), (2, "none")], [(0, "powersgd:4")], [(0, "topk:0.01")],
+        [(0, "powersgd:2")], [(0, "powersgd:4")]]))
+    assert set(z) == {zero_key(p, work) for p in plans}
 
 
 def test_probes_run_on_two_ranks():

@@ -22,6 +22,7 @@ from pathlib import Path
 from .spec import ModelShape, Plan, Workload, gpt_model_flag
 from . import timing
 from .timing_zero import zero_key
+from .timing_reduce import PER_PARAM
 from .calibrate_link import PROBE_S, _child, _finish, rounds
 
 REPEATS = 9  # medians of 9 after 2 warm steps: one rank's step varied 11-22 ms (q10-q90) here
@@ -307,16 +308,22 @@ def measure_zero(shape: ModelShape, work: Workload, plans, timeout: float = 300)
     per-parameter calls too: DataParallel runs them on its thread beside the backward, and
     gpt-tiny's powersgd:4 step waited 33-37 ms for them in this probe (31-35 in its runs at
     1 Gbit/s and 100 Mbit/s) where reduce_seconds' back-to-back calls summed to 20-28 ms
-    (plan_time's PowerSGD rows -9% to -33% in six runs, session 52)."""
+    (plan_time's PowerSGD rows -9% to -33% in six runs, session 52). Each of these two has a
+    probe of its own, as the job has one DataParallel a process: beside the other configs'
+    DataParallels in one probe, PowerSGD's wait came out 32-39 ms (median 36.8 over nine
+    probes; plan_time's PowerSGD rows +6% to +33% over eight runs), alone 30-34 (median 31.4
+    over five), and 29-35 in its runs on loopback, 1 Gbit/s and 100 Mbit/s; top-k's alike
+    either way (49-53 shared, 51-55 alone)."""
     by_mb: dict = {}
     for plan in plans:
         key = zero_key(plan, work)
         if plan.dp != 2 or plan.tp > 1 or plan.pp > 1 or plan.cp > 1 or plan.lora:
             continue
-        configs = by_mb.setdefault(plan.micro_batch, {})
+        alone = plan.compress if plan.compress.partition(":")[0] in PER_PARAM else None
+        configs = by_mb.setdefault((plan.micro_batch, alone), {})
         configs.setdefault((plan.zero, plan.compress), key)
     out = {}
-    for mb, configs in by_mb.items():
+    for (mb, _), configs in by_mb.items():
         got = _probe("zero_probe", f"{gpt_model_flag(shape)!r}, {shape.vocab}, {work.seq}, "
                      f"{mb}, {work.precision!r}, {list(configs)!r}", 2, timeout)
         for (stage, compress), key in configs.items():
