@@ -101,7 +101,8 @@ def test_forked_ranks_name_themselves_and_die_with_a_killed_launcher(tmp_path):
     """The ranks' titles name rank, world and the run's flags (their cmdline is otherwise the
     server's). A SIGKILLed launcher takes its server and ranks with it: multiprocessing hands
     each forked rank the server's "alive" pipe, which kept all three alive, training, before
-    the ranks closed it (an exec'd rank, in a session of its own, outlives it too)."""
+    the ranks closed it (an exec'd rank outlives it too). Each rank has a session of its own.
+    """
     out = str(tmp_path / "run")
     cmd = [sys.executable, "-m", "pyfast", "train", "--nproc", "2", "--dp", "2", "--model",
            "gpt-tiny", "--seq", "16", "--batch", "4", "--steps", "100000", "--ckpt-every",
@@ -123,6 +124,9 @@ def test_forked_ranks_name_themselves_and_die_with_a_killed_launcher(tmp_path):
             with open(f"/proc/{pid}/comm") as f:
                 assert f.read().strip() == f"pyfast rank {r}"
             assert title.startswith(f"pyfast rank {r}/2: train ") and f"--out {out}" in title
+            # a session of its own, as an exec'd rank: Linux's autogroup schedules a session as
+            # one entity (sharing the launcher's slowed gpt-tiny's pp2 steps 20-30%)
+            assert os.getsid(pid) == pid != os.getsid(p.pid)
         assert len(tree) >= 3, tree  # the server and the two ranks (+ the resource tracker)
     finally:
         p.kill()

@@ -12,9 +12,10 @@ with pyfast.cli.leave, against the code before: a launch 0.73-0.80x, a restart 0
 Differences from exec, on purpose: a rank's environment is the launcher's at the launch plus
 torchrun's variables, set in os.environ (its /proc/PID/environ is the server's); it titles
 itself "pyfast rank R/W: train FLAGS" (setproctitle: `ps`, /proc/PID/cmdline, comm "pyfast
-rank R"); it dies with a SIGKILLed launcher (an exec'd rank, in a session of its own, trains
-on); and the server never touches CUDA (tests/test_launch_fork.py), so each rank initialises
-its own GPU as an exec'd one does."""
+rank R"); it dies with a SIGKILLed launcher (an exec'd rank trains on); and the server never
+touches CUDA (tests/test_launch_fork.py), so each rank initialises its own GPU as an exec'd one
+does. Like an exec'd rank it runs in a session of its own (forked_rank: Linux schedules a
+session as one group, and sharing the launcher's cost gpt-tiny's pp2 steps 20-30% here)."""
 from __future__ import annotations
 
 import dataclasses
@@ -140,6 +141,15 @@ def forked_rank(env: dict, *argv: str) -> None:
     from .config import from_args, parser
     from .run import main as run_rank
     _tie_to_launcher()
+    # A session of its own, as torchrun gives an exec'd rank: Linux's autogroup schedules each
+    # session as one entity, and the ranks had shared the launcher's. gpt-tiny pp2 on the
+    # 2-core VM stepped in 20.0-22.0 ms so and 16.5-16.8 ms with a session each (three runs
+    # each, alternated; exec'd ranks 16.9-17.5 in four): every message wakes a thread, and
+    # within one group a waking rank waits behind its peer's threads. (gpt-tiny dp2 12.2 / 13.7
+    # -> 12.0 / 11.6 ms; gpt-small dp2, compute-bound, alike.) The rank still dies with its
+    # server (PR_SET_PDEATHSIG above); the terminal's Ctrl-C reaches it through the agent, as
+    # it reaches an exec'd rank.
+    os.setsid()
     rank, world = os.environ["RANK"], os.environ["WORLD_SIZE"]
     # the title `ps` and /proc/PID/cmdline show (the server's otherwise), the run's flags in
     # it; set before the environment is rewritten: setproctitle finds the memory it may
