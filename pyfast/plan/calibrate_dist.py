@@ -312,9 +312,8 @@ def measure_zero(shape: ModelShape, work: Workload, plans, timeout: float = 300)
     probe of its own, as the job has one DataParallel a process: beside the other configs'
     DataParallels in one probe, PowerSGD's wait came out 32-39 ms (median 36.8 over nine
     probes; plan_time's PowerSGD rows at 1 Gbit/s +6% to +23% in all eight runs s53g-s56a),
-    alone 30-34 (median 31.4
-    over five), and 29-35 in its runs on loopback, 1 Gbit/s and 100 Mbit/s; top-k's alike
-    either way (49-53 shared, 51-55 alone)."""
+    alone 30-34 (median 31.4 over five), and 29-35 in its runs on loopback, 1 Gbit/s and
+    100 Mbit/s; top-k's alike either way (49-53 shared, 51-55 alone)."""
     by_mb: dict = {}
     for plan in plans:
         key = zero_key(plan, work)
