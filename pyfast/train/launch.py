@@ -143,8 +143,8 @@ def forked_rank(env: dict, *argv: str) -> None:
     _tie_to_launcher()
     # A session of its own, as torchrun gives an exec'd rank: Linux's autogroup schedules each
     # session as one entity, and the ranks had shared the launcher's. gpt-tiny pp2 on the
-    # 2-core VM stepped in 20.0-22.0 ms so and 16.5-16.8 ms with a session each (three runs
-    # each, alternated; exec'd ranks 16.9-17.5 in four): every message wakes a thread, and
+    # 2-core VM stepped in 20.0-22.0 ms sharing it and 16.5-16.8 ms with a session each (three
+    # runs each, alternated; exec'd ranks 16.9-17.5 in four): every message wakes a thread, and
     # within one group a waking rank waits behind its peer's threads. (gpt-tiny dp2 12.2 / 13.7
     # -> 12.0 / 11.6 ms; gpt-small dp2, compute-bound, alike.) The rank still dies with its
     # server (PR_SET_PDEATHSIG above); the terminal's Ctrl-C reaches it through the agent, as
