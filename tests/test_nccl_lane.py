@@ -139,11 +139,13 @@ def test_pipeline_schedules(request, world, schedule, v):
 
 @pytest.mark.parametrize("schedule,v,case,later", [(s, v, "loss", False) for s, v in pp.SCHEDULES]
                          + [("1f1b", 1, "first", False), ("1f1b", 1, "backward", False),
-                            ("1f1b", 1, "first0", True), ("interleaved-1f1b", 2, "loss", True)])
+                            ("1f1b", 1, "first0", True), ("interleaved-1f1b", 2, "loss", True),
+                            ("1f1b", 1, "last", False)])
 def test_pipeline_failure_reaches_every_rank_and_leaves_no_message_behind(pool4, schedule, v,
                                                                           case, later):
     """pf.failing: a step fails at a micro-batch (in loss_fn, the first stage's forward, a
-    middle stage's backward; later: in the second step, whose headers carry messages); every
+    middle stage's backward, the root's last backward after it posted the outcome flags'
+    receives; later: in the second step, whose headers carry messages); every
     rank raises, naming where it started; then a new Pipeline
     on the same ranks steps, which it cannot when a message of the failed step is left in the
     stream (its receives would pair with it)."""

@@ -525,3 +525,44 @@ def test_sent_buffers_are_released_when_their_receive_was_posted(pool2, schedule
     assert left0 == left1 == 0
     assert 1 <= peak0 <= 3 and 1 <= peak1 <= 3, (peak0, peak1)
     assert pool2.run(held_sends, schedule, 8, 19) == [(0, 0), (0, 0)]
+
+
+def early_flags(rank, world, schedule, v):
+    """Where the step posts the outcome flags' receives (the compute actions run before it, -1:
+    never), this rank's compute actions, and whether a peer's flag landed in the root's posted
+    receive before the root's exchange."""
+    import time
+
+    import torch.distributed as dist
+
+    from pyfast.parallel import Pipeline, schedules
+    from pyfast.parallel.outcome import Flags
+    pipe = Pipeline.from_sequential(model(), 8, schedule, F.mse_loss, virtual_stages=v)
+    done, posted, act, post = [0], [], pipe._act, pipe.flags.post_early
+    pipe.flags.post_early = lambda dev: (posted.append(done[0]), post(dev))
+    pipe._act = lambda a: (act(a), done.__setitem__(0, done[0] + (a.kind in schedules.COMPUTE)))
+    x, t = batch(16, 0)
+    pipe.step(x if rank == 0 else None, t if rank == world - 1 else None)
+    n_compute = sum(a.kind in schedules.COMPUTE for a in pipe.actions)
+    # the Flags alone: rank 1's flag (1: failed) sits in the root's buffer before its exchange
+    flags = Flags(dist.new_group(list(range(world))), rank, world, {True: 0, False: 0})
+    flags.begin(torch.device("cpu"))
+    if rank != 0:
+        return posted, n_compute, None, flags.exchange(True, torch.device("cpu"))
+    flags.post_early(torch.device("cpu"))
+    buf, deadline = flags._early[1][1], time.monotonic() + 10
+    while buf.item() == 0 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    landed = buf.item()
+    return posted, n_compute, landed, flags.exchange(False, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved-1f1b", 2)])
+def test_the_roots_flag_receives_are_posted_before_its_last_actions(pool2, schedule, v):
+    """The rank that finishes last (rank 0 here) posts the flags' receives before its
+    pipeline.EARLY-th last compute action, once a step; the others never: gloo moves a
+    message only once its receive is posted, so the flags travel while the root computes."""
+    from pyfast.parallel.pipeline import EARLY
+    (posted0, n0, landed, out0), (posted1, _, _, out1) = pool2.run(early_flags, schedule, v)
+    assert posted0 == [n0 - EARLY] and posted1 == []
+    assert landed == 1 and out0 is True and out1 is True

@@ -82,9 +82,10 @@ def failing(rank, world, schedule, v, case, m=8, later=False):
         return F.mse_loss(y, t)
 
     where, how = {"loss": (-1, None), "first": (0, "raise"), "first0": (0, "raise"),
-                  "shape": (0, "shape"), "backward": (n // 2, "backward")}[case]
+                  "shape": (0, "shape"), "backward": (n // 2, "backward"),
+                  "last": (0, "backward")}[case]
     torch.manual_seed(0)
-    at = {"first": 1, "first0": 0}.get(case, 3) + m * later
+    at = {"first": 1, "first0": 0, "last": m - 1}.get(case, 3) + m * later
     seq = _seq(n, where, at, how or "none", rank)
     pipe = Pipeline.from_sequential(seq, m, schedule, loss_fn, balance=[1] * n, virtual_stages=v)
     x, t = _batch()
@@ -134,6 +135,7 @@ def test_loss_fn_failing_at_microbatch_3_raises_everywhere(pool4, schedule, v):
     ("first", 0, 1, "boom in forward"),
     ("shape", 0, 3, r"output for micro-batch 3 is .*6.* but earlier"),
     ("backward", 2, 3, "boom in backward"),
+    ("last", 0, 7, "boom in backward"),  # the root's last action, its flags' receives posted
 ])
 def test_stage_failures_raise_everywhere(pool4, case, stage, mb, what):
     _all_raise(pool4.run(failing, "1f1b", 1, case, timeout=90),

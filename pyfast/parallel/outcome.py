@@ -8,11 +8,13 @@ after its last action; on the tiny model of `pyfast bench pipeline` (8 x Linear(
 32, 8 micro-batches, 2 pinned ranks, 2-core Xeon with other jobs running) 1F1B took 1.22-1.24x
 torch's Schedule1F1B with it and 1.03-1.04x without any agreement. Here the root is the rank
 that finishes its schedule last (a run of the schedule says which: schedules.simulate); it posts
-its receives when it gets there, not when the step begins (session 54: posted at the start, 3
-receives on the rank that starts the pipeline before its first forward, and the flags then land
-mid-step on the critical rank; tiny model, 1F1B at 4 ranks, side by side, three rounds: a step
-after a barrier 17.9-18.9 -> 17.6-17.8 ms, 9.2-9.3 -> 8.7-8.8 at 2 ranks; ten steps in a row the
-same within the noise), then sends the outcome and returns. Every other rank sends one flag and
+its receives two compute actions before its end (post_early; pipeline.EARLY), not when the step
+begins (session 54: posted at the start, 3 receives on the rank that starts the pipeline before
+its first forward, and the flags then land mid-step on the critical rank; tiny model, 1F1B at 4
+ranks, side by side, three rounds: a step after a barrier 17.9-18.9 -> 17.6-17.8 ms, 9.2-9.3 ->
+8.7-8.8 at 2 ranks) nor at the exchange (session 57: gloo sends a message only once its receive
+is posted, a round trip through each sender's I/O thread after the root's last action), then
+sends the outcome and returns. Every other rank sends one flag and
 receives one outcome: 2 messages a rank and step, 2 (p - 1) on the root, where a flag from every
 rank to every other rank (issue 32's first version) made p - 1 sends and receives on each: 6 a
 rank at 4 ranks, 30 at 16.
@@ -31,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from pyfast.comm.dry import read
+from pyfast.comm.dry import fake_group
 from pyfast.comm.failure import naming
 
 
@@ -43,7 +45,10 @@ class Flags:
         self.group, self.rank, self.p = group, rank, p
         self.roots = roots or {True: 0, False: 0}
         self.root = self.roots[True]  # begin() sets the step's
+        self.fake = fake_group(group)  # read once: dist.get_backend costs ~5 us a flag read
         self.abandoned: list = []  # a failed exchange's works and buffers, kept alive
+        self._early: dict = {}  # the root's flag receives posted before its last action
+        self._early_lost: dict = {}
 
     def _post(self, peers, device) -> dict:
         # plain irecv/isend, not batch_isend_irecv: its coalescing context costs Python on the
@@ -55,8 +60,28 @@ class Flags:
         return out
 
     def begin(self, device, training: bool = True) -> None:
-        """A step's first call: which rank is its root (its receives wait for exchange())."""
+        """A step's first call: which rank is its root (its receives wait for post_early() or
+        exchange())."""
         self.root = self.roots[training]
+
+    def post_early(self, device) -> None:
+        """On the root, before its last action: post the flags' receives, so that the flags
+        of the ranks done by then travel while it computes. gloo sends an unbound buffer only
+        once its receive is posted (a send-ready notice, the receiver's recv-ready, then the
+        data), so receives posted in exchange() cost the root a round trip through each
+        sender's I/O thread after its last action."""
+        if self.rank != self.root or self._early or self._early_lost:
+            return
+        for q in range(self.p):  # one by one: a dead peer's must not stop the others'
+            if q != self.rank:
+                try:
+                    self._early.update(self._post([q], device))
+                except Exception as e:  # noqa: BLE001  (a dead peer: the others must hear)
+                    self._early_lost[q] = e
+
+    def _read(self, b) -> bool:
+        """A flag received (comm.dry.read's rule: nothing moved on meta or a fake group)."""
+        return False if self.fake or b.is_meta else bool(b.item())
 
     def exchange(self, failed: bool, device) -> bool:
         """Send this rank's flag, learn the outcome: True when any rank failed this step."""
@@ -69,10 +94,12 @@ class Flags:
                     recvs = self._post([self.root], device)
                     works[0].wait()
                     recvs[self.root][0].wait()
-                    return bool(read(recvs[self.root][1], [0], self.group)[0])
-                lost, anyone = {}, failed
+                    return self._read(recvs[self.root][1])
+                lost, anyone = dict(self._early_lost), failed
+                recvs = dict(self._early)
+                self._early, self._early_lost = {}, {}
                 for q in range(self.p):  # one by one: a dead peer's must not stop the others'
-                    if q != self.rank:
+                    if q != self.rank and q not in recvs and q not in lost:
                         try:
                             recvs.update(self._post([q], device))
                         except Exception as e:  # noqa: BLE001  (a dead peer: the others must hear)
@@ -80,7 +107,7 @@ class Flags:
                 for q, (w, b) in recvs.items():
                     try:
                         w.wait()
-                        anyone = anyone or bool(read(b, [0], self.group)[0])
+                        anyone = self._read(b) or anyone
                     except Exception as e:  # noqa: BLE001  (a dead peer: the others must hear)
                         lost[q] = e
                 sent.append(torch.tensor([int(anyone or bool(lost))], dtype=torch.int32,
