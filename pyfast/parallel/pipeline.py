@@ -620,9 +620,10 @@ def _describe(x) -> str:
 
 
 def _early(actions: list, k: int) -> int:
-    """The index in `actions` of the k-th last compute action (-1 when there are fewer)."""
+    """The index in `actions` of the k-th last compute action (-1 when there are fewer, or
+    k < 1: the receives are then posted at the exchange)."""
     compute = [i for i, a in enumerate(actions) if a.kind in schedules.COMPUTE]
-    return compute[-k] if len(compute) >= k else -1
+    return compute[-k] if 1 <= k <= len(compute) else -1
 
 
 def _last(lists: list, n_stages: int) -> int:
