@@ -1,7 +1,10 @@
 """`pyfast bench plan` and `plan_time` run end to end on small cases (search: one 10k-plan case;
-folklore: one cell; time: two gpt-tiny runs on loopback): they cannot rot. plan_mixed's smoke is
-in test_bench_plan_mixed.py (a file of its own: make test's workers take whole files)."""
+folklore: one cell; time: two gpt-tiny configurations on loopback, each run twice): they cannot
+rot. plan_mixed's smoke is in test_bench_plan_mixed.py (a file of its own: make test's workers
+take whole files)."""
 import io
+
+import pytest
 
 from pyfast import perf
 from pyfast.benchmarks import plan, plan_time
@@ -38,11 +41,32 @@ def test_plan_time_runs(monkeypatch):
     rows = {r["config"]: r for r in res["rows"]}
     assert set(rows) == {"dp2", "tp2"}
     assert all(r["measured_s"] > 0 and r["predicted_s"] > 0 for r in rows.values())
+    # PASSES runs a configuration; the pooled median lies between the runs' own medians
+    assert all(len(r["passes_s"]) == plan_time.PASSES and
+               min(r["passes_s"]) <= r["measured_s"] <= max(r["passes_s"]) for r in rows.values())
     assert rows["dp2"]["reference"] and not rows["tp2"]["reference"]
     assert res["summary"]["n"] == 2
     text = io.StringIO()
     perf.show(res, plan_time.table, width=190, file=text)
     assert "tp2" in text.getvalue()
+
+
+def test_plan_time_pools_a_configurations_runs():
+    """pooled(): the median over every run's steps after WARMUP (a slow second run moves the
+    row halfway, not all the way), each run's own median kept; runs of different plans refused."""
+    w = plan_time.WARMUP
+
+    def run(ms, plan=None):
+        recs = [{"step_ms": 99.0, "exposed_comm_ms": 9.0}] * w + \
+            [{"step_ms": m, "exposed_comm_ms": m / 10} for m in ms]
+        return {"config": "dp2", "plan": plan or {"dp": 2}, "wall_s": 1.5, "records": recs,
+                "measured_s": sorted(ms)[len(ms) // 2] / 1e3}
+    row = plan_time.pooled([run([10.0, 11.0, 12.0]), run([20.0, 21.0, 22.0])])
+    assert row["measured_s"] == pytest.approx(0.016) and row["passes_s"] == [0.011, 0.021]
+    assert row["exposed_s"] == pytest.approx(0.0016) and row["wall_s"] == 3.0
+    assert len(row["records"]) == 6  # the warm-up steps of both runs left out
+    with pytest.raises(RuntimeError, match="different plans"):
+        plan_time.pooled([run([10.0]), run([10.0], {"dp": 1})])
 
 
 def test_plan_time_scale_comes_from_the_reference_on_its_own_link(monkeypatch):

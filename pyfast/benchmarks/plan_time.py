@@ -74,14 +74,27 @@ def timed_run(args: list[str], link: str, timeout: float, warmup: int = WARMUP,
             raise RuntimeError(f"{' '.join(cmd)} on {link}: exit {r.returncode}\n"
                                f"{r.stderr[-2000:]}")
         every = read(os.path.join(out, "metrics.jsonl"))
-        recs = every[warmup:]
         shape, plan, work, _ = calibrate.run_plan(out)
+    return {**_steps(every[warmup:]), "wall_s": time.monotonic() - t0, "plan": plan.fields(),
+            "shape": shape, "work": work, "records": every}
+
+
+def _steps(recs: list[dict]) -> dict:
+    """The median step (and q10 / q90, exposed communication) of metrics records, in seconds."""
     ms = sorted(x["step_ms"] for x in recs)
     return {"measured_s": statistics.median(ms) / 1e3, "q10_s": ms[len(ms) // 10] / 1e3,
             "q90_s": ms[-1 - len(ms) // 10] / 1e3,
-            "exposed_s": statistics.median(x["exposed_comm_ms"] for x in recs) / 1e3,
-            "wall_s": time.monotonic() - t0, "plan": plan.fields(), "shape": shape,
-            "work": work, "records": every}
+            "exposed_s": statistics.median(x["exposed_comm_ms"] for x in recs) / 1e3}
+
+
+def pooled(runs: list[dict]) -> dict:
+    """One configuration's row from its runs (measure_run's): the medians over every run's
+    steps after WARMUP together, `records` those steps, `passes_s` each run's own median."""
+    if any(r["plan"] != runs[0]["plan"] for r in runs):
+        raise RuntimeError(f"{runs[0]['config']}: its runs recorded different plans")
+    recs = [x for r in runs for x in r["records"][WARMUP:]]
+    return {**runs[0], **_steps(recs), "wall_s": sum(r["wall_s"] for r in runs),
+            "records": recs, "passes_s": [r["measured_s"] for r in runs]}
 
 
 def measure_run(link: str, model: str, config: str, timeout: float = 300) -> dict:
@@ -108,7 +121,16 @@ def spearman(a: list[float], b: list[float]) -> float:
     return cov / (va * vb) if va and vb else float("nan")
 
 
-def run(configs=CONFIGS, timeout: float = 300) -> dict:
+# Each configuration runs PASSES times, in CONFIGS order and then reversed (a link's first run
+# also its last), its row the median over both runs' steps: a slow spell of the shared box then
+# lands on one of a configuration's runs, and a drift across a link's runs evens out. One pass
+# a run, sessions 56b-h (7 runs): 23-29 of 29 within 20%, the misses single runs far off the
+# same configuration's other runs (gpt-tiny PowerSGD at 100 Mbit/s 51.0 and 54.9 ms against
+# 36.9-41.4; pp2 at 1 Gbit/s 24.0 against 16.4-19.8; a 10 Gbit/s block 30-50% slow).
+PASSES = 2
+
+
+def run(configs=CONFIGS, timeout: float = 300, passes: int = PASSES) -> dict:
     t_start, load = time.monotonic(), os.getloadavg()[0]
     links = sorted({c[0] for c in configs}, key=lambda l: (l != "loopback", l))
     for link in links:
@@ -123,7 +145,12 @@ def run(configs=CONFIGS, timeout: float = 300) -> dict:
         except netns.LinkUnavailable as e:
             skipped.append({"link": link, "skipped": str(e)})
             continue
-        rows += [measure_run(*c, timeout=timeout) for c in configs if c[0] == link]
+        mine = [c for c in configs if c[0] == link]
+        runs = {c: [] for c in mine}
+        for k in range(passes):
+            for c in mine[::-1] if k % 2 else mine:
+                runs[c].append(measure_run(*c, timeout=timeout))
+        rows += [pooled(rs) for rs in runs.values()]
     # the calibration, measured after the runs in the same process: compute at every local
     # shape the plans use, the codecs, each link, the job's own cost (calibrate.measure), and
     # the compute scale of the reference run (REFERENCE on the same link, else loopback's:
@@ -148,7 +175,7 @@ def run(configs=CONFIGS, timeout: float = 300) -> dict:
     return {"machine": perf.machine(),
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "pyfast": pyfast.__version__, "seq": SEQ, "batch": BATCH, "steps": STEPS,
-            "warmup": WARMUP, "rows": rows, "skipped": skipped, "summary": summarize(rows),
+            "warmup": WARMUP, "passes": passes, "rows": rows, "skipped": skipped, "summary": summarize(rows),
             "load_before": load, "wall_s": time.monotonic() - t_start}
 
 
@@ -173,7 +200,7 @@ def with_scale(cluster, link: str, model: str, rows: list, scales: dict, work):
         ref = None
     if ref is not None:
         cluster = calibrate.refit_records(cluster, ref["shape"], _plan(ref), work,
-                                          ref["records"], WARMUP, comm=False)
+                                          ref["records"], 0, comm=False)  # pooled(): no warm-up
         scales[(link, model)] = cluster.calibration["compute_scale"]
     elif ("loopback", model) in scales:
         # not refitted against this link's calibration: predicted on the wrong link, the
@@ -264,15 +291,17 @@ def summarize(rows: list[dict]) -> dict:
 def table(result: dict):
     from rich.console import Group
     t = perf.rich_table(f"step time, predicted (pyfast.plan.timing, calibrated in this run) vs "
-                        f"measured (`pyfast train --nproc 2`, median after {result['warmup']} "
-                        f"steps), seq {result['seq']}, global batch {result['batch']}, fp32",
-                        result, ("link", "model", "config", "measured ms", "q10-q90",
+                        f"measured (`pyfast train --nproc 2`, {result.get('passes', 1)} runs "
+                        f"each: the median of their steps after {result['warmup']} each), seq "
+                        f"{result['seq']}, global batch {result['batch']}, fp32",
+                        result, ("link", "model", "config", "measured ms", "runs ms", "q10-q90",
                                  "predicted ms", "error", "exposed ms (meas)",
                                  "exposed ms (pred)", "why"), left=("link", "model", "config",
                                                                     "why"))
     for r in result["rows"]:
         name = r["config"] + (" (ref)" if r.get("reference") else "")
         t.add_row(r["link"], r["model"], name, f"{r['measured_s'] * 1e3:.1f}",
+                  " / ".join(f"{x * 1e3:.1f}" for x in r.get("passes_s", [])) or "-",
                   f"{r['q10_s'] * 1e3:.0f}-{r['q90_s'] * 1e3:.0f}",
                   f"{r['predicted_s'] * 1e3:.1f}" if "predicted_s" in r else "-",
                   f"{r['error']:+.0%}" if "error" in r else "-",
