@@ -175,8 +175,8 @@ def run(configs=CONFIGS, timeout: float = 300, passes: int = PASSES) -> dict:
     return {"machine": perf.machine(),
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "pyfast": pyfast.__version__, "seq": SEQ, "batch": BATCH, "steps": STEPS,
-            "warmup": WARMUP, "passes": passes, "rows": rows, "skipped": skipped, "summary": summarize(rows),
-            "load_before": load, "wall_s": time.monotonic() - t_start}
+            "warmup": WARMUP, "passes": passes, "rows": rows, "skipped": skipped,
+            "summary": summarize(rows), "load_before": load, "wall_s": time.monotonic() - t_start}
 
 
 COMM_BOUND = 0.5  # with_scale: a reference run waiting more than this share of its step

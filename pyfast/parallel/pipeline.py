@@ -57,11 +57,11 @@ now = time.perf_counter
 RECV_LOOKAHEAD = {"1f1b": 1, "zb-h1": 1, "gpipe": 2, "interleaved-1f1b": 2}
 # The outcome's root posts the flags' receives this many compute actions before its end
 # (outcome.Flags.post_early): gloo moves a message only once its receive is posted, so the
-# flags then travel while the root computes. Tiny model, 1F1B at 4 ranks, side by side, two
-# runs of 81 steps after a barrier (session 57): torch's step / pyfast's 0.948 / 0.938 with the
-# receives posted at the exchange, 1.005 / 0.963 at 1, 1.001 / 0.960 at 2; the root's exchange
-# 283-328 -> 167-198 us (4 ranks, flags waiting). 2: two actions for the flags' round trip
-# where the last one is short.
+# flags then travel while the root computes. Tiny model, 1F1B at 4 ranks, side by side, one
+# step after a barrier (session 57, five runs of 60-81 steps): torch's step / pyfast's
+# 0.904-0.957 with the receives posted at the exchange, 0.934-1.004 at 2 (ahead in each run by
+# 1.7-9.0%; 0.963 / 1.005 at 1 in the first two); 10 steps in a loop alike either way; the root's
+# exchange 283-328 -> 167-198 us. 2: two actions for the flags' round trip where the last is short.
 EARLY = 2
 ACTION_NAMES = {schedules.F: "forward", schedules.B: "backward",
                 schedules.I: "input-gradient backward", schedules.W: "weight-gradient backward",
