@@ -41,6 +41,8 @@ BENCHMARKS = {
                "beside the planner's prediction calibrated here",
     "plan_large": "the planner's 70B / 405B plans on 64 / 512 H100: tokens/s, MFU, memory, "
                   "commands (ZeRO on any mesh, hybrid sharding)",
+    "gpu": "issue 37 on a lent GPU: the copy roof, quantizers, top-k, fused linear and attention vs "
+           "cuBLAS / flash, the engine's overlap; each part under its own time limit",
     "plan_published": "the planner's GPU tokens/s and memory vs published runs (torchtitan "
                       "8B-405B on 8-512 H100, 64 A100): fitted constants, held-out errors",
     "data": "pyfast data prepare's MB/s (1 vs 2 workers, bytes and BPE), data vs compute per "
