@@ -45,7 +45,9 @@ def test_every_part_asked_for_runs_and_is_recorded(small):
     assert math.isclose(o["compute_slowdown"], o["matmul_with_allreduce_s"] / o["matmul_s"] - 1)
     # on the CPU the targets are listed, never judged
     assert res["targets"] and all(t["met"] is None for t in res["targets"])
-    assert "not a target run" in txt and "exact top-k" in txt
+    assert {r["impl"] for r in tk["rows"]} >= {"torch.topk(|x|)", "pyfast topk (cpp)",
+                                               "pyfast topk_exact (torch)"}
+    assert "not a target run" in txt and "exact, reads of the input" in txt
 
 
 def test_a_failing_or_slow_part_is_reported_and_the_rest_still_run(monkeypatch):
@@ -69,7 +71,9 @@ def test_targets_on_a_gpu_result():
             {"kind": "e3m0", "backend": "torch", "compress_GBps": 100.0,
              "decompress_GBps": 100.0, "GBps": 100.0}]},
         "topk": {"numel": 1 << 26, "rows": [
-            {"impl": "pyfast topk (cpp)", "seconds": 1.2 * (4 << 26) / 2000e9}]},
+            {"impl": "pyfast topk (cpp)", "exact": False, "seconds": 1.2 * (4 << 26) / 2000e9},
+            {"impl": "pyfast topk_exact (triton)", "exact": True,
+             "seconds": 2.5 * (4 << 26) / 2000e9}]},
         "linear": {"rows": [{"M": 8192, "K": 1024, "N": 16384, "vs_gemm": 0.95,
                              "vs_separate": 1.05}]},
         "attention": {"rows": [{"S": 8192, "D": 128, "pyfast_TFLOPS": 470.0}]},
@@ -82,7 +86,7 @@ def test_targets_on_a_gpu_result():
     assert got["int4 (cpp) compress + decompress, of the copy roof"] is False     # 79% < 80%
     assert not any(k.startswith("e3m0") for k in got)  # no target set for the reference
     assert got["pyfast topk (cpp): threshold mode, reads of the input"] is True  # 1.2 reads
-    assert got["exact top-k in <= 2 reads (radix / AIR-style)"] is False
+    assert got["pyfast topk_exact (triton): exact, reads of the input"] is False  # 2.5 reads
     assert got["linear_act 8192x1024x16384 vs cuBLAS GEMM only"] is True
     assert got["linear_act 8192x1024x16384 vs GEMM + separate GELU"] is False
     assert got["block attention fwd S=8192 D=128"] is True

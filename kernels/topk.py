@@ -115,3 +115,77 @@ def topk_select(x: torch.Tensor, ef: torch.Tensor | None, t: float,
                             IN_BF16=x.dtype == torch.bfloat16, OUT=OUT_ID[x.dtype],
                             BLOCK=BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=False)
     return values, indices
+
+
+# -- exact top-k by magnitude in two reads of the input (radix select, as AIR top-k and
+# cub::DeviceTopK do it) ---------------------------------------------------------------------
+# |x| as fp32 bits is a key whose unsigned order is the magnitude's (NaN above inf, as
+# torch.topk). Pass 1 histograms each key's top bits; the host finds the bin holding the k-th
+# largest; pass 2 writes out the indices of every key above that bin and gathers the bin's own
+# candidates, from which torch picks the rest (a few thousand of 64M gradient-like values: 2048
+# bins are an eighth of an octave each). Positions come from atomics, so pass 2's order is the
+# hardware's; the result is sorted by index afterwards (k elements), ties at the k-th value
+# broken toward the lower index: the same set as the reference whatever the order.
+RADIX_SHIFT = 20             # 31-bit key >> 20: 11 bits, the exponent and 3 mantissa bits
+RADIX_BINS = 1 << (31 - RADIX_SHIFT)
+
+
+@triton.jit
+def _key(x_ptr, offs, mask):
+    v = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return v.to(tl.uint32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
+def _hist_kernel(x_ptr, hist_ptr, n, SHIFT: tl.constexpr, BINS: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    b = (_key(x_ptr, offs, mask) >> SHIFT).to(tl.int32)
+    h = tl.histogram(b, BINS, mask=mask)
+    tl.atomic_add(hist_ptr + tl.arange(0, BINS), h, sem="relaxed")
+
+
+@triton.jit
+def _split_kernel(x_ptr, n, bstar, above_ptr, cand_ptr, count_ptr, SHIFT: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    b = (_key(x_ptr, offs, mask) >> SHIFT).to(tl.int32)
+    hi = (mask & (b > bstar)).to(tl.int32)
+    eq = (mask & (b == bstar)).to(tl.int32)
+    base_hi = tl.atomic_add(count_ptr, tl.sum(hi, axis=0), sem="relaxed")
+    base_eq = tl.atomic_add(count_ptr + 1, tl.sum(eq, axis=0), sem="relaxed")
+    tl.store(above_ptr + base_hi + tl.cumsum(hi, axis=0) - hi, offs.to(tl.int32), mask=hi != 0)
+    tl.store(cand_ptr + base_eq + tl.cumsum(eq, axis=0) - eq, offs.to(tl.int32), mask=eq != 0)
+
+
+def topk_exact(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest |x| (values in x.dtype, int32 indices ascending); ties at the k-th
+    magnitude go to the lower index."""
+    x = x.reshape(-1).contiguous()
+    n = x.numel()
+    if k == 0 or n == 0:
+        return x.new_empty(0), torch.empty(0, dtype=torch.int32, device=x.device)
+    grid = triton.cdiv(n, BLOCK)
+    hist = torch.zeros(RADIX_BINS, dtype=torch.int32, device=x.device)
+    _hist_kernel[(grid,)](x, hist, n, SHIFT=RADIX_SHIFT, BINS=RADIX_BINS, BLOCK=BLOCK,
+                          num_warps=NUM_WARPS)
+    # from the top bin down: the first bin whose running count reaches k (one host read)
+    desc = torch.cumsum(hist.flip(0), 0)
+    j = int(torch.searchsorted(desc, torch.tensor([k], dtype=desc.dtype, device=x.device)))
+    bstar = RADIX_BINS - 1 - j
+    above = int(desc[j]) - int(hist[bstar])
+    n_cand = int(hist[bstar])
+    idx_above = torch.empty(max(above, 1), dtype=torch.int32, device=x.device)
+    cand = torch.empty(max(n_cand, 1), dtype=torch.int32, device=x.device)
+    counts = torch.zeros(2, dtype=torch.int32, device=x.device)
+    _split_kernel[(grid,)](x, n, bstar, idx_above, cand, counts, SHIFT=RADIX_SHIFT,
+                           BLOCK=BLOCK, num_warps=NUM_WARPS)
+    cand = cand[:n_cand].sort().values  # index order, so the stable sort below breaks ties low
+    mags = x[cand].float().abs()
+    order = torch.sort(mags, descending=True, stable=True).indices[:k - above]
+    idx = torch.cat([idx_above[:above], cand[order]]).sort().values
+    return x[idx], idx

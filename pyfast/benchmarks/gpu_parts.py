@@ -109,8 +109,8 @@ def _row(kind, backend, n, codes, scales, tc, td) -> dict:
 
 
 def topk(device, small: bool) -> dict:
-    """1% of n by magnitude: pyfast's selection (sampled threshold, counting passes, one select
-    pass) per backend, and torch.topk of |x| (exact; its version beside it: it regressed ~5x in
+    """1% of n by magnitude: pyfast's threshold selection (sampled threshold, counting passes,
+    one select pass) and its exact radix select (topk_exact) per backend, and torch.topk of |x| (exact; its version beside it: it regressed ~5x in
     torch 2.7-2.8 on large inputs, pytorch#164459). `reads`: the time over one read of the
     input at the measured copy roof's read rate (half its bytes a second)."""
     from pyfast.ops import topk as tk
@@ -122,6 +122,9 @@ def topk(device, small: bool) -> dict:
     for b in _backends(device):
         rows.append({"impl": f"pyfast topk ({b})", "exact": False,
                      "seconds": timed(lambda: tk.topk(x, 0.01, backend=b), device)})
+        if b != "cpp":  # the radix select: Triton, or the reference (no C++ kernel)
+            rows.append({"impl": f"pyfast topk_exact ({b})", "exact": True,
+                         "seconds": timed(lambda: tk.topk_exact(x, k, backend=b), device)})
     for r in rows:
         r["us"] = r["seconds"] * 1e6
         r["input_GBps"] = 4 * n / r["seconds"] / 1e9

@@ -9,11 +9,12 @@ csrc/topk.cpp (C++); `*_ref` here is the torch reference.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
 from pyfast.errors import NonFiniteGradient
-from pyfast.ops._backend import resolve
+from pyfast.ops._backend import BackendUnavailable, resolve
 
 # 16K sampled magnitudes: at R=0.01 the sample's k-th value lands the count within +-15% of k
 # on Gaussian and heavy-tailed gradients (tests/test_ops_topk.py), and torch.topk on 16K
@@ -142,6 +143,38 @@ def threshold(x: torch.Tensor, ratio: float, ef: torch.Tensor | None = None,
     t = float(torch.topk(r, k).values[-1])  # exact: count(|r| >= t) >= k, ties capped by hi
     counts = torch.stack([(r[a:b] >= t).sum() for a, b in bounds]).tolist()
     return t, counts, hi
+
+
+def topk_exact_ref(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest |x|: (values in x.dtype, int32 indices ascending), ties at the k-th
+    magnitude to the lower index (a stable sort), NaN above inf as in torch.topk."""
+    x = x.reshape(-1)
+    order = torch.sort(x.float().abs(), descending=True, stable=True).indices[:k]
+    idx = order.sort().values
+    return x[idx], idx.to(torch.int32)
+
+
+def topk_exact(x: torch.Tensor, k: int, backend: str | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exactly the k largest-magnitude entries of x (no error feedback): topk_exact_ref's
+    result. On CUDA the Triton radix select (kernels/topk.py: two reads of x, where topk's
+    threshold search takes a counting pass per refinement and a select pass); elsewhere the
+    reference, which is the CPU path (there is no C++ kernel: asking for cpp raises)."""
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"topk_exact takes float32, bfloat16 or float16 tensors, got {x.dtype}")
+    n = x.numel()
+    if not 0 <= k <= n:
+        raise ValueError(f"topk_exact: k must be in [0, {n}] for {n} elements, got {k}")
+    if n >= 2 ** 31:
+        raise ValueError(f"topk indices are int32: {n} elements is too many")
+    b = resolve(x.device, backend)
+    if b == "triton":
+        from pyfast.kernels import topk as tk
+        return tk.topk_exact(x, int(k))
+    if b == "cpp" and (backend or os.environ.get("PYFAST_BACKEND") or "auto") != "auto":
+        raise BackendUnavailable("backend 'cpp' was asked for but cannot run topk_exact: it "
+                                 "has a Triton kernel (CUDA) and the torch reference only")
+    return topk_exact_ref(x, k)
 
 
 def topk(x: torch.Tensor, ratio: float, ef: torch.Tensor | None = None,
