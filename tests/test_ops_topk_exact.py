@@ -24,7 +24,8 @@ def values(n, dtype, kind):
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("n, ratio", [(1, 1.0), (1023, 0.01), (2049, 0.3), (20_011, 0.01)])
+@pytest.mark.parametrize("n, ratio", [(1, 1.0), (1023, 0.01), (2049, 0.3), (20_011, 0.01),
+                                      (70_001, 0.01)])  # 70_001: 3 histogram programs
 @pytest.mark.parametrize("kind", ["gauss", "heavy", "ties"])
 def test_radix_select_matches_reference(n, ratio, dtype, kind):
     x = values(n, dtype, kind)
