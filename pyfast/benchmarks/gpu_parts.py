@@ -189,9 +189,11 @@ def overlap(device, small: bool) -> dict:
 
     from pyfast.comm.engine import NativeEngine
     with tempfile.NamedTemporaryFile() as f:
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=f"file://{f.name}", rank=0, world_size=1,
-                                device_id=device if device.type == "cuda" else None)
+        cuda = device.type == "cuda"
+        if cuda and device.index is None:  # NCCL binds to one indexed device
+            device = torch.device("cuda", torch.cuda.current_device())
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{f.name}",
+                                rank=0, world_size=1, device_id=device if cuda else None)
         try:
             eng = NativeEngine.private()
             dt = torch.bfloat16 if device.type == "cuda" else torch.float32
