@@ -105,10 +105,9 @@ def annotate(res: dict) -> None:
     sheet = res.get("datasheet_GBps")
     q = res["parts"].get("quantize", {})
     for r in q.get("rows", []):
-        for key in ("compress", "decompress", ""):
-            g = r[f"{key}_GBps" if key else "GBps"]
-            r[f"{key}_roof" if key else "roof"] = g / roof if roof else None
-            r[f"{key}_sheet" if key else "sheet"] = g / sheet if sheet else None
+        for key in ("compress_", "decompress_", ""):
+            r[f"{key}roof"] = r[f"{key}GBps"] / roof if roof else None
+            r[f"{key}sheet"] = r[f"{key}GBps"] / sheet if sheet else None
     t = res["parts"].get("topk", {})
     for r in t.get("rows", []):  # one read of the input at the roof's read rate (half its bytes)
         r["reads"] = r["seconds"] * roof * 1e9 / 2 / (4 * t["numel"]) if roof else None

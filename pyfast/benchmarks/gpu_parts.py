@@ -50,10 +50,10 @@ def timed(fn, device: torch.device, repeats: int = REPEATS, flush: bool = True) 
 
 
 def gradient(n: int, device) -> torch.Tensor:
-    """Gradient-like values (pyfast.benchmarks.compress.gradient's law), drawn on the device."""
-    g = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(n, generator=g, device=device)
-    return x * torch.exp(torch.randn(n, generator=g, device=device).clamp(-2, 2))
+    """pyfast bench compress's gradient-like values, flat, on the device (drawn on the CPU:
+    the same values on every device)."""
+    from .compress import gradient as drawn
+    return drawn(n).reshape(-1).to(device)
 
 
 def roof(device, small: bool) -> dict:
